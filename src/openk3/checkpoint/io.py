@@ -1,0 +1,242 @@
+"""Save and load Hugging Face-format model folders with the official tensor names.
+
+A folder holds ``config.json``, ``model-0000i-of-0000n.safetensors`` shards and
+``model.safetensors.index.json`` (``{"metadata": {"total_size": …}, "weight_map": {name: shard}}``); a single
+``model.safetensors`` without an index is read too. Names go through :mod:`openk3.checkpoint.names`.
+
+Saving writes into a temporary sibling folder and renames it into place, so an interrupted save never
+leaves a torn checkpoint. Loading is strict: it collects every missing key, unexpected key and shape
+mismatch and raises one :class:`CheckpointMismatchError` listing them all, before any weight is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from openk3.checkpoint.names import (
+    QUANTIZED_SUFFIXES,
+    SKIPPED_PREFIXES,
+    expert_name,
+    is_stacked,
+    to_module,
+)
+from openk3.config import AnyConfig, load_config, save_config
+from openk3.model.modeling import build_model, check_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not match the model; the message lists every problem."""
+
+
+def _module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict(keep_vars=True))
+
+
+def official_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Model tensors under their official names (stacked experts split per expert)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in _module_tensors(model).items():
+        t = t.detach()
+        if is_stacked(name):
+            for j in range(t.shape[0]):
+                out[expert_name(name, j)] = t[j]
+        else:
+            out[name] = t
+    return out
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = size.strip().upper()
+    for unit, mult in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+    """Write ``model`` (with its ``config``) as an HF folder at ``path``, atomically (replaces ``path``)."""
+    path = os.path.abspath(os.fspath(path))
+    limit = _parse_size(max_shard_size)
+    tensors = official_state(model)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name].contiguous().cpu()
+        size += nbytes
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    try:
+        save_config(model.config, tmp)
+        weight_map, total = {}, 0
+        n = len(shards)
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+            save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        if os.path.exists(path):
+            old = path + ".old-" + os.path.basename(tmp)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """Official tensor name → shard file path."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointMismatchError(f"{index} has no weight_map")
+        files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+        for fname in set(files.values()):
+            if not os.path.isfile(fname):
+                raise CheckpointMismatchError(f"shard {fname} named in {INDEX_FILE} is missing")
+        return files
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        with safe_open(single, "pt") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {path}")
+
+
+def _expected_shape(model: nn.Module, shape: list[int], slot, target: torch.Tensor):
+    """(shape the checkpoint tensor should have, shape it has), after layout adaptation."""
+    if slot.index is not None:
+        return list(target.shape[1:]), shape
+    if slot.name.endswith("self_attn.A_log"):  # [H], [1, 1, H, 1] or padded [max(H, 128)]
+        heads = model.get_submodule(slot.name.rsplit(".", 1)[0]).num_heads
+        numel = math.prod(shape)
+        ok = numel in (heads, target.numel()) and sum(s != 1 for s in shape) <= 1
+        return list(target.shape), (list(target.shape) if ok else shape)
+    return list(target.shape), shape
+
+
+def load_state(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy the checkpoint in folder ``path`` into ``model`` (strict; raises CheckpointMismatchError)."""
+    path = os.fspath(path)
+    files = _checkpoint_files(path)
+    targets = _module_tensors(model)
+    shapes: dict[str, list[int]] = {}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, fname in files.items():
+        by_file[fname].append(name)
+    for fname, names in by_file.items():
+        with safe_open(fname, "pt") as f:
+            for name in names:
+                shapes[name] = list(f.get_slice(name).get_shape())
+    quantized = sorted(n for n in shapes if n.endswith(QUANTIZED_SUFFIXES))
+    if quantized:
+        raise NotImplementedError(
+            f"{len(quantized)} quantized tensors (e.g. {quantized[0]}): MXFP4-packed experts are not supported "
+            "yet; dequantize to bf16 first")
+    skipped = [n for n in shapes if n.startswith(SKIPPED_PREFIXES)]
+    if skipped:
+        warnings.warn(f"skipping {len(skipped)} vision tensors (vision_tower/mm_projector are not built)",
+                      stacklevel=2)
+    unexpected, mismatched, plan = [], [], []
+    covered: dict[str, set[int] | bool] = {}
+    for name, shape in shapes.items():
+        if name.startswith(SKIPPED_PREFIXES):
+            continue
+        slot = to_module(name)
+        target = targets.get(slot.name)
+        if target is None or (slot.index is not None and slot.index >= target.shape[0]):
+            unexpected.append(name)
+            continue
+        want, have = _expected_shape(model, shape, slot, target)
+        if want != have:
+            mismatched.append(f"{name}: checkpoint {have}, model {want}")
+            continue
+        plan.append((name, slot))
+        if slot.index is None:
+            covered[slot.name] = True
+        else:
+            covered.setdefault(slot.name, set()).add(slot.index)
+    missing = []
+    for mname, t in targets.items():
+        got = covered.get(mname)
+        if got is True:
+            continue
+        if is_stacked(mname):
+            absent = sorted(set(range(t.shape[0])) - (got or set()))
+            missing += [expert_name(mname, j) for j in absent]
+        else:
+            missing.append(mname)
+    if missing or unexpected or mismatched:
+        lines = [f"checkpoint at {path} does not match the model:"]
+        for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                             ("shape mismatches", mismatched)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(sorted(items)[:20])
+                             + (" …" if len(items) > 20 else ""))
+        raise CheckpointMismatchError("\n".join(lines))
+    with torch.no_grad():
+        for fname, names in by_file.items():
+            wanted = {n for n in names}
+            with safe_open(fname, "pt") as f:
+                for name, slot in plan:
+                    if name not in wanted:
+                        continue
+                    src = f.get_tensor(name)
+                    dst = targets[slot.name]
+                    if slot.index is not None:
+                        dst[slot.index].copy_(src)
+                    elif name.endswith("self_attn.A_log"):
+                        flat = src.reshape(-1)
+                        dst.zero_()
+                        dst[: flat.numel()].copy_(flat)
+                    else:
+                        dst.copy_(src)
+
+
+def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """Load the model in HF folder ``path``: ``openk3.from_pretrained(path)(input_ids).logits`` is ``[B, T, V]``.
+
+    Args:
+        path: folder with ``config.json`` and safetensors weights.
+        device: where the weights go (``"meta"`` reads only the config).
+        dtype: model dtype; default fp32 (fp32, bf16, fp16 and fp64 are supported; others raise ValueError).
+    Raises:
+        FileNotFoundError: no config or weights. ValueError: invalid config or dtype.
+        CheckpointMismatchError: missing/unexpected keys or shape mismatches (all listed).
+    """
+    config: AnyConfig = load_config(path)
+    dtype = check_dtype(dtype or torch.float32)
+    model = build_model(config, device=device, dtype=dtype, init=False)
+    if str(device) != "meta":
+        load_state(model, path)
+    model.eval()
+    return model

@@ -1,0 +1,103 @@
+"""Kimi Delta Attention layer (``self_attn`` of a KDA layer), as in Kimi-Linear and K3.
+
+reference/architecture.md §1.3–1.4 (official names and shapes)::
+
+    q, k, v = SiLU(ShortConv(W_{q,k,v} x))                  # [B, T, H, K]
+    g_raw   = f_b_proj(f_a_proj(x))                          # low-rank decay input, rank K
+    g       = lb·σ(e^{A_log_h}·(g_raw + dt_bias))            # K3, lb = gate_lower_bound = −5
+            | −e^{A_log_h}·softplus(g_raw + dt_bias)         # Kimi-Linear
+    β       = σ(b_proj x)                                    # [B, T, H]
+    o       = KDA(l2norm(q), l2norm(k), v, g, β)             # openk3.ops.kda, scale K^-½
+    y       = o_proj(RMSNorm_head(o) ⊙ σ(G))                 # G = g_proj x (K3) | g_b_proj(g_a_proj x)
+
+``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
+The chunked op runs for training and prefill; with a cache and few new tokens outside training the
+recurrent decode op runs instead.
+
+Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.model.cache import KDACache
+from openk3.model.norm import GatedRMSNorm
+from openk3.model.short_conv import ShortConvolution
+from openk3.ops.kda import chunk_kda, fused_recurrent_kda
+
+A_LOG_STORED = 128
+"""Length of the stored ``A_log`` (official K3 layout); the layer uses the first H entries."""
+DECODE_MAX_TOKENS = 16
+"""With a cache and at most this many new tokens (and no grad), the recurrent op is used."""
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        la = config.linear_attn_config
+        D, H, K = config.hidden_size, la.num_heads, la.head_dim
+        P = H * K
+        self.num_heads, self.head_dim = H, K
+        self.lower_bound = la.gate_lower_bound
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = ShortConvolution(P, la.short_conv_kernel_size)
+        self.k_conv1d = ShortConvolution(P, la.short_conv_kernel_size)
+        self.v_conv1d = ShortConvolution(P, la.short_conv_kernel_size)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.A_log = nn.Parameter(torch.empty(max(H, A_LOG_STORED), dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if la.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, P, bias=False)
+        self.o_norm = GatedRMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False)
+        self.full_rank_gate = la.use_full_rank_gate
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cache: KDACache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Args: ``x_BTD`` normed input; ``cache`` updated in place; ``cu_seqlens`` int64 ``[N+1]`` (B = 1).
+
+        Returns ``[B, T, D]``. With ``cu_seqlens`` and a cache, the cache receives one state per document.
+        """
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        keep = cache is not None
+        convs = cache.conv_states if keep and cache.conv_states is not None else (None, None, None)
+        q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
+        k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
+        v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
+        g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
+        kda = fused_recurrent_kda if use_decode else chunk_kda
+        o_BTHK, state = kda(
+            q_BTP.view(B, T, H, K),
+            k_BTP.view(B, T, H, K),
+            v_BTP.view(B, T, H, K),
+            g_raw_BTHK,
+            beta_BTH,
+            initial_state=cache.recurrent_state if keep else None,
+            output_final_state=keep,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=True,
+            A_log=self.A_log[:H],
+            dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound,
+        )
+        if keep:
+            cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
+        gate_BTP = self.g_proj(x_BTD) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
+        o_BTHK = self.o_norm(o_BTHK.to(x_BTD.dtype), gate_BTP.view(B, T, H, K))
+        return self.o_proj(o_BTHK.reshape(B, T, H * K))

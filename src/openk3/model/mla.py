@@ -1,0 +1,125 @@
+"""Gated NoPE Multi-head Latent Attention (``self_attn`` of an MLA layer), naive and absorbed paths.
+
+reference/architecture.md §1.5, §2 (DeepSeek-V3 ``naive``/``absorb``)::
+
+    q            = q_b_proj(q_a_layernorm(q_a_proj x))  | q_proj x      # [B, T, H, n + r]
+    [c | k_pe]   = kv_a_proj_with_mqa x                                 # c: kv_lora_rank, k_pe: r (shared, never rotated)
+    c            = kv_a_layernorm(c)                                    # the cached latent (eps 1e-6)
+    [k_nope | v] = kv_b_proj c                                          # [B, S, H, n + v]
+    o            = softmax((q_nope·k_nope + q_pe·k_pe) · (n + r)^-½) v  # causal
+    y            = o_proj(o ⊙ σ(g_proj x))                              # gate only when mla_use_output_gate
+
+The cache keeps ``c`` and ``k_pe`` (kv_lora_rank + r = 576 numbers per token in K3). The *naive* path
+expands them into per-head keys and values; the *absorbed* path folds ``W_UK`` into the query and
+``W_UV`` into the output and attends over the latent directly (what decode uses).
+
+Legend: ``B`` batch, ``T`` new tokens, ``S`` cached + new tokens, ``H`` heads, ``n`` qk_nope,
+``r`` qk_rope, ``v`` v_head_dim, ``C`` kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk3.model.cache import MLACache
+from openk3.model.norm import RMSNorm
+from openk3.model.varlen import document_ids
+
+MLA_LORA_NORM_EPS = 1e-6
+"""``q_a_layernorm``/``kv_a_layernorm`` use the RMSNorm default eps, not ``rms_norm_eps`` (official code)."""
+
+
+def attention_mask(T: int, S: int, device, cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean ``[T, S]`` mask (True = attend) for new tokens at positions ``S−T..S−1``; None = plain causal."""
+    if cu_seqlens is None and T == S:
+        return None
+    q_pos = torch.arange(S - T, S, device=device)
+    mask = q_pos[:, None] >= torch.arange(S, device=device)[None, :]
+    if cu_seqlens is not None:
+        doc = document_ids(cu_seqlens, S)
+        mask = mask & (doc[S - T:, None] == doc[None, :])
+    return mask
+
+
+class MultiheadLatentAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads = H
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        qk = self.nope + self.rope
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, MLA_LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, MLA_LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(D, H * self.v_dim, bias=False) if config.mla_use_output_gate else None
+        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        self.q_lora = config.q_lora_rank is not None
+        self.attn_impl = "auto"
+        """``"naive"``, ``"absorb"`` or ``"auto"`` (absorbed when decoding a few tokens over a cache)."""
+
+    def _query(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x_BTD.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
+        q_BTHd = q.view(B, T, self.num_heads, self.nope + self.rope)
+        return q_BTHd[..., : self.nope], q_BTHd[..., self.nope :]
+
+    def forward(
+        self, x_BTD: torch.Tensor, cache: MLACache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Args: ``x_BTD`` normed input; ``cache`` (appended in place); ``cu_seqlens`` int64 ``[N+1]`` (B = 1,
+        no cache). Returns ``[B, T, D]``."""
+        B, T, _ = x_BTD.shape
+        q_nope, q_pe = self._query(x_BTD)
+        ckv_BTd = self.kv_a_proj_with_mqa(x_BTD)
+        c_BTC = self.kv_a_layernorm(ckv_BTd[..., : self.kv_lora_rank])
+        k_pe_BTr = ckv_BTd[..., self.kv_lora_rank :]
+        if cache is not None:
+            c_BTC, k_pe_BTr = cache.append(c_BTC, k_pe_BTr)
+        mask_TS = attention_mask(T, c_BTC.shape[1], x_BTD.device, cu_seqlens)
+        absorb = self.attn_impl == "absorb" or (
+            self.attn_impl == "auto" and cache is not None and T <= 16 and not torch.is_grad_enabled()
+        )
+        attend = self._absorbed if absorb else self._naive
+        o_BTHv = attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS)
+        o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
+        if self.g_proj is not None:
+            o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o_BTP)
+
+    def _naive(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
+        """Expand the latent into per-head K/V, then scaled-dot-product attention. Returns ``[B, T, H, v]``."""
+        B, S, _ = c_BSC.shape
+        H = self.num_heads
+        kv_BSHd = self.kv_b_proj(c_BSC).view(B, S, H, self.nope + self.v_dim)
+        k_nope, v_BSHv = kv_BSHd[..., : self.nope], kv_BSHd[..., self.nope :]
+        k_BSHd = torch.cat([k_nope, k_pe_BSr[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
+        q_BTHd = torch.cat([q_nope, q_pe], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q_BTHd.transpose(1, 2), k_BSHd.transpose(1, 2), v_BSHv.transpose(1, 2),
+            attn_mask=mask_TS, is_causal=mask_TS is None, scale=self.scale,
+        )
+        return o.transpose(1, 2)
+
+    def _absorbed(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
+        """Attend over the latent: ``q̃ = q_nope W_UK``, ``o = (P c) W_UVᵀ``. Returns ``[B, T, H, v]``."""
+        w_HdC = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk_HnC, w_uv_HvC = w_HdC[:, : self.nope], w_HdC[:, self.nope :]
+        q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HnC)
+        scores_BHTS = torch.einsum("bthc,bsc->bhts", q_lat_BTHC, c_BSC)
+        scores_BHTS = scores_BHTS + torch.einsum("bthr,bsr->bhts", q_pe, k_pe_BSr)
+        scores_BHTS = scores_BHTS.float() * self.scale if scores_BHTS.dtype != torch.float64 else scores_BHTS * self.scale
+        if mask_TS is not None:
+            scores_BHTS = scores_BHTS.masked_fill(~mask_TS, float("-inf"))
+        p_BHTS = torch.softmax(scores_BHTS, dim=-1).to(c_BSC.dtype)
+        o_lat_BTHC = torch.einsum("bhts,bsc->bthc", p_BHTS, c_BSC)
+        return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_uv_HvC)

@@ -1,0 +1,162 @@
+"""The whole model: ``KimiLinearModel`` (embedding → decoder layers → norm), the causal-LM head, and the K3
+wrapper whose attribute names give the official ``language_model.`` prefix.
+
+Forward contract: ``model(input_ids)`` returns :class:`CausalLMOutput` whose ``.logits`` is ``[B, T, V]``.
+Optional ``cache`` (:class:`~openk3.model.cache.KimiCache`, updated in place) for incremental decoding and
+``cu_seqlens`` (int64 ``[N+1]``, ``B = 1``) for packed documents.
+
+Raises ``ValueError`` for non-integer ids, ids outside ``[0, vocab_size)``, or a total length beyond
+``max_position_embeddings``; ``NotImplementedError`` for a cache together with ``cu_seqlens`` on MLA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.config import AnyConfig, KimiK3Config, KimiLinearConfig, text_config_of
+from openk3.model.attn_res import attn_res_mix, make_res_pair
+from openk3.model.cache import KimiCache
+from openk3.model.decoder import KimiDecoderLayer
+from openk3.model.init import init_weights
+from openk3.model.norm import RMSNorm
+from openk3.model.varlen import check_cu_seqlens
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias")
+"""Tensors that stay fp32 in a low-precision model (as in the official checkpoint)."""
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    """``[B, T, vocab_size]`` in the model dtype."""
+    cache: KimiCache | None = None
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: KimiLinearConfig) -> None:
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        if config.uses_attn_res:
+            self.output_attn_res_norm, self.output_attn_res_proj = make_res_pair(D, config.rms_norm_eps)
+
+    def check_inputs(self, input_ids: torch.Tensor, cache: KimiCache | None, cu_seqlens) -> None:
+        cfg = self.config
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = hi if hi >= cfg.vocab_size else lo
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        past = cache.seq_len if cache is not None else 0
+        T = input_ids.shape[1]
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, input_ids.shape[0], T)
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1])
+            longest = int(lengths.max()) if lengths.numel() else 0
+            if cache is not None and past:
+                raise NotImplementedError("cu_seqlens with a non-empty cache is not supported")
+        else:
+            longest = past + T
+        if longest > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {longest} exceeds max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+
+    def forward(self, input_ids: torch.Tensor, cache: KimiCache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[B, T, D]`` (after the output AttnRes mix and the final norm)."""
+        self.check_inputs(input_ids, cache, cu_seqlens)
+        h_BTD = self.embed_tokens(input_ids)
+        layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
+        if self.config.uses_attn_res:
+            blocks: list[torch.Tensor] = []
+            partial = h_BTD
+            for layer, c in zip(self.layers, layer_caches):
+                partial = layer.forward_attn_res(blocks, partial, c, cu_seqlens)
+            h_BTD = attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
+        else:
+            for layer, c in zip(self.layers, layer_caches):
+                h_BTD = layer.forward_residual(h_BTD, c, cu_seqlens)
+        if cache is not None:
+            cache.seq_len += input_ids.shape[1]
+        return self.norm(h_BTD)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """Backbone + untied ``lm_head`` (names ``model.*``, ``lm_head.weight``)."""
+
+    def __init__(self, config: KimiLinearConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = KimiLinearModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, cache: KimiCache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> CausalLMOutput:
+        h_BTD = self.model(input_ids, cache, cu_seqlens)
+        return CausalLMOutput(self.lm_head(h_BTD), cache)
+
+    def new_cache(self) -> KimiCache:
+        return KimiCache.for_config(self.config)
+
+
+class KimiK3ForConditionalGeneration(nn.Module):
+    """K3 top level: ``language_model`` (a :class:`KimiLinearForCausalLM`). The vision tower is not built yet."""
+
+    def __init__(self, config: KimiK3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.language_model = KimiLinearForCausalLM(config.text_config)
+
+    def forward(self, input_ids: torch.Tensor, cache: KimiCache | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> CausalLMOutput:
+        return self.language_model(input_ids, cache, cu_seqlens)
+
+    def new_cache(self) -> KimiCache:
+        return self.language_model.new_cache()
+
+
+def check_dtype(dtype) -> torch.dtype:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use one of {[str(d) for d in SUPPORTED_DTYPES]}")
+    return dtype
+
+
+def build_model(config: AnyConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = None, init: bool = True) -> nn.Module:
+    """Build the model for ``config`` (K3 wrapper for a ``kimi_k3`` config, else the causal LM).
+
+    ``device="meta"`` builds shapes only (no memory; ``kimi-k3`` builds in seconds). Otherwise weights are
+    initialised (:func:`~openk3.model.init.init_weights`, deterministic for a given ``seed``) unless
+    ``init=False`` (e.g. before loading a checkpoint). Raises ``ValueError`` for an unsupported dtype.
+    """
+    check_dtype(dtype)
+    with torch.device("meta"):
+        model = (KimiK3ForConditionalGeneration(config) if isinstance(config, KimiK3Config)
+                 else KimiLinearForCausalLM(config))
+    if str(device) != "meta":
+        model = model.to_empty(device=device)
+        if init:
+            init_weights(model, text_config_of(config), seed)
+    return cast_model(model, dtype)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters and buffers to ``dtype`` in place, keeping :data:`KEEP_FP32` in fp32 or wider."""
+    check_dtype(dtype)
+    keep = torch.promote_types(dtype, torch.float32)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(keep if name.rsplit(".", 1)[-1] in KEEP_FP32 else dtype)
+    return model

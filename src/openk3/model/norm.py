@@ -1,0 +1,49 @@
+"""RMSNorm and the sigmoid-gated per-head RMSNorm of the KDA output.
+
+Legend: ``*`` any leading dims, ``D`` normalised width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x · rsqrt(mean(x², -1) + eps)`` computed in float32 (float64 stays float64); no gain, no cast."""
+    x = x.float() if x.dtype != torch.float64 else x
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """``weight ⊙ x / sqrt(mean(x²) + eps)`` over the last dim, computed in fp32, returned in ``x.dtype``.
+
+    Args:
+        dim: normalised width D.
+        eps: added to the mean square (the configs use ``rms_norm_eps`` = 1e-5).
+    Shapes: ``x_*D -> y_*D``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x_D: torch.Tensor) -> torch.Tensor:
+        return (self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+                * rms_normalize(x_D, self.eps)).to(x_D.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GatedRMSNorm(RMSNorm):
+    """Per-head output norm of KDA: ``RMSNorm(o) ⊙ σ(gate)`` (fla ``FusedRMSNormGated``, activation sigmoid).
+
+    Shapes: ``o_*K``, ``gate_*K -> y_*K`` (``K`` = head size; the weight is shared by all heads).
+    """
+
+    def forward(self, o_K: torch.Tensor, gate_K: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        y = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32)) * rms_normalize(o_K, self.eps)
+        gate = gate_K.float() if gate_K.dtype != torch.float64 else gate_K
+        return (y * torch.sigmoid(gate)).to(o_K.dtype)

@@ -1,0 +1,69 @@
+"""ShortConvolution: the causal depthwise convolution (kernel W = 4) + SiLU on KDA's q, k and v.
+
+Legend: ``B`` batch, ``T`` new tokens, ``C`` channels (H·K), ``W`` kernel size, ``N`` packed documents.
+The conv cache holds the last ``W − 1`` *inputs* per channel, ``[B, C, W−1]`` (the layout vLLM and fla use).
+Weight ``[C, 1, W]`` as ``nn.Conv1d(groups=C)``; official checkpoints store it in fp32 without bias.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk3.model.varlen import document_starts
+
+
+class ShortConvolution(nn.Module):
+    def __init__(self, channels: int, kernel_size: int = 4) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    def forward(
+        self,
+        x_BTC: torch.Tensor,
+        conv_state_BCW: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        output_final_state: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Causal depthwise conv then SiLU.
+
+        Args:
+            x_BTC: input ``[B, T, C]``.
+            conv_state_BCW: previous ``W − 1`` inputs ``[B, C, W−1]`` (zeros if ``None``); not with cu_seqlens.
+            cu_seqlens: int64 ``[N+1]`` packed documents (``B = 1``); the window never crosses a boundary.
+            output_final_state: also return the new cache, ``[B, C, W−1]`` (``[N, C, W−1]`` when packed).
+        Returns:
+            ``(y_BTC, state or None)``.
+        """
+        B, T, C = x_BTC.shape
+        W = self.kernel_size
+        if conv_state_BCW is None:
+            past_BWC = x_BTC.new_zeros(B, W - 1, C)
+        else:
+            past_BWC = conv_state_BCW.transpose(1, 2).to(x_BTC.dtype)
+        xp_BSC = torch.cat([past_BWC, x_BTC], dim=1)  # S = T + W - 1
+        weight_CW = self.weight[:, 0, :].to(x_BTC.dtype)
+        if cu_seqlens is None:
+            y_BTC = F.conv1d(xp_BSC.transpose(1, 2), weight_CW[:, None, :], groups=C).transpose(1, 2)
+        else:
+            # window w of token t reads position t - (W-1) + w; zero it before the document start
+            win_BTCW = xp_BSC.unfold(1, W, 1)
+            pos_TW = torch.arange(T, device=x_BTC.device)[:, None] - (W - 1) + torch.arange(W, device=x_BTC.device)
+            keep_TW = pos_TW >= document_starts(cu_seqlens, T)[:, None]
+            y_BTC = (win_BTCW * keep_TW[None, :, None, :].to(x_BTC.dtype) * weight_CW).sum(-1)
+        y_BTC = F.silu(y_BTC)
+        if not output_final_state:
+            return y_BTC, None
+        if cu_seqlens is None:
+            return y_BTC, xp_BSC[:, T:, :].transpose(1, 2).contiguous()
+        return y_BTC, self._packed_final_state(xp_BSC[0], cu_seqlens)
+
+    def _packed_final_state(self, xp_SC: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        W = self.kernel_size
+        starts_N, ends_N = cu_seqlens[:-1].to(torch.int64), cu_seqlens[1:].to(torch.int64)
+        pos_NW = ends_N[:, None] - (W - 1) + torch.arange(W - 1, device=xp_SC.device)  # token positions
+        state_NWC = xp_SC[pos_NW + (W - 1)]  # xp is shifted by W - 1 zeros
+        state_NWC = state_NWC * (pos_NW >= starts_N[:, None])[..., None].to(xp_SC.dtype)
+        return state_NWC.transpose(1, 2).contiguous()
