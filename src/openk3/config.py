@@ -330,6 +330,9 @@ class KimiLinearConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KimiLinearConfig:
         known, extra = _split_known(cls, data)
+        if "max_position_embeddings" not in known and "model_max_length" in extra:
+            # transformers' KimiLinearConfig writes the limit under this name (kept in extra as written)
+            known["max_position_embeddings"] = extra["model_max_length"]
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:

@@ -178,9 +178,9 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
         want, have = _expected_shape(model, shape, slot, target)
         if want != have:
             mismatched.append(f"{name}: checkpoint {have}, model {want}")
-            continue
-        plan.append((name, slot))
-        if slot.index is None:
+        else:
+            plan.append((name, slot))
+        if slot.index is None:  # present (even if mis-shaped): not reported again as missing
             covered[slot.name] = True
         else:
             covered.setdefault(slot.name, set()).add(slot.index)

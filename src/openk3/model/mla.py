@@ -31,9 +31,14 @@ MLA_LORA_NORM_EPS = 1e-6
 """``q_a_layernorm``/``kv_a_layernorm`` use the RMSNorm default eps, not ``rms_norm_eps`` (official code)."""
 
 
-def attention_mask(T: int, S: int, device, cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean ``[T, S]`` mask (True = attend) for new tokens at positions ``S−T..S−1``; None = plain causal."""
-    if cu_seqlens is None and T == S:
+def attention_mask(
+    T: int, S: int, device, cu_seqlens: torch.Tensor | None, force: bool = False
+) -> torch.Tensor | None:
+    """Boolean ``[T, S]`` mask (True = attend) for new tokens at positions ``S−T..S−1``.
+
+    Returns ``None`` for plain causal attention without a past (SDPA's ``is_causal``) unless ``force``.
+    """
+    if cu_seqlens is None and T == S and not force:
         return None
     q_pos = torch.arange(S - T, S, device=device)
     mask = q_pos[:, None] >= torch.arange(S, device=device)[None, :]
@@ -118,8 +123,9 @@ class MultiheadLatentAttention(nn.Module):
         scores_BHTS = torch.einsum("bthc,bsc->bhts", q_lat_BTHC, c_BSC)
         scores_BHTS = scores_BHTS + torch.einsum("bthr,bsr->bhts", q_pe, k_pe_BSr)
         scores_BHTS = scores_BHTS.float() * self.scale if scores_BHTS.dtype != torch.float64 else scores_BHTS * self.scale
-        if mask_TS is not None:
-            scores_BHTS = scores_BHTS.masked_fill(~mask_TS, float("-inf"))
+        if mask_TS is None:  # plain causal over a sequence with no past
+            mask_TS = attention_mask(q_nope.shape[1], c_BSC.shape[1], c_BSC.device, None, force=True)
+        scores_BHTS = scores_BHTS.masked_fill(~mask_TS, float("-inf"))
         p_BHTS = torch.softmax(scores_BHTS, dim=-1).to(c_BSC.dtype)
         o_lat_BTHC = torch.einsum("bhts,bsc->bthc", p_BHTS, c_BSC)
         return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_uv_HvC)

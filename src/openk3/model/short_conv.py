@@ -45,14 +45,15 @@ class ShortConvolution(nn.Module):
             past_BWC = conv_state_BCW.transpose(1, 2).to(x_BTC.dtype)
         xp_BSC = torch.cat([past_BWC, x_BTC], dim=1)  # S = T + W - 1
         weight_CW = self.weight[:, 0, :].to(x_BTC.dtype)
-        if cu_seqlens is None:
-            y_BTC = F.conv1d(xp_BSC.transpose(1, 2), weight_CW[:, None, :], groups=C).transpose(1, 2)
-        else:
-            # window w of token t reads position t - (W-1) + w; zero it before the document start
-            win_BTCW = xp_BSC.unfold(1, W, 1)
+        keep_TW = None
+        if cu_seqlens is not None:
+            # tap w of token t reads position t - (W-1) + w; drop taps before the document start
             pos_TW = torch.arange(T, device=x_BTC.device)[:, None] - (W - 1) + torch.arange(W, device=x_BTC.device)
-            keep_TW = pos_TW >= document_starts(cu_seqlens, T)[:, None]
-            y_BTC = (win_BTCW * keep_TW[None, :, None, :].to(x_BTC.dtype) * weight_CW).sum(-1)
+            keep_TW = (pos_TW >= document_starts(cu_seqlens, T)[:, None]).to(x_BTC.dtype)
+        y_BTC = torch.zeros_like(x_BTC)
+        for w in range(W):  # W shifted multiply-adds (depthwise conv1d is slow on CPU, esp. in fp64)
+            tap_BTC = xp_BSC[:, w : w + T] * weight_CW[:, w]
+            y_BTC = y_BTC + (tap_BTC if keep_TW is None else tap_BTC * keep_TW[None, :, w, None])
         y_BTC = F.silu(y_BTC)
         if not output_final_state:
             return y_BTC, None

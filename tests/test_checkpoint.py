@@ -1,0 +1,185 @@
+"""HF-format checkpoints: official names, sharding, strict loading, atomic saves, meta builds."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import openk3
+from openk3.checkpoint.io import official_state
+from openk3.checkpoint.names import to_module
+from openk3.presets import get_preset
+
+
+def _tiny():
+    return openk3.build_model(get_preset("k3-tiny"), seed=0)
+
+
+def _names(path):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return index
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "k3-tiny"
+    model = _tiny()
+    openk3.save_pretrained(model, path, max_shard_size="20MB")
+    return model, path
+
+
+def test_official_names_and_shards(saved):
+    model, path = saved
+    index = _names(path)
+    names = set(index["weight_map"])
+    shards = set(index["weight_map"].values())
+    assert len(shards) >= 3  # ~84 MB in fp32 with a 20 MB limit
+    for s in shards:
+        assert (path / s).is_file()
+    t = model.config.text_config
+    assert "language_model.model.embed_tokens.weight" in names
+    assert "language_model.lm_head.weight" in names
+    assert "language_model.model.output_attn_res_proj.weight" in names
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in names
+    assert "language_model.model.layers.0.self_attention_res_proj.weight" in names  # unused but present
+    assert "language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias" in names
+    for j in (0, t.num_experts - 1):
+        for w in ("w1", "w2", "w3"):
+            assert f"language_model.model.layers.1.block_sparse_moe.experts.{j}.{w}.weight" in names
+    assert "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight" in names
+    assert "language_model.model.layers.0.self_attn.g_proj.weight" in names  # full-rank KDA gate
+    assert "language_model.model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in names
+    assert not any(".experts.w1" in n for n in names)
+    with safe_open(path / index["weight_map"]["language_model.model.layers.0.self_attn.A_log"], "pt") as f:
+        assert list(f.get_slice("language_model.model.layers.0.self_attn.A_log").get_shape()) == [128]
+    with safe_open(path / index["weight_map"]["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"], "pt") as f:
+        shape = f.get_slice("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight").get_shape()
+        assert list(shape) == [t.moe_intermediate_size, t.routed_expert_hidden_size]
+    total = sum(v.numel() * v.element_size() for v in official_state(model).values())
+    assert index["metadata"]["total_size"] == total
+
+
+def test_round_trip_logits(saved):
+    model, path = saved
+    loaded = openk3.from_pretrained(path)
+    ids = torch.randint(0, 8192, (2, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    for (n1, t1), (n2, t2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(t1, t2), n1
+
+
+def test_save_replaces_atomically(saved, tmp_path, monkeypatch):
+    model, _ = saved
+    path = tmp_path / "ckpt"
+    openk3.save_pretrained(model, path)
+    before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    calls = {"n": 0}
+    real = save_file
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("openk3.checkpoint.io.save_file", failing)
+    time.sleep(0.01)
+    with pytest.raises(OSError, match="disk full"):
+        openk3.save_pretrained(model, path, max_shard_size="20MB")
+    after = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    assert after == before  # the old checkpoint is untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temp folder left behind
+    assert openk3.from_pretrained(path) is not None
+
+
+def _copy_with(src, dst, edit):
+    """Copy a checkpoint folder, merging shards into one edited model.safetensors."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+
+
+def test_strict_loading_lists_every_problem(saved, tmp_path):
+    _, path = saved
+    p = "language_model.model.layers."
+
+    def edit(t):
+        del t[p + "2.input_layernorm.weight"]
+        del t[p + "1.block_sparse_moe.experts.3.w2.weight"]
+        t[p + "2.self_attn.not_a_tensor"] = torch.zeros(3)
+        t[p + "5.self_attn.q_proj.weight"] = torch.zeros(7, 7)
+
+    _copy_with(path, tmp_path / "bad", edit)
+    with pytest.raises(openk3.CheckpointMismatchError) as err:
+        openk3.from_pretrained(tmp_path / "bad")
+    msg = str(err.value)
+    assert "missing keys (2)" in msg and p + "2.input_layernorm.weight" in msg
+    assert p + "1.block_sparse_moe.experts.3.w2.weight" in msg
+    assert "unexpected keys (1)" in msg and "not_a_tensor" in msg
+    assert "shape mismatches (1)" in msg and "[7, 7]" in msg
+
+
+@pytest.mark.parametrize("layout", ["heads", "hf"])
+def test_a_log_layouts(saved, tmp_path, layout):
+    model, path = saved
+    key = "language_model.model.layers.0.self_attn.A_log"
+    H = model.config.text_config.linear_attn_config.num_heads
+
+    def edit(t):
+        values = torch.arange(1.0, H + 1)
+        t[key] = values if layout == "heads" else values.view(1, 1, H, 1)
+
+    _copy_with(path, tmp_path / layout, edit)
+    loaded = openk3.from_pretrained(tmp_path / layout)
+    a_log = loaded.language_model.model.layers[0].self_attn.A_log
+    assert a_log.shape == (128,)
+    assert torch.equal(a_log[:H], torch.arange(1.0, H + 1)) and not a_log[H:].any()
+
+
+def test_vision_skipped_and_quantized_rejected(saved, tmp_path):
+    _, path = saved
+    _copy_with(path, tmp_path / "vis", lambda t: t.update({"vision_tower.patch_embed.proj.weight": torch.zeros(2)}))
+    with pytest.warns(UserWarning, match="vision"):
+        openk3.from_pretrained(tmp_path / "vis")
+    key = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
+    _copy_with(path, tmp_path / "q", lambda t: t.update({key: torch.zeros(2, dtype=torch.uint8)}))
+    with pytest.raises(NotImplementedError, match="MXFP4"):
+        openk3.from_pretrained(tmp_path / "q")
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        openk3.from_pretrained(tmp_path)
+
+
+def test_name_table():
+    slot = to_module("language_model.model.layers.7.block_sparse_moe.experts.12.w2.weight")
+    assert (slot.name, slot.index, slot.shard_dim) == ("language_model.model.layers.7.block_sparse_moe.experts.w2", 12, 0)
+    assert to_module("model.norm.weight").name == "model.norm.weight"
+
+
+def test_kimi_k3_builds_on_meta_without_memory():
+    start = time.perf_counter()
+    model = openk3.build_model(get_preset("kimi-k3"), device="meta")
+    assert time.perf_counter() - start < 60
+    params = list(model.parameters())
+    assert all(p.is_meta for p in params)
+    assert sum(p.numel() for p in params) + 92 * 896 == 2_779_484_478_208
+
+
+def test_unsupported_dtype(saved):
+    _, path = saved
+    with pytest.raises(ValueError, match="dtype"):
+        openk3.from_pretrained(path, dtype=torch.int8)
+    with pytest.raises(ValueError, match="dtype"):
+        openk3.build_model(get_preset("k3-tiny"), dtype=torch.complex64)
