@@ -57,7 +57,9 @@ def test_official_names_and_shards(saved):
     assert not any(".experts.w1" in n for n in names)
     with safe_open(path / index["weight_map"]["language_model.model.layers.0.self_attn.A_log"], "pt") as f:
         assert list(f.get_slice("language_model.model.layers.0.self_attn.A_log").get_shape()) == [128]
-    with safe_open(path / index["weight_map"]["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"], "pt") as f:
+    with safe_open(
+        path / index["weight_map"]["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"], "pt"
+    ) as f:
         shape = f.get_slice("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight").get_shape()
         assert list(shape) == [t.moe_intermediate_size, t.routed_expert_hidden_size]
     total = sum(v.numel() * v.element_size() for v in official_state(model).values())
@@ -148,7 +150,9 @@ def test_a_log_layouts(saved, tmp_path, layout):
 
 def test_vision_skipped_and_quantized_rejected(saved, tmp_path):
     _, path = saved
-    _copy_with(path, tmp_path / "vis", lambda t: t.update({"vision_tower.patch_embed.proj.weight": torch.zeros(2)}))
+    _copy_with(
+        path, tmp_path / "vis", lambda t: t.update({"vision_tower.patch_embed.proj.weight": torch.zeros(2)})
+    )
     with pytest.warns(UserWarning, match="vision"):
         openk3.from_pretrained(tmp_path / "vis")
     key = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
@@ -164,7 +168,11 @@ def test_missing_files(tmp_path):
 
 def test_name_table():
     slot = to_module("language_model.model.layers.7.block_sparse_moe.experts.12.w2.weight")
-    assert (slot.name, slot.index, slot.shard_dim) == ("language_model.model.layers.7.block_sparse_moe.experts.w2", 12, 0)
+    assert (slot.name, slot.index, slot.shard_dim) == (
+        "language_model.model.layers.7.block_sparse_moe.experts.w2",
+        12,
+        0,
+    )
     assert to_module("model.norm.weight").name == "model.norm.weight"
 
 

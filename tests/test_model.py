@@ -15,12 +15,30 @@ from openk3.presets import get_preset, k3_shaped
 def kimi_linear_tiny() -> KimiLinearConfig:
     """A Kimi-Linear-shaped tiny config: softplus gate, low-rank output gate, plain residuals, SwiGLU."""
     data = get_preset("kimi-linear-48b").to_dict()
-    data.update(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
-                num_key_value_heads=2, intermediate_size=96, kv_lora_rank=32, qk_nope_head_dim=16,
-                qk_rope_head_dim=8, v_head_dim=16, num_experts=8, num_experts_per_token=2,
-                moe_intermediate_size=32, bos_token_id=None, eos_token_id=None)
-    data["linear_attn_config"] = {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2,
-                                  "head_dim": 32, "short_conv_kernel_size": 4}
+    data.update(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    data["linear_attn_config"] = {
+        "kda_layers": [1, 2, 3],
+        "full_attn_layers": [4],
+        "num_heads": 2,
+        "head_dim": 32,
+        "short_conv_kernel_size": 4,
+    }
     return KimiLinearConfig.from_dict(data)
 
 

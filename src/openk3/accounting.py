@@ -28,7 +28,8 @@ BF16, FP32 = 2, 4
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters()) + sum(
-        b.numel() for name, b in module.named_buffers() if name.endswith("e_score_correction_bias"))
+        b.numel() for name, b in module.named_buffers() if name.endswith("e_score_correction_bias")
+    )
 
 
 def count_parameters(config: AnyConfig) -> dict[str, int]:
@@ -57,12 +58,25 @@ def count_parameters(config: AnyConfig) -> dict[str, int]:
             moe_layer = _numel(block)
             experts += _numel(block.experts)
             expert_one = _numel(block.experts) // text.num_experts
-        norms += sum(_numel(m) for name, m in layer.named_children()
-                     if name.endswith(("layernorm", "_res_norm", "_res_proj")))
-    final = sum(_numel(m) for name, m in lm.model.named_children()
-                if name == "norm" or name.startswith("output_attn_res"))
-    out.update(kda_attention=kda, mla_attention=mla, dense_ffn=dense, moe=moe, routed_experts=experts,
-               layer_norms_and_attn_res=norms, final_norm_and_attn_res=final)
+        norms += sum(
+            _numel(m)
+            for name, m in layer.named_children()
+            if name.endswith(("layernorm", "_res_norm", "_res_proj"))
+        )
+    final = sum(
+        _numel(m)
+        for name, m in lm.model.named_children()
+        if name == "norm" or name.startswith("output_attn_res")
+    )
+    out.update(
+        kda_attention=kda,
+        mla_attention=mla,
+        dense_ffn=dense,
+        moe=moe,
+        routed_experts=experts,
+        layer_norms_and_attn_res=norms,
+        final_norm_and_attn_res=final,
+    )
     out["total"] = sum(_numel(m) for m in (lm,))
     n_moe = sum(1 for layer in lm.model.layers if not hasattr(layer, "mlp"))
     unused = (text.num_experts - text.num_experts_per_token) * expert_one * n_moe if n_moe else 0
@@ -82,10 +96,18 @@ def closed_form_counts(text: KimiLinearConfig) -> dict[str, int]:
         P = H * K
         gate = D * P if la.use_full_rank_gate else D * K + K * P
         kda_layer = 3 * D * P + 3 * P * W + D * K + K * P + max(H, 128) + P + D * H + gate + K + P * D
-    H, n, r, v, C = (text.num_attention_heads, text.qk_nope_head_dim, text.qk_rope_head_dim,
-                     text.v_head_dim, text.kv_lora_rank)
-    q = D * H * (n + r) if text.q_lora_rank is None else (
-        D * text.q_lora_rank + text.q_lora_rank + text.q_lora_rank * H * (n + r))
+    H, n, r, v, C = (
+        text.num_attention_heads,
+        text.qk_nope_head_dim,
+        text.qk_rope_head_dim,
+        text.v_head_dim,
+        text.kv_lora_rank,
+    )
+    q = (
+        D * H * (n + r)
+        if text.q_lora_rank is None
+        else (D * text.q_lora_rank + text.q_lora_rank + text.q_lora_rank * H * (n + r))
+    )
     mla_layer = q + D * (C + r) + C + C * H * (n + v) + H * v * D
     mla_layer += D * H * v if text.mla_use_output_gate else 0
     E, k, F = text.num_experts or 0, text.num_experts_per_token, text.moe_intermediate_size
@@ -95,6 +117,8 @@ def closed_form_counts(text: KimiLinearConfig) -> dict[str, int]:
     if text.is_latent_moe:
         fixed += 2 * D * L + (L if text.latent_moe_use_norm else 0)
     moe_layer = fixed + E * expert
+    if not E:  # no MoE layers at all
+        expert = moe_layer = 0
     kinds = text.layer_types
     n_kda = kinds.count("kda")
     n_mla = len(kinds) - n_kda
@@ -102,11 +126,24 @@ def closed_form_counts(text: KimiLinearConfig) -> dict[str, int]:
     n_dense = text.num_hidden_layers - n_moe
     per_layer_norms = (6 if text.uses_attn_res else 2) * D
     final = (3 if text.uses_attn_res else 1) * D
-    total = (counts["embed_tokens"] + counts["lm_head"] + n_kda * kda_layer + n_mla * mla_layer
-             + n_moe * moe_layer + n_dense * 3 * D * text.intermediate_size
-             + text.num_hidden_layers * per_layer_norms + final)
-    counts.update(kda_layer=kda_layer, mla_layer=mla_layer, moe_layer=moe_layer, routed_expert=expert,
-                  total=total, active=total - counts["embed_tokens"] - n_moe * (E - k) * expert)
+    total = (
+        counts["embed_tokens"]
+        + counts["lm_head"]
+        + n_kda * kda_layer
+        + n_mla * mla_layer
+        + n_moe * moe_layer
+        + n_dense * 3 * D * text.intermediate_size
+        + text.num_hidden_layers * per_layer_norms
+        + final
+    )
+    counts.update(
+        kda_layer=kda_layer,
+        mla_layer=mla_layer,
+        moe_layer=moe_layer,
+        routed_expert=expert,
+        total=total,
+        active=total - counts["embed_tokens"] - n_moe * (E - k) * expert,
+    )
     return counts
 
 

@@ -107,7 +107,9 @@ class LinearAttnConfig:
         if self.gate_lower_bound is not None:
             _check_float(name, "gate_lower_bound", self.gate_lower_bound)
             if not self.gate_lower_bound < 0:
-                raise _fail(name, "gate_lower_bound", self.gate_lower_bound, "must be negative (K3 uses -5.0)")
+                raise _fail(
+                    name, "gate_lower_bound", self.gate_lower_bound, "must be negative (K3 uses -5.0)"
+                )
             self.gate_lower_bound = float(self.gate_lower_bound)
 
     @classmethod
@@ -227,21 +229,45 @@ class KimiLinearConfig:
             self.linear_attn_config = LinearAttnConfig.from_dict(self.linear_attn_config)
         if self.model_type != "kimi_linear":
             raise _fail(name, "model_type", self.model_type, 'the text backbone must be "kimi_linear"')
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "intermediate_size", "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim",
-                    "v_head_dim", "num_experts_per_token", "moe_intermediate_size", "moe_layer_freq"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "num_experts_per_token",
+            "moe_intermediate_size",
+            "moe_layer_freq",
+        ):
             _check_int(name, key, getattr(self, key))
-        for key in ("num_shared_experts", "first_k_dense_replace", "qk_rope_head_dim",
-                    "num_nextn_predict_layers"):
+        for key in (
+            "num_shared_experts",
+            "first_k_dense_replace",
+            "qk_rope_head_dim",
+            "num_nextn_predict_layers",
+        ):
             _check_int(name, key, getattr(self, key), minimum=0)
-        for key in ("num_experts", "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size",
-                    "head_dim"):
+        for key in (
+            "num_experts",
+            "q_lora_rank",
+            "routed_expert_hidden_size",
+            "attn_res_block_size",
+            "head_dim",
+        ):
             _check_opt_int(name, key, getattr(self, key))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.num_key_value_heads != self.num_attention_heads:
-            raise _fail(name, "num_key_value_heads", self.num_key_value_heads,
-                        f"MLA uses one shared latent; set it to num_attention_heads={self.num_attention_heads}")
+            raise _fail(
+                name,
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"MLA uses one shared latent; set it to num_attention_heads={self.num_attention_heads}",
+            )
         if self.hidden_act not in SUPPORTED_ACTS:
             raise _fail(name, "hidden_act", self.hidden_act, f"supported: {SUPPORTED_ACTS}")
         if self.hidden_act == "situ":
@@ -254,23 +280,43 @@ class KimiLinearConfig:
         _check_float(name, "initializer_range", self.initializer_range, lo=0.0)
         _check_float(name, "routed_scaling_factor", self.routed_scaling_factor, lo=0.0)
         if self.moe_router_activation_func not in ("sigmoid", "softmax"):
-            raise _fail(name, "moe_router_activation_func", self.moe_router_activation_func,
-                        'use "sigmoid" or "softmax"')
+            raise _fail(
+                name,
+                "moe_router_activation_func",
+                self.moe_router_activation_func,
+                'use "sigmoid" or "softmax"',
+            )
         if self.num_experts is not None and self.num_experts_per_token > self.num_experts:
-            raise _fail(name, "num_experts_per_token", self.num_experts_per_token,
-                        f"must not exceed num_experts={self.num_experts}")
+            raise _fail(
+                name,
+                "num_experts_per_token",
+                self.num_experts_per_token,
+                f"must not exceed num_experts={self.num_experts}",
+            )
         if self.num_expert_group != 1 or self.topk_group != 1:
-            raise _fail(name, "num_expert_group", (self.num_expert_group, self.topk_group),
-                        "group-limited routing is not implemented; set num_expert_group=topk_group=1")
+            raise _fail(
+                name,
+                "num_expert_group",
+                (self.num_expert_group, self.topk_group),
+                "group-limited routing is not implemented; set num_expert_group=topk_group=1",
+            )
         if not self.mla_use_nope:
             raise _fail(name, "mla_use_nope", False, "only NoPE MLA is implemented; set it to true")
         if self.num_nextn_predict_layers != 0:
-            raise _fail(name, "num_nextn_predict_layers", self.num_nextn_predict_layers,
-                        "multi-token prediction layers are not implemented; set it to 0")
+            raise _fail(
+                name,
+                "num_nextn_predict_layers",
+                self.num_nextn_predict_layers,
+                "multi-token prediction layers are not implemented; set it to 0",
+            )
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
-            raise _fail(name, "latent_moe_use_norm", True, "needs routed_expert_hidden_size (the latent width)")
+            raise _fail(
+                name, "latent_moe_use_norm", True, "needs routed_expert_hidden_size (the latent width)"
+            )
         if self.tie_word_embeddings:
-            raise _fail(name, "tie_word_embeddings", True, "K3 and Kimi-Linear use an untied lm_head; set false")
+            raise _fail(
+                name, "tie_word_embeddings", True, "K3 and Kimi-Linear use an untied lm_head; set false"
+            )
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or not 0 <= value < self.vocab_size):
@@ -284,12 +330,20 @@ class KimiLinearConfig:
         everything = set(range(1, self.num_hidden_layers + 1))
         kda, full = set(la.kda_layers), set(la.full_attn_layers)
         if kda & full:
-            raise _fail("LinearAttnConfig", "kda_layers", sorted(kda & full),
-                        "these layers are also in full_attn_layers; each layer is KDA or MLA, not both")
+            raise _fail(
+                "LinearAttnConfig",
+                "kda_layers",
+                sorted(kda & full),
+                "these layers are also in full_attn_layers; each layer is KDA or MLA, not both",
+            )
         if (kda | full) != everything:
-            raise _fail("LinearAttnConfig", "full_attn_layers", sorted(everything - kda - full),
-                        f"these 1-based layers of 1..{self.num_hidden_layers} are in neither list; "
-                        "add each to kda_layers or full_attn_layers")
+            raise _fail(
+                "LinearAttnConfig",
+                "full_attn_layers",
+                sorted(everything - kda - full),
+                f"these 1-based layers of 1..{self.num_hidden_layers} are in neither list; "
+                "add each to kda_layers or full_attn_layers",
+            )
 
     # --- derived facts -----------------------------------------------------------------------------
     def is_kda_layer(self, i: int) -> bool:
@@ -300,9 +354,7 @@ class KimiLinearConfig:
     def is_moe_layer(self, i: int) -> bool:
         """Whether 0-based layer ``i`` uses the MoE block (else the dense FFN), §1.1."""
         return (
-            self.num_experts is not None
-            and i >= self.first_k_dense_replace
-            and i % self.moe_layer_freq == 0
+            self.num_experts is not None and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
         )
 
     @property
@@ -360,8 +412,12 @@ class KimiK3Config:
         if isinstance(self.text_config, dict):
             self.text_config = KimiLinearConfig.from_dict(self.text_config)
         if not isinstance(self.text_config, KimiLinearConfig):
-            raise _fail("KimiK3Config", "text_config", type(self.text_config).__name__,
-                        "expected a kimi_linear config (dict or KimiLinearConfig)")
+            raise _fail(
+                "KimiK3Config",
+                "text_config",
+                type(self.text_config).__name__,
+                "expected a kimi_linear config (dict or KimiLinearConfig)",
+            )
         if self.model_type != "kimi_k3":
             raise _fail("KimiK3Config", "model_type", self.model_type, 'must be "kimi_k3"')
 

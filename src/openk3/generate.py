@@ -1,10 +1,14 @@
 """Token generation with the model caches (KDA states + MLA latents).
 
-:func:`greedy` prefills the prompt once, then feeds one token at a time through the cache; it equals
-re-running the full sequence (tested). Sampling with temperature / top-p comes with the training CLI.
+:func:`stream` prefills the prompt once, then feeds one token at a time through the cache (equal to
+re-running the whole sequence; tested) and yields each new token as soon as it is chosen.
+Sampling: temperature 0 is greedy (argmax); otherwise softmax(logits / T), optionally restricted to the
+smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -14,20 +18,70 @@ def _logits(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-@torch.no_grad()
-def greedy(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy continuation: int64 ``[B, max_new_tokens]`` (prompt not included).
-
-    ``input_ids`` is ``[B, T]``; raises ``ValueError`` if ``max_new_tokens < 1`` or the ids are invalid.
-    """
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """Raise ``ValueError`` for ``temperature < 0``, ``top_p`` outside (0, 1] or ``max_new_tokens < 1``."""
+    if not (temperature >= 0):
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not (0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """Next tokens ``[B, 1]`` (int64) from last-position logits ``[B, V]``."""
+    if temperature == 0:
+        return logits_BV.argmax(-1, keepdim=True)
+    probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        outside_BV = sorted_BV.cumsum(-1) - sorted_BV >= top_p  # keep tokens until the mass reaches top_p
+        sorted_BV = sorted_BV.masked_fill(outside_BV, 0.0)
+        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
+    return torch.multinomial(probs_BV, 1, generator=generator)
+
+
+@torch.no_grad()
+def stream(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_ids: set[int] | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield new tokens ``[B, 1]`` one step at a time (stops early when every row hit ``stop_ids``)."""
+    check_sampling(temperature, top_p, max_new_tokens)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     cache = model.new_cache()
     logits = _logits(model(input_ids, cache))[:, -1]
-    tokens = []
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
-        nxt = logits.argmax(-1, keepdim=True)
-        tokens.append(nxt)
+        nxt = sample_next(logits, temperature, top_p, generator)
+        yield nxt
+        if stop_ids:
+            done |= torch.isin(nxt[:, 0], torch.tensor(sorted(stop_ids), device=nxt.device))
+            if bool(done.all()):
+                return
         if step + 1 < max_new_tokens:
             logits = _logits(model(nxt, cache))[:, -1]
-    return torch.cat(tokens, dim=1)
+
+
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """New tokens ``[B, max_new_tokens]`` (int64, prompt excluded). See :func:`stream`."""
+    return torch.cat(list(stream(model, input_ids, max_new_tokens, temperature, top_p, seed)), dim=1)
+
+
+def greedy(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy continuation ``[B, max_new_tokens]`` (temperature 0)."""
+    return generate(model, input_ids, max_new_tokens)

@@ -162,8 +162,44 @@ def k3_shaped(depth: int, vocab_size: int | None = None) -> KimiK3Config:
             **_layer_lists(depth, list(range(4, depth + 1, 4))),
         ),
     )
-    return KimiK3Config(text_config=text, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                        media_placeholder_token_id=None)
+    return KimiK3Config(
+        text_config=text,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        media_placeholder_token_id=None,
+    )
+
+
+def dense_baseline(config: KimiK3Config) -> KimiLinearConfig:
+    """A dense SwiGLU transformer with the same *active* parameters as ``config`` (an ablation baseline).
+
+    Same width, depth, vocabulary and MLA shapes; every layer is (ungated) MLA with a dense SwiGLU FFN and
+    plain residuals (no KDA, no AttnRes, no MoE). The FFN width is solved so that the active count
+    (:mod:`openk3.accounting`) matches to within one FFN column per layer.
+    """
+    from openk3.accounting import closed_form_counts
+
+    text = config.text_config
+    data = text.to_dict()
+    data.update(
+        linear_attn_config=None,
+        num_experts=None,
+        attn_res_block_size=None,
+        hidden_act="silu",
+        activation_situ_beta=None,
+        activation_situ_linear_beta=None,
+        mla_use_output_gate=False,
+        routed_expert_hidden_size=None,
+        latent_moe_use_norm=False,
+        first_k_dense_replace=0,
+        intermediate_size=1,
+    )
+    base = closed_form_counts(KimiLinearConfig.from_dict(data))["active"]
+    target = closed_form_counts(text)["active"]
+    per_column = 3 * text.hidden_size * text.num_hidden_layers
+    data["intermediate_size"] = max(1, 1 + round((target - base) / per_column))
+    return KimiLinearConfig.from_dict(data)
 
 
 PRESETS: dict[str, Callable[[], AnyConfig]] = {
@@ -172,6 +208,7 @@ PRESETS: dict[str, Callable[[], AnyConfig]] = {
     "k3-tiny": lambda: k3_shaped(8),
     "k3-small": lambda: k3_shaped(16),
     "k3-1b": lambda: k3_shaped(24),
+    "k3-tiny-dense": lambda: dense_baseline(k3_shaped(8)),
 }
 
 

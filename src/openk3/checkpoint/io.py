@@ -160,11 +160,13 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
     if quantized:
         raise NotImplementedError(
             f"{len(quantized)} quantized tensors (e.g. {quantized[0]}): MXFP4-packed experts are not supported "
-            "yet; dequantize to bf16 first")
+            "yet; dequantize to bf16 first"
+        )
     skipped = [n for n in shapes if n.startswith(SKIPPED_PREFIXES)]
     if skipped:
-        warnings.warn(f"skipping {len(skipped)} vision tensors (vision_tower/mm_projector are not built)",
-                      stacklevel=2)
+        warnings.warn(
+            f"skipping {len(skipped)} vision tensors (vision_tower/mm_projector are not built)", stacklevel=2
+        )
     unexpected, mismatched, plan = [], [], []
     covered: dict[str, set[int] | bool] = {}
     for name, shape in shapes.items():
@@ -196,11 +198,17 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
             missing.append(mname)
     if missing or unexpected or mismatched:
         lines = [f"checkpoint at {path} does not match the model:"]
-        for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                             ("shape mismatches", mismatched)):
+        for title, items in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches", mismatched),
+        ):
             if items:
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(sorted(items)[:20])
-                             + (" …" if len(items) > 20 else ""))
+                lines.append(
+                    f"  {title} ({len(items)}): "
+                    + ", ".join(sorted(items)[:20])
+                    + (" …" if len(items) > 20 else "")
+                )
         raise CheckpointMismatchError("\n".join(lines))
     with torch.no_grad():
         for fname, names in by_file.items():
@@ -221,8 +229,9 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
                         dst.copy_(src)
 
 
-def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None) -> nn.Module:
+def from_pretrained(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> nn.Module:
     """Load the model in HF folder ``path``: ``openk3.from_pretrained(path)(input_ids).logits`` is ``[B, T, V]``.
 
     Args:

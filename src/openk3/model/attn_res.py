@@ -33,7 +33,7 @@ def attn_res_mix(
     V_NBTD = torch.stack([*blocks, partial_BTD])
     compute = torch.float64 if V_NBTD.dtype == torch.float64 else torch.float32
     V_NBTD = V_NBTD.to(compute)
-    query_D = (norm.weight.to(compute) * proj.weight[0].to(compute))
+    query_D = norm.weight.to(compute) * proj.weight[0].to(compute)
     score_NBT = rms_normalize(V_NBTD, norm.eps) @ query_D
     p_NBT = torch.softmax(score_NBT, dim=0)
     return torch.einsum("nbt,nbtd->btd", p_NBT, V_NBTD).to(partial_BTD.dtype)

@@ -62,7 +62,9 @@ class KimiDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """K3 wiring (Block AttnRes). Appends to ``blocks`` in place; returns the new partial sum."""
         if blocks:
-            h_BTD = attn_res_mix(blocks, partial_BTD, self.self_attention_res_norm, self.self_attention_res_proj)
+            h_BTD = attn_res_mix(
+                blocks, partial_BTD, self.self_attention_res_norm, self.self_attention_res_proj
+            )
         else:
             h_BTD = partial_BTD
         if self.layer_idx % self.block_size == 0:

@@ -24,8 +24,9 @@ from openk3.model.short_conv import ShortConvolution
 @torch.no_grad()
 def _init_kda(m: KimiDeltaAttention, generator) -> None:
     H = m.num_heads
-    dt = torch.exp(torch.rand(m.dt_bias.shape, generator=generator) * (math.log(0.1) - math.log(1e-3))
-                   + math.log(1e-3)).clamp_min(1e-4)
+    dt = torch.exp(
+        torch.rand(m.dt_bias.shape, generator=generator) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+    ).clamp_min(1e-4)
     m.A_log.zero_()
     if m.lower_bound is None:
         m.A_log[:H] = torch.log(torch.empty(H).uniform_(1, 16, generator=generator))

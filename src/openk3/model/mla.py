@@ -44,7 +44,7 @@ def attention_mask(
     mask = q_pos[:, None] >= torch.arange(S, device=device)[None, :]
     if cu_seqlens is not None:
         doc = document_ids(cu_seqlens, S)
-        mask = mask & (doc[S - T:, None] == doc[None, :])
+        mask = mask & (doc[S - T :, None] == doc[None, :])
     return mask
 
 
@@ -110,8 +110,12 @@ class MultiheadLatentAttention(nn.Module):
         k_BSHd = torch.cat([k_nope, k_pe_BSr[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
         q_BTHd = torch.cat([q_nope, q_pe], dim=-1)
         o = F.scaled_dot_product_attention(
-            q_BTHd.transpose(1, 2), k_BSHd.transpose(1, 2), v_BSHv.transpose(1, 2),
-            attn_mask=mask_TS, is_causal=mask_TS is None, scale=self.scale,
+            q_BTHd.transpose(1, 2),
+            k_BSHd.transpose(1, 2),
+            v_BSHv.transpose(1, 2),
+            attn_mask=mask_TS,
+            is_causal=mask_TS is None,
+            scale=self.scale,
         )
         return o.transpose(1, 2)
 
@@ -122,7 +126,11 @@ class MultiheadLatentAttention(nn.Module):
         q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HnC)
         scores_BHTS = torch.einsum("bthc,bsc->bhts", q_lat_BTHC, c_BSC)
         scores_BHTS = scores_BHTS + torch.einsum("bthr,bsr->bhts", q_pe, k_pe_BSr)
-        scores_BHTS = scores_BHTS.float() * self.scale if scores_BHTS.dtype != torch.float64 else scores_BHTS * self.scale
+        scores_BHTS = (
+            scores_BHTS.float() * self.scale
+            if scores_BHTS.dtype != torch.float64
+            else scores_BHTS * self.scale
+        )
         if mask_TS is None:  # plain causal over a sequence with no past
             mask_TS = attention_mask(q_nope.shape[1], c_BSC.shape[1], c_BSC.device, None, force=True)
         scores_BHTS = scores_BHTS.masked_fill(~mask_TS, float("-inf"))

@@ -50,7 +50,9 @@ class KimiLinearModel(nn.Module):
     def check_inputs(self, input_ids: torch.Tensor, cache: KimiCache | None, cu_seqlens) -> None:
         cfg = self.config
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+            raise ValueError(
+                f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}"
+            )
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.numel() == 0:
@@ -63,18 +65,20 @@ class KimiLinearModel(nn.Module):
         T = input_ids.shape[1]
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, input_ids.shape[0], T)
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1])
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
             longest = int(lengths.max()) if lengths.numel() else 0
             if cache is not None and past:
                 raise NotImplementedError("cu_seqlens with a non-empty cache is not supported")
         else:
             longest = past + T
         if longest > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {longest} exceeds max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
+            raise ValueError(
+                f"sequence length {longest} exceeds max_position_embeddings={cfg.max_position_embeddings}"
+            )
 
-    def forward(self, input_ids: torch.Tensor, cache: KimiCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: KimiCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Final hidden states ``[B, T, D]`` (after the output AttnRes mix and the final norm)."""
         self.check_inputs(input_ids, cache, cu_seqlens)
         h_BTD = self.embed_tokens(input_ids)
@@ -102,8 +106,9 @@ class KimiLinearForCausalLM(nn.Module):
         self.model = KimiLinearModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, cache: KimiCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, cache: KimiCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> CausalLMOutput:
         h_BTD = self.model(input_ids, cache, cu_seqlens)
         return CausalLMOutput(self.lm_head(h_BTD), cache)
 
@@ -119,8 +124,9 @@ class KimiK3ForConditionalGeneration(nn.Module):
         self.config = config
         self.language_model = KimiLinearForCausalLM(config.text_config)
 
-    def forward(self, input_ids: torch.Tensor, cache: KimiCache | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, cache: KimiCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> CausalLMOutput:
         return self.language_model(input_ids, cache, cu_seqlens)
 
     def new_cache(self) -> KimiCache:
@@ -133,8 +139,13 @@ def check_dtype(dtype) -> torch.dtype:
     return dtype
 
 
-def build_model(config: AnyConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int | None = None, init: bool = True) -> nn.Module:
+def build_model(
+    config: AnyConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    init: bool = True,
+) -> nn.Module:
     """Build the model for ``config`` (K3 wrapper for a ``kimi_k3`` config, else the causal LM).
 
     ``device="meta"`` builds shapes only (no memory; ``kimi-k3`` builds in seconds). Otherwise weights are
@@ -143,8 +154,11 @@ def build_model(config: AnyConfig, device: str | torch.device = "cpu", dtype: to
     """
     check_dtype(dtype)
     with torch.device("meta"):
-        model = (KimiK3ForConditionalGeneration(config) if isinstance(config, KimiK3Config)
-                 else KimiLinearForCausalLM(config))
+        model = (
+            KimiK3ForConditionalGeneration(config)
+            if isinstance(config, KimiK3Config)
+            else KimiLinearForCausalLM(config)
+        )
     if str(device) != "meta":
         model = model.to_empty(device=device)
         if init:

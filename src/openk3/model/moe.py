@@ -61,7 +61,8 @@ class RoutedExperts(nn.Module):
         expert_M = expert_M[order_M]
         token_M = order_M // k
         counts_E = torch.zeros(E, dtype=torch.int64, device=z_NL.device).scatter_add_(
-            0, expert_M, torch.ones_like(expert_M))
+            0, expert_M, torch.ones_like(expert_M)
+        )
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
         x_ML = z_NL[token_M]
         gate_MF = _grouped_linear(x_ML, self.w1, offs_E, expert_M)

@@ -30,8 +30,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x_D: torch.Tensor) -> torch.Tensor:
-        return (self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
-                * rms_normalize(x_D, self.eps)).to(x_D.dtype)
+        return (
+            self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+            * rms_normalize(x_D, self.eps)
+        ).to(x_D.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -44,6 +46,8 @@ class GatedRMSNorm(RMSNorm):
     """
 
     def forward(self, o_K: torch.Tensor, gate_K: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        y = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32)) * rms_normalize(o_K, self.eps)
+        y = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32)) * rms_normalize(
+            o_K, self.eps
+        )
         gate = gate_K.float() if gate_K.dtype != torch.float64 else gate_K
         return (y * torch.sigmoid(gate)).to(o_K.dtype)

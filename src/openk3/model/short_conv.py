@@ -48,7 +48,9 @@ class ShortConvolution(nn.Module):
         keep_TW = None
         if cu_seqlens is not None:
             # tap w of token t reads position t - (W-1) + w; drop taps before the document start
-            pos_TW = torch.arange(T, device=x_BTC.device)[:, None] - (W - 1) + torch.arange(W, device=x_BTC.device)
+            pos_TW = (
+                torch.arange(T, device=x_BTC.device)[:, None] - (W - 1) + torch.arange(W, device=x_BTC.device)
+            )
             keep_TW = (pos_TW >= document_starts(cu_seqlens, T)[:, None]).to(x_BTC.dtype)
         y_BTC = torch.zeros_like(x_BTC)
         for w in range(W):  # W shifted multiply-adds (depthwise conv1d is slow on CPU, esp. in fp64)

@@ -12,7 +12,9 @@ import torch
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
     """Raise ``ValueError`` unless ``cu_seqlens`` is a valid int64 ``[N+1]`` boundary list for ``[1, T]``."""
     if cu_seqlens.dtype not in (torch.int64, torch.int32) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be an int64 tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be an int64 tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
     if batch != 1:
         raise ValueError(f"packed sequences (cu_seqlens) need batch size 1, got {batch}")
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])

@@ -1,0 +1,56 @@
+"""Training logs: ``metrics.jsonl`` (one JSON object per train step or evaluation) and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append-only JSONL log. Rows with ``step`` > ``resume_step`` are dropped when resuming."""
+
+    def __init__(self, path: str | os.PathLike, resume_step: int | None = None) -> None:
+        self.path = Path(path)
+        if resume_step is not None and self.path.exists():
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [r for r in rows if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+
+    def write(self, row: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> None:
+    """Train/val loss (left) and max violation (right) against step, as a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    fig, (ax_loss, ax_vio) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
+    if val:
+        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    vio = [r for r in train if r.get("maxvio") is not None]
+    ax_vio.plot([r["step"] for r in vio], [r["maxvio"] for r in vio], lw=1, color="tab:red")
+    ax_vio.set_xlabel("step")
+    ax_vio.set_ylabel("max violation (max load / mean − 1)")
+    ax_vio.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)

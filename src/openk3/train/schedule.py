@@ -1,0 +1,66 @@
+"""Learning-rate and context-length schedules (pure functions of the step).
+
+* ``cosine``: linear warmup from 0 to the peak over ``warmup_steps``, then cosine decay to
+  ``min_lr_ratio · peak`` at ``total_steps``.
+* ``wsd`` (warmup–stable–decay): warmup, a flat peak, then a linear decay to ``min_lr_ratio · peak`` over
+  the last ``decay_fraction`` of the steps.
+* Progressive context: a list of ``(start_step, seq_len)`` pairs; the sequence length in force at a step is
+  the one of the last pair whose start is ≤ step.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    min_lr_ratio: float = 0.1,
+    kind: str = "cosine",
+    decay_fraction: float = 0.2,
+) -> float:
+    """Multiplier of the peak learning rate at 0-based ``step`` (raises ``ValueError`` for an unknown kind)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "cosine":
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if kind == "wsd":
+        decay_steps = max(1, int(round(decay_fraction * total_steps)))
+        start = total_steps - decay_steps
+        if step < start:
+            return 1.0
+        return 1.0 - (1 - min_lr_ratio) * min(1.0, (step - start + 1) / decay_steps)
+    raise ValueError(f"unknown lr schedule {kind!r}: use 'cosine' or 'wsd'")
+
+
+def parse_context_schedule(text: str) -> list[tuple[int, int]]:
+    """``"0:128,200:256"`` → ``[(0, 128), (200, 256)]``; raises ``ValueError`` on bad syntax or order."""
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
+    except ValueError as e:
+        raise ValueError(f"context schedule {text!r}: expected 'step:seq_len,step:seq_len,...'") from e
+    return check_context_schedule(pairs)
+
+
+def check_context_schedule(pairs) -> list[tuple[int, int]]:
+    pairs = [tuple(p) for p in pairs]
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"context schedule {pairs!r}: expected a non-empty list of (step, seq_len)")
+    if pairs[0][0] != 0:
+        raise ValueError(f"context schedule {pairs!r}: the first entry must start at step 0")
+    if any(b[0] <= a[0] for a, b in zip(pairs, pairs[1:])) or any(p[1] < 1 for p in pairs):
+        raise ValueError(f"context schedule {pairs!r}: steps must increase and lengths be >= 1")
+    return [(int(s), int(t)) for s, t in pairs]
+
+
+def seq_len_at(step: int, schedule: list[tuple[int, int]]) -> int:
+    """Sequence length in force at ``step``."""
+    current = schedule[0][1]
+    for start, length in schedule:
+        if step >= start:
+            current = length
+    return current

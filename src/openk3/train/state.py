@@ -1,0 +1,86 @@
+"""Training checkpoints: a Hugging Face model folder plus the state needed to resume exactly.
+
+``<run>/checkpoints/step-000300/`` holds ``config.json`` + safetensors shards (the model, loadable with
+``openk3.from_pretrained``), ``tokenizer.json`` (copied from the data folder), and ``trainer_state.pt``
+(step, optimizer, Quantile Balancing, data position, RNG states, the train config). It is written into a
+temporary folder and renamed into place, and ``<run>/checkpoints/latest`` (a text file) is updated only
+after that, so a crash mid-save never leaves a torn or half-referenced checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from openk3.checkpoint import save_pretrained
+
+STATE_FILE = "trainer_state.pt"
+LATEST = "latest"
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, model, trainer_state: dict, tokenizer_dir: Path | None, keep: int = 2
+) -> Path:
+    """Write ``step-{step:06d}`` atomically, point ``latest`` at it, keep the newest ``keep`` checkpoints."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    final = ckpt_root / f"step-{step:06d}"
+    tmp = ckpt_root / f".tmp-step-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+    torch.save(trainer_state, tmp / STATE_FILE)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    latest_tmp = ckpt_root / (LATEST + ".tmp")
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, ckpt_root / LATEST)
+    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(path: str | os.PathLike) -> Path:
+    """Resolve a run folder, a ``checkpoints`` folder or a checkpoint folder to a checkpoint folder.
+
+    Raises ``FileNotFoundError`` when there is none.
+    """
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        marker = root / LATEST
+        if marker.is_file():
+            ckpt = root / marker.read_text().strip()
+            if (ckpt / "config.json").is_file():
+                return ckpt
+    raise FileNotFoundError(
+        f"no checkpoint at {path} (expected a model folder or a run folder with checkpoints/latest)"
+    )
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    return torch.load(Path(ckpt) / STATE_FILE, map_location="cpu", weights_only=False)
