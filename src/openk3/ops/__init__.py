@@ -1,0 +1,1 @@
+"""Operators of the openk3 models: pure-PyTorch references beside their fast paths, one folder per op."""

@@ -1,0 +1,102 @@
+"""The chunked KDA on the GPU as an autograd Function: forward in two launches, backward in five.
+
+Forward (§1.5): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (token-parallel: gate, L2 norm,
+``Aqk``, ``T``, ``W``, ``U``, ``Q̃``, ``K̂``) then :func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`
+(the sequential state pass, which also writes ``o``). Only the inputs are saved.
+
+Backward (§1.6): the forward's two launches again (the state pass now keeping the per-chunk states ``h``
+and the residuals ``E``), the reverse state pass, then the per-chunk WY and intra-chunk gradient kernels.
+The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the initial state.
+
+Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`` sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
+from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
+from openk3.ops.kda.triton.chunk_index import ChunkIndex, fixed_length_index, varlen_index
+from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
+from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
+from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
+                output_final_state):  # fmt: skip
+        opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm)
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, store_rstd=False, **opts)
+        o, ht, _, _ = chunk_state_fwd(
+            pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=output_final_state,
+            store_h=False,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0)
+        ctx.index, ctx.opts = index, opts
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, h0 = ctx.saved_tensors
+        index, opts = ctx.index, ctx.opts
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, store_rstd=True, **opts)
+        _, _, h, v_new = chunk_state_fwd(
+            pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True
+        )
+        do = do.contiguous()
+        dh, dv_new, dh0 = chunk_state_bwd(pre, do, None if dht is None else dht.contiguous(), index)
+        wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)
+        dq, dk, dg, dbeta, dA_log, ddt = chunk_grad_intra(q, k, g, beta, A_log, dt_bias, pre, wy, index, **opts)
+        return (
+            dq, dk, wy.dv, dg, dbeta, dA_log.to(A_log.dtype),
+            None if dt_bias is None else ddt.to(dt_bias.dtype),
+            None if h0 is None else dh0,
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+def chunk_kda_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    seq_lens: tuple[int, ...] | None,
+    cu_seqlens: torch.Tensor | None,
+    use_qk_l2norm_in_kernel: bool,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`~openk3.ops.kda.chunk.chunk_kda` with the K3 gate in the kernel (arguments checked there).
+
+    Args:
+        q, k, g: ``[B, T, H, K]`` (g raw). v: ``[B, T, H, V]``. beta: ``[B, T, H]`` post-sigmoid.
+        scale: multiplies q. initial_state: fp32 ``[N, H, K, V]`` or None.
+        seq_lens, cu_seqlens: the documents of a packed row (``B = 1``), or None for ``B`` rows.
+        A_log: ``[H' ≥ H]`` (first H used); dt_bias ``[H*K]`` or None; lower_bound in ``[−5, 0)``.
+
+    Returns:
+        ``(o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None)``; differentiable.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    index: ChunkIndex = (
+        fixed_length_index(B, T, q.device) if seq_lens is None else varlen_index(cu_seqlens, seq_lens)
+    )
+    flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
+    o, ht = ChunkKDAFunction.apply(
+        *flat, beta.reshape(B * T, H).contiguous(), A_log[:H].contiguous(),
+        None if dt_bias is None else dt_bias.contiguous(),
+        None if initial_state is None else initial_state.contiguous(),
+        index, scale, lower_bound, use_qk_l2norm_in_kernel, output_final_state,
+    )  # fmt: skip
+    return o.view(B, T, H, V), ht

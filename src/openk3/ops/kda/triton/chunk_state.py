@@ -1,0 +1,121 @@
+"""The sequential state pass of the chunked KDA forward (§1.5): one program per (value block, sequence,
+head) walks its chunks in order with the state slice ``S [K, BV]`` in fp32 registers.
+
+Per chunk, from :mod:`~openk3.ops.kda.triton.chunk_prepare`'s tensors::
+
+    E   = U − W S                       the delta-rule residuals of the chunk ("v_new")
+    O   = Q̃ S + Aqk E                   (STORE_O)
+    S  ← Diag(D) S + K̂ᵀ E
+
+The matmul operands are in the storage dtype (bf16 for bf16 inputs, as in fla's ``chunk_gated_delta_rule_
+fwd_h``); accumulation and the carried state are fp32. The backward reuses the pass with ``STORE_H``: it then
+keeps the state at every chunk start (``h``) and ``E`` instead of computing ``O``.
+
+Legend: ``N`` sequences, ``H`` heads, ``K``/``V`` key/value dims, ``BV`` value block, ``BT`` chunk rows,
+``P`` chunks of all sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
+from openk3.ops.kda.triton.chunk_prepare import Prepared
+from openk3.ops.kda.triton.kernel_math import load_rows, store_rows
+
+
+@triton.jit
+def chunk_state_fwd_kernel(
+    w, u, qg, kg, Aqk, gend, h0, o, ht, h, v_new,
+    cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_H: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(V/BV, N·H)``. ``h0``/``ht`` fp32 ``[N, H, K, V]``; ``h`` ``[P, H, K, V]``; ``o``/``v_new``
+    ``[tokens, H, V]``."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    dt = w.dtype.element_ty
+    p_state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    if USE_H0:
+        b_S = tl.load(h0 + p_state).to(tl.float32)
+    else:
+        b_S = tl.zeros([K, BV], dtype=tl.float32)
+    for i_t in range(0, n_chunks):
+        t0 = bos + i_t * BT
+        n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
+        b_Sd = b_S.to(dt)
+        if STORE_H:
+            p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(h + p_h, b_Sd.to(h.dtype.element_ty))
+        b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
+        b_e = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32) - tl.dot(b_w, b_Sd)
+        b_ed = b_e.to(dt)
+        if STORE_H:
+            store_rows(v_new, b_ed, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+        if STORE_O:
+            b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
+            b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
+            b_o = tl.dot(b_qg, b_Sd) + tl.dot(b_A, b_ed)
+            store_rows(o, b_o, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+        b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
+        b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)
+        b_S = b_S * b_D[:, None] + tl.dot(tl.trans(b_kg), b_ed)
+    if STORE_FINAL:
+        tl.store(ht + p_state, b_S)
+
+
+def value_block(V: int, programs_per_block: int) -> int:
+    """Value-block width: 64, or 32 when fewer than ~two programs per SM would run (long single sequences
+    with few heads), never above ``V``."""
+    bv = 64 if programs_per_block * max(V // 64, 1) >= 256 else 32
+    return min(bv, V)
+
+
+def chunk_state_fwd(
+    pre: Prepared,
+    initial_state: torch.Tensor | None,
+    index: ChunkIndex,
+    *,
+    V: int,
+    out_dtype: torch.dtype,
+    output_final_state: bool,
+    store_h: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Run the state pass.
+
+    Args:
+        pre: the prepared chunk tensors. initial_state: fp32 ``[N, H, K, V]`` or None (zeros).
+        index: chunk tables. V: value dim. out_dtype: dtype of ``o``.
+        output_final_state: return the fp32 ``[N, H, K, V]`` state after each sequence.
+        store_h: backward mode: return ``h`` ``[P, H, K, V]`` and ``v_new`` ``[tokens, H, V]`` (storage
+            dtype) instead of ``o``.
+
+    Returns:
+        ``(o, final_state, h, v_new)``, each None when not asked for.
+    """
+    TT, H, K = pre.w.shape
+    N, P = index.num_seqs, index.num_chunks
+    o = None if store_h else pre.w.new_empty(TT, H, V, dtype=out_dtype)
+    ht = pre.w.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    h = pre.w.new_empty(P, H, K, V) if store_h else None
+    v_new = pre.w.new_empty(TT, H, V) if store_h else None
+    BV = value_block(V, N * H)
+    chunk_state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+        pre.w, pre.u, pre.qg, pre.kg, pre.Aqk, pre.gend, initial_state, o, ht, h, v_new,
+        index.cu_seqlens, index.chunk_offsets,
+        H=H, K=K, V=V, BT=CHUNK, BV=BV,
+        USE_H0=initial_state is not None, STORE_O=not store_h, STORE_FINAL=output_final_state,
+        STORE_H=store_h, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return o, ht, h, v_new

@@ -1,0 +1,99 @@
+"""The reverse state pass of the chunked KDA backward (§1.6 step 2): one program per (value block,
+sequence, head) walks its chunks from last to first with ``dS [K, BV]`` (the gradient of the state at the
+current chunk's end) in fp32 registers.
+
+Per chunk, with the forward's ``O = Q̃ S₀ + Aqk E``, ``E = U − W S₀``, ``S₁ = Diag(D) S₀ + K̂ᵀ E``::
+
+    store dh = dS₁                          (the gradient of the state at the chunk end)
+    dE  = Aqkᵀ dO + K̂ dS₁                   (stored as ``dv_new``)
+    dS₀ = Diag(D) dS₁ + Q̃ᵀ dO − Wᵀ dE
+
+and the gradient of the initial state is the last ``dS₀``.
+
+Legend: ``N`` sequences, ``H`` heads, ``K``/``V`` key/value dims, ``BV`` value block, ``BT`` chunk rows,
+``P`` chunks of all sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
+from openk3.ops.kda.triton.chunk_prepare import Prepared
+from openk3.ops.kda.triton.chunk_state import value_block
+from openk3.ops.kda.triton.kernel_math import load_rows, store_rows
+
+
+@triton.jit
+def chunk_state_bwd_kernel(
+    qg, kg, w, Aqk, gend, do, dht, dh, dv_new, dh0,
+    cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(V/BV, N·H)``. ``dht``/``dh0`` fp32 ``[N, H, K, V]``; ``dh`` ``[P, H, K, V]``; ``do``,
+    ``dv_new`` ``[tokens, H, V]``."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    dt = w.dtype.element_ty
+    p_state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    if USE_DHT:
+        b_dS = tl.load(dht + p_state).to(tl.float32)
+    else:
+        b_dS = tl.zeros([K, BV], dtype=tl.float32)
+    for i_r in range(0, n_chunks):
+        i_t = n_chunks - 1 - i_r
+        t0 = bos + i_t * BT
+        n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
+        b_dSd = b_dS.to(dt)
+        p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(dh + p_h, b_dSd.to(dh.dtype.element_ty))
+        b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
+        b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
+        b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
+        b_de = tl.dot(tl.trans(b_A), b_do) + tl.dot(b_kg, b_dSd)
+        b_ded = b_de.to(dt)
+        store_rows(dv_new, b_ded, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+        b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
+        b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
+        b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)
+        b_dS = b_dS * b_D[:, None] + tl.dot(tl.trans(b_qg), b_do) - tl.dot(tl.trans(b_w), b_ded)
+    tl.store(dh0 + p_state, b_dS)
+
+
+def chunk_state_bwd(
+    pre: Prepared, do: torch.Tensor, dht: torch.Tensor | None, index: ChunkIndex
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the reverse pass.
+
+    Args:
+        pre: the prepared chunk tensors. do: ``[tokens, H, V]`` gradient of ``o``. dht: fp32
+            ``[N, H, K, V]`` gradient of the final state, or None. index: chunk tables.
+
+    Returns:
+        ``(dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32 [N, H, K, V])``; dh and dv_new in the storage
+        dtype.
+    """
+    TT, H, K = pre.w.shape
+    V = do.shape[-1]
+    N, P = index.num_seqs, index.num_chunks
+    dh = pre.w.new_empty(P, H, K, V)
+    dv_new = pre.w.new_empty(TT, H, V)
+    dh0 = pre.w.new_empty(N, H, K, V, dtype=torch.float32)
+    BV = value_block(V, N * H)
+    chunk_state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
+        pre.qg, pre.kg, pre.w, pre.Aqk, pre.gend, do, dht, dh, dv_new, dh0,
+        index.cu_seqlens, index.chunk_offsets,
+        H=H, K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return dh, dv_new, dh0

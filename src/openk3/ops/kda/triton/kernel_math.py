@@ -1,0 +1,91 @@
+"""Triton device functions shared by the KDA kernels: the in-kernel gates, row L2 norm, 16×16 unit
+lower-triangular inverse, and tile loads/stores by token rows.
+
+Units: the chunk kernels keep log-decays in **log2** units (natural-log gate × log2(e)) so every decay is
+one ``exp2`` (kda_kernels reference §1.5, "log-base convention"); gradients stay w.r.t. the natural-log gate,
+because ``d/dΓ e^{Γ} = 2^{Γ·log2 e}``.
+
+Legend: ``R`` rows of a tile (tokens), ``K`` key dim, ``C`` columns of a 16×16 block.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+"""log2(e): natural-log decay × LOG2E = log2 decay."""
+
+
+@triton.jit
+def k3_gate_log2(x, A_h, bias, lower_bound_log2):
+    """K3 lower-bounded gate in log2 units: ``lb·log2(e)·σ(e^{A_log}·(x + dt_bias))`` (§1.3).
+
+    ``x`` ``[R, K]`` raw gate (fp32), ``A_h`` scalar ``e^{A_log_h}``, ``bias`` ``[K]`` (zeros without
+    ``dt_bias``), ``lower_bound_log2`` = ``lb·log2(e)``. Returns ``[R, K]`` fp32 in ``(lb·log2 e, 0)``.
+    """
+    z = A_h * (x + bias[None, :])
+    return lower_bound_log2 * tl.sigmoid(z)
+
+
+@triton.jit
+def l2norm_rstd(x, USE_L2NORM: tl.constexpr):
+    """``1/sqrt(Σ_k x² + 1e-6)`` per row of ``x`` ``[R, K]`` (fla's l2norm epsilon, §1.4); ones without."""
+    if USE_L2NORM:
+        return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
+    else:
+        return tl.full([x.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def unit_lower_inverse16(L, BC: tl.constexpr):
+    """``(I + L)^{-1}`` of a strictly lower-triangular ``[16, 16]`` fp32 block by forward substitution.
+
+    Row ``i`` of the inverse is ``e_i − Σ_{j<i} L_ij T_j``; rows are produced in order, so row ``i`` reads
+    only rows ``≤ i`` of ``L`` (causal: a later row never changes an earlier one).
+    """
+    o_i = tl.arange(0, BC)
+    T = (o_i[:, None] == o_i[None, :]).to(tl.float32)
+    for i in tl.static_range(1, BC):
+        l_row = tl.sum(tl.where(o_i[:, None] == i, L, 0.0), axis=0)
+        new_row = -tl.sum(l_row[:, None] * T, axis=0)
+        T = tl.where(o_i[:, None] == i, new_row[None, :] + (o_i[None, :] == i).to(tl.float32), T)
+    return T
+
+
+@triton.jit
+def load_rows(ptr, t_start, n_rows, i_h, col0, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+              C: tl.constexpr):
+    """Load ``[R, C]`` from a ``[tokens, H, W]`` tensor: rows ``t_start + r`` (``r < n_rows``), columns
+    ``col0 + c`` of head ``i_h``; rows past ``n_rows`` read as 0."""
+    o_r = tl.arange(0, R)
+    o_c = tl.arange(0, C)
+    offs = ((t_start + o_r).to(tl.int64)[:, None] * H + i_h) * W + col0 + o_c[None, :]
+    return tl.load(ptr + offs, mask=(o_r < n_rows)[:, None], other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, value, t_start, n_rows, i_h, col0, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+               C: tl.constexpr):
+    """Store ``value`` ``[R, C]`` into rows ``t_start + r < t_start + n_rows`` of a ``[tokens, H, W]``
+    tensor at columns ``col0 + c`` (cast to the tensor's dtype)."""
+    o_r = tl.arange(0, R)
+    o_c = tl.arange(0, C)
+    offs = ((t_start + o_r).to(tl.int64)[:, None] * H + i_h) * W + col0 + o_c[None, :]
+    tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=(o_r < n_rows)[:, None])
+
+
+@triton.jit
+def load_row_vec(ptr, t_start, n_rows, i_h, H: tl.constexpr, R: tl.constexpr):
+    """Load ``[R]`` from a ``[tokens, H]`` tensor (rows past ``n_rows`` read as 0), as fp32."""
+    o_r = tl.arange(0, R)
+    offs = (t_start + o_r).to(tl.int64) * H + i_h
+    return tl.load(ptr + offs, mask=o_r < n_rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_row_vec(ptr, value, t_start, n_rows, i_h, H: tl.constexpr, R: tl.constexpr):
+    """Store ``[R]`` into rows ``t_start + r < t_start + n_rows`` of a ``[tokens, H]`` tensor."""
+    o_r = tl.arange(0, R)
+    offs = (t_start + o_r).to(tl.int64) * H + i_h
+    tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=o_r < n_rows)
