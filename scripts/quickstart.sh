@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quickstart command 1: install, train k3-tiny on Shakespeare (CPU, about 10 minutes), then sample.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+openk3 train "$@"
+openk3 generate --ckpt runs/k3-tiny --prompt "KING HENRY:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
