@@ -3,4 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
+# Without a CUDA GPU, the Triton kernels run in Triton's CPU interpreter (needs triton >= 3.9); a CUDA machine
+# keeps the triton that its torch build ships with.
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  python3 -m pip install -q "triton>=3.9"
+fi
 python3 -m pytest -q "$@"

@@ -50,7 +50,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         do = do.contiguous()
         dh, dv_new, dh0 = chunk_state_bwd(pre, do, None if dht is None else dht.contiguous(), index)
         wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)
-        dq, dk, dg, dbeta, dA_log, ddt = chunk_grad_intra(q, k, g, beta, A_log, dt_bias, pre, wy, index, **opts)
+        dq, dk, dg, dbeta, dA_log, ddt = chunk_grad_intra(
+            q, k, g, beta, A_log, dt_bias, pre, wy, index, **opts
+        )
         return (
             dq, dk, wy.dv, dg, dbeta, dA_log.to(A_log.dtype),
             None if dt_bias is None else ddt.to(dt_bias.dtype),

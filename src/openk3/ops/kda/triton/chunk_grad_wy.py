@@ -11,10 +11,11 @@ of the state at the chunk end), ``E = v_new`` and ``dE = dv_new`` from the two s
         dq += scale·dQ̃ ⊙ e^{Γ}         dk += β dXk ⊙ e^{Γ} + dK̂ ⊙ e^{Γ_C − Γ}
         dΓ += dQ̃ ⊙ Q̃ + β dXk ⊙ K̃ − dK̂ ⊙ K̂      dΓ_C += Σ_rows dK̂ ⊙ K̂ + D ⊙ dD   (Γ_C is the last row)
 
-It writes the partial ``dq, dk, dΓ`` (fp32, w.r.t. the normalised q, k and the cumulative gate), the chunk's
-Γ (log2 units, for the intra kernel) and the block-lower ``dAqk``, ``dL`` and ``dβ`` partials. The key dim is
-split over ``NK`` programs; the value-side sums (``dAqk``, ``dXv`` terms, ``dv``) are split over the same
-programs by value block, so each partial is summed over ``NK`` by the intra kernel.
+Two kernels: the value side (``dAqk``, ``dXv``, ``dv``, the ``dXv`` terms of ``dβ`` and ``dL``) once per
+chunk, and the key side per key block of ``BK`` (``dQ̃``, ``dK̂``, ``dW``, the ``dXk`` terms), so neither holds
+more than a few 64×64 fp32 tiles. They write the partial ``dq, dk, dΓ`` (fp32, w.r.t. the normalised q, k
+and the cumulative gate), the chunk's Γ (log2 units, for the intra kernel), ``dAqk``, and ``1 + NK``
+partials of ``dL`` and ``dβ`` that the intra kernel sums.
 
 Legend: ``H`` heads, ``K``/``V`` key/value dims, ``BK``/``BV`` key/value blocks, ``BT`` chunk rows,
 ``P`` chunks.
@@ -30,42 +31,85 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.kernel_math import LOG2E, k3_gate_log2, load_row_vec, load_rows, store_row_vec, store_rows
+from openk3.ops.kda.triton.kernel_math import (
+    LOG2E,
+    k3_gate_log2,
+    load_row_vec,
+    load_rows,
+    store_row_vec,
+    store_rows,
+)
 
 
 @triton.jit
-def chunk_grad_wy_kernel(
-    q, k, v, g, beta, A_log, dt_bias, q_rstd, k_rstd,
-    w, u, Akk, h, dh, v_new, dv_new, do,
-    dv, dqn, dkn, dG, G, dA, dL, dbeta,
-    cu_seqlens, chunk_table, part_stride, part_stride_b,
-    scale, lower_bound_log2,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, NK: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    """Grid ``(P, H, NK)``."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_k = tl.program_id(2)
+def _chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
+    """First token and number of valid rows of chunk ``i_c``."""
     i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
     i_t = tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + i_t * BT
-    n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
+    return t0, tl.minimum(eos - t0, BT).to(tl.int32)
+
+
+@triton.jit
+def chunk_grad_wy_value_kernel(
+    v, beta, u, Akk, v_new, dv_new, do, dv, dA, dL, dbeta,
+    cu_seqlens, chunk_table,
+    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(P, H)``: the value-side terms ``dAqk = tril(dO Eᵀ)``, ``dXv = Tᵀ dE``, ``dv = β dXv``,
+    ``dβ ← Σ_v V dXv`` and ``dL ← −dXv Uᵀ`` (partial 0 of ``dL`` and ``dβ``)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, n_valid = _chunk_rows(cu_seqlens, chunk_table, i_c, BT)
+    o_t = tl.arange(0, BT)
+    dt = v_new.dtype.element_ty
+    b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
+    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+    acc_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    acc_dL = tl.zeros([BT, BT], dtype=tl.float32)
+    acc_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, V // BV):
+        b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+        b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
+        acc_dA += tl.dot(b_do, tl.trans(b_e))
+        b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
+        b_dxv = tl.dot(tl.trans(b_T), b_de)
+        store_rows(dv, b_dxv * b_beta[:, None], t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+        acc_db += tl.sum(
+            b_dxv * load_rows(v, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32), axis=1
+        )
+        b_u = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
+        acc_dL -= tl.dot(b_dxv, tl.trans(b_u))
+    store_rows(dA, tl.where(o_t[:, None] >= o_t[None, :], acc_dA, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
+    store_rows(dL, tl.where(o_t[:, None] > o_t[None, :], acc_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
+    store_row_vec(dbeta, acc_db, t0, n_valid, i_h, H, BT)
+
+
+@triton.jit
+def chunk_grad_wy_key_kernel(
+    q, k, g, beta, A_log, dt_bias, q_rstd, k_rstd,
+    w, Akk, h, dh, v_new, dv_new, do,
+    dqn, dkn, dG, G, dL, dbeta,
+    cu_seqlens, chunk_table, part_stride, part_stride_b,
+    scale, lower_bound_log2,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of ``dL``, ``dβ``)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    t0, n_valid = _chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
     o_k = i_k * BK + tl.arange(0, BK)
     dt = w.dtype.element_ty
 
-    b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
-    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
     acc_dqg = tl.zeros([BT, BK], dtype=tl.float32)
     acc_dkg = tl.zeros([BT, BK], dtype=tl.float32)
     acc_dwn = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_dA = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_dL = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_db = tl.zeros([BT], dtype=tl.float32)
     acc_dD = tl.zeros([BK], dtype=tl.float32)
     p_chunk = (i_c.to(tl.int64) * H + i_h) * K * V
     for i_v in range(0, V // BV):
@@ -73,25 +117,23 @@ def chunk_grad_wy_kernel(
         p_hv = p_chunk + o_k[:, None] * V + o_v[None, :]
         b_h = tl.load(h + p_hv)
         b_dh = tl.load(dh + p_hv)
-        b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
-        b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
         acc_dqg += tl.dot(b_do, tl.trans(b_h))
-        acc_dkg += tl.dot(b_e, tl.trans(b_dh))
+        b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         acc_dwn += tl.dot(b_de, tl.trans(b_h))
+        b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+        acc_dkg += tl.dot(b_e, tl.trans(b_dh))
         acc_dD += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        if i_v % NK == i_k:
-            acc_dA += tl.dot(b_do, tl.trans(b_e))
-            b_dxv = tl.dot(tl.trans(b_T), b_de.to(tl.float32))
-            store_rows(dv, b_dxv * b_beta[:, None], t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
-            b_v = load_rows(v, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
-            acc_db += tl.sum(b_dxv * b_v, axis=1)
-            b_u = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
-            acc_dL -= tl.dot(b_dxv, tl.trans(b_u))
 
+    # WY: dXk = −Tᵀ dWn, and this key block's share of dL = −dXk Wᵀ
+    b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
     b_dxk = -tl.dot(tl.trans(b_T), acc_dwn)
     b_w = load_rows(w, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-    acc_dL -= tl.dot(b_dxk, tl.trans(b_w))
+    b_dL = -tl.dot(b_dxk, tl.trans(b_w))
+    p_part = (1 + i_k) * part_stride
+    store_rows(
+        dL + p_part, tl.where(o_t[:, None] > o_t[None, :], b_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT
+    )
 
     # the gate and the normalised q, k of this key block
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -103,32 +145,29 @@ def chunk_grad_wy_kernel(
     b_g = tl.where(m_t[:, None], k3_gate_log2(b_x, A_h, bias, lower_bound_log2), 0.0)
     b_G = tl.cumsum(b_g, axis=0)
     b_GC = tl.sum(b_g, axis=0)
+    store_rows(G, b_G, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
     b_eG = tl.exp2(b_G)
-    b_eR = tl.exp2(b_GC[None, :] - b_G)
+    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+
     b_q = load_rows(q, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-    b_k = load_rows(k, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
         b_q = b_q * load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)[:, None]
+    store_rows(dqn, acc_dqg * b_eG * scale, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
+    b_dG = acc_dqg * b_q * b_eG * scale
+    b_k = load_rows(k, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
         b_k = b_k * load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)[:, None]
-
-    b_qt = b_q * b_eG * scale
     b_kt = b_k * b_eG
-    b_kh = b_k * b_eR
+    store_row_vec(dbeta + (1 + i_k) * part_stride_b, tl.sum(b_dxk * b_kt, axis=1), t0, n_valid, i_h, H, BT)
     b_dkt = b_beta[:, None] * b_dxk
-    acc_db += tl.sum(b_dxk * b_kt, axis=1)
-    b_dG = acc_dqg * b_qt + b_dkt * b_kt - acc_dkg * b_kh
+    b_dG += b_dkt * b_kt
+    b_eR = tl.exp2(b_GC[None, :] - b_G)
+    b_kh = b_k * b_eR
+    store_rows(dkn, b_dkt * b_eG + acc_dkg * b_eR, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
+    b_dG -= acc_dkg * b_kh
     b_dGC = tl.sum(acc_dkg * b_kh, axis=0) + tl.exp2(b_GC) * acc_dD
     b_dG += tl.where(o_t[:, None] == n_valid - 1, b_dGC[None, :], 0.0)
-    store_rows(dqn, acc_dqg * b_eG * scale, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
-    store_rows(dkn, b_dkt * b_eG + acc_dkg * b_eR, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
     store_rows(dG, b_dG, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
-    store_rows(G, b_G, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
-
-    b_dA = tl.where(o_t[:, None] >= o_t[None, :], acc_dA, 0.0)
-    b_dL = tl.where(o_t[:, None] > o_t[None, :], acc_dL, 0.0)
-    store_rows(dA + i_k * part_stride, b_dA, t0, n_valid, i_h, 0, H, BT, BT, BT)
-    store_rows(dL + i_k * part_stride, b_dL, t0, n_valid, i_h, 0, H, BT, BT, BT)
-    store_row_vec(dbeta + i_k * part_stride_b, acc_db, t0, n_valid, i_h, H, BT)
 
 
 class WYGrads(NamedTuple):
@@ -145,14 +184,19 @@ class WYGrads(NamedTuple):
     G: torch.Tensor
     """``[tokens, H, K]`` Γ in log2 units."""
     dA: torch.Tensor
-    """``[NK, tokens, H, BT]`` partials of ``dAqk`` (lower, diagonal included)."""
+    """``[tokens, H, BT]`` ``dAqk`` (lower, diagonal included)."""
     dL: torch.Tensor
-    """``[NK, tokens, H, BT]`` partials of ``dL`` (strictly lower)."""
+    """``[1 + NK, tokens, H, BT]`` partials of ``dL`` (strictly lower): value side, then each key block."""
     dbeta: torch.Tensor
-    """``[NK, tokens, H]`` partials of ``dβ``."""
+    """``[1 + NK, tokens, H]`` partials of ``dβ``, in the same order."""
+
+
+LAUNCH = {"num_warps": 8, "num_stages": 2}
+"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives."""
 
 
 def key_block(K: int) -> int:
+    """Key-block width ``BK``: 64 (two programs per chunk at K = 128)."""
     return min(K, 64)
 
 
@@ -160,8 +204,8 @@ def chunk_grad_wy(
     q, k, v, g, beta, A_log, dt_bias, pre: Prepared, h, dh, v_new, dv_new, do, index: ChunkIndex,
     *, scale: float, lower_bound: float, use_l2norm: bool,
 ) -> WYGrads:  # fmt: skip
-    """Launch :func:`chunk_grad_wy_kernel` (arguments as the tensors of the forward and the two state
-    passes, flat ``[tokens, H, ·]``)."""
+    """Launch the value-side and key-side kernels (arguments as the tensors of the forward and the two
+    state passes, flat ``[tokens, H, ·]``)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     BK = key_block(K)
@@ -173,17 +217,24 @@ def chunk_grad_wy(
         dkn=q.new_empty(TT, H, K, dtype=f32),
         dG=q.new_empty(TT, H, K, dtype=f32),
         G=q.new_empty(TT, H, K, dtype=f32),
-        dA=q.new_empty(NK, TT, H, CHUNK, dtype=f32),
-        dL=q.new_empty(NK, TT, H, CHUNK, dtype=f32),
-        dbeta=q.new_empty(NK, TT, H, dtype=f32),
+        dA=q.new_empty(TT, H, CHUNK, dtype=f32),
+        dL=q.new_empty(1 + NK, TT, H, CHUNK, dtype=f32),
+        dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
     )
-    chunk_grad_wy_kernel[(index.num_chunks, H, NK)](
-        q, k, v, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
-        pre.w, pre.u, pre.Akk, h, dh, v_new, dv_new, do,
-        out.dv, out.dqn, out.dkn, out.dG, out.G, out.dA, out.dL, out.dbeta,
+    P = index.num_chunks
+    BV = min(V, 64)
+    chunk_grad_wy_value_kernel[(P, H)](
+        v, beta, pre.u, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
+        index.cu_seqlens, index.chunk_table,
+        H=H, V=V, BT=CHUNK, BV=BV, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+    )  # fmt: skip
+    chunk_grad_wy_key_kernel[(P, H, NK)](
+        q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
+        pre.w, pre.Akk, h, dh, v_new, dv_new, do,
+        out.dqn, out.dkn, out.dG, out.G, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
         scale, lower_bound * LOG2E,
-        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=min(V, 64), NK=NK, USE_L2NORM=use_l2norm,
-        HAS_BIAS=dt_bias is not None, num_warps=8, num_stages=2,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     return out

@@ -38,15 +38,33 @@ from openk3.ops.kda.triton.kernel_math import (
     store_row_vec,
     store_rows,
     unit_lower_inverse16,
+    unit_lower_inverse16_doubling,
 )
 
 SUB_CHUNK = 16
 """Rows per sub-chunk ``BC``: the 16-token tensor-core tiles of the intra-chunk matrices."""
+LAUNCH = {"num_warps": 8, "doubling_inverse": False}
+"""Launch configuration: warps, and the 16×16 inverses by the doubling product instead of forward
+substitution; ``benchmarks/kda.py --sweep`` times the alternatives."""
 
 
 @triton.jit
-def _sub_chunk(q, k, g, beta, t_s, n_s, i_h, A_h, bias, lb2, H: tl.constexpr, K: tl.constexpr,
-               BC: tl.constexpr, USE_L2NORM: tl.constexpr):
+def _sub_chunk(
+    q,
+    k,
+    g,
+    beta,
+    t_s,
+    n_s,
+    i_h,
+    A_h,
+    bias,
+    lb2,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BC: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+):
     """One 16-row sub-chunk: normalised q, k ``[BC, K]``, in-block gate cumsum ``[BC, K]`` (log2), its
     total ``[K]`` and β ``[BC]``; rows past ``n_s`` are zero (identity tokens)."""
     o_r = tl.arange(0, BC)
@@ -86,8 +104,18 @@ def _off_diagonal(b_qa, b_ka, b_col, b_beta, scale):
 
 
 @triton.jit
-def _store_block(ptr, blk, t0, n_valid, i_h, s: tl.constexpr, u: tl.constexpr, H: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr):
+def _store_block(
+    ptr,
+    blk,
+    t0,
+    n_valid,
+    i_h,
+    s: tl.constexpr,
+    u: tl.constexpr,
+    H: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
     store_rows(ptr, blk, t0 + s * BC, n_valid - s * BC, i_h, u * BC, H, BT, BC, BC)
 
 
@@ -103,7 +131,7 @@ def chunk_prepare_kernel(
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RSTD: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RSTD: tl.constexpr, DOUBLING: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
     ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and, with ``STORE_RSTD``, the l2norm ``1/‖·‖``."""
@@ -123,36 +151,46 @@ def chunk_prepare_kernel(
         bias = tl.zeros([K], dtype=tl.float32)
 
     # ---- Aqk and L by 16-row sub-chunks (anchor a_s = Γ before sub-chunk s; a_0 = 0)
-    q0, k0, l0, tot0, be0 = _sub_chunk(q, k, g, beta, t0, n_valid, i_h, A_h, bias, lower_bound_log2,
-                                       H, K, BC, USE_L2NORM)
+    q0, k0, l0, tot0, be0 = _sub_chunk(
+        q, k, g, beta, t0, n_valid, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
+    )
     A00, L00, qa0, ka0, kd0 = _diagonal(q0, k0, l0, be0, scale, BC)
     ke0 = kd0 * tl.exp2(tot0)[None, :]  # k_0·2^{a_1 − Γ_0} ≤ 1
 
-    q1, k1, l1, tot1, be1 = _sub_chunk(q, k, g, beta, t0 + BC, n_valid - BC, i_h, A_h, bias,
-                                       lower_bound_log2, H, K, BC, USE_L2NORM)
+    q1, k1, l1, tot1, be1 = _sub_chunk(
+        q, k, g, beta, t0 + BC, n_valid - BC, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
+    )
     A11, L11, qa1, ka1, kd1 = _diagonal(q1, k1, l1, be1, scale, BC)
     A10, L10 = _off_diagonal(qa1, ka1, ke0, be1, scale)
     ke1 = kd1 * tl.exp2(tot1)[None, :]
 
-    q2, k2, l2, tot2, be2 = _sub_chunk(q, k, g, beta, t0 + 2 * BC, n_valid - 2 * BC, i_h, A_h, bias,
-                                       lower_bound_log2, H, K, BC, USE_L2NORM)
+    q2, k2, l2, tot2, be2 = _sub_chunk(
+        q, k, g, beta, t0 + 2 * BC, n_valid - 2 * BC, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
+    )
     A22, L22, qa2, ka2, kd2 = _diagonal(q2, k2, l2, be2, scale, BC)
     A21, L21 = _off_diagonal(qa2, ka2, ke1, be2, scale)
     A20, L20 = _off_diagonal(qa2, ka2, ke0 * tl.exp2(tot1)[None, :], be2, scale)
     ke2 = kd2 * tl.exp2(tot2)[None, :]
 
-    q3, k3, l3, tot3, be3 = _sub_chunk(q, k, g, beta, t0 + 3 * BC, n_valid - 3 * BC, i_h, A_h, bias,
-                                       lower_bound_log2, H, K, BC, USE_L2NORM)
+    q3, k3, l3, tot3, be3 = _sub_chunk(
+        q, k, g, beta, t0 + 3 * BC, n_valid - 3 * BC, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
+    )
     A33, L33, qa3, ka3, kd3 = _diagonal(q3, k3, l3, be3, scale, BC)
     A32, L32 = _off_diagonal(qa3, ka3, ke2, be3, scale)
     A31, L31 = _off_diagonal(qa3, ka3, ke1 * tl.exp2(tot2)[None, :], be3, scale)
     A30, L30 = _off_diagonal(qa3, ka3, ke0 * tl.exp2(tot1 + tot2)[None, :], be3, scale)
 
     # ---- T = (I + L)^{-1}: diagonal blocks by substitution, then the blocks below them
-    T00 = unit_lower_inverse16(L00, BC)
-    T11 = unit_lower_inverse16(L11, BC)
-    T22 = unit_lower_inverse16(L22, BC)
-    T33 = unit_lower_inverse16(L33, BC)
+    if DOUBLING:
+        T00 = unit_lower_inverse16_doubling(L00, BC)
+        T11 = unit_lower_inverse16_doubling(L11, BC)
+        T22 = unit_lower_inverse16_doubling(L22, BC)
+        T33 = unit_lower_inverse16_doubling(L33, BC)
+    else:
+        T00 = unit_lower_inverse16(L00, BC)
+        T11 = unit_lower_inverse16(L11, BC)
+        T22 = unit_lower_inverse16(L22, BC)
+        T33 = unit_lower_inverse16(L33, BC)
     T10 = -_merge_dot(T11, _merge_dot(L10, T00))
     T21 = -_merge_dot(T22, _merge_dot(L21, T11))
     T20 = -_merge_dot(T22, _merge_dot(L20, T00) + _merge_dot(L21, T10))
@@ -290,6 +328,6 @@ def chunk_prepare(
         scale, lower_bound * LOG2E,
         H=H, K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, STORE_RSTD=store_rstd,
-        num_warps=8 if K * V >= 128 * 128 else 4, num_stages=1,
+        DOUBLING=LAUNCH["doubling_inverse"], num_warps=LAUNCH["num_warps"], num_stages=1,
     )  # fmt: skip
     return out

@@ -75,10 +75,15 @@ def chunk_state_fwd_kernel(
         tl.store(ht + p_state, b_S)
 
 
+LAUNCH = {"num_warps": 4, "num_stages": 2, "min_programs": 256}
+"""Launch configuration of the state passes: warps, pipeline stages, and the fewest programs for which the
+value block is 64 wide (else 32); ``benchmarks/kda.py --sweep`` times the alternatives."""
+
+
 def value_block(V: int, programs_per_block: int) -> int:
-    """Value-block width: 64, or 32 when fewer than ~two programs per SM would run (long single sequences
-    with few heads), never above ``V``."""
-    bv = 64 if programs_per_block * max(V // 64, 1) >= 256 else 32
+    """Value-block width: 64, or 32 when fewer than ``LAUNCH["min_programs"]`` programs would run (long
+    single sequences with few heads), never above ``V``."""
+    bv = 64 if programs_per_block * max(V // 64, 1) >= LAUNCH["min_programs"] else 32
     return min(bv, V)
 
 
@@ -116,6 +121,6 @@ def chunk_state_fwd(
         index.cu_seqlens, index.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BV=BV,
         USE_H0=initial_state is not None, STORE_O=not store_h, STORE_FINAL=output_final_state,
-        STORE_H=store_h, num_warps=4, num_stages=2,
+        STORE_H=store_h, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     return o, ht, h, v_new

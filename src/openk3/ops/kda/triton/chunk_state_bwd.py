@@ -22,7 +22,7 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.chunk_state import value_block
+from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
 from openk3.ops.kda.triton.kernel_math import load_rows, store_rows
 
 
@@ -94,6 +94,7 @@ def chunk_state_bwd(
     chunk_state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
         pre.qg, pre.kg, pre.w, pre.Aqk, pre.gend, do, dht, dh, dv_new, dh0,
         index.cu_seqlens, index.chunk_offsets,
-        H=H, K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None, num_warps=4, num_stages=2,
+        H=H, K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None,
+        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     return dh, dv_new, dh0

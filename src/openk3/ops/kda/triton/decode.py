@@ -23,6 +23,9 @@ import triton.language as tl
 
 GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 """Gate kinds of :func:`kda_decode_kernel` (constexpr ``GATE``)."""
+LAUNCH = {"small_bv": 32, "large_bv": 64, "large_programs": 1024}
+"""Value-block width below / from ``large_programs`` sequence·head pairs; ``benchmarks/kda.py --sweep``
+times the alternatives."""
 
 
 @triton.jit
@@ -31,7 +34,7 @@ def kda_decode_kernel(
     scale, lower_bound, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_SLOTS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``. Tokens of sequence ``n`` are rows ``[n·T, (n+1)·T)`` of the flat token axis,
     or ``[cu_seqlens[n], cu_seqlens[n+1])`` with ``IS_VARLEN``; ``state`` is fp32 ``[S, H, K, V]``."""
@@ -67,6 +70,8 @@ def kda_decode_kernel(
             b_x = tl.load(g + p_tk).to(tl.float32)
             b_v = tl.load(v + (t * H + i_h) * V + o_v).to(tl.float32)
             b_b = tl.load(beta + t * H + i_h).to(tl.float32)
+            if BETA_SIGMOID:
+                b_b = tl.sigmoid(b_b)
             if USE_L2NORM:
                 b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
                 b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
@@ -110,16 +115,18 @@ def launch_decode(
     dt_bias: torch.Tensor | None,
     lower_bound: float | None,
     use_l2norm: bool,
+    beta_sigmoid: bool = False,
 ) -> None:
     """Launch :func:`kda_decode_kernel` on flat ``[tokens, H, ·]`` tensors (no checks: see the callers)."""
     H, K = q.shape[-2:]
     V = v.shape[-1]
-    BV = min(V, 32 if num_seqs * H < 1024 else 64)
+    BV = min(V, LAUNCH["small_bv"] if num_seqs * H < LAUNCH["large_programs"] else LAUNCH["large_bv"])
     kda_decode_kernel[(triton.cdiv(V, BV), num_seqs * H)](
         q, k, v, g, beta, A_log, dt_bias, state, slot_idx, o, cu_seqlens,
         scale, 0.0 if lower_bound is None else lower_bound, tokens_per_seq,
         H=H, K=K, V=V, BV=BV, GATE=_gate_kind(A_log, lower_bound), HAS_BIAS=dt_bias is not None,
         USE_L2NORM=use_l2norm, IS_VARLEN=cu_seqlens is not None, HAS_SLOTS=slot_idx is not None,
+        BETA_SIGMOID=beta_sigmoid,
         num_warps=4 if K * BV >= 128 * 64 else 2, num_stages=1,
     )  # fmt: skip
 
@@ -138,6 +145,7 @@ def fused_recurrent_kda_decode(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
+    use_beta_sigmoid_in_kernel: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode (or verify) ``T`` new tokens for ``N`` sequences whose fp32 states live in a pool; updates
@@ -146,12 +154,13 @@ def fused_recurrent_kda_decode(
     Args:
         q, k, g: ``[N, T, H, K]``; ``g`` is the raw gate with ``A_log`` given (K3 gate with
             ``lower_bound``, Kimi-Linear softplus gate without), else the log-decay (natural log, ≤ 0).
-        v: ``[N, T, H, V]``. beta: ``[N, T, H]`` post-sigmoid.
+        v: ``[N, T, H, V]``. beta: ``[N, T, H]`` post-sigmoid (logits with ``use_beta_sigmoid_in_kernel``).
         state_pool: fp32 ``[S, H, K, V]`` (K first), contiguous; rows ``slot_idx`` are read and overwritten.
         slot_idx: int32/int64 ``[N]`` pool rows, distinct; a negative entry skips that sequence (zeros out).
         scale: multiplies q; default ``K ** -0.5``.
         A_log: ``[H' ≥ H]`` (first H used); dt_bias: ``[H*K]`` or None; lower_bound: ``lb < 0`` or None.
         use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(Σx² + 1e-6)``, default True).
+        use_beta_sigmoid_in_kernel: apply ``σ`` to ``beta`` in the kernel (default False).
         out: optional ``[N, T, H, V]`` output buffer (v's dtype).
 
     Returns:
@@ -181,7 +190,7 @@ def fused_recurrent_kda_decode(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
         slot_idx, None, o, num_seqs=N, tokens_per_seq=T, scale=K**-0.5 if scale is None else scale,
         A_log=None if A_log is None else A_log[:H], dt_bias=dt_bias, lower_bound=lower_bound,
-        use_l2norm=use_qk_l2norm_in_kernel,
+        use_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     return o
 

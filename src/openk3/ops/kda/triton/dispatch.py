@@ -59,4 +59,6 @@ def use_triton_recurrent(q, k, v, g, beta, *, initial_state) -> bool:
     also needs no gradient (the kernel has no backward)."""
     tensors = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return _on_gpu(q, k, v, g, beta) and not needs_grad and _dims_ok(q, v) and _half_or_single(q, k, v, g, beta)
+    return (
+        _on_gpu(q, k, v, g, beta) and not needs_grad and _dims_ok(q, v) and _half_or_single(q, k, v, g, beta)
+    )

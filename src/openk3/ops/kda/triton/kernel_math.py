@@ -54,38 +54,60 @@ def unit_lower_inverse16(L, BC: tl.constexpr):
 
 
 @triton.jit
-def load_rows(ptr, t_start, n_rows, i_h, col0, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
-              C: tl.constexpr):
-    """Load ``[R, C]`` from a ``[tokens, H, W]`` tensor: rows ``t_start + r`` (``r < n_rows``), columns
-    ``col0 + c`` of head ``i_h``; rows past ``n_rows`` read as 0."""
-    o_r = tl.arange(0, R)
-    o_c = tl.arange(0, C)
-    offs = ((t_start + o_r).to(tl.int64)[:, None] * H + i_h) * W + col0 + o_c[None, :]
-    return tl.load(ptr + offs, mask=(o_r < n_rows)[:, None], other=0.0)
+def unit_lower_inverse16_doubling(L, BC: tl.constexpr):
+    """``(I + L)^{-1} = (I − L)(I + L²)(I + L⁴)(I + L⁸)`` for a strictly lower-triangular ``[16, 16]`` fp32
+    block (``L^16 = 0``; FlashKDA's doubling product, kda_kernels reference §2.2), in fp32 FMA dots: no
+    per-row reductions. Row ``i`` of every factor reads only rows ``≤ i`` of ``L``, so it is causal too."""
+    o_i = tl.arange(0, BC)
+    eye = (o_i[:, None] == o_i[None, :]).to(tl.float32)
+    L2 = tl.dot(L, L, input_precision="ieee")
+    L4 = tl.dot(L2, L2, input_precision="ieee")
+    L8 = tl.dot(L4, L4, input_precision="ieee")
+    T = tl.dot(eye - L, eye + L2, input_precision="ieee")
+    T = tl.dot(T, eye + L4, input_precision="ieee")
+    return tl.dot(T, eye + L8, input_precision="ieee")
 
 
 @triton.jit
-def store_rows(ptr, value, t_start, n_rows, i_h, col0, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
-               C: tl.constexpr):
+def load_rows(
+    ptr, t_start, n_rows, i_h, col0, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr, C: tl.constexpr
+):
+    """Load ``[R, C]`` from a ``[tokens, H, W]`` tensor: rows ``t_start + r`` (``r < n_rows``), columns
+    ``col0 + c`` of head ``i_h``; rows past ``n_rows`` read as 0. The row offset is one 64-bit scalar; the
+    per-element offsets stay 32-bit."""
+    o_r = tl.arange(0, R)
+    o_c = tl.arange(0, C)
+    base = ptr + (t_start.to(tl.int64) * H + i_h) * W + col0
+    return tl.load(base + o_r[:, None] * (H * W) + o_c[None, :], mask=(o_r < n_rows)[:, None], other=0.0)
+
+
+@triton.jit
+def store_rows(
+    ptr, value, t_start, n_rows, i_h, col0, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr, C: tl.constexpr
+):
     """Store ``value`` ``[R, C]`` into rows ``t_start + r < t_start + n_rows`` of a ``[tokens, H, W]``
     tensor at columns ``col0 + c`` (cast to the tensor's dtype)."""
     o_r = tl.arange(0, R)
     o_c = tl.arange(0, C)
-    offs = ((t_start + o_r).to(tl.int64)[:, None] * H + i_h) * W + col0 + o_c[None, :]
-    tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=(o_r < n_rows)[:, None])
+    base = ptr + (t_start.to(tl.int64) * H + i_h) * W + col0
+    tl.store(
+        base + o_r[:, None] * (H * W) + o_c[None, :],
+        value.to(ptr.dtype.element_ty),
+        mask=(o_r < n_rows)[:, None],
+    )
 
 
 @triton.jit
 def load_row_vec(ptr, t_start, n_rows, i_h, H: tl.constexpr, R: tl.constexpr):
     """Load ``[R]`` from a ``[tokens, H]`` tensor (rows past ``n_rows`` read as 0), as fp32."""
     o_r = tl.arange(0, R)
-    offs = (t_start + o_r).to(tl.int64) * H + i_h
-    return tl.load(ptr + offs, mask=o_r < n_rows, other=0.0).to(tl.float32)
+    base = ptr + t_start.to(tl.int64) * H + i_h
+    return tl.load(base + o_r * H, mask=o_r < n_rows, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def store_row_vec(ptr, value, t_start, n_rows, i_h, H: tl.constexpr, R: tl.constexpr):
     """Store ``[R]`` into rows ``t_start + r < t_start + n_rows`` of a ``[tokens, H]`` tensor."""
     o_r = tl.arange(0, R)
-    offs = (t_start + o_r).to(tl.int64) * H + i_h
-    tl.store(ptr + offs, value.to(ptr.dtype.element_ty), mask=o_r < n_rows)
+    base = ptr + t_start.to(tl.int64) * H + i_h
+    tl.store(base + o_r * H, value.to(ptr.dtype.element_ty), mask=o_r < n_rows)

@@ -1,0 +1,521 @@
+"""GPU speed of the Triton KDA kernels against flash-linear-attention (fla) 0.6.0, measured in one run.
+
+Both sides get the same bf16 inputs and the K3 flags: gate in the kernel with ``lower_bound = −5`` (fla:
+``safe_gate=True``), q/k L2 norm in the kernel, β from logits (fla: ``use_beta_sigmoid_in_kernel``; ours:
+``torch.sigmoid`` inside the timed region, as our op takes post-sigmoid β). Times are CUDA-event medians.
+Decode is one token per sequence on H = 96, D = 128: ours updates a fp32 state pool in place
+(``fused_recurrent_kda_decode``); fla is timed both through its public ``fused_recurrent_kda`` (new final
+state, the PRODUCT.md anchor) and through ``fused_recurrent_kda_fwd`` in place on the pool. Each decode time
+is given eagerly (a loop of launches between two events, host overhead included) and replayed from a CUDA
+graph (device time only). fla is optional: without it only our numbers are printed.
+
+    python benchmarks/kda.py                               # table on stdout
+    python benchmarks/kda.py --out benchmarks/results      # also kda_h200.json and kda_h200.md there
+    python benchmarks/kda.py --sweep                       # also time launch configurations per kernel
+
+The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
+pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
+measured on this workplace's H200s.
+
+Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim (K = V = D), ``C`` chunk (64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from openk3.ops.kda import chunk_kda
+
+LOWER_BOUND = -5.0
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOP_PER_S = 7.9e14
+CHUNK_SHAPES = [
+    ("B1 T8192 H96 D128", 1, 8192, 96, 128, None),
+    ("B1 T8192 H96 D128 varlen 1024x8", 1, 8192, 96, 128, [1024] * 8),
+    ("B1 T32768 H32 D128", 1, 32768, 32, 128, None),
+    ("B8 T4096 H32 D128", 8, 4096, 32, 128, None),
+]
+DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64, 96, 128)]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="directory for kda_h200.json and kda_h200.md")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per forward measurement")
+    parser.add_argument("--sweep", action="store_true", help="also time launch configurations per kernel")
+    parser.add_argument("--skip-fla", action="store_true", help="time our kernels only")
+    parser.add_argument("--fla-passes", default="fwd,fwd+bwd", help="passes timed for fla (default both)")
+    parser.add_argument(
+        "--sections", default="decode,chunk,breakdown", help="comma list of decode, chunk, breakdown, sweep"
+    )
+    return parser.parse_args()
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def time_ms(fn, iters: int, warmup: int = 2) -> float:
+    """Median CUDA-event time of ``fn()`` in ms."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_us_per_call(fn, calls: int = 200, repeats: int = 5) -> dict:
+    """Decode-sized work: eager (``calls`` launches between two events) and CUDA-graph replay, µs/call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    eager = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        eager.append(start.elapsed_time(end) * 1e3 / calls)
+    out = {"eager_us": statistics.median(eager), "graph_us": None}
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        replays = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            replays.append(start.elapsed_time(end) * 1e3 / 200)
+        out["graph_us"] = statistics.median(replays)
+    except Exception as err:  # noqa: BLE001 - a call that cannot be captured is reported, not fatal
+        out["graph_error"] = f"{type(err).__name__}: {err}"[:200]
+    return out
+
+
+def rel_rmse(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return ((out - ref).square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def chunk_inputs(B, T, H, D, lens, seed=0) -> dict:
+    """bf16 q, k, v, raw gate, β logits; fp32 ``A_log`` (0, K3 init) and ``dt_bias`` (inverse softplus of
+    log-uniform [1e-3, 0.1], fla's layer init, §1.10)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    dt = torch.exp(torch.rand(H * D, generator=gen, device="cuda") * (2.302585 * 2) - 6.907755).clamp_min(
+        1e-4
+    )
+    x = dict(
+        q=randn(B, T, H, D).bfloat16(),
+        k=randn(B, T, H, D).bfloat16(),
+        v=randn(B, T, H, D).bfloat16(),
+        g=randn(B, T, H, D).bfloat16(),
+        beta=randn(B, T, H).bfloat16(),
+        A_log=torch.zeros(H, device="cuda"),
+        dt_bias=dt + torch.log(-torch.expm1(-dt)),
+    )
+    x["cu_seqlens"] = None
+    if lens is not None:
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        x["cu_seqlens"] = torch.tensor(offsets, device="cuda", dtype=torch.int64)
+    return x
+
+
+def ours_chunk(x):
+    return chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], torch.sigmoid(x["beta"]), A_log=x["A_log"], dt_bias=x["dt_bias"],
+        lower_bound=LOWER_BOUND, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"],
+    )[0]  # fmt: skip
+
+
+def fla_chunk(x):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        safe_gate=True, lower_bound=LOWER_BOUND, cu_seqlens=x["cu_seqlens"],
+    )[0]  # fmt: skip
+
+
+LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+
+def fwd_bwd(op, x, do):
+    for name in LEAVES:
+        x[name].grad = None
+    op(x).backward(do)
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def roofline(B, T, H, D, passes: str) -> dict:
+    """Fewest bytes, chunk-form matmul FLOPs and the time floor of one call (see the module docstring)."""
+    C, tokens = 64, B * T
+    chunks = B * -(-T // C) * H
+    io_fwd = tokens * H * (5 * D * 2 + 2)  # q, k, v, g, β read; o written (bf16)
+    macs_fwd = 3 * C * C * D + 2 * C * C * D + 3 * C * D * D  # Aqk, L, W | U, Aqk·E | W·S, Q̃·S, K̂ᵀE
+    macs_bwd = macs_fwd + 6 * C * D * D + 4 * C * C * D + 7 * C * C * D  # recompute, state bwd, WY, intra
+    io = io_fwd if passes == "fwd" else io_fwd + tokens * H * (11 * D * 2 + 4)
+    flops = 2 * chunks * (macs_fwd if passes == "fwd" else macs_fwd + macs_bwd)
+    floor = max(io / HBM_BYTES_PER_S, flops / BF16_FLOP_PER_S)
+    return {
+        "bytes": io,
+        "flops": flops,
+        "floor_ms": floor * 1e3,
+        "bound": "memory" if io / HBM_BYTES_PER_S * BF16_FLOP_PER_S >= flops else "compute",
+    }
+
+
+def decode_roofline(B, H, D) -> dict:
+    io = B * H * (2 * D * D * 4 + 4 * D * 2 + 2)  # fp32 state read + written; q, k, v, g read; o written
+    return {"bytes": io, "floor_us": io / HBM_BYTES_PER_S * 1e6}
+
+
+# ------------------------------------------------------------------------------------------- benchmarks
+
+
+def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd=True) -> list[dict]:
+    x = chunk_inputs(B, T, H, D, lens)
+    rows = []
+    ops = {"ours": ours_chunk} | ({"fla": fla_chunk} if use_fla else {})
+    with torch.no_grad():
+        outs = {side: op(x) for side, op in ops.items()}
+        times = {side: time_ms(lambda op=op: op(x), iters) for side, op in ops.items()}
+    rows.append(_row(name, "fwd", times, roofline(B, T, H, D, "fwd")))
+    if use_fla:
+        rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["ours"])
+    del outs
+    if not fla_bwd:
+        ops.pop("fla", None)
+        use_fla = False
+    for n in LEAVES:
+        x[n].requires_grad_()
+    do = torch.randn(
+        B, T, H, D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)
+    ).bfloat16()
+    grads = {}
+    for side, op in ops.items():
+        fwd_bwd(op, x, do)
+        grads[side] = {n: x[n].grad.clone() for n in LEAVES}
+    times = {side: time_ms(lambda op=op: fwd_bwd(op, x, do), max(iters // 2, 3)) for side, op in ops.items()}
+    rows.append(_row(name, "fwd+bwd", times, roofline(B, T, H, D, "fwd+bwd")))
+    if use_fla:
+        rows[-1]["ours_vs_fla_grad_rel_rmse"] = {
+            n: rel_rmse(grads["fla"][n], grads["ours"][n]) for n in LEAVES
+        }
+    return rows
+
+
+def _row(name, passes, times, roof) -> dict:
+    row = {"shape": name, "pass": passes, "ours_ms": times["ours"], "fla_ms": times.get("fla")}
+    row["speedup"] = row["fla_ms"] / row["ours_ms"] if row["fla_ms"] else None
+    row["roofline"] = roof
+    row["ours_over_floor"] = row["ours_ms"] / roof["floor_ms"]
+    print(f"{name:<34} {passes:<8} ours {row['ours_ms']:8.3f} ms   fla {row['fla_ms'] or float('nan'):8.3f} ms   "
+          f"x{row['speedup'] or float('nan'):5.2f}   floor {roof['floor_ms']:.3f} ms", flush=True)  # fmt: skip
+    return row
+
+
+def bench_decode(name, B, H, D, use_fla) -> dict:
+    from openk3.ops.kda.triton import fused_recurrent_kda_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = chunk_inputs(B, 1, H, D, None, seed=3)
+    pool = torch.randn(B, H, D, D, generator=gen, device="cuda") * 0.1
+    slots = torch.arange(B, device="cuda", dtype=torch.int32)
+    tokens = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND)
+    out = torch.empty_like(x["v"])
+
+    def ours():
+        fused_recurrent_kda_decode(*tokens, pool, slots, **gate, use_beta_sigmoid_in_kernel=True, out=out)
+
+    row = {
+        "shape": name,
+        "pass": "decode",
+        "roofline": decode_roofline(B, H, D),
+        "ours": time_us_per_call(ours),
+    }
+    if use_fla:
+        from fla.ops.kda import fused_recurrent_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+        state = pool.clone()
+        pool_fla = pool.clone()
+
+        def fla_public():
+            fused_recurrent_kda(*tokens, **gate, initial_state=state, output_final_state=True, **flags)
+
+        def fla_pool():
+            fused_recurrent_kda_fwd(*tokens, **gate, initial_state=pool_fla, inplace_final_state=True,
+                                    ssm_state_indices=slots, output_final_state=True, **flags)  # fmt: skip
+
+        row["fla_public"] = time_us_per_call(fla_public)
+        row["fla_pool"] = time_us_per_call(fla_pool)
+        p1, p2 = pool.clone(), pool.clone()
+        o1 = fused_recurrent_kda_decode(*tokens, p1, slots, **gate, use_beta_sigmoid_in_kernel=True)
+        o2, _ = fused_recurrent_kda_fwd(*tokens, **gate, initial_state=p2, inplace_final_state=True,
+                                        ssm_state_indices=slots, output_final_state=True, **flags)  # fmt: skip
+        row["ours_vs_fla_o_rel_rmse"] = rel_rmse(o2, o1)
+        row["ours_vs_fla_state_rel_rmse"] = rel_rmse(p2, p1)
+        row["speedup_eager"] = row["fla_public"]["eager_us"] / row["ours"]["eager_us"]
+        if row["fla_public"]["graph_us"] and row["ours"]["graph_us"]:
+            row["speedup_graph"] = row["fla_public"]["graph_us"] / row["ours"]["graph_us"]
+    print(
+        f"{name:<34} ours {row['ours']}  fla {row.get('fla_public')}  fla pool {row.get('fla_pool')}",
+        flush=True,
+    )
+    return row
+
+
+# -------------------------------------------------------------------------------- per-kernel breakdown
+
+
+def our_launches(B, T, H, D) -> dict:
+    """Each launch of our forward and backward as a callable, its inputs prepared once (default configs)."""
+    from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
+    from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
+    from openk3.ops.kda.triton.chunk_index import fixed_length_index
+    from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
+    from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
+    from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
+
+    x = chunk_inputs(B, T, H, D, None)
+    flat = {n: x[n].reshape(B * T, H, -1) if x[n].dim() == 4 else x[n] for n in LEAVES}
+    beta = torch.sigmoid(x["beta"]).reshape(B * T, H)
+    index = fixed_length_index(B, T, x["q"].device)
+    opts = dict(scale=D**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True)
+    args = (flat["q"], flat["k"], flat["v"], flat["g"], beta, x["A_log"], x["dt_bias"])
+    do = torch.randn_like(flat["v"])
+    state = dict(V=D, out_dtype=torch.bfloat16, output_final_state=False)
+    pre = chunk_prepare(*args, index, store_rstd=True, **opts)
+    _, _, h, v_new = chunk_state_fwd(pre, None, index, store_h=True, **state)
+    dh, dv_new, _ = chunk_state_bwd(pre, do, None, index)
+    wy = chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts)
+    intra = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], pre, wy, index)
+    return {
+        "prepare": lambda: chunk_prepare(*args, index, store_rstd=True, **opts),
+        "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, **state),
+        "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, store_h=True, **state),
+        "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
+        "grad_wy": lambda: chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts),
+        "grad_intra": lambda: chunk_grad_intra(*intra, **opts),
+    }
+
+
+def kernel_breakdown(B, T, H, D, iters=5) -> dict:
+    """Time each launch of our forward and backward separately (ms)."""
+    return {name: time_ms(fn, iters) for name, fn in our_launches(B, T, H, D).items()}
+
+
+SWEEP = {
+    "chunk_prepare": [
+        {"num_warps": 4},
+        {"doubling_inverse": True},
+        {"doubling_inverse": True, "num_warps": 4},
+    ],
+    "chunk_state": [{"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3}, {"min_programs": 0}],
+    "chunk_grad_wy": [{"num_warps": 4}],
+    "chunk_grad_intra": [{"num_warps": 8}],
+}
+SWEEP_KERNELS = {
+    "chunk_prepare": ["prepare"],
+    "chunk_state": ["state_fwd (o)", "state_fwd (h, E)", "state_bwd"],
+    "chunk_grad_wy": ["grad_wy"],
+    "chunk_grad_intra": ["grad_intra"],
+}
+
+
+@contextlib.contextmanager
+def launch_config(module_name: str, config: dict):
+    import importlib
+
+    launch = importlib.import_module(f"openk3.ops.kda.triton.{module_name}").LAUNCH
+    saved = dict(launch)
+    launch.update(config)
+    try:
+        yield
+    finally:
+        launch.clear()
+        launch.update(saved)
+
+
+def sweep(shapes) -> list[dict]:
+    """Time the launches of each kernel module under each of its configurations in ``SWEEP``."""
+    rows = []
+    for B, T, H, D in shapes:
+        launches = our_launches(B, T, H, D)
+        for module, configs in SWEEP.items():
+            for config in configs:
+                with launch_config(module, config):
+                    try:
+                        result = {k: time_ms(launches[k], 3, warmup=1) for k in SWEEP_KERNELS[module]}
+                    except Exception as err:  # noqa: BLE001 - a config that fails to compile is reported
+                        result = {"error": f"{type(err).__name__}: {err}"[:200]}
+                rows.append(
+                    {"module": module, "config": config, "shape": f"B{B} T{T} H{H} D{D}", "ms": result}
+                )
+                print(f"sweep {module} {config} B{B} T{T} H{H}: {result}", flush=True)
+        del launches
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def environment(use_fla: bool) -> dict:
+    import triton
+
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python " + " ".join(sys.argv),
+    }
+    if use_fla:
+        import fla
+
+        env["fla"] = getattr(fla, "__version__", "?")
+    with contextlib.suppress(Exception):
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        env["nvidia_smi"] = smi.stdout.strip()
+    return env
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        "# KDA kernels: openk3 Triton vs flash-linear-attention 0.6.0",
+        "",
+        f"Command: `{env['command']}`",
+        "",
+        f"GPU: {env['gpu']} ({env.get('nvidia_smi', '')}); torch {env['torch']}, triton {env['triton']}, "
+        f"CUDA {env['cuda']}, fla {env.get('fla', 'not installed')}; {env['date']}.",
+        "",
+        "bf16, gate in kernel with lower bound −5 (fla `safe_gate=True`), q/k L2 norm in kernel, β from logits; "
+        "CUDA-event medians. Floor = max(fewest bytes / 4.3 TB/s, chunk-form FLOPs / 790 TFLOP/s).",
+        "",
+        "| shape | pass | fla ms | ours ms | speed-up | floor ms (bound) | ours / floor |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["chunk"]:
+        fla = f"{r['fla_ms']:.3f}" if r["fla_ms"] else "—"
+        sp = f"{r['speedup']:.2f}×" if r["speedup"] else "—"
+        roof = r["roofline"]
+        lines.append(f"| {r['shape']} | {r['pass']} | {fla} | {r['ours_ms']:.3f} | {sp} | "
+                     f"{roof['floor_ms']:.3f} ({roof['bound']}) | {r['ours_over_floor']:.1f} |")  # fmt: skip
+    lines += [
+        "",
+        "| decode (1 token) | fla public µs eager / graph | fla in-place pool µs eager / graph | "
+        "ours µs eager / graph | speed-up vs fla public eager / graph | floor µs |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def fmt(t):
+        if not t:
+            return "—"
+        graph = f"{t['graph_us']:.1f}" if t.get("graph_us") else "n/a"
+        return f"{t['eager_us']:.1f} / {graph}"
+
+    for r in report["decode"]:
+        sp = (
+            f"{r['speedup_eager']:.2f}× / {r.get('speedup_graph', float('nan')):.2f}×"
+            if "speedup_eager" in r
+            else "—"
+        )
+        lines.append(f"| {r['shape']} | {fmt(r.get('fla_public'))} | {fmt(r.get('fla_pool'))} | {fmt(r['ours'])} | "
+                     f"{sp} | {r['roofline']['floor_us']:.1f} |")  # fmt: skip
+    if report.get("breakdown"):
+        lines += ["", "Our launches, B1 T8192 H96 D128 (ms): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in report["breakdown"].items())]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    use_fla = not args.skip_fla
+    if use_fla:
+        try:
+            import fla.ops.kda  # noqa: F401
+        except ImportError as err:
+            print(f"fla not importable ({err}); timing ours only", flush=True)
+            use_fla = False
+    report = {"environment": environment(use_fla), "chunk": [], "decode": []}
+
+    def save() -> None:  # after every section, so a run cut short keeps what it measured
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "kda_h200.json").write_text(json.dumps(report, indent=1))
+            (args.out / "kda_h200.md").write_text(markdown(report))
+
+    sections = args.sections.split(",")
+    if "breakdown" in sections:
+        report["breakdown"] = kernel_breakdown(1, 8192, 96, 128)
+        print("breakdown", report["breakdown"], flush=True)
+        save()
+    if "decode" in sections:
+        for name, B, H, D in DECODE_SHAPES:
+            report["decode"].append(bench_decode(name, B, H, D, use_fla))
+        save()
+    if "chunk" in sections:
+        for name, B, T, H, D, lens in CHUNK_SHAPES:
+            fla_bwd = "fwd+bwd" in args.fla_passes.split(",")
+            report["chunk"] += bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd)
+            torch.cuda.empty_cache()
+            save()
+    if "sweep" in sections:
+        report["sweep"] = sweep([(1, 8192, 96, 128)])
+        save()
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
