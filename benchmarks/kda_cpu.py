@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -89,6 +90,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lower_bound = GATES[args.gate]
+    load_before = os.getloadavg()[0]
     rows = []
     for shape in args.shapes:
         B, T, H, K = (int(x) for x in shape.lower().split("x"))
@@ -98,9 +100,17 @@ def main() -> None:
         chunk, chunk_med = best_ms(partial(fwd_bwd, chunk_kda, inputs, lower_bound), args.repeats)
         rows.append(dict(B=B, T=T, H=H, K=K, V=K, naive_ms=naive, naive_median_ms=naive_med,
                          chunk_ms=chunk, chunk_median_ms=chunk_med, speedup=naive / chunk))  # fmt: skip
-    env = dict(torch=torch.__version__, cpu=cpu_name(), cores=torch.get_num_threads(), gate=args.gate)
-    print(f"torch {env['torch']} · {env['cpu']} · {env['cores']} threads · fp32 · gate {args.gate} · "
-          f"best of {args.repeats} (naive: {args.naive_repeats}) after one warm-up\n")  # fmt: skip
+    env = dict(
+        torch=torch.__version__,
+        cpu=cpu_name(),
+        cpus=os.cpu_count(),
+        threads=torch.get_num_threads(),
+        gate=args.gate,
+        load_avg_1min=[load_before, os.getloadavg()[0]],
+    )
+    print(f"torch {env['torch']} · {env['cpu']} ({env['cpus']} CPUs) · {env['threads']} thread(s) · fp32 · "
+          f"gate {args.gate} · best of {args.repeats} (naive: {args.naive_repeats}) after one warm-up · "
+          f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")  # fmt: skip
     print("| B×T×H×K (V = K) | naive fwd+bwd ms | chunk fwd+bwd ms | speed-up |")
     print("|---|---:|---:|---:|")
     for r in rows:
