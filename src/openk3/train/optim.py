@@ -352,7 +352,10 @@ class KimiMuon(Optimizer):
         return loss
 
     def _muon_step(self, group: dict) -> None:
+        """Momentum per parameter, then one batched Newton–Schulz per matrix shape (heads, experts and
+        same-shape parameters stacked), so a model's many small matrices cost a few large launches."""
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -365,11 +368,16 @@ class KimiMuon(Optimizer):
             u = g.lerp(buf, mu) if group["nesterov"] else buf
             if group["kind"] == "muon_per_head":
                 u = u.reshape(group["heads"], -1, u.shape[-1])  # [H, d_h, d_in]
-            ns_dtype = group["ns_dtype"] or (torch.bfloat16 if p.device.type == "cuda" else torch.float32)
-            o = newton_schulz(u, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], ns_dtype)
-            scale = muon_lr_scale(u.shape[-2], u.shape[-1], group["adjust_lr_fn"])
-            p.mul_(1 - lr * wd)
-            p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr * scale)
+            u_bMN = u.reshape(-1, *u.shape[-2:])
+            buckets.setdefault((tuple(u_bMN.shape[-2:]), p.device), []).append((p, u_bMN))
+        for ((M, N), device), items in buckets.items():
+            ns_dtype = group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+            U = torch.cat([u for _, u in items]) if len(items) > 1 else items[0][1]
+            O = newton_schulz(U, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], ns_dtype)
+            scale = muon_lr_scale(M, N, group["adjust_lr_fn"])
+            for (p, _), o in zip(items, O.split([u.shape[0] for _, u in items]), strict=True):
+                p.mul_(1 - lr * wd)
+                p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr * scale)
 
     def _adamw_step(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
