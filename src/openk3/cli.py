@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=cmd_info)
 
-    tr = sub.add_parser("train", help="train a model (default: k3-tiny on Shakespeare, CPU, ~10 minutes)")
+    tr = sub.add_parser("train", help="train a model (default: k3-tiny on Shakespeare, CPU, under 10 minutes)")
     tr.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default k3-tiny)")
     tr.add_argument("--data", help="text/JSONL file, folder or glob (default: Shakespeare's complete works)")
     tr.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: train a byte-level BPE)")
@@ -225,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-batches", dest="max_batches", type=int, default=None)
     ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ev.set_defaults(func=cmd_eval)
+
+    from openk3.serve.cli import add_serve_parser  # light: heavy imports happen when `serve` runs
+
+    add_serve_parser(sub)
     return parser
 
 

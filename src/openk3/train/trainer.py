@@ -57,10 +57,10 @@ class TrainConfig:
     """A ``tokenizer.json``/``.tiktoken`` file or folder; ``None`` trains a byte-level BPE of the model's vocab."""
     out: str = "runs/k3-tiny"
     """Run folder: data shards, metrics.jsonl, loss.png, checkpoints/."""
-    steps: int = 250
+    steps: int = 200
     batch_size: int = 16
     grad_accum: int = 1
-    context_schedule: list[tuple[int, int]] = field(default_factory=lambda: [(0, 64), (80, 128)])
+    context_schedule: list[tuple[int, int]] = field(default_factory=lambda: [(0, 64), (60, 128)])
     """Progressive context: ``(start_step, seq_len)`` pairs."""
     lr: float = 3e-3
     """Peak learning rate of both Muon (RMS-matched) and AdamW."""

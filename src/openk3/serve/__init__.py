@@ -1,0 +1,42 @@
+"""Serving: an engine with continuous batching and chunked prefill over a paged pool of MLA latent blocks
+and KDA state pages, hash-chained prefix caching with KDA checkpoints, admission control, and an
+OpenAI-compatible HTTP API.
+
+Files (one concept each)::
+
+    config.py          CacheConfig, SchedulerConfig, EngineConfig
+    block_pool.py      pages, ref_cnt, LRU free queue, hash index, null block 0 (written invariants)
+    prefix_cache.py    chained block hashes, two-stage longest-hit lookup
+    cache_storage.py   the page tensor: MLA latent blocks and KDA state pages, gather/scatter
+    kv_manager.py      block tables, state slots, copy-on-write hits, checkpoints, reservations
+    request.py         Request, SamplingParams, RequestOutput
+    scheduler.py       budgets, admission, chunked prefill, update
+    decode_forward.py  batched decode: paged absorbed MLA, two-phase Block AttnRes
+    model_runner.py    execute a step (prefill via the model forward, batched decode), sample
+    engine.py          LLMEngine: schedule → execute → update
+    async_engine.py    the engine on a background thread
+    protocol.py        OpenAI request bodies and error objects
+    chat_template.py   messages → prompt ids (tokenizer template or ChatML default)
+    detokenizer.py     incremental text with stop strings held back
+    openai_serving.py  completions / chat handlers, SSE
+    metrics.py         Prometheus metrics
+    api.py             FastAPI routes and error handlers
+    server.py          load a checkpoint, run uvicorn, BackgroundServer
+    cli.py             ``openk3 serve``
+
+The HTTP parts need ``fastapi``, ``uvicorn`` and ``prometheus-client``; the engine needs only torch.
+"""
+
+from openk3.serve.config import CacheConfig, EngineConfig, SchedulerConfig
+from openk3.serve.engine import LLMEngine
+from openk3.serve.request import Request, RequestOutput, SamplingParams
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "LLMEngine",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+]

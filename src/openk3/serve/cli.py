@@ -1,0 +1,112 @@
+"""``openk3 serve``: the OpenAI-compatible server for a checkpoint (hooked into ``openk3.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from openk3.serve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from openk3.serve.server import run_server
+
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        pool_mib=args.pool_mib,
+        checkpoint_interval=args.checkpoint_interval,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_model_len=args.max_model_len,
+        queue_timeout_s=args.queue_timeout,
+    )
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    run_server(
+        args.ckpt,
+        args.host,
+        args.port,
+        engine_config=EngineConfig(cache, scheduler),
+        model_name=args.model_name,
+        device=args.device,
+        dtype=dtype,
+    )
+    return 0
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to an ``argparse`` subparsers object; returns its parser."""
+    d_cache, d_sched = _defaults()
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server for a checkpoint (/v1/completions, chat, SSE)"
+    )
+    p.add_argument(
+        "--ckpt", required=True, help="checkpoint folder or run folder (uses its latest checkpoint)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", dest="model_name", help="model id in the API (default: the folder name)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
+    g = p.add_argument_group("cache")
+    g.add_argument(
+        "--block-size",
+        dest="block_size",
+        type=int,
+        default=d_cache.block_size,
+        help="tokens per MLA latent block / prefix-hash unit (16 on CPU; 512 for large models)",
+    )
+    g.add_argument("--num-blocks", dest="num_blocks", type=int, help="pool pages (default: from --pool-mib)")
+    g.add_argument("--pool-mib", dest="pool_mib", type=float, default=d_cache.pool_mib)
+    g.add_argument(
+        "--checkpoint-interval",
+        dest="checkpoint_interval",
+        type=int,
+        default=d_cache.checkpoint_interval,
+        help="KDA state checkpoint every N blocks (0: last only)",
+    )
+    g.add_argument("--no-prefix-caching", dest="no_prefix_caching", action="store_true")
+    g = p.add_argument_group("scheduler")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        dest="max_num_batched_tokens",
+        type=int,
+        default=d_sched.max_num_batched_tokens,
+    )
+    g.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=d_sched.max_num_seqs)
+    g.add_argument(
+        "--max-waiting",
+        dest="max_waiting",
+        type=int,
+        default=d_sched.max_waiting,
+        help="bound of the waiting queue (beyond it: 429)",
+    )
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        dest="long_prefill_token_threshold",
+        type=int,
+        default=d_sched.long_prefill_token_threshold,
+    )
+    g.add_argument("--max-model-len", dest="max_model_len", type=int, default=d_sched.max_model_len)
+    g.add_argument(
+        "--queue-timeout",
+        dest="queue_timeout",
+        type=float,
+        default=d_sched.queue_timeout_s,
+        help="seconds a request may wait for admission before 429",
+    )
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _defaults():
+    from openk3.serve.config import CacheConfig, SchedulerConfig
+
+    return CacheConfig(), SchedulerConfig()

@@ -1,0 +1,86 @@
+"""Typed engine configuration: the paged cache and the scheduler (one dataclass each).
+
+Names follow vLLM (``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
+``long_prefill_token_threshold``; reference/systems.md §3.1, §4.1). Every ``__post_init__`` raises
+``ValueError`` naming the field and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LARGE_MODEL_HIDDEN = 2048
+"""Models at least this wide default to 512-token blocks (the official sizes); smaller ones to 16."""
+
+
+def default_block_size(text_config) -> int:
+    """512 tokens for large models (hidden ≥ 2048), 16 for the CPU presets (reference/systems.md §5 item 7)."""
+    return 512 if text_config.hidden_size >= LARGE_MODEL_HIDDEN else 16
+
+
+@dataclass
+class CacheConfig:
+    """The paged pool of MLA latent blocks and KDA state pages, and the prefix cache."""
+
+    block_size: int = 16
+    """Tokens per MLA latent block (also the prefix-hash unit and the KDA checkpoint grid)."""
+    num_blocks: int | None = None
+    """Pages in the pool, null block 0 included; ``None`` sizes the pool from ``pool_mib``."""
+    pool_mib: float = 256.0
+    """Pool memory in MiB when ``num_blocks`` is ``None``."""
+    checkpoint_interval: int = 16
+    """Keep a KDA state checkpoint every this many blocks of a prompt (0: only the last boundary before
+    the prompt's end, plus branching points)."""
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
+        if self.num_blocks is None and not self.pool_mib > 0:
+            raise ValueError(f"pool_mib must be > 0, got {self.pool_mib}")
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval must be >= 0 blocks, got {self.checkpoint_interval}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step budgets and the admission queue."""
+
+    max_num_batched_tokens: int = 512
+    """Token budget of one engine step, shared by decodes (1 token each) and prefill chunks."""
+    max_num_seqs: int = 64
+    """Most requests running at once (decode batch size)."""
+    max_waiting: int = 128
+    """Bound of the waiting queue; a request arriving when it is full is rejected (HTTP 429)."""
+    long_prefill_token_threshold: int = 256
+    """Most prompt tokens one request prefills in one step, so a long prompt cannot starve short ones."""
+    max_model_len: int = 8192
+    """Most tokens (prompt + output) of one request."""
+    queue_timeout_s: float = 60.0
+    """A request still waiting after this many seconds is rejected (HTTP 429)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_waiting",
+            "long_prefill_token_threshold",
+            "max_model_len",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens <= self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed max_num_seqs="
+                f"{self.max_num_seqs}, or a full decode batch leaves no budget for any prefill"
+            )
+        if not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
+
+
+@dataclass
+class EngineConfig:
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

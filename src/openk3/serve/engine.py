@@ -1,0 +1,120 @@
+"""The engine: one step is ``schedule → execute → update`` (vLLM v1 ``EngineCore.step``).
+
+:class:`LLMEngine` is synchronous and single-threaded; :mod:`openk3.serve.async_engine` runs it on a
+background thread for the HTTP server. Building it sizes the paged pool from the model config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.serve.block_pool import BlockPool
+from openk3.serve.cache_storage import CacheStorage, PageLayout
+from openk3.serve.config import EngineConfig
+from openk3.serve.kv_manager import KVCacheManager
+from openk3.serve.model_runner import ModelRunner, language_model
+from openk3.serve.request import Request, RequestOutput
+from openk3.serve.scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of pool blocks referenced by requests."""
+    num_free_blocks: int
+    num_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_checkpoints_stored: int
+    num_rejected: int
+
+
+class LLMEngine:
+    """Continuous batching over a paged cache for one model (``eval`` mode, no grad)."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model.eval()
+        lm = language_model(model)
+        self.vocab_size = lm.config.vocab_size
+        if self.config.scheduler.max_model_len > lm.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.config.scheduler.max_model_len} exceeds the model's "
+                f"max_position_embeddings={lm.config.max_position_embeddings}; lower max_model_len"
+            )
+        dtype = lm.model.embed_tokens.weight.dtype
+        device = lm.model.embed_tokens.weight.device
+        cc = self.config.cache
+        layout = PageLayout.for_config(lm.config, cc.block_size, dtype)
+        num_blocks = cc.num_blocks or max(2, int(cc.pool_mib * 2**20 // layout.page_bytes))
+        self.pool = BlockPool(num_blocks)
+        self.storage = CacheStorage(layout, num_blocks, device)
+        self.kv = KVCacheManager(self.pool, self.storage, cc)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.runner = ModelRunner(model, self.storage)
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit) or ``QueueFullError``."""
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.no_grad()
+    def step(self, lock=None) -> list[RequestOutput]:
+        """``schedule → execute → update``. With ``lock`` (a ``threading.Lock``) held around schedule and
+        update only, other threads may add and abort requests while the model runs."""
+        lock = lock or contextlib.nullcontext()
+        with lock:
+            scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled) if scheduled.chunks else {}
+        with lock:
+            return self.scheduler.update(scheduled, sampled)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request (after an engine error); each output carries ``message`` in ``error``."""
+        outputs = []
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(request.request_id)
+        for out in self.scheduler.schedule_aborts():
+            out.error = message
+            outputs.append(out)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.pool.usage,
+            self.pool.num_free_blocks,
+            self.pool.num_blocks,
+            kv.prefix_query_tokens,
+            kv.prefix_hit_tokens,
+            kv.num_checkpoints_stored,
+            self.scheduler.num_rejected,
+        )
+
+    def generate(self, requests: list[Request], max_steps: int = 1_000_000) -> dict[str, list[int]]:
+        """Run ``requests`` to completion (offline use and tests); returns request id → output tokens.
+
+        Raises ``RuntimeError`` if they are not done after ``max_steps`` steps."""
+        for request in requests:
+            self.add_request(request)
+        for _ in range(max_steps):
+            if not self.has_unfinished_requests():
+                return {r.request_id: list(r.output_token_ids) for r in requests}
+            self.step()
+        raise RuntimeError(f"requests not finished after {max_steps} steps")

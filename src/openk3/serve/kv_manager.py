@@ -1,0 +1,186 @@
+"""The KV cache manager: block tables, KDA state slots, prefix hits, checkpoints and reservations.
+
+Per running request it keeps an append-only ``block_table`` (MLA latent blocks, one per ``bs`` tokens), a
+``state_slot`` (the pages of the request's own running KDA state) and a reservation: the blocks it may
+still allocate before ``max_tokens``. Admission reserves the worst case, so a running request can never
+run out of blocks and no preemption is needed (a simpler, more conservative policy than vLLM's
+recompute preemption; reference/systems.md §4.1).
+
+Reservation invariant: ``Σ reserved ≤ pool.num_free_blocks`` (free blocks include evictable cached ones,
+so "free plus evictable" is what admission compares against).
+
+A hit (:func:`~openk3.serve.prefix_cache.find_longest_cache_hit`) reuses the matched MLA blocks (their
+``ref_cnt`` goes up) and copies the matched KDA checkpoint into the request's own slot (copy-on-write: the
+checkpoint itself is never written). Checkpoints are stored at ``request.checkpoint_positions``: the last
+block boundary before the prompt's end, every ``checkpoint_interval``-th boundary, and the branching point
+where a previous lookup's MLA match went deeper than its state (SGLang ``mamba_branching_seqlen``).
+A checkpoint is a cache entry with ``ref_cnt`` 0 (evictable at once); it is skipped when storing it would
+eat into reservations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from openk3.serve.block_pool import BlockPool, CacheKey, PoolExhaustedError
+from openk3.serve.cache_storage import CacheStorage
+from openk3.serve.config import CacheConfig
+from openk3.serve.prefix_cache import CacheHit, extend_block_hashes, find_longest_cache_hit
+from openk3.serve.request import Request
+
+
+@dataclass
+class AdmissionPlan:
+    hit: CacheHit
+    num_new_blocks: int
+    """MLA blocks the request may still allocate (its reservation)."""
+    num_pages_needed: int
+    """Free blocks admission needs: the state slot, hit blocks leaving the free queue, and the larger of
+    the reservation and the checkpoint pages held during the copy."""
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, storage: CacheStorage, config: CacheConfig) -> None:
+        self.pool, self.storage, self.config = pool, storage, config
+        self.block_size = config.block_size
+        self.state_pages = storage.layout.state_pages
+        self.block_tables: dict[str, list[int]] = {}
+        self.state_slots: dict[str, tuple[int, ...]] = {}
+        self.reserved: dict[str, int] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_checkpoints_stored = 0
+
+    # ---- budgets ---------------------------------------------------------------------------------------
+    @property
+    def num_available_blocks(self) -> int:
+        """Free (or evictable) blocks not promised to a running request."""
+        return self.pool.num_free_blocks - sum(self.reserved.values())
+
+    def max_blocks(self, request: Request) -> int:
+        """MLA blocks a request holds at most: its last sampled token is never computed."""
+        return math.ceil((request.max_num_tokens - 1) / self.block_size)
+
+    def check_fits_pool(self, request: Request) -> None:
+        """Raise ``ValueError`` when the request could not run even in an empty pool."""
+        need = self.max_blocks(request) + self.state_pages
+        if need > self.pool.num_blocks - 1:
+            raise ValueError(
+                f"prompt + max_tokens = {request.max_num_tokens} tokens need {need} cache blocks; "
+                f"the pool has {self.pool.num_blocks - 1}"
+            )
+
+    # ---- admission -------------------------------------------------------------------------------------
+    def plan_admission(self, request: Request) -> AdmissionPlan | None:
+        """Look up the prefix and size the request's needs; ``None`` when it does not fit now."""
+        hit = CacheHit()
+        if self.config.enable_prefix_caching:
+            extend_block_hashes(request.block_hashes, request.prompt_token_ids, self.block_size)
+            hit = find_longest_cache_hit(
+                self.pool,
+                request.block_hashes,
+                request.num_prompt_tokens,
+                self.block_size,
+                self.state_pages > 0,
+            )
+        plan = self._plan(request, hit)
+        if plan.num_pages_needed > self.num_available_blocks and hit.num_tokens:
+            plan = self._plan(request, CacheHit())  # holding the hit costs more than recomputing it
+        return plan if plan.num_pages_needed <= self.num_available_blocks else None
+
+    def _plan(self, request: Request, hit: CacheHit) -> AdmissionPlan:
+        leaving_free = sum(1 for b in hit.mla_blocks if self.pool.blocks[b].ref_cnt == 0)
+        held = sum(1 for b in hit.checkpoint_blocks if self.pool.blocks[b].ref_cnt == 0)
+        new_blocks = self.max_blocks(request) - len(hit.mla_blocks)
+        return AdmissionPlan(hit, new_blocks, self.state_pages + leaving_free + max(new_blocks, held))
+
+    def admit(self, request: Request, plan: AdmissionPlan) -> None:
+        """Take the hit blocks, allocate and fill the state slot (checkpoint copy or zeros), reserve."""
+        rid, hit = request.request_id, plan.hit
+        self.pool.touch(hit.checkpoint_blocks)
+        self.pool.touch(hit.mla_blocks)
+        slot = tuple(self.pool.get_new_blocks(self.state_pages))
+        if hit.checkpoint_blocks:
+            self.storage.copy_pages(hit.checkpoint_blocks, slot)
+        elif slot:
+            self.storage.zero_pages(slot)
+        self.pool.free_blocks(hit.checkpoint_blocks)
+        self.block_tables[rid] = list(hit.mla_blocks)
+        self.state_slots[rid] = slot
+        self.reserved[rid] = plan.num_new_blocks
+        self.num_cached_blocks[rid] = len(hit.mla_blocks)
+        request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
+        request.checkpoint_positions = self._checkpoint_positions(request, hit)
+        self.prefix_query_tokens += request.num_prompt_tokens
+        self.prefix_hit_tokens += hit.num_tokens
+
+    def _checkpoint_positions(self, request: Request, hit: CacheHit) -> frozenset[int]:
+        if not (self.config.enable_prefix_caching and self.state_pages):
+            return frozenset()
+        bs, P = self.block_size, request.num_prompt_tokens
+        positions = {(P - 1) // bs * bs, hit.num_mla_matched_tokens}
+        if self.config.checkpoint_interval:
+            step = self.config.checkpoint_interval * bs
+            positions.update(range(step, P, step))
+        return frozenset(p for p in positions if hit.num_tokens < p < P)
+
+    # ---- running ---------------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> None:
+        """Grow the block table to cover ``num_computed_tokens + num_new_tokens`` (from the reservation)."""
+        rid = request.request_id
+        table = self.block_tables[rid]
+        need = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size) - len(table)
+        if need <= 0:
+            return
+        if need > self.reserved[rid]:
+            raise PoolExhaustedError(f"request {rid} needs {need} blocks beyond its reservation")
+        table.extend(self.pool.get_new_blocks(need))
+        self.reserved[rid] -= need
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        rid = request.request_id
+        n_full = request.num_computed_tokens // self.block_size
+        start = self.num_cached_blocks[rid]
+        if n_full <= start:
+            return
+        hashes = extend_block_hashes(
+            request.block_hashes, request.all_token_ids[: n_full * self.block_size], self.block_size
+        )
+        table = self.block_tables[rid]
+        for i in range(start, n_full):
+            self.pool.cache(CacheKey("mla", hashes[i]), (table[i],))
+        self.num_cached_blocks[rid] = n_full
+
+    def store_checkpoint(self, request: Request) -> bool:
+        """Copy the request's KDA state (at a block boundary) into a new cached checkpoint entry.
+
+        Returns whether one was stored (not when it exists already or the pool has no spare blocks).
+        """
+        n = request.num_computed_tokens
+        if n % self.block_size or not self.state_pages or self.num_available_blocks < self.state_pages:
+            return False
+        extend_block_hashes(request.block_hashes, request.all_token_ids[:n], self.block_size)
+        key = CacheKey("kda", request.block_hashes[n // self.block_size - 1])
+        if self.pool.lookup(key) is not None:
+            return False
+        pages = tuple(self.pool.get_new_blocks(self.state_pages))
+        self.storage.copy_pages(self.state_slots[request.request_id], pages)
+        self.pool.cache(key, pages)
+        self.pool.free_blocks(pages)
+        self.num_checkpoints_stored += 1
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release everything the request holds: blocks (tail first, so the prefix's end is evicted first),
+        the state slot and the reservation. Idempotent."""
+        rid = request.request_id
+        if rid not in self.block_tables:
+            return
+        self.pool.free_blocks(reversed(self.block_tables.pop(rid)))
+        self.pool.free_blocks(self.state_slots.pop(rid))
+        del self.reserved[rid], self.num_cached_blocks[rid]

@@ -1,0 +1,361 @@
+"""The OpenAI completions and chat-completions handlers on top of :class:`AsyncEngine`.
+
+One API request becomes ``prompts × n`` engine requests ("choices"). Their outputs come back on the event
+loop through an ``asyncio.Queue``; each choice has an :class:`IncrementalDetokenizer` that holds back stop
+strings. Streaming (SSE, reference/systems.md §4.4): ``data: <json>\\n\\n`` chunks, then ``data: [DONE]``;
+with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one extra chunk with
+``"choices": []`` carries the usage. The response (or stream) starts only after the first output, so a
+request that is rejected while queued still gets a plain 429. When the client goes away (a stream closed
+early, or a disconnect seen while waiting), every engine request of the call is aborted, which frees its
+blocks.
+
+Special tokens (eos, chat markers, …) never appear in the text. Usage counts each prompt once and every choice's generated tokens (an end-of-sequence token included);
+``prompt_tokens_details.cached_tokens`` is the prefix-cache hit of each prompt's first choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from openk3.serve.async_engine import AsyncEngine
+from openk3.serve.chat_template import ChatTemplate
+from openk3.serve.detokenizer import IncrementalDetokenizer
+from openk3.serve.metrics import ServerMetrics
+from openk3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from openk3.serve.request import Request, RequestOutput, SamplingParams
+from openk3.serve.scheduler import QueueFullError
+
+DISCONNECT_POLL_S = 0.5
+CLIENT_CLOSED_STATUS = 499
+"""Status logged for a non-streaming request whose client went away (nobody receives it)."""
+
+
+class ClientDisconnectedError(Exception):
+    """The HTTP client closed the connection while its request was running."""
+
+
+@dataclass
+class ServingConfig:
+    model_name: str
+    max_model_len: int
+    max_n: int = 8
+    """Most choices (``n``) per request."""
+    retry_after_s: int = 1
+    """``Retry-After`` seconds sent with 429."""
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    text: str = ""
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    started: bool = False
+
+
+@dataclass
+class _Call:
+    """The engine requests of one API call and the queue their outputs arrive on."""
+
+    choices: list[_Choice]
+    prompt_lens: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        prompt = sum(self.prompt_lens)
+        cached = sum(
+            next(c.num_cached_tokens for c in self.choices if c.prompt_index == p)
+            for p in range(len(self.prompt_lens))
+        )
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+def _sse(payload) -> str:
+    return f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n"
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer,
+        chat_template: ChatTemplate,
+        metrics: ServerMetrics,
+        config: ServingConfig,
+    ) -> None:
+        self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
+        self.metrics, self.config = metrics, config
+        self.hidden_ids = set(tokenizer.special_tokens.values())
+        """Special tokens are not written into the text (vLLM ``skip_special_tokens``)."""
+
+    # ---- validation and submission ---------------------------------------------------------------------
+    def _check_common(self, req) -> None:
+        if req.model != self.config.model_name:
+            raise APIError(
+                400,
+                f"The model {req.model!r} does not exist; this server serves {self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if req.n > self.config.max_n:
+            raise APIError(
+                400, f"n must be at most {self.config.max_n}, got {req.n}", param="n", code="invalid_value"
+            )
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        limit = self.config.max_model_len
+        if prompt_len >= limit or (requested is not None and prompt_len + requested > limit):
+            asked = prompt_len + (requested or 0)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the request asks for "
+                f"{asked} ({prompt_len} in the prompt)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested if requested is not None else limit - prompt_len
+
+    def _tokenize_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        vocab = self.engine.engine.vocab_size
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "prompt encodes to no tokens", param="prompt")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
+                )
+        return prompts
+
+    def _start(self, req, prompts: list[list[int]], max_tokens: list[int], stop_ids: set[int]) -> _Call:
+        base = uuid.uuid4().hex
+        choices = []
+        for p, ids in enumerate(prompts):
+            for k in range(req.n):
+                index = p * req.n + k
+                seed = None if req.seed is None else req.seed + k
+                params = SamplingParams(max_tokens[p], req.temperature, req.top_p, seed, frozenset(stop_ids))
+                detok = IncrementalDetokenizer(self.tokenizer, req.stop_strings, self.hidden_ids | stop_ids)
+                choices.append(_Choice(index, p, Request(f"{base}-{index}", ids, params), detok))
+        call = _Call(choices, [len(ids) for ids in prompts])
+        loop = asyncio.get_running_loop()
+        for choice in choices:
+
+            def callback(out: RequestOutput, c=choice) -> None:
+                loop.call_soon_threadsafe(call.queue.put_nowait, (c, out))
+
+            try:
+                self.engine.submit(choice.request, callback)
+            except QueueFullError as e:
+                self._abort(call)
+                self.metrics.rejections.inc()
+                raise APIError(
+                    429,
+                    f"The server is busy: {e}. Retry later.",
+                    type="rate_limit_exceeded",
+                    code="queue_full",
+                    headers={"Retry-After": str(self.config.retry_after_s)},
+                ) from e
+            except ValueError as e:
+                self._abort(call)
+                raise APIError(400, str(e), param="prompt") from e
+        self.metrics.prompt_tokens.inc(sum(call.prompt_lens))
+        return call
+
+    def _abort(self, call: _Call) -> None:
+        for choice in call.choices:
+            self.engine.abort(choice.request.request_id)
+
+    # ---- outputs ---------------------------------------------------------------------------------------
+    def _apply(self, call: _Call, choice: _Choice, out: RequestOutput) -> str | None:
+        """Fold one engine output into its choice; returns new text (None when the choice already ended)."""
+        if choice.finish_reason is not None:
+            return None
+        if out.error:
+            raise APIError(500, out.error, type="server_error", code="engine_error")
+        if out.finish_reason == "rejected":
+            self.metrics.rejections.inc()
+            raise APIError(
+                429,
+                "The request waited too long in the queue. Retry later.",
+                type="rate_limit_exceeded",
+                code="queue_timeout",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+        if out.new_token_ids and not call.choices[0].num_tokens and choice is call.choices[0]:
+            self.metrics.ttft.observe(time.monotonic() - call.arrival)
+        choice.num_tokens += len(out.new_token_ids)
+        choice.num_cached_tokens = out.num_cached_tokens
+        text, stopped = choice.detok.push(out.new_token_ids)
+        if stopped:
+            choice.finish_reason = "stop"
+            self.engine.abort(choice.request.request_id)
+        elif out.finished:
+            text += choice.detok.flush()
+            choice.finish_reason = out.finish_reason
+        choice.text += text
+        return text
+
+    async def _next(self, call: _Call, http: HTTPRequest | None) -> tuple[_Choice, str | None]:
+        while True:
+            try:
+                choice, out = await asyncio.wait_for(call.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if http is not None and await http.is_disconnected():
+                    raise ClientDisconnectedError() from None
+                continue
+            return choice, self._apply(call, choice, out)
+
+    # ---- endpoints -------------------------------------------------------------------------------------
+    async def completions(self, body, http: HTTPRequest):
+        try:
+            req = CompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from e
+        self._check_common(req)
+        prompts = self._tokenize_prompts(req.prompt)
+        max_tokens = [self._max_tokens(req.max_tokens, len(p), "prompt") for p in prompts]
+        call = self._start(req, prompts, max_tokens, {self.tokenizer.eos_id})
+        return await self._respond(call, req, http, chat=False)
+
+    async def chat(self, body, http: HTTPRequest):
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from e
+        self._check_common(req)
+        ids = self.chat_template.encode([{"role": m.role, "content": m.text} for m in req.messages])
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = [self._max_tokens(requested, len(ids), "messages")]
+        call = self._start(req, [ids], max_tokens, set(self.chat_template.stop_token_ids))
+        return await self._respond(call, req, http, chat=True)
+
+    async def _respond(self, call: _Call, req, http: HTTPRequest, chat: bool):
+        cid = ("chatcmpl-" if chat else "cmpl-") + call.choices[0].request.request_id.split("-")[0]
+        created = int(time.time())
+        try:
+            first = await self._next(call, http)  # 429 / 500 can still be a plain error response here
+        except ClientDisconnectedError:
+            self._abort(call)
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except BaseException:
+            self._abort(call)
+            raise
+        if req.stream:
+            return StreamingResponse(
+                self._stream(call, req, first, cid, created, chat),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            while not call.done:
+                await self._next(call, http)
+        except ClientDisconnectedError:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        finally:
+            self._abort(call)
+        body = {
+            "id": cid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.config.model_name,
+            "choices": [],
+            "usage": call.usage(),
+        }
+        for c in call.choices:
+            if chat:
+                body["choices"].append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            else:
+                body["choices"].append(
+                    {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                )
+        return JSONResponse(body)
+
+    def _chunk(
+        self, cid, created, chat: bool, choice: _Choice, text: str, finish: str | None, usage: bool
+    ) -> dict:
+        if chat:
+            delta = {"content": text} if text or finish is None else {}
+            if not choice.started:
+                delta = {"role": "assistant", "content": text}
+                choice.started = True
+            entry = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            entry = {"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish}
+        payload = {
+            "id": cid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": self.config.model_name,
+            "choices": [entry],
+        }
+        if usage:
+            payload["usage"] = None
+        return payload
+
+    async def _stream(self, call: _Call, req, first, cid, created, chat: bool) -> AsyncIterator[str]:
+        usage = req.include_usage
+        try:
+            event = first
+            while True:
+                choice, text = event
+                if text is not None and (text or choice.finish_reason or (chat and not choice.started)):
+                    yield _sse(self._chunk(cid, created, chat, choice, text, choice.finish_reason, usage))
+                if call.done:
+                    break
+                try:
+                    event = await self._next(call, None)
+                except APIError as e:
+                    yield _sse(e.body())
+                    break
+            if usage and call.done:
+                yield _sse(
+                    {
+                        "id": cid,
+                        "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": created,
+                        "model": self.config.model_name,
+                        "choices": [],
+                        "usage": call.usage(),
+                    }
+                )
+            yield _sse("[DONE]")
+        finally:
+            self._abort(call)

@@ -1,0 +1,79 @@
+"""Prefix caching: hash-chained token blocks and the two-stage longest-hit lookup.
+
+A full block of ``block_size`` tokens is named by ``hash(parent_hash, tokens)`` (a chain, so equal hashes
+mean equal whole prefixes; vLLM automatic prefix caching). The pool indexes two kinds of entries by it
+(:class:`~openk3.serve.block_pool.CacheKey`): the block's MLA latents (``"mla"``) and, at selected
+boundaries, the KDA state after the block's last token (``"kda"``).
+
+Lookup (reference/systems.md §3.1 ``HybridKVCacheCoordinator.find_longest_cache_hit``, §3.2):
+
+1. left to right over the request's block hashes while the MLA block is cached → an upper bound;
+2. right to left from that bound to the deepest boundary with a KDA checkpoint → the hit.
+
+With one attention group and one state group a single pass is the fixed point. The hit is capped at
+``num_tokens − 1`` tokens so the last prompt token is always computed (its logits give the first output).
+
+Legend: ``bs`` block size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from openk3.serve.block_pool import BlockPool, CacheKey
+
+ROOT_HASH = hashlib.blake2b(b"openk3 prefix cache root", digest_size=16).digest()
+"""Parent hash of a request's first block."""
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """16-byte BLAKE2b of the parent hash and the block's token ids (int64 little-endian)."""
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids))
+    return h.digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Append the hashes of the full blocks of ``token_ids`` not yet in ``hashes`` (in place; returned)."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else ROOT_HASH
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes
+
+
+@dataclass
+class CacheHit:
+    num_tokens: int = 0
+    """Tokens served from the cache (a multiple of ``bs``)."""
+    mla_blocks: list[int] = field(default_factory=list)
+    """Pool blocks holding the latents of the hit tokens (``num_tokens // bs`` of them)."""
+    checkpoint_blocks: tuple[int, ...] = ()
+    """Pages of the KDA state at ``num_tokens`` (empty for no hit, or a model without KDA layers)."""
+    num_mla_matched_tokens: int = 0
+    """Stage-1 bound: tokens whose MLA blocks are cached (≥ ``num_tokens``)."""
+
+
+def find_longest_cache_hit(
+    pool: BlockPool, block_hashes: Sequence[bytes], num_tokens: int, block_size: int, has_state: bool
+) -> CacheHit:
+    """The longest usable prefix of a request with ``num_tokens`` prompt tokens and these block hashes.
+
+    ``has_state``: the model has KDA layers, so a hit needs a KDA checkpoint at its end boundary.
+    """
+    max_blocks = min(len(block_hashes), (num_tokens - 1) // block_size)
+    mla: list[int] = []
+    for i in range(max_blocks):
+        ids = pool.lookup(CacheKey("mla", block_hashes[i]))
+        if ids is None:
+            break
+        mla.append(ids[0])
+    matched = len(mla)
+    if not has_state:
+        return CacheHit(matched * block_size, mla, (), matched * block_size)
+    for n in range(matched, 0, -1):
+        state = pool.lookup(CacheKey("kda", block_hashes[n - 1]))
+        if state is not None:
+            return CacheHit(n * block_size, mla[:n], state, matched * block_size)
+    return CacheHit(0, [], (), matched * block_size)

@@ -1,0 +1,105 @@
+"""A request inside the engine, its sampling parameters, and the output events it produces.
+
+vLLM v1 names: a request has ``num_tokens`` (prompt + output so far) and ``num_computed_tokens`` (tokens
+whose KDA state / MLA latents are in the cache); every step moves ``num_computed_tokens`` towards
+``num_tokens``. There are no separate prefill and decode phases (a "decode" is a one-token step).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    REJECTED = "rejected"
+    """Not admitted before ``queue_timeout_s`` (the API answers 429)."""
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling (``openk3.generate.sample_next``): temperature 0 = greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    """Generating any of these ends the request (the token is not part of the text)."""
+
+    def __post_init__(self) -> None:
+        from openk3.generate import check_sampling
+
+        check_sampling(self.temperature, self.top_p, self.max_tokens)
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    """``"stop"``, ``"length"``, ``"abort"`` or ``"rejected"``."""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (``usage.prompt_tokens_details.cached_tokens``)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the request's full blocks (prompt, then output)."""
+    checkpoint_positions: frozenset[int] = frozenset()
+    """Prompt boundaries (token counts) where the KDA state is stored; set at admission."""
+    status: RequestStatus = RequestStatus.WAITING
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the request can ever hold: prompt + ``max_tokens``."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

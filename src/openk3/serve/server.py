@@ -1,0 +1,120 @@
+"""Load a checkpoint into a server, run it with uvicorn, or run it on a background thread (tests, benchmarks).
+
+A checkpoint folder (or a training run folder: its latest checkpoint) must hold ``config.json``, the
+safetensors shards and ``tokenizer.json`` (``openk3 train`` writes all three).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from openk3.serve.api import build_app
+from openk3.serve.async_engine import AsyncEngine
+from openk3.serve.chat_template import ChatTemplate
+from openk3.serve.config import EngineConfig
+from openk3.serve.engine import LLMEngine
+from openk3.serve.metrics import ServerMetrics
+from openk3.serve.openai_serving import OpenAIServing, ServingConfig
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A model folder, or a run folder's latest checkpoint. Raises ``FileNotFoundError``."""
+    from openk3.train.state import latest_checkpoint
+
+    folder = latest_checkpoint(path)
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer.json (checkpoints written by `openk3 train` have one)"
+        )
+    return folder
+
+
+def build_server(
+    model,
+    tokenizer,
+    engine_config: EngineConfig | None = None,
+    model_name: str = "openk3",
+    chat_template: ChatTemplate | None = None,
+    max_n: int = 8,
+) -> tuple[FastAPI, OpenAIServing]:
+    """An app (and its serving object, for inspection) over an in-memory model and tokenizer."""
+    engine_config = engine_config or EngineConfig()
+    tokenizer.check_fits(getattr(model, "language_model", model).config.vocab_size)
+    metrics = ServerMetrics()
+    engine = AsyncEngine(LLMEngine(model, engine_config), on_step=metrics.on_step)
+    config = ServingConfig(model_name, engine_config.scheduler.max_model_len, max_n)
+    serving = OpenAIServing(engine, tokenizer, chat_template or ChatTemplate(tokenizer), metrics, config)
+    return build_app(serving), serving
+
+
+def load_server(
+    ckpt: str | Path,
+    engine_config: EngineConfig | None = None,
+    model_name: str | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[FastAPI, OpenAIServing]:
+    """Build the server for a checkpoint folder (``model_name`` defaults to the folder name)."""
+    from openk3.checkpoint import from_pretrained
+    from openk3.data import Tokenizer
+
+    folder = resolve_checkpoint(ckpt)
+    model = from_pretrained(folder, device=device, dtype=dtype)
+    tokenizer = Tokenizer.load(folder)
+    name = model_name or folder.name
+    return build_server(model, tokenizer, engine_config, name, ChatTemplate.from_folder(tokenizer, folder))
+
+
+class BackgroundServer:
+    """Run an app with uvicorn on a thread: ``with BackgroundServer(app) as srv: srv.base_url``.
+
+    ``port=0`` picks a free port. Exiting shuts the server down (and with it the engine thread).
+    Raises ``RuntimeError`` when the server does not start within ``start_timeout_s``.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.start_timeout_s = start_timeout_s
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def run_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
+    """Serve a checkpoint until interrupted (``openk3 serve``)."""
+    app, serving = load_server(ckpt, **kwargs)
+    print(
+        f"openk3 serve: model {serving.config.model_name!r} on http://{host}:{port}/v1 "
+        f"({serving.engine.engine.pool.num_blocks} cache blocks of "
+        f"{serving.engine.engine.storage.layout.block_size} tokens)",
+        flush=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,207 @@
+"""The serving engine against the model itself: prefix-cache hit == cold run, batched == single request,
+the paged batched decode (absorbed MLA, two-phase AttnRes) == the model's forward, chunked prefill,
+admission, abort. References are :func:`openk3.generate.greedy` and the model forward with its own cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openk3
+from openk3.generate import greedy
+from openk3.model.attn_res import attn_res_mix
+from openk3.model.norm import RMSNorm
+from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+from openk3.serve.decode_forward import TwoPhaseAttnRes, _MixSite
+from openk3.serve.scheduler import QueueFullError
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second intra-op thread, and on a shared machine OpenMP spinning
+    can slow these tests tenfold; the previous setting is restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=VOCAB), seed=0).eval()
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def engine(model, block_size=8, num_blocks=2000, interval=2, caching=True, **sched) -> LLMEngine:
+    sched = {"max_num_batched_tokens": 96, "max_num_seqs": 16, "long_prefill_token_threshold": 32, **sched}
+    return LLMEngine(
+        model,
+        EngineConfig(
+            CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                checkpoint_interval=interval,
+                enable_prefix_caching=caching,
+            ),
+            SchedulerConfig(**sched),
+        ),
+    )
+
+
+def reference(model, prompt, n):
+    return greedy(model, torch.tensor([prompt]), n)[0].tolist()
+
+
+def run(eng, ps, n, tag="r"):
+    reqs = [Request(f"{tag}{i}", p, SamplingParams(max_tokens=n)) for i, p in enumerate(ps)]
+    out = eng.generate(reqs)
+    return [out[r.request_id] for r in reqs], reqs
+
+
+def test_two_phase_attn_res_equals_one_phase():
+    torch.manual_seed(0)
+    D = 16
+    sites = []
+    for n in (1, 1, 2, 3, 3):
+        norm, proj = RMSNorm(D), torch.nn.Linear(D, 1, bias=False)
+        norm.weight.data.uniform_(0.5, 1.5)
+        proj.weight.data.normal_()
+        sites.append(_MixSite(norm, proj, n))
+    for i, s in enumerate(sites):
+        s.index = sum(1 for t in sites[:i] if t.num_blocks == s.num_blocks)
+    blocks = [torch.randn(3, 1, D, dtype=torch.float64) for _ in range(3)]
+    res = TwoPhaseAttnRes(sites, blocks)
+    for s in sites:
+        partial = torch.randn(3, 1, D, dtype=torch.float64)
+        torch.testing.assert_close(
+            res.mix(s, partial),
+            attn_res_mix(blocks[: s.num_blocks], partial, s.norm, s.proj),
+            rtol=1e-12,
+            atol=1e-12,
+        )
+
+
+def test_paged_decode_equals_model_forward(model):
+    eng = engine(model)
+    ps = prompts([3, 17, 40])
+    reqs = [Request(f"d{i}", p, SamplingParams(max_tokens=4)) for i, p in enumerate(ps)]
+    for r in reqs:
+        eng.add_request(r)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        eng.step()  # prefill (each request's first token is sampled from the prefill logits)
+    nxt = [r.output_token_ids[-1] for r in reqs]
+    kv = eng.kv
+    for r in reqs:
+        kv.allocate_slots(r, 1)
+    logits = eng.runner.decode_forward(
+        nxt,
+        [r.num_computed_tokens for r in reqs],
+        [kv.block_tables[r.request_id] for r in reqs],
+        [kv.state_slots[r.request_id] for r in reqs],
+    )
+    assert len(reqs[0].output_token_ids) > 1  # the short prompt was already decoding in the batch
+    for r, row in zip(reqs, logits):
+        want = model(torch.tensor([r.all_token_ids])).logits[0, -1]
+        torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_equals_single_and_reference(model):
+    ps = prompts([1, 5, 9, 23, 40, 64])
+    batched, _ = run(engine(model), ps, 10)
+    for p, out in zip(ps, batched):
+        single, _ = run(engine(model), [p], 10)
+        assert out == single[0] == reference(model, p, 10)
+
+
+def test_prefix_hit_equals_cold(model):
+    shared = prompts([48], seed=1)[0]
+    a, b = shared + prompts([5], seed=2)[0], shared + prompts([7], seed=3)[0]
+    eng = engine(model, interval=2)  # checkpoints every 16 tokens and at the last boundary
+    run(eng, [a], 8, "a")
+    (hot,), (req,) = run(eng, [b], 8, "b")
+    assert req.num_cached_tokens == 48  # 6 blocks of 8: MLA blocks and the KDA state after token 48
+    (cold,), (creq,) = run(engine(model, caching=False), [b], 8, "c")
+    assert creq.num_cached_tokens == 0
+    assert hot == cold == reference(model, b, 8)
+    (again,), (req2,) = run(eng, [b], 8, "b2")  # the whole prompt but its last block boundary is cached now
+    assert req2.num_cached_tokens == 48 and again == cold
+    eng.pool.check_invariants()
+    assert eng.pool.usage == 0.0
+
+
+def test_branch_point_checkpoint(model):
+    shared = prompts([20], seed=4)[0]  # not on a checkpoint grid of 16: 2 blocks of 8 + 4 tokens
+    a, b = shared + prompts([12], seed=5)[0], shared + prompts([12], seed=6)[0]
+    eng = engine(model, interval=0)  # only the last boundary before the prompt's end
+    run(eng, [a], 2, "a")
+    _, (rb,) = run(eng, [b], 2, "b")
+    assert rb.num_cached_tokens == 0 and 16 in rb.checkpoint_positions  # MLA matched 16 tokens, no state
+    c = shared + prompts([9], seed=7)[0]
+    (out,), (rc,) = run(eng, [c], 6, "c")
+    assert rc.num_cached_tokens == 16 and out == reference(model, c, 6)
+
+
+def test_chunked_prefill_interleaves(model):
+    ps = prompts([100, 6])
+    eng = engine(model, max_num_batched_tokens=40, long_prefill_token_threshold=16, max_num_seqs=4)
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=5)) for i, p in enumerate(ps)]
+    for r in reqs:
+        eng.add_request(r)
+    first = eng.scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in first.chunks] == [
+        ("r0", 0, 16),
+        ("r1", 0, 6),
+    ]
+    eng.scheduler.update(first, eng.runner.execute(first))
+    out = eng.generate([])
+    assert [r.output_token_ids for r in reqs] == [reference(model, p, 5) for p in ps]
+    assert out == {}
+
+
+def test_admission_waits_for_blocks_queue_bound_and_abort(model):
+    # state pages of this model with 8-token blocks: 55; a 30-token request with 10 new tokens needs 5 blocks
+    eng = engine(model, num_blocks=1 + 55 + 5 + 20, max_waiting=1, caching=False)
+    assert eng.storage.layout.state_pages == 55
+    ps = prompts([30, 30, 30], seed=8)
+    r0, r1, r2 = (Request(f"q{i}", p, SamplingParams(max_tokens=10)) for i, p in enumerate(ps))
+    eng.add_request(r0)
+    eng.step()
+    eng.add_request(r1)  # waits: only one request's state slot fits
+    with pytest.raises(QueueFullError):
+        eng.add_request(r2)
+    with pytest.raises(ValueError, match="cache blocks"):
+        eng.add_request(Request("huge", ps[0], SamplingParams(max_tokens=400)))
+    eng.step()
+    assert [r.status.value for r in (r0, r1)] == ["running", "waiting"] and len(r0.output_token_ids) == 2
+    eng.abort_request("q0")
+    outputs = eng.step()
+    assert any(o.request_id == "q0" and o.finish_reason == "abort" for o in outputs)
+    assert r1.status.value == "running"
+    eng.generate([])
+    assert r1.output_token_ids == reference(model, ps[1], 10)
+    assert eng.pool.usage == 0.0 and not eng.kv.block_tables
+
+
+def test_queue_timeout_rejects(model):
+    eng = engine(model, num_blocks=1 + 55 + 5, queue_timeout_s=0.01, caching=False)
+    ps = prompts([30, 30], seed=9)
+    r0, r1 = (Request(f"t{i}", p, SamplingParams(max_tokens=10)) for i, p in enumerate(ps))
+    eng.add_request(r0)
+    eng.add_request(r1)
+    r1.arrival_time -= 1.0  # it has waited a second already
+    outputs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [("t1", "rejected")]
+
+
+def test_sampling_seed_is_reproducible(model):
+    p = prompts([12], seed=10)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.8, seed=123)
+    a = engine(model).generate([Request("x", p, params)])["x"]
+    b = engine(model).generate([Request("x", p, params), Request("y", prompts([7])[0], params)])["x"]
+    assert a == b and len(a) == 8
