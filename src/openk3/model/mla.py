@@ -72,7 +72,8 @@ class MultiheadLatentAttention(nn.Module):
         self.attn_impl = "auto"
         """``"naive"``, ``"absorb"`` or ``"auto"`` (absorbed when decoding a few tokens over a cache)."""
 
-    def _query(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_nope [B, T, H, n], q_pe [B, T, H, r])`` from the normed input (also used by the server)."""
         B, T, _ = x_BTD.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
         q_BTHd = q.view(B, T, self.num_heads, self.nope + self.rope)
@@ -84,7 +85,7 @@ class MultiheadLatentAttention(nn.Module):
         """Args: ``x_BTD`` normed input; ``cache`` (appended in place); ``cu_seqlens`` int64 ``[N+1]`` (B = 1,
         no cache). Returns ``[B, T, D]``."""
         B, T, _ = x_BTD.shape
-        q_nope, q_pe = self._query(x_BTD)
+        q_nope, q_pe = self.query(x_BTD)
         ckv_BTd = self.kv_a_proj_with_mqa(x_BTD)
         c_BTC = self.kv_a_layernorm(ckv_BTd[..., : self.kv_lora_rank])
         k_pe_BTr = ckv_BTd[..., self.kv_lora_rank :]
@@ -94,14 +95,14 @@ class MultiheadLatentAttention(nn.Module):
         absorb = self.attn_impl == "absorb" or (
             self.attn_impl == "auto" and cache is not None and T <= 16 and not torch.is_grad_enabled()
         )
-        attend = self._absorbed if absorb else self._naive
+        attend = self.absorbed_attention if absorb else self.naive_attention
         o_BTHv = attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS)
         o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
         if self.g_proj is not None:
             o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)
 
-    def _naive(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
+    def naive_attention(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
         """Expand the latent into per-head K/V, then scaled-dot-product attention. Returns ``[B, T, H, v]``."""
         B, S, _ = c_BSC.shape
         H = self.num_heads
@@ -119,7 +120,7 @@ class MultiheadLatentAttention(nn.Module):
         )
         return o.transpose(1, 2)
 
-    def _absorbed(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
+    def absorbed_attention(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
         """Attend over the latent: ``q̃ = q_nope W_UK``, ``o = (P c) W_UVᵀ``. Returns ``[B, T, H, v]``."""
         w_HdC = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk_HnC, w_uv_HvC = w_HdC[:, : self.nope], w_HdC[:, self.nope :]

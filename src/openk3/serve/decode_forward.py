@@ -109,7 +109,7 @@ def mla_absorbed_decode(attn: nn.Module, x_BTD: torch.Tensor, past_BSd: torch.Te
     """
     B, T, _ = x_BTD.shape
     C = attn.kv_lora_rank
-    q_nope, q_pe = attn._query(x_BTD)
+    q_nope, q_pe = attn.query(x_BTD)
     ckv_BTd = attn.kv_a_proj_with_mqa(x_BTD)
     c_BTC = attn.kv_a_layernorm(ckv_BTd[..., :C])
     k_pe_BTr = ckv_BTd[..., C:]
@@ -119,7 +119,7 @@ def mla_absorbed_decode(attn: nn.Module, x_BTD: torch.Tensor, past_BSd: torch.Te
     causal_TS = torch.arange(S - T, S, device=x_BTD.device)[:, None] >= torch.arange(S, device=x_BTD.device)
     keys_BS = torch.cat([mask_BS, mask_BS.new_ones(B, T)], 1)
     mask_B1TS = (causal_TS[None] & keys_BS[:, None, :])[:, None]
-    o_BTHv = attn._absorbed(q_nope, q_pe, c_BSC, k_pe_BSr, mask_B1TS)
+    o_BTHv = attn.absorbed_attention(q_nope, q_pe, c_BSC, k_pe_BSr, mask_B1TS)
     o_BTP = o_BTHv.reshape(B, T, -1)
     if attn.g_proj is not None:
         o_BTP = o_BTP * torch.sigmoid(attn.g_proj(x_BTD))
