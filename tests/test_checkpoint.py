@@ -191,3 +191,19 @@ def test_unsupported_dtype(saved):
         openk3.from_pretrained(path, dtype=torch.int8)
     with pytest.raises(ValueError, match="dtype"):
         openk3.build_model(get_preset("k3-tiny"), dtype=torch.complex64)
+
+
+def test_save_never_replaces_a_file_or_a_foreign_folder(saved, tmp_path):
+    model, _ = saved
+    victim = tmp_path / "notes.txt"
+    victim.write_text("precious")
+    with pytest.raises(FileExistsError, match="is a file"):
+        openk3.save_pretrained(model, victim)
+    assert victim.read_text() == "precious"
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "data.csv").write_text("1,2")
+    with pytest.raises(FileExistsError, match="no checkpoint"):
+        openk3.save_pretrained(model, folder)
+    assert (folder / "data.csv").read_text() == "1,2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "work"]

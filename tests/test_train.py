@@ -148,3 +148,10 @@ def test_cli_train_generate_eval(corpus, tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().out
     assert main(["generate", "--ckpt", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert main(["generate", "--ckpt", str(out), "--prompt", "x", "--temperature", "-1"]) == 2
+
+
+def test_refuses_to_overwrite_a_run_without_resume(corpus, tmp_path):
+    train(small(corpus, tmp_path / "run", steps=1, context_schedule=[(0, 32)]), progress=False)
+    with pytest.raises(ValueError, match="--resume"):
+        Trainer(small(corpus, tmp_path / "run", steps=2, context_schedule=[(0, 32)]), progress=False)
+    assert latest_checkpoint(tmp_path / "run").name == "step-000001"

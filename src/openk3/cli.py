@@ -53,6 +53,11 @@ def _load_for_inference(ckpt: str, device: str):
     from openk3.data import Tokenizer
     from openk3.train.state import latest_checkpoint
 
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
     folder = latest_checkpoint(ckpt)
     if not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{folder} has no tokenizer.json (checkpoints written by `openk3 train` do)")
@@ -159,6 +164,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 logits.float().flatten(0, 1), y.to(args.device).flatten(), reduction="sum"
             ).item()
             count += y.numel()
+    if count == 0:
+        raise ValueError("no validation windows were evaluated (check --max-batches and --seq-len)")
     loss = total / count
     print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} ({count:,} tokens, {val_path})")
     return 0
@@ -176,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=cmd_info)
 
-    tr = sub.add_parser("train", help="train a model (default: k3-tiny on Shakespeare, CPU, under 10 minutes)")
+    tr = sub.add_parser(
+        "train", help="train a model (default: k3-tiny on Shakespeare, CPU, under 10 minutes)"
+    )
     tr.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default k3-tiny)")
     tr.add_argument("--data", help="text/JSONL file, folder or glob (default: Shakespeare's complete works)")
     tr.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: train a byte-level BPE)")

@@ -71,8 +71,18 @@ def _parse_size(size: int | str) -> int:
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
-    """Write ``model`` (with its ``config``) as an HF folder at ``path``, atomically (replaces ``path``)."""
+    """Write ``model`` (with its ``config``) as an HF folder at ``path``, atomically.
+
+    An existing checkpoint folder at ``path`` is replaced; raises ``FileExistsError`` when ``path`` is a file
+    or a non-empty folder without a ``config.json`` (nothing else is ever deleted)."""
     path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{path} is a file, not a model folder; choose another path")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileExistsError(
+            f"{path} is a non-empty folder that holds no checkpoint (no config.json); "
+            "refusing to replace it, choose another path"
+        )
     limit = _parse_size(max_shard_size)
     tensors = official_state(model)
     shards: list[dict[str, torch.Tensor]] = [{}]

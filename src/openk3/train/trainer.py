@@ -114,6 +114,11 @@ class Trainer:
             raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
         self.config = config
         self.run_dir = Path(config.out)
+        if not resume and (self.run_dir / "checkpoints" / "latest").exists():
+            raise ValueError(
+                f"{self.run_dir} already holds a run with checkpoints: continue it with --resume, "
+                "or choose another --out"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.device = torch.device(config.device)
