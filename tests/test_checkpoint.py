@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -207,3 +208,14 @@ def test_save_never_replaces_a_file_or_a_foreign_folder(saved, tmp_path):
         openk3.save_pretrained(model, folder)
     assert (folder / "data.csv").read_text() == "1,2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "work"]
+
+
+def test_saved_files_follow_the_umask(saved, tmp_path):
+    model, _ = saved
+    umask = os.umask(0o022)
+    try:
+        openk3.save_pretrained(model, tmp_path / "ck")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "ck").iterdir()} == {0o644}

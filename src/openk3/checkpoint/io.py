@@ -97,6 +97,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: i
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint folder follows the umask
     try:
         save_config(model.config, tmp)
         weight_map, total = {}, 0
@@ -109,6 +112,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: i
                 total += t.numel() * t.element_size()
         with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        for name in os.listdir(tmp):  # safetensors writes owner-only files; follow the umask like the rest
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.exists(path):
             old = path + ".old-" + os.path.basename(tmp)
             os.replace(path, old)
