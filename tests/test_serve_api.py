@@ -465,3 +465,21 @@ def test_openk3_serve_subprocess(ckpt):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_non_streaming_client_disconnect_frees_blocks(server):
+    """A plain (non-streaming) request is aborted when its client goes away, even while tokens keep coming."""
+    serving = server.serving
+    wait_idle(serving)
+    host, port = server.base_url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": MODEL, "prompt": TEXT[1], "max_tokens": 200, "temperature": 0})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 20
+    while not serving.engine.engine.scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (request,) = serving.engine.engine.scheduler.running
+    conn.sock.close()  # the client goes away without reading the answer
+    wait_idle(serving)
+    assert request.status.value == "abort" and len(request.output_token_ids) < 200
+    assert not serving.engine.engine.kv.block_tables and serving.engine.num_tracked_requests() == 0

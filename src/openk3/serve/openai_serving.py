@@ -74,6 +74,7 @@ class _Call:
     prompt_lens: list[int]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
+    last_disconnect_check: float = field(default_factory=time.monotonic)
 
     @property
     def done(self) -> bool:
@@ -227,14 +228,20 @@ class OpenAIServing:
         return text
 
     async def _next(self, call: _Call, http: HTTPRequest | None) -> tuple[_Choice, str | None]:
+        """Next output of the call; raises ClientDisconnectedError once the client has gone (checked at least
+        every DISCONNECT_POLL_S, also while outputs keep arriving)."""
         while True:
             try:
                 choice, out = await asyncio.wait_for(call.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if http is not None and await http.is_disconnected():
+                choice = out = None
+            now = time.monotonic()
+            if http is not None and (out is None or now - call.last_disconnect_check >= DISCONNECT_POLL_S):
+                call.last_disconnect_check = now
+                if await http.is_disconnected():
                     raise ClientDisconnectedError() from None
-                continue
-            return choice, self._apply(call, choice, out)
+            if out is not None:
+                return choice, self._apply(call, choice, out)
 
     # ---- endpoints -------------------------------------------------------------------------------------
     async def completions(self, body, http: HTTPRequest):
