@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import openk3.ops.kda.chunk_intra as chunk_intra
+from kda_compare import assert_close, rel_rmse  # noqa: F401
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm, naive_recurrent_kda
 
 F64, F32 = torch.float64, torch.float32
@@ -34,24 +35,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def rel_rmse(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """``RMS(out − ref) / RMS(ref)`` in float64 (0 when both are exactly 0)."""
-    ref, out = ref.double(), out.double()
-    denom = ref.square().mean().sqrt().item()
-    err = (out - ref).square().mean().sqrt().item()
-    return err / denom if denom > 0 else err
-
-
-def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) -> None:
-    """Fail unless ``out`` is finite and within ``tol`` relative RMSE of ``ref``; print both errors."""
-    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{name}: non-finite values"
-    rel = rel_rmse(ref, out)
-    max_abs = (out.double() - ref.double()).abs().max().item()
-    print(f"{name:>8}: rel RMSE {rel:.2e}  max abs {max_abs:.2e}  (tol {tol:.0e})")
-    assert rel <= tol, f"{name}: rel RMSE {rel:.3e} > {tol:.0e} (max abs {max_abs:.3e})"
 
 
 def make_inputs(B: int, T: int, *, N: int | None = None, gate: str = "logsigmoid", seed: int = 0) -> dict:

@@ -31,6 +31,8 @@ import sys
 import pytest
 import torch
 
+from kda_compare import assert_close, rel_rmse  # noqa: F401
+
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_VERSION = (
@@ -108,24 +110,6 @@ if INTERPRET:
         interpreter = pytest.mark.skip(reason=_why_not)
 
 # ----------------------------------------------------------------------------------------------- helpers
-
-
-def rel_rmse(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """``RMS(out − ref) / RMS(ref)`` in float64 (the absolute RMS when ``ref`` is all zeros)."""
-    ref, out = ref.double(), out.double()
-    denom = ref.square().mean().sqrt().item()
-    err = (out - ref).square().mean().sqrt().item()
-    return err / denom if denom > 0 else err
-
-
-def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, tol: float) -> None:
-    """Fail unless ``out`` is finite and within ``tol`` relative RMSE of ``ref``; print the errors."""
-    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{name}: non-finite values"
-    rel = rel_rmse(ref, out)
-    max_abs = (out.double() - ref.double()).abs().max().item()
-    print(f"{name:>15}: rel RMSE {rel:.2e}  max abs {max_abs:.2e}  (tol {tol:.0e})")
-    assert rel <= tol, f"{name}: rel RMSE {rel:.3e} > {tol:.0e} (max abs {max_abs:.3e})"
 
 
 def make_inputs(B, T, H, K, V, *, N=None, gate="init", dtype=BF16, device="cpu", seed=0) -> dict:
