@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-fla", action="store_true", help="time our kernels only")
     parser.add_argument("--fla-passes", default="fwd,fwd+bwd", help="passes timed for fla (default both)")
     parser.add_argument(
+        "--shapes", default="", help="comma list of chunk-shape numbers (1-4) to run; default all"
+    )
+    parser.add_argument(
         "--sections", default="decode,chunk,breakdown", help="comma list of decode, chunk, breakdown, sweep"
     )
     return parser.parse_args()
@@ -329,13 +332,13 @@ def our_launches(B, T, H, D) -> dict:
     args = (flat["q"], flat["k"], flat["v"], flat["g"], beta, x["A_log"], x["dt_bias"])
     do = torch.randn_like(flat["v"])
     state = dict(V=D, out_dtype=torch.bfloat16, output_final_state=False)
-    pre = chunk_prepare(*args, index, store_rstd=True, **opts)
+    pre = chunk_prepare(*args, index, **opts)
     _, _, h, v_new = chunk_state_fwd(pre, None, index, store_h=True, **state)
     dh, dv_new, _ = chunk_state_bwd(pre, do, None, index)
     wy = chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts)
     intra = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], pre, wy, index)
     return {
-        "prepare": lambda: chunk_prepare(*args, index, store_rstd=True, **opts),
+        "prepare": lambda: chunk_prepare(*args, index, **opts),
         "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, **state),
         "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, store_h=True, **state),
         "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
@@ -351,13 +354,21 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 SWEEP = {
     "chunk_prepare": [
-        {"num_warps": 4},
-        {"doubling_inverse": True},
-        {"doubling_inverse": True, "num_warps": 4},
+        {"num_warps": 8},
+        {"key_block": 16},
+        {"key_block": 64},
+        {"key_block": 64, "num_warps": 8},
+        {"wy_block": 32},
     ],
-    "chunk_state": [{"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3}, {"min_programs": 0}],
+    "chunk_state": [
+        {"num_warps": 8},
+        {"num_stages": 2},
+        {"value_block": 64},
+        {"value_block": 128},
+        {"value_block": 128, "num_warps": 8},
+    ],
     "chunk_grad_wy": [{"num_warps": 4}],
-    "chunk_grad_intra": [{"num_warps": 8}],
+    "chunk_grad_intra": [{"num_warps": 8}, {"key_block": 16}, {"key_block": 64, "num_warps": 8}],
 }
 SWEEP_KERNELS = {
     "chunk_prepare": ["prepare"],
@@ -506,7 +517,8 @@ def main() -> None:
             report["decode"].append(bench_decode(name, B, H, D, use_fla))
         save()
     if "chunk" in sections:
-        for name, B, T, H, D, lens in CHUNK_SHAPES:
+        picked = [int(i) for i in args.shapes.split(",") if i] or range(1, len(CHUNK_SHAPES) + 1)
+        for name, B, T, H, D, lens in (CHUNK_SHAPES[i - 1] for i in picked):
             fla_bwd = "fwd+bwd" in args.fla_passes.split(",")
             report["chunk"] += bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd)
             torch.cuda.empty_cache()

@@ -50,12 +50,12 @@ F64 = torch.float64
 BF16 = torch.bfloat16
 TOL_BF16 = {
     "o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dinitial_state": 0.008,
-    "dg": 0.02, "dbeta": 0.02, "ddt_bias": 0.02, "dA_log": 0.05,
+    "dg": 0.02, "dbeta": 0.02, "ddt_bias": 0.02, "dA_log": 0.02,
 }  # fmt: skip
-"""Relative-RMSE tolerances of issue 4 for bf16 inputs (fla's test_chunk values, kda_kernels §1.11).
-``dA_log`` is one number per head, a sum over all B·T·K gate terms that largely cancel, so its relative
-error is a few times that of the per-token ``dg`` it sums (3.8e-2 measured at B2 T64 H1 D64; fla's own test
-only warns on it, §1.11); it gets 0.05."""
+"""Relative-RMSE tolerances of issue 4 for bf16 inputs (fla's test_chunk values, kda_kernels §1.11). The
+gate parameters' gradients are sums of the per-token ``dg`` terms that largely cancel (one number per head
+for ``dA_log``), so their error is measured against the size of those terms instead of the sum's:
+:func:`gate_param_error`."""
 LOWER_BOUND = -5.0
 
 gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
@@ -168,10 +168,33 @@ def reference(inputs: dict, cu_seqlens=None) -> dict:
     return run(op, inputs, cast=F64, cu_seqlens=cu_seqlens)
 
 
-def assert_grads_close(ref: dict, out: dict, tol: dict) -> None:
+def gate_param_error(name: str, ref: dict, out: dict, inputs: dict) -> float:
+    """RMS error of ``dA_log`` or ``ddt_bias`` over the RMS of the 2-norms of the terms they sum.
+
+    ``dA_log_h = Σ_{b,t,k} dg_btk·(x + dt_bias)_btk`` and ``ddt_bias_hk = Σ_{b,t} dg_bthk`` (dg: the raw
+    gate's gradient), so an error of ``ε`` relative RMSE in ``dg`` gives about ``ε·‖terms‖₂`` here."""
+    H, K = inputs["g"].shape[-2:]
+    dg = ref["dg"].double().cpu()
+    if name == "dA_log":
+        x = inputs["g"].double().cpu() + inputs["dt_bias"].double().cpu().view(H, K)
+        size = (dg * x).square().sum(dim=(0, 1, 3)).sqrt()
+    else:
+        size = dg.square().sum(dim=(0, 1)).sqrt().flatten()
+    err = (out[name].double().cpu() - ref[name].double().cpu()).square().mean().sqrt().item()
+    denom = size.square().mean().sqrt().item()
+    return err / denom if denom > 0 else err  # a saturated gate: every term is 0
+
+
+def assert_grads_close(ref: dict, out: dict, tol: dict, inputs: dict) -> None:
     assert ref.keys() == out.keys()
     for name in ref:
-        assert_close(name, ref[name], out[name], tol[name])
+        if name in ("dA_log", "ddt_bias"):
+            assert torch.isfinite(out[name]).all(), name
+            err = gate_param_error(name, ref, out, inputs)
+            print(f"{name:>15}: error / term size {err:.2e}  (tol {tol[name]:.0e})")
+            assert err <= tol[name], f"{name}: error {err:.3e} of the term size > {tol[name]:.0e}"
+        else:
+            assert_close(name, ref[name], out[name], tol[name])
 
 
 def triton_chunk(**kw):
@@ -214,7 +237,7 @@ def nan_filled_allocations(monkeypatch) -> None:
 def test_gpu_chunk_matches_fp64(T, H, D):
     inputs = make_inputs(2, T, H, D, D, device="cuda", seed=T + H)
     out = run(chunk_kda, inputs)
-    assert_grads_close(reference(inputs), out, TOL_BF16)
+    assert_grads_close(reference(inputs), out, TOL_BF16, inputs)
 
 
 @gpu
@@ -222,7 +245,7 @@ def test_gpu_chunk_long_many_heads():
     """B1 T8192 H96 D128: the K3 layer's shape."""
     inputs = make_inputs(1, 8192, 96, 128, 128, device="cuda", seed=1)
     out = run(chunk_kda, inputs)
-    assert_grads_close(reference(inputs), out, TOL_BF16)
+    assert_grads_close(reference(inputs), out, TOL_BF16, inputs)
 
 
 @gpu
@@ -231,7 +254,7 @@ def test_gpu_chunk_varlen():
     inputs = make_inputs(1, 1300, 4, 128, 128, N=5, device="cuda", seed=3)
     cu_seqlens = torch.tensor(cu, device="cuda")
     out = run(chunk_kda, inputs, cu_seqlens=cu_seqlens)
-    assert_grads_close(reference(inputs, cu_seqlens), out, TOL_BF16)
+    assert_grads_close(reference(inputs, cu_seqlens), out, TOL_BF16, inputs)
     assert torch.equal(out["ht"][3], inputs["initial_state"][3])  # the empty document keeps its state
 
 
@@ -241,7 +264,7 @@ def test_gpu_chunk_gates_at_bounds(gate):
     """Every log-decay exactly at the K3 bound −5 (the diagonal tiles' widest span), at 0, or mixed."""
     inputs = make_inputs(1, 300, 2, 128, 128, gate=gate, device="cuda", seed=5)
     out = run(chunk_kda, inputs)
-    assert_grads_close(reference(inputs), out, TOL_BF16)
+    assert_grads_close(reference(inputs), out, TOL_BF16, inputs)
 
 
 @gpu
@@ -365,7 +388,7 @@ def test_interpreter_chunk_fp32(gate):
     """fp32 inputs, 70 tokens (a partial second chunk): o, the state and every gradient."""
     inputs = make_inputs(1, 70, 1, 32, 32, gate=gate, dtype=torch.float32, seed=20)
     tol = dict.fromkeys(TOL_BF16, 2e-5)
-    assert_grads_close(reference(inputs), run(triton_chunk, inputs), tol)
+    assert_grads_close(reference(inputs), run(triton_chunk, inputs), tol, inputs)
 
 
 @interpreter
@@ -375,7 +398,7 @@ def test_interpreter_chunk_varlen_fp32():
     inputs = make_inputs(1, 100, 1, 32, 16, N=4, dtype=torch.float32, seed=21)
     cu_seqlens = torch.tensor(cu)
     out = run(triton_chunk, inputs, cu_seqlens=cu_seqlens)
-    assert_grads_close(reference(inputs, cu_seqlens), out, dict.fromkeys(TOL_BF16, 2e-5))
+    assert_grads_close(reference(inputs, cu_seqlens), out, dict.fromkeys(TOL_BF16, 2e-5), inputs)
     assert torch.equal(out["ht"][1], inputs["initial_state"][1])
 
 
@@ -383,7 +406,7 @@ def test_interpreter_chunk_varlen_fp32():
 def test_interpreter_chunk_bf16_tolerances():
     """bf16 inputs (bf16 intermediates, as on the GPU) at the GPU tolerances; K = V = 128 (two key blocks)."""
     inputs = make_inputs(1, 80, 2, 128, 128, seed=22)
-    assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16)
+    assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
 
 
 @interpreter

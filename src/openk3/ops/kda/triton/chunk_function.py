@@ -30,7 +30,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
                 output_final_state):  # fmt: skip
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm)
-        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, store_rstd=False, **opts)
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
         o, ht, _, _ = chunk_state_fwd(
             pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=output_final_state,
             store_h=False,
@@ -43,7 +43,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, h0 = ctx.saved_tensors
         index, opts = ctx.index, ctx.opts
-        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, store_rstd=True, **opts)
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
         _, _, h, v_new = chunk_state_fwd(
             pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True
         )

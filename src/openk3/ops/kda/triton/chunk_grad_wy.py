@@ -14,7 +14,7 @@ of the state at the chunk end), ``E = v_new`` and ``dE = dv_new`` from the two s
 Two kernels: the value side (``dAqk``, ``dXv``, ``dv``, the ``dXv`` terms of ``dβ`` and ``dL``) once per
 chunk, and the key side per key block of ``BK`` (``dQ̃``, ``dK̂``, ``dW``, the ``dXk`` terms), so neither holds
 more than a few 64×64 fp32 tiles. They write the partial ``dq, dk, dΓ`` (fp32, w.r.t. the normalised q, k
-and the cumulative gate), the chunk's Γ (log2 units, for the intra kernel), ``dAqk``, and ``1 + NK``
+and the cumulative gate), ``dAqk``, and ``1 + NK``
 partials of ``dL`` and ``dβ`` that the intra kernel sums.
 
 Legend: ``H`` heads, ``K``/``V`` key/value dims, ``BK``/``BV`` key/value blocks, ``BT`` chunk rows,
@@ -33,6 +33,7 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    dot_precision,
     k3_gate_log2,
     load_row_vec,
     load_rows,
@@ -56,7 +57,7 @@ def _chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
 def chunk_grad_wy_value_kernel(
     v, beta, u, Akk, v_new, dv_new, do, dv, dA, dL, dbeta,
     cu_seqlens, chunk_table,
-    H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``: the value-side terms ``dAqk = tril(dO Eᵀ)``, ``dXv = Tᵀ dE``, ``dv = β dXv``,
     ``dβ ← Σ_v V dXv`` and ``dL ← −dXv Uᵀ`` (partial 0 of ``dL`` and ``dβ``)."""
@@ -73,15 +74,15 @@ def chunk_grad_wy_value_kernel(
     for i_v in range(0, V // BV):
         b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
-        acc_dA += tl.dot(b_do, tl.trans(b_e))
+        acc_dA += tl.dot(b_do, tl.trans(b_e), input_precision=DOT)
         b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
-        b_dxv = tl.dot(tl.trans(b_T), b_de)
+        b_dxv = tl.dot(tl.trans(b_T), b_de, input_precision=DOT)
         store_rows(dv, b_dxv * b_beta[:, None], t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         acc_db += tl.sum(
             b_dxv * load_rows(v, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32), axis=1
         )
         b_u = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
-        acc_dL -= tl.dot(b_dxv, tl.trans(b_u))
+        acc_dL -= tl.dot(b_dxv, tl.trans(b_u), input_precision=DOT)
     store_rows(dA, tl.where(o_t[:, None] >= o_t[None, :], acc_dA, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_rows(dL, tl.where(o_t[:, None] > o_t[None, :], acc_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_row_vec(dbeta, acc_db, t0, n_valid, i_h, H, BT)
@@ -91,10 +92,10 @@ def chunk_grad_wy_value_kernel(
 def chunk_grad_wy_key_kernel(
     q, k, g, beta, A_log, dt_bias, q_rstd, k_rstd,
     w, Akk, h, dh, v_new, dv_new, do,
-    dqn, dkn, dG, G, dL, dbeta,
+    dqn, dkn, dG, dL, dbeta,
     cu_seqlens, chunk_table, part_stride, part_stride_b,
     scale, lower_bound_log2,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of ``dL``, ``dβ``)."""
@@ -118,18 +119,18 @@ def chunk_grad_wy_key_kernel(
         b_h = tl.load(h + p_hv)
         b_dh = tl.load(dh + p_hv)
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
-        acc_dqg += tl.dot(b_do, tl.trans(b_h))
+        acc_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT)
         b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
-        acc_dwn += tl.dot(b_de, tl.trans(b_h))
+        acc_dwn += tl.dot(b_de, tl.trans(b_h), input_precision=DOT)
         b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
-        acc_dkg += tl.dot(b_e, tl.trans(b_dh))
+        acc_dkg += tl.dot(b_e, tl.trans(b_dh), input_precision=DOT)
         acc_dD += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
 
     # WY: dXk = −Tᵀ dWn, and this key block's share of dL = −dXk Wᵀ
     b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
-    b_dxk = -tl.dot(tl.trans(b_T), acc_dwn)
+    b_dxk = -tl.dot(tl.trans(b_T), acc_dwn, input_precision=DOT)
     b_w = load_rows(w, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-    b_dL = -tl.dot(b_dxk, tl.trans(b_w))
+    b_dL = -tl.dot(b_dxk, tl.trans(b_w), input_precision=DOT)
     p_part = (1 + i_k) * part_stride
     store_rows(
         dL + p_part, tl.where(o_t[:, None] > o_t[None, :], b_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT
@@ -145,7 +146,6 @@ def chunk_grad_wy_key_kernel(
     b_g = tl.where(m_t[:, None], k3_gate_log2(b_x, A_h, bias, lower_bound_log2), 0.0)
     b_G = tl.cumsum(b_g, axis=0)
     b_GC = tl.sum(b_g, axis=0)
-    store_rows(G, b_G, t0, n_valid, i_h, i_k * BK, H, K, BT, BK)
     b_eG = tl.exp2(b_G)
     b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
 
@@ -181,8 +181,6 @@ class WYGrads(NamedTuple):
     """``[tokens, H, K]`` gradient of the normalised k (without the ``Aqk``/``L`` terms)."""
     dG: torch.Tensor
     """``[tokens, H, K]`` gradient of the cumulative gate Γ (without the ``Aqk``/``L`` terms)."""
-    G: torch.Tensor
-    """``[tokens, H, K]`` Γ in log2 units."""
     dA: torch.Tensor
     """``[tokens, H, BT]`` ``dAqk`` (lower, diagonal included)."""
     dL: torch.Tensor
@@ -216,7 +214,6 @@ def chunk_grad_wy(
         dqn=q.new_empty(TT, H, K, dtype=f32),
         dkn=q.new_empty(TT, H, K, dtype=f32),
         dG=q.new_empty(TT, H, K, dtype=f32),
-        G=q.new_empty(TT, H, K, dtype=f32),
         dA=q.new_empty(TT, H, CHUNK, dtype=f32),
         dL=q.new_empty(1 + NK, TT, H, CHUNK, dtype=f32),
         dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
@@ -226,15 +223,15 @@ def chunk_grad_wy(
     chunk_grad_wy_value_kernel[(P, H)](
         v, beta, pre.u, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,
-        H=H, V=V, BT=CHUNK, BV=BV, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     chunk_grad_wy_key_kernel[(P, H, NK)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         pre.w, pre.Akk, h, dh, v_new, dv_new, do,
-        out.dqn, out.dkn, out.dG, out.G, out.dL, out.dbeta,
+        out.dqn, out.dkn, out.dG, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
         scale, lower_bound * LOG2E,
-        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     return out

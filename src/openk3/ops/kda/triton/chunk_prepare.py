@@ -14,8 +14,13 @@ column sub-chunk ``u < s``) factor ``2^{Γ_i − Γ_j} = 2^{Γ_i − a_s}·2^{a_
 Γ just before sub-chunk ``s``: both factors are ≤ 1. Diagonal blocks use the same causal anchor, so the
 column factor ``2^{a_s − Γ_j}`` is at most ``2^{16·|lb|·log2 e}`` = ``2^{115.4}`` for ``lb = −5``, inside fp32
 (FlashKDA's bound, §2.2): this is why the Triton path needs ``lower_bound ≥ −5`` (§1.7). Every row ``i``
-reads only rows ``≤ i`` of its chunk, so outputs are bitwise causal. The 16×16 diagonal inverses use forward
-substitution; the blocks below them follow from ``T_su = −T_ss Σ_{u ≤ w < s} L_sw T_wu``.
+reads only rows ``≤ i`` of its chunk, so outputs are bitwise causal. The 16×16 diagonal inverses use the
+doubling product (or forward substitution); the blocks below them follow from
+``T_su = −T_ss Σ_{u ≤ w < s} L_sw T_wu``.
+
+Register budget: the ``Aqk``/``L`` blocks are accumulated over key slices of ``BK`` channels (the gate and
+its cumsum are per channel, and the L2 norm is a per-row factor applied after the sums), and ``W``, ``U``,
+``Q̃``, ``K̂`` are produced slice by slice from the stored ``T``, so no tile wider than one slice is live.
 
 Legend: ``BT`` chunk rows, ``BC`` sub-chunk rows, ``K``/``V`` key/value dims, ``H`` heads.
 """
@@ -31,97 +36,63 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    dot_precision,
     k3_gate_log2,
-    l2norm_rstd,
     load_row_vec,
     load_rows,
     store_row_vec,
     store_rows,
-    unit_lower_inverse16,
-    unit_lower_inverse16_doubling,
 )
 
 SUB_CHUNK = 16
-"""Rows per sub-chunk ``BC``: the 16-token tensor-core tiles of the intra-chunk matrices."""
-LAUNCH = {"num_warps": 8, "doubling_inverse": False}
-"""Launch configuration: warps, and the 16×16 inverses by the doubling product instead of forward
-substitution; ``benchmarks/kda.py --sweep`` times the alternatives."""
+"""Rows per sub-chunk ``BC``: the anchor blocks of the intra-chunk matrices (fla's ``BC``)."""
+LAUNCH = {"num_warps": 4, "key_block": 32, "wy_block": 64}
+"""Launch configuration: warps, the key slice ``BK`` of the ``Aqk``/``L`` pass and the key/value slice of the
+``W``/``U`` pass (narrower slices hold fewer registers); ``benchmarks/kda.py --sweep`` times the
+alternatives."""
 
 
 @triton.jit
-def _sub_chunk(
-    q,
-    k,
-    g,
-    beta,
-    t_s,
-    n_s,
-    i_h,
-    A_h,
-    bias,
-    lb2,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    BC: tl.constexpr,
-    USE_L2NORM: tl.constexpr,
-):
-    """One 16-row sub-chunk: normalised q, k ``[BC, K]``, in-block gate cumsum ``[BC, K]`` (log2), its
-    total ``[K]`` and β ``[BC]``; rows past ``n_s`` are zero (identity tokens)."""
-    o_r = tl.arange(0, BC)
-    b_q = load_rows(q, t_s, n_s, i_h, 0, H, K, BC, K).to(tl.float32)
-    b_k = load_rows(k, t_s, n_s, i_h, 0, H, K, BC, K).to(tl.float32)
-    b_q = b_q * l2norm_rstd(b_q, USE_L2NORM)[:, None]
-    b_k = b_k * l2norm_rstd(b_k, USE_L2NORM)[:, None]
-    b_x = load_rows(g, t_s, n_s, i_h, 0, H, K, BC, K).to(tl.float32)
-    b_g = tl.where((o_r < n_s)[:, None], k3_gate_log2(b_x, A_h, bias, lb2), 0.0)
-    b_local = tl.cumsum(b_g, axis=0)
-    b_beta = load_row_vec(beta, t_s, n_s, i_h, H, BC)
-    return b_q, b_k, b_local, tl.sum(b_g, axis=0), b_beta
+def _gate_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lb2,
+                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Channels ``k0..k0+BK`` of the chunk's gate: Γ ``[BT, BK]`` (inclusive cumsum, log2 units) and its
+    last valid row Γ_C ``[BK]``; rows past ``n_valid`` add nothing (identity tokens)."""
+    o_t = tl.arange(0, BT)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + i_h * K + k0 + tl.arange(0, BK)).to(tl.float32)
+    else:
+        bias = tl.zeros([BK], dtype=tl.float32)
+    b_x = load_rows(g, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
+    b_g = tl.where((o_t < n_valid)[:, None], k3_gate_log2(b_x, A_h, bias, lb2), 0.0)
+    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
 
 @triton.jit
-def _diagonal(b_q, b_k, b_local, b_beta, scale, BC: tl.constexpr):
-    """Diagonal block with the anchor just before the sub-chunk: ``(Aqk, L, qa, ka, kd)``."""
-    o_i = tl.arange(0, BC)
-    b_rf = tl.exp2(b_local)
-    b_cf = tl.exp2(-b_local)
-    b_qa = b_q * b_rf
-    b_ka = b_k * b_rf
-    b_kd = b_k * b_cf
-    b_A = tl.dot(b_qa, tl.trans(b_kd)) * scale
-    b_A = tl.where(o_i[:, None] >= o_i[None, :], b_A, 0.0)
-    b_L = tl.dot(b_ka, tl.trans(b_kd))
-    b_L = tl.where(o_i[:, None] > o_i[None, :], b_L, 0.0) * b_beta[:, None]
-    return b_A, b_L, b_qa, b_ka, b_kd
+def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+    """``(I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``), in ten
+    tensor-core products.
 
-
-@triton.jit
-def _off_diagonal(b_qa, b_ka, b_col, b_beta, scale):
-    """Block (s, u < s): rows ``qa``/``ka`` of sub-chunk s, columns ``b_col`` = k_u·2^{a_s − Γ_u}."""
-    b_A = tl.dot(b_qa, tl.trans(b_col)) * scale
-    b_L = tl.dot(b_ka, tl.trans(b_col)) * b_beta[:, None]
-    return b_A, b_L
-
-
-@triton.jit
-def _store_block(
-    ptr,
-    blk,
-    t0,
-    n_valid,
-    i_h,
-    s: tl.constexpr,
-    u: tl.constexpr,
-    H: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-):
-    store_rows(ptr, blk, t0 + s * BC, n_valid - s * BC, i_h, u * BC, H, BT, BC, BC)
-
-
-@triton.jit
-def _merge_dot(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+    ``I + L = D + L_O`` with ``D = I + L_D`` block-diagonal (``BC × BC`` blocks). ``D^{-1}`` is the doubling
+    product ``(I − L_D)(I + L_D²)(I + L_D⁴)(I + L_D⁸)`` (exact: ``L_D^{16} = 0``; FlashKDA's inverse,
+    kda_kernels reference §2.2), then with ``N = D^{-1} L_O`` (strictly block-lower, ``N⁴ = 0``)
+    ``(I + L)^{-1} = (I + N)^{-1} D^{-1} = (I − N)(I + N²) D^{-1}``. Row ``i`` of every factor depends only on
+    rows ``≤ i`` of ``L`` (causal).
+    """
+    o_t = tl.arange(0, BT)
+    eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
+    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
+    L_D = tl.where(same, L, 0.0)
+    L_O = tl.where(same, 0.0, L)
+    P = tl.dot(L_D, L_D, input_precision=DOT)
+    X = tl.dot(eye - L_D, eye + P, input_precision=DOT)
+    P = tl.dot(P, P, input_precision=DOT)
+    X = tl.dot(X, eye + P, input_precision=DOT)
+    P = tl.dot(P, P, input_precision=DOT)
+    X = tl.dot(X, eye + P, input_precision=DOT)
+    N = tl.dot(X, L_O, input_precision=DOT)
+    Y = tl.dot(eye - N, eye + tl.dot(N, N), input_precision=DOT)
+    return tl.dot(Y, X, input_precision=DOT)
 
 
 @triton.jit
@@ -130,11 +101,12 @@ def chunk_prepare_kernel(
     w, u, qg, kg, Aqk, Akk, gend, q_rstd, k_rstd,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_RSTD: tl.constexpr, DOUBLING: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
-    ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and, with ``STORE_RSTD``, the l2norm ``1/‖·‖``."""
+    ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
@@ -143,123 +115,71 @@ def chunk_prepare_kernel(
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + i_t * BT
     n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
-    o_k = tl.arange(0, K)
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    if HAS_BIAS:
-        bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
-    else:
-        bias = tl.zeros([K], dtype=tl.float32)
-
-    # ---- Aqk and L by 16-row sub-chunks (anchor a_s = Γ before sub-chunk s; a_0 = 0)
-    q0, k0, l0, tot0, be0 = _sub_chunk(
-        q, k, g, beta, t0, n_valid, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
-    )
-    A00, L00, qa0, ka0, kd0 = _diagonal(q0, k0, l0, be0, scale, BC)
-    ke0 = kd0 * tl.exp2(tot0)[None, :]  # k_0·2^{a_1 − Γ_0} ≤ 1
-
-    q1, k1, l1, tot1, be1 = _sub_chunk(
-        q, k, g, beta, t0 + BC, n_valid - BC, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
-    )
-    A11, L11, qa1, ka1, kd1 = _diagonal(q1, k1, l1, be1, scale, BC)
-    A10, L10 = _off_diagonal(qa1, ka1, ke0, be1, scale)
-    ke1 = kd1 * tl.exp2(tot1)[None, :]
-
-    q2, k2, l2, tot2, be2 = _sub_chunk(
-        q, k, g, beta, t0 + 2 * BC, n_valid - 2 * BC, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
-    )
-    A22, L22, qa2, ka2, kd2 = _diagonal(q2, k2, l2, be2, scale, BC)
-    A21, L21 = _off_diagonal(qa2, ka2, ke1, be2, scale)
-    A20, L20 = _off_diagonal(qa2, ka2, ke0 * tl.exp2(tot1)[None, :], be2, scale)
-    ke2 = kd2 * tl.exp2(tot2)[None, :]
-
-    q3, k3, l3, tot3, be3 = _sub_chunk(
-        q, k, g, beta, t0 + 3 * BC, n_valid - 3 * BC, i_h, A_h, bias, lower_bound_log2, H, K, BC, USE_L2NORM
-    )
-    A33, L33, qa3, ka3, kd3 = _diagonal(q3, k3, l3, be3, scale, BC)
-    A32, L32 = _off_diagonal(qa3, ka3, ke2, be3, scale)
-    A31, L31 = _off_diagonal(qa3, ka3, ke1 * tl.exp2(tot2)[None, :], be3, scale)
-    A30, L30 = _off_diagonal(qa3, ka3, ke0 * tl.exp2(tot1 + tot2)[None, :], be3, scale)
-
-    # ---- T = (I + L)^{-1}: diagonal blocks by substitution, then the blocks below them
-    if DOUBLING:
-        T00 = unit_lower_inverse16_doubling(L00, BC)
-        T11 = unit_lower_inverse16_doubling(L11, BC)
-        T22 = unit_lower_inverse16_doubling(L22, BC)
-        T33 = unit_lower_inverse16_doubling(L33, BC)
-    else:
-        T00 = unit_lower_inverse16(L00, BC)
-        T11 = unit_lower_inverse16(L11, BC)
-        T22 = unit_lower_inverse16(L22, BC)
-        T33 = unit_lower_inverse16(L33, BC)
-    T10 = -_merge_dot(T11, _merge_dot(L10, T00))
-    T21 = -_merge_dot(T22, _merge_dot(L21, T11))
-    T20 = -_merge_dot(T22, _merge_dot(L20, T00) + _merge_dot(L21, T10))
-    T32 = -_merge_dot(T33, _merge_dot(L32, T22))
-    T31 = -_merge_dot(T33, _merge_dot(L31, T11) + _merge_dot(L32, T21))
-    T30 = -_merge_dot(T33, _merge_dot(L30, T00) + _merge_dot(L31, T10) + _merge_dot(L32, T20))
-
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    _store_block(Aqk, A00, t0, n_valid, i_h, 0, 0, H, BT, BC)
-    _store_block(Aqk, zero, t0, n_valid, i_h, 0, 1, H, BT, BC)
-    _store_block(Aqk, zero, t0, n_valid, i_h, 0, 2, H, BT, BC)
-    _store_block(Aqk, zero, t0, n_valid, i_h, 0, 3, H, BT, BC)
-    _store_block(Aqk, A10, t0, n_valid, i_h, 1, 0, H, BT, BC)
-    _store_block(Aqk, A11, t0, n_valid, i_h, 1, 1, H, BT, BC)
-    _store_block(Aqk, zero, t0, n_valid, i_h, 1, 2, H, BT, BC)
-    _store_block(Aqk, zero, t0, n_valid, i_h, 1, 3, H, BT, BC)
-    _store_block(Aqk, A20, t0, n_valid, i_h, 2, 0, H, BT, BC)
-    _store_block(Aqk, A21, t0, n_valid, i_h, 2, 1, H, BT, BC)
-    _store_block(Aqk, A22, t0, n_valid, i_h, 2, 2, H, BT, BC)
-    _store_block(Aqk, zero, t0, n_valid, i_h, 2, 3, H, BT, BC)
-    _store_block(Aqk, A30, t0, n_valid, i_h, 3, 0, H, BT, BC)
-    _store_block(Aqk, A31, t0, n_valid, i_h, 3, 1, H, BT, BC)
-    _store_block(Aqk, A32, t0, n_valid, i_h, 3, 2, H, BT, BC)
-    _store_block(Aqk, A33, t0, n_valid, i_h, 3, 3, H, BT, BC)
-    _store_block(Akk, T00, t0, n_valid, i_h, 0, 0, H, BT, BC)
-    _store_block(Akk, zero, t0, n_valid, i_h, 0, 1, H, BT, BC)
-    _store_block(Akk, zero, t0, n_valid, i_h, 0, 2, H, BT, BC)
-    _store_block(Akk, zero, t0, n_valid, i_h, 0, 3, H, BT, BC)
-    _store_block(Akk, T10, t0, n_valid, i_h, 1, 0, H, BT, BC)
-    _store_block(Akk, T11, t0, n_valid, i_h, 1, 1, H, BT, BC)
-    _store_block(Akk, zero, t0, n_valid, i_h, 1, 2, H, BT, BC)
-    _store_block(Akk, zero, t0, n_valid, i_h, 1, 3, H, BT, BC)
-    _store_block(Akk, T20, t0, n_valid, i_h, 2, 0, H, BT, BC)
-    _store_block(Akk, T21, t0, n_valid, i_h, 2, 1, H, BT, BC)
-    _store_block(Akk, T22, t0, n_valid, i_h, 2, 2, H, BT, BC)
-    _store_block(Akk, zero, t0, n_valid, i_h, 2, 3, H, BT, BC)
-    _store_block(Akk, T30, t0, n_valid, i_h, 3, 0, H, BT, BC)
-    _store_block(Akk, T31, t0, n_valid, i_h, 3, 1, H, BT, BC)
-    _store_block(Akk, T32, t0, n_valid, i_h, 3, 2, H, BT, BC)
-    _store_block(Akk, T33, t0, n_valid, i_h, 3, 3, H, BT, BC)
-    # the whole-chunk T is read back below by other threads of this program
-    tl.debug_barrier()
-
-    # ---- whole-chunk tiles: Γ from the chunk start (all factors ≤ 1), W, U, Q̃, K̂, D
     o_t = tl.arange(0, BT)
-    b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
-    b_x = load_rows(g, t0, n_valid, i_h, 0, H, K, BT, K).to(tl.float32)
-    b_g = tl.where((o_t < n_valid)[:, None], k3_gate_log2(b_x, A_h, bias, lower_bound_log2), 0.0)
-    b_G = tl.cumsum(b_g, axis=0)
-    b_GC = tl.sum(b_g, axis=0)
-    b_eG = tl.exp2(b_G)
-    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+    blk = o_t // BC
 
-    b_q = load_rows(q, t0, n_valid, i_h, 0, H, K, BT, K).to(tl.float32)
-    b_rq = l2norm_rstd(b_q, USE_L2NORM)
-    store_rows(qg, b_q * b_rq[:, None] * b_eG * scale, t0, n_valid, i_h, 0, H, K, BT, K)
-    b_k = load_rows(k, t0, n_valid, i_h, 0, H, K, BT, K).to(tl.float32)
-    b_rk = l2norm_rstd(b_k, USE_L2NORM)
-    b_k = b_k * b_rk[:, None]
-    if STORE_RSTD:
-        store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
-        store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
-    store_rows(kg, b_k * tl.exp2(b_GC[None, :] - b_G), t0, n_valid, i_h, 0, H, K, BT, K)
-    b_w = tl.dot(b_T, b_k * b_eG * b_beta[:, None])
-    store_rows(w, b_w, t0, n_valid, i_h, 0, H, K, BT, K)
-    b_v = load_rows(v, t0, n_valid, i_h, 0, H, V, BT, V).to(tl.float32)
-    b_u = tl.dot(b_T, b_v * b_beta[:, None])
-    store_rows(u, b_u, t0, n_valid, i_h, 0, H, V, BT, V)
-    tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + o_k, tl.exp2(b_GC))
+    # ---- pass 1, by key slices: raw Aqk and L accumulated over channels, and the row norms.
+    # Row block s is anchored at a_s = Γ before it: rows q·2^{Γ−a_s} (≤ |q|) against columns
+    # k·2^{a_s−Γ} of the blocks ≤ s (≤ |k| before block s, ≤ 2^{115}·|k| inside it), later columns masked
+    # to 0 before the exponential. Each block's product is a full-tile dot with the other rows zero.
+    acc_A = tl.zeros([BT, BT], dtype=tl.float32)
+    acc_L = tl.zeros([BT, BT], dtype=tl.float32)
+    ss_q = tl.zeros([BT], dtype=tl.float32)
+    ss_k = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        k0 = i_k * BK
+        b_G, _ = _gate_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS)
+        b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
+        b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
+        ss_q += tl.sum(b_q * b_q, axis=1)
+        ss_k += tl.sum(b_k * b_k, axis=1)
+        for s in tl.static_range(BT // BC):
+            if s == 0:
+                a_s = tl.zeros([BK], dtype=tl.float32)
+            else:
+                a_s = tl.sum(tl.where((o_t == s * BC - 1)[:, None], b_G, 0.0), axis=0)
+            b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
+            b_cf = tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
+            b_col = tl.trans(b_k * b_cf)
+            acc_A += tl.dot(b_q * b_rf, b_col, input_precision=DOT)
+            acc_L += tl.dot(b_k * b_rf, b_col, input_precision=DOT)
+
+    # ---- norms and β: Aqk_ij = scale·rq_i·rk_j·acc_ij (i ≥ j), L_ij = β_i·rk_i·rk_j·acc_ij (i > j)
+    if USE_L2NORM:
+        b_rq = tl.rsqrt(ss_q + 1e-6)
+        b_rk = tl.rsqrt(ss_k + 1e-6)
+    else:
+        b_rq = tl.full([BT], 1.0, tl.float32)
+        b_rk = tl.full([BT], 1.0, tl.float32)
+    store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
+    store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
+    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+    b_A = tl.where(o_t[:, None] >= o_t[None, :], acc_A * (b_rq * scale)[:, None] * b_rk[None, :], 0.0)
+    store_rows(Aqk, b_A, t0, n_valid, i_h, 0, H, BT, BT, BT)
+    b_L = tl.where(o_t[:, None] > o_t[None, :], acc_L * (b_beta * b_rk)[:, None] * b_rk[None, :], 0.0)
+    b_T = unit_lower_inverse(b_L, BT, BC, DOT)
+    store_rows(Akk, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
+
+    # ---- pass 2, by key / value slices: Γ from the chunk start (all factors ≤ 1), W, U, Q̃, K̂, D
+    b_rq = b_rq * scale
+    for i_k in range(0, K // BK2):
+        k0 = i_k * BK2
+        b_G, b_GC = _gate_slice(
+            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK2, HAS_BIAS
+        )
+        b_eG = tl.exp2(b_G)
+        b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32)
+        store_rows(qg, b_q * b_rq[:, None] * b_eG, t0, n_valid, i_h, k0, H, K, BT, BK2)
+        b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32) * b_rk[:, None]
+        store_rows(kg, b_k * tl.exp2(b_GC[None, :] - b_G), t0, n_valid, i_h, k0, H, K, BT, BK2)
+        b_w = tl.dot(b_T, b_k * b_eG * b_beta[:, None], input_precision=DOT)
+        store_rows(w, b_w, t0, n_valid, i_h, k0, H, K, BT, BK2)
+        tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK2), tl.exp2(b_GC))
+    for i_v in range(0, V // BV2):
+        b_v = load_rows(v, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2).to(tl.float32)
+        b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT)
+        store_rows(u, b_u, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2)
 
 
 class Prepared(NamedTuple):
@@ -272,8 +192,8 @@ class Prepared(NamedTuple):
     Aqk: torch.Tensor
     Akk: torch.Tensor
     gend: torch.Tensor
-    q_rstd: torch.Tensor | None
-    k_rstd: torch.Tensor | None
+    q_rstd: torch.Tensor
+    k_rstd: torch.Tensor
 
 
 def chunk_prepare(
@@ -289,7 +209,6 @@ def chunk_prepare(
     scale: float,
     lower_bound: float,
     use_l2norm: bool,
-    store_rstd: bool,
 ) -> Prepared:
     """Launch :func:`chunk_prepare_kernel`.
 
@@ -297,12 +216,12 @@ def chunk_prepare(
         q, k, g: ``[tokens, H, K]`` (g is the raw gate). v: ``[tokens, H, V]``. beta: ``[tokens, H]``.
         A_log: ``[H]``; dt_bias: ``[H*K]`` or None. index: the chunk tables.
         scale, lower_bound, use_l2norm: as in :func:`~openk3.ops.kda.chunk.chunk_kda`.
-        store_rstd: also return the l2norm reciprocal norms (the backward needs them).
 
     Returns:
         :class:`Prepared`: ``w, qg, kg`` ``[tokens, H, K]`` and ``u`` ``[tokens, H, V]`` in the storage dtype
         (q's dtype, fp32 for fp32 inputs), ``Aqk`` in the storage dtype and ``Akk`` = T in fp32, both
-        ``[tokens, H, 64]``, ``gend`` fp32 ``[P, H, K]``.
+        ``[tokens, H, 64]``, ``gend`` fp32 ``[P, H, K]``, the l2norm reciprocal norms fp32 ``[tokens, H]``
+        (ones without the norm).
     """
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -316,8 +235,8 @@ def chunk_prepare(
         Aqk=q.new_empty(TT, H, CHUNK, dtype=dt),
         Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float32),
         gend=q.new_empty(P, H, K, dtype=torch.float32),
-        q_rstd=q.new_empty(TT, H, dtype=torch.float32) if store_rstd else None,
-        k_rstd=q.new_empty(TT, H, dtype=torch.float32) if store_rstd else None,
+        q_rstd=q.new_empty(TT, H, dtype=torch.float32),
+        k_rstd=q.new_empty(TT, H, dtype=torch.float32),
     )
     if P == 0:
         return out
@@ -326,8 +245,8 @@ def chunk_prepare(
         out.w, out.u, out.qg, out.kg, out.Aqk, out.Akk, out.gend, out.q_rstd, out.k_rstd,
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
-        H=H, K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
-        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, STORE_RSTD=store_rstd,
-        DOUBLING=LAUNCH["doubling_inverse"], num_warps=LAUNCH["num_warps"], num_stages=1,
+        H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
+        BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
+        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, num_warps=LAUNCH["num_warps"], num_stages=1,
     )  # fmt: skip
     return out

@@ -23,14 +23,14 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.kernel_math import load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import dot_precision, load_rows, store_rows
 
 
 @triton.jit
 def chunk_state_fwd_kernel(
     w, u, qg, kg, Aqk, gend, h0, o, ht, h, v_new,
     cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_H: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``. ``h0``/``ht`` fp32 ``[N, H, K, V]``; ``h`` ``[P, H, K, V]``; ``o``/``v_new``
@@ -59,30 +59,35 @@ def chunk_state_fwd_kernel(
             p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
             tl.store(h + p_h, b_Sd.to(h.dtype.element_ty))
         b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
-        b_e = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32) - tl.dot(b_w, b_Sd)
+        b_e = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32) - tl.dot(
+            b_w, b_Sd, input_precision=DOT
+        )
         b_ed = b_e.to(dt)
         if STORE_H:
             store_rows(v_new, b_ed, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         if STORE_O:
             b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
             b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
-            b_o = tl.dot(b_qg, b_Sd) + tl.dot(b_A, b_ed)
+            b_o = tl.dot(b_qg, b_Sd, input_precision=DOT) + tl.dot(b_A, b_ed, input_precision=DOT)
             store_rows(o, b_o, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
         b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)
-        b_S = b_S * b_D[:, None] + tl.dot(tl.trans(b_kg), b_ed)
+        b_S = b_S * b_D[:, None] + tl.dot(tl.trans(b_kg), b_ed, input_precision=DOT)
     if STORE_FINAL:
         tl.store(ht + p_state, b_S)
 
 
-LAUNCH = {"num_warps": 4, "num_stages": 2, "min_programs": 256}
-"""Launch configuration of the state passes: warps, pipeline stages, and the fewest programs for which the
-value block is 64 wide (else 32); ``benchmarks/kda.py --sweep`` times the alternatives."""
+LAUNCH = {"num_warps": 4, "num_stages": 1, "min_programs": 256, "value_block": 0}
+"""Launch configuration of the state passes: warps, pipeline stages, the fewest programs for which the
+value block is 64 wide (else 32), or a fixed value block (``value_block`` > 0); ``benchmarks/kda.py
+--sweep`` times the alternatives."""
 
 
 def value_block(V: int, programs_per_block: int) -> int:
-    """Value-block width: 64, or 32 when fewer than ``LAUNCH["min_programs"]`` programs would run (long
-    single sequences with few heads), never above ``V``."""
+    """Value-block width: ``LAUNCH["value_block"]`` if set, else 64, or 32 when fewer than
+    ``LAUNCH["min_programs"]`` programs would run (long single sequences with few heads); never above ``V``."""
+    if LAUNCH["value_block"]:
+        return min(LAUNCH["value_block"], V)
     bv = 64 if programs_per_block * max(V // 64, 1) >= LAUNCH["min_programs"] else 32
     return min(bv, V)
 
@@ -119,7 +124,7 @@ def chunk_state_fwd(
     chunk_state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
         pre.w, pre.u, pre.qg, pre.kg, pre.Aqk, pre.gend, initial_state, o, ht, h, v_new,
         index.cu_seqlens, index.chunk_offsets,
-        H=H, K=K, V=V, BT=CHUNK, BV=BV,
+        H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV,
         USE_H0=initial_state is not None, STORE_O=not store_h, STORE_FINAL=output_final_state,
         STORE_H=store_h, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip

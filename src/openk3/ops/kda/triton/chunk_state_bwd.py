@@ -23,14 +23,14 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
-from openk3.ops.kda.triton.kernel_math import load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import dot_precision, load_rows, store_rows
 
 
 @triton.jit
 def chunk_state_bwd_kernel(
     qg, kg, w, Aqk, gend, do, dht, dh, dv_new, dh0,
     cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``. ``dht``/``dh0`` fp32 ``[N, H, K, V]``; ``dh`` ``[P, H, K, V]``; ``do``,
@@ -61,13 +61,17 @@ def chunk_state_bwd_kernel(
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
         b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
         b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
-        b_de = tl.dot(tl.trans(b_A), b_do) + tl.dot(b_kg, b_dSd)
+        b_de = tl.dot(tl.trans(b_A), b_do, input_precision=DOT) + tl.dot(b_kg, b_dSd, input_precision=DOT)
         b_ded = b_de.to(dt)
         store_rows(dv_new, b_ded, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
         b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
         b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)
-        b_dS = b_dS * b_D[:, None] + tl.dot(tl.trans(b_qg), b_do) - tl.dot(tl.trans(b_w), b_ded)
+        b_dS = (
+            b_dS * b_D[:, None]
+            + tl.dot(tl.trans(b_qg), b_do, input_precision=DOT)
+            - tl.dot(tl.trans(b_w), b_ded, input_precision=DOT)
+        )
     tl.store(dh0 + p_state, b_dS)
 
 
@@ -94,7 +98,7 @@ def chunk_state_bwd(
     chunk_state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
         pre.qg, pre.kg, pre.w, pre.Aqk, pre.gend, do, dht, dh, dv_new, dh0,
         index.cu_seqlens, index.chunk_offsets,
-        H=H, K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None,
+        H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None,
         num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     return dh, dv_new, dh0

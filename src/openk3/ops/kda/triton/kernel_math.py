@@ -10,11 +10,19 @@ Legend: ``R`` rows of a tile (tokens), ``K`` key dim, ``C`` columns of a 16×16 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
 """log2(e): natural-log decay × LOG2E = log2 decay."""
+
+
+def dot_precision(dtype) -> str:
+    """``tl.dot`` input precision of the chunk kernels for inputs of ``dtype``: ``"tf32"`` for half-precision
+    inputs (their fp32 intermediates carry bf16/fp16 information, fla's choice, §1.5) and ``"tf32x3"`` (three
+    tensor-core passes, ~fp32 accuracy) for fp32 inputs, whose users expect fp32 results."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
