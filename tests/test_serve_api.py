@@ -123,6 +123,22 @@ def test_detokenizer_holds_back_stop_strings():
     assert d.push([ord("a"), ord("y")]) == ("a", False) and d.flush() == "y"
 
 
+def test_detokenizer_decodes_short_windows_and_completes_characters():
+    class Bytes:  # token id = one UTF-8 byte; records the longest id list it was asked to decode
+        longest = 0
+
+        def decode(self, ids):
+            Bytes.longest = max(Bytes.longest, len(ids))
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "héllo wörld — 日本語, ok. " * 30
+    d = IncrementalDetokenizer(Bytes())
+    pieces = [d.push([b])[0] for b in text.encode()]
+    assert "".join(pieces) + d.flush() == text
+    assert pieces[:3] == ["h", "", "é"]  # the first byte of "é" waits for the second
+    assert Bytes.longest <= 6  # two characters of at most 3 bytes, never the whole output
+
+
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert json.loads(urllib.request.urlopen(server.base_url + "/health").read()) == {"status": "ok"}

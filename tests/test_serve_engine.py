@@ -1,6 +1,7 @@
 """The serving engine against the model itself: prefix-cache hit == cold run, batched == single request,
-the paged batched decode (absorbed MLA, two-phase AttnRes) == the model's forward, chunked prefill,
-admission, abort. References are :func:`openk3.generate.greedy` and the model forward with its own cache."""
+the paged batched forward (absorbed/naive MLA, two-phase AttnRes, in-place KDA decode) == the model's
+forward, chunked prefill, admission, abort. References are :func:`openk3.generate.greedy` and the model
+forward with its own cache."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 import openk3
 from openk3.generate import greedy
 from openk3.model.attn_res import attn_res_mix
+from openk3.model.cache import KDACache
 from openk3.model.norm import RMSNorm
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 from openk3.serve.decode_forward import TwoPhaseAttnRes, _MixSite
+from openk3.serve.kda_decode import kda_decode_
 from openk3.serve.scheduler import QueueFullError
 
 VOCAB = 512
@@ -87,28 +90,49 @@ def test_two_phase_attn_res_equals_one_phase():
         )
 
 
-def test_paged_decode_equals_model_forward(model):
+@pytest.mark.parametrize("T", [1, 3, 20])
+def test_paged_forward_equals_model_forward(model, T):
+    """B requests with different cached lengths bring T tokens each: a decode (T = 1), a short continuing
+    chunk (absorbed MLA, recurrent KDA on the layer forward) and a long one (naive MLA, chunked KDA)."""
     eng = engine(model)
     ps = prompts([3, 17, 40])
-    reqs = [Request(f"d{i}", p, SamplingParams(max_tokens=4)) for i, p in enumerate(ps)]
+    reqs = [Request(f"d{i}", p, SamplingParams(max_tokens=T + 3)) for i, p in enumerate(ps)]
     for r in reqs:
         eng.add_request(r)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         eng.step()  # prefill (each request's first token is sampled from the prefill logits)
-    nxt = [r.output_token_ids[-1] for r in reqs]
+    new = [[r.output_token_ids[-1]] + prompts([T - 1], seed=i + 20)[0] for i, r in enumerate(reqs)]
     kv = eng.kv
     for r in reqs:
-        kv.allocate_slots(r, 1)
-    logits = eng.runner.decode_forward(
-        nxt,
+        kv.allocate_slots(r, T)
+    logits = eng.runner.paged_forward(
+        new,
         [r.num_computed_tokens for r in reqs],
         [kv.block_tables[r.request_id] for r in reqs],
         [kv.state_slots[r.request_id] for r in reqs],
     )
     assert len(reqs[0].output_token_ids) > 1  # the short prompt was already decoding in the batch
-    for r, row in zip(reqs, logits):
-        want = model(torch.tensor([r.all_token_ids])).logits[0, -1]
+    for r, ids, row in zip(reqs, new, logits):
+        want = model(torch.tensor([r.all_token_ids[:-1] + ids])).logits[0, -1]
         torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
+
+
+def test_kda_decode_in_place_equals_the_layer():
+    """The server's in-place KDA decode token == the model's KDA layer with a cache (float64)."""
+    torch.manual_seed(0)
+    lm = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=VOCAB), dtype=torch.float64, seed=1)
+    attn = lm.language_model.model.layers[1].self_attn
+    B, H, K, D, W = 5, attn.num_heads, attn.head_dim, attn.q_proj.in_features, attn.q_conv1d.kernel_size
+    x = torch.randn(B, 1, D, dtype=torch.float64)
+    S = torch.randn(B, H, K, K, dtype=torch.float64) * 0.1
+    conv = torch.randn(B, 3, H * K, W - 1, dtype=torch.float64)
+    cache = KDACache((conv[:, 0].clone(), conv[:, 1].clone(), conv[:, 2].clone()), S.clone())
+    with torch.no_grad():
+        want = attn(x, cache)
+        got = kda_decode_(attn, x, S, conv)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(S, cache.recurrent_state, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(conv, torch.stack(cache.conv_states, 1), rtol=0, atol=0)
 
 
 def test_batched_equals_single_and_reference(model):

@@ -200,3 +200,47 @@ def test_manager_admission_budget_and_checkpoint_eviction():
     )  # its slot needs 2 pages: 11, then the LRU cached entry (pages 4, 5) goes
     assert kv.state_slots["c"] == (11, 4) and pool.num_evicted_entries == 1 and queue(pool) == [5, 3]
     pool.check_invariants()
+
+
+def flat_state(storage: CacheStorage, slot: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A slot's state read by hand from the page layout of ``serve/cache_storage.py``: the slot's pages
+    concatenated, ``[L, H, K, V]`` recurrent states first, then ``[L, 3, P, W−1]`` conv caches."""
+    lo = storage.layout
+    H, K, V, W = lo.kda_shape
+    L = lo.num_kda_layers
+    flat = storage.pages[list(slot)].reshape(-1)
+    rec = flat[: L * H * K * V].view(L, H, K, V)
+    return rec, flat[L * H * K * V : lo.state_numel].view(L, 3, H * K, W - 1)
+
+
+def test_state_gather_units_match_the_page_layout_and_flush_on_touch():
+    # 2 KDA layers of H=2, K=V=4, W=3: recurrent 32 + conv 48 numbers per layer; pages of 24 numbers, so
+    # units are gcd(24, 32, 48) = 8 numbers and layer states straddle pages
+    layout = PageLayout(3, 1, 2, 8, (2, 4, 4, 3), torch.float64, torch.float64)
+    storage = CacheStorage(layout, 30)
+    assert (layout.page_numel, layout.state_pages, storage.unit) == (24, 7, 8)
+    storage.pages.copy_(torch.randn(30, 24, dtype=torch.float64))
+    slots = [(9, 2, 3, 17, 5, 6, 8), (10, 11, 25, 13, 14, 15, 16)]
+    batch = storage.gather_states(slots)
+    for b, slot in enumerate(slots):
+        rec, conv = flat_state(storage, slot)
+        assert torch.equal(batch.recurrent[:, b], rec) and torch.equal(batch.conv[:, b], conv)
+    assert batch.recurrent[1].is_contiguous() and batch.conv[0].is_contiguous()
+    before = storage.pages.clone()
+    batch.recurrent[1, 0].add_(1.0)  # the runner changes request 0's layer-1 state in place
+    batch.conv[0, 1].mul_(2.0)
+    assert storage.gather_states(list(slots)) is batch and torch.equal(storage.pages, before)  # checked out
+    rec0, _ = flat_state(storage, slots[0])
+    storage.copy_pages(slots[0], (20, 21, 22, 23, 24, 26, 27))  # reading the slot writes the batch back
+    rec0_new, _ = flat_state(storage, slots[0])
+    assert torch.equal(rec0_new[1], rec0[1] + 1.0) and torch.equal(rec0_new[0], rec0[0])
+    assert torch.equal(flat_state(storage, (20, 21, 22, 23, 24, 26, 27))[0], rec0_new)
+    _, conv1 = flat_state(storage, slots[1])
+    assert torch.equal(conv1[0], 2.0 * before[list(slots[1])].reshape(-1)[64:112].view(3, 8, 2))
+    untouched = [p for p in range(30) if p not in (*slots[0], *slots[1], 20, 21, 22, 23, 24, 26, 27)]
+    assert torch.equal(storage.pages[untouched], before[untouched])
+
+    batch = storage.gather_states(slots[1:])
+    batch.recurrent.zero_()
+    storage.release_states(slots[1])  # a finishing request's state reaches its pages before they are freed
+    assert flat_state(storage, slots[1])[0].abs().max() == 0

@@ -7,12 +7,13 @@ Files (one concept each)::
     config.py          CacheConfig, SchedulerConfig, EngineConfig
     block_pool.py      pages, ref_cnt, LRU free queue, hash index, null block 0 (written invariants)
     prefix_cache.py    chained block hashes, two-stage longest-hit lookup
-    cache_storage.py   the page tensor: MLA latent blocks and KDA state pages, gather/scatter
+    cache_storage.py   the page tensor: MLA latent blocks and KDA state pages, gather/scatter, workspace
     kv_manager.py      block tables, state slots, copy-on-write hits, checkpoints, reservations
     request.py         Request, SamplingParams, RequestOutput
     scheduler.py       budgets, admission, chunked prefill, update
-    decode_forward.py  batched decode: paged absorbed MLA, two-phase Block AttnRes
-    model_runner.py    execute a step (prefill via the model forward, batched decode), sample
+    decode_forward.py  paged batched forward (decodes, continuing chunks): paged MLA, two-phase Block AttnRes
+    kda_decode.py      one KDA decode token on gathered states, in place
+    model_runner.py    execute a step (chunks batched by length; lone first chunks packed), sample
     engine.py          LLMEngine: schedule → execute → update
     async_engine.py    the engine on a background thread
     protocol.py        OpenAI request bodies and error objects

@@ -1,14 +1,21 @@
-"""Batched one-token decode over the paged cache: absorbed MLA over latent blocks, two-phase AttnRes.
+"""Batched forward over the paged cache: ``B`` requests with ``T`` new tokens each on top of their cached
+prefixes (one-token decodes, or prefill chunks that continue a cached prefix), absorbed MLA over latent
+blocks, two-phase AttnRes.
 
-This is the serving fast path beside the model's own forward (the reference, used for prefill): the same
-layers and weights, wired the same way (``openk3.model.decoder``), with three differences:
+This is the serving fast path beside the model's own forward (the reference, used for the first prefill
+chunk of new requests): the same layers and weights, wired the same way (``openk3.model.decoder``), with
+three differences:
 
-* **Paged, padded MLA.** Each request's cached latents are gathered from its block table and padded to
-  the longest; a key mask ``[B, 1, 1, S]`` hides the padding inside the model's absorbed attention
-  (``q̃ = q_nope W_UK`` scored against the 576-number latent, DeepSeek-V3 ``absorb``). NoPE MLA has no
-  positions, so padding placement does not matter.
-* **Batched KDA state.** The running KDA states of the ``B`` requests are stacked into one
-  :class:`~openk3.model.cache.KDACache` per layer and advanced by the layer's recurrent decode op.
+* **Paged, padded MLA.** Each request's cached latents are gathered from its block table (one
+  ``index_select``) and padded to the longest; a key mask ``[B, 1, T, S]`` hides the padding and the
+  future inside the model's attention: absorbed (``q̃ = q_nope W_UK`` scored against the 576-number latent,
+  DeepSeek-V3 ``absorb``) for up to 16 new tokens, as the model's ``auto`` rule, else naive. NoPE MLA has
+  no positions, so padding placement does not matter.
+* **Batched KDA state.** The KDA states of the ``B`` requests are gathered into per-layer contiguous
+  batches (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_states`, which keeps a steady decode
+  batch checked out between steps); a decode token updates them in place
+  (:func:`~openk3.serve.kda_decode.kda_decode_`), a longer chunk runs the layer's forward on them and
+  copies the new states in.
 * **Two-phase Block AttnRes** (reference/architecture.md §3.1 "Two-phase inference"). The pseudo-queries
   do not depend on the input, so every mix that reads the same set of completed blocks is scored in one
   batched pass (phase 1: per query ``m_b = max z``, ``s_b = Σ e^{z−m_b}``, ``acc_b = Σ e^{z−m_b} v``);
@@ -17,8 +24,9 @@ layers and weights, wired the same way (``openk3.model.decoder``), with three di
 
 Equal to the model's forward with a cache up to float rounding (tested).
 
-Legend: ``B`` requests, ``S`` cached tokens (padded), ``D`` width, ``V`` vocabulary, ``Q`` mixes that read
-one block set, ``N`` completed blocks, ``C`` kv_lora_rank, ``r`` qk_rope_head_dim, ``L`` MLA layers.
+Legend: ``B`` requests, ``T`` new tokens per request, ``S`` cached tokens (padded), ``D`` width, ``V``
+vocabulary, ``Q`` mixes that read one block set, ``N`` completed blocks, ``C`` kv_lora_rank, ``r``
+qk_rope_head_dim, ``L`` MLA layers.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from torch import nn
 
 from openk3.model.norm import rms_normalize
 from openk3.serve.cache_storage import CacheStorage
+from openk3.serve.kda_decode import kda_decode_
 
 
 @dataclass
@@ -102,11 +111,13 @@ class TwoPhaseAttnRes:
         return h_BTD.to(partial_BTD.dtype)
 
 
-def mla_absorbed_decode(attn: nn.Module, x_BTD: torch.Tensor, past_BSd: torch.Tensor, mask_BS: torch.Tensor):
-    """One MLA mixer step over padded cached latents ``[B, S, C + r]`` with key mask ``[B, S]``.
+ABSORB_MAX_TOKENS = 16
+"""Up to this many new tokens per request MLA attends over the latent (absorbed), as the model's ``auto``."""
 
-    Returns ``(y [B, T, D], new latents [B, T, C + r])`` (``T`` = 1 in decode).
-    """
+
+def mla_paged_attention(attn: nn.Module, x_BTD: torch.Tensor, past_BSd: torch.Tensor, mask_BS: torch.Tensor):
+    """One MLA mixer call for ``T`` new tokens over padded cached latents ``[B, S, C + r]`` with key mask
+    ``[B, S]``. Returns ``(y [B, T, D], new latents [B, T, C + r])``."""
     B, T, _ = x_BTD.shape
     C = attn.kv_lora_rank
     q_nope, q_pe = attn.query(x_BTD)
@@ -119,18 +130,22 @@ def mla_absorbed_decode(attn: nn.Module, x_BTD: torch.Tensor, past_BSd: torch.Te
     causal_TS = torch.arange(S - T, S, device=x_BTD.device)[:, None] >= torch.arange(S, device=x_BTD.device)
     keys_BS = torch.cat([mask_BS, mask_BS.new_ones(B, T)], 1)
     mask_B1TS = (causal_TS[None] & keys_BS[:, None, :])[:, None]
-    o_BTHv = attn.absorbed_attention(q_nope, q_pe, c_BSC, k_pe_BSr, mask_B1TS)
+    absorb = attn.attn_impl == "absorb" or (attn.attn_impl == "auto" and T <= ABSORB_MAX_TOKENS)
+    attend = attn.absorbed_attention if absorb else attn.naive_attention
+    o_BTHv = attend(q_nope, q_pe, c_BSC, k_pe_BSr, mask_B1TS)
     o_BTP = o_BTHv.reshape(B, T, -1)
     if attn.g_proj is not None:
         o_BTP = o_BTP * torch.sigmoid(attn.g_proj(x_BTD))
     return attn.o_proj(o_BTP), torch.cat([c_BTC, k_pe_BTr], -1)
 
 
-class PagedDecodeForward:
-    """``__call__`` runs one token for each of ``B`` requests and returns last-position logits ``[B, V]``.
+class PagedForward:
+    """``__call__`` runs ``T`` new tokens for each of ``B`` requests and returns the last position's logits
+    ``[B, V]``, reading and writing the requests' caches in the pool.
 
-    Args of the call: ``token_ids`` (``B`` ints), ``positions`` (each request's ``num_computed_tokens``:
-    the cached length, where the new token's latent is written), ``block_tables``, ``state_slots``.
+    Args of the call: ``token_ids`` (``B`` lists of ``T`` ints), ``positions`` (each request's
+    ``num_computed_tokens``: the cached length, where the first new token's latent is written),
+    ``block_tables`` (covering the new tokens), ``state_slots``.
     """
 
     def __init__(self, lm: nn.Module, storage: CacheStorage) -> None:
@@ -138,20 +153,25 @@ class PagedDecodeForward:
         self.backbone = lm.model
         self.config = lm.config
         self.kinds = self.config.layer_types
+        self.kda_index = [self.kinds[:i].count("kda") for i in range(len(self.kinds))]
+        self.mla_index = [self.kinds[:i].count("mla") for i in range(len(self.kinds))]
         self.sites = attn_res_sites(self.backbone) if self.config.uses_attn_res else None
 
     @torch.no_grad()
     def __call__(
         self,
-        token_ids: list[int],
+        token_ids: list[list[int]],
         positions: list[int],
         block_tables: list[list[int]],
         state_slots: list[tuple[int, ...]],
     ) -> torch.Tensor:
         st, bs = self.storage, self.storage.layout.block_size
         device = self.backbone.embed_tokens.weight.device
-        B = len(token_ids)
-        kda_caches = st.read_states(state_slots) if "kda" in self.kinds else []
+        T = len(token_ids[0])
+        if any(len(t) != T for t in token_ids):
+            raise ValueError("every request of one paged forward must bring the same number of tokens")
+        states = st.gather_states(state_slots) if "kda" in self.kinds else None
+        caches = states.caches(st.layout.model_dtype) if states is not None and T > 1 else None
         has_mla = "mla" in self.kinds
         if has_mla:
             past_LBSd, mask_BS = st.gather_latents(block_tables, positions)
@@ -160,25 +180,32 @@ class PagedDecodeForward:
         def mixer(i: int, x_BTD: torch.Tensor) -> torch.Tensor:
             attn = self.backbone.layers[i].self_attn
             if self.kinds[i] == "kda":
-                return attn(x_BTD, kda_caches[self.kinds[:i].count("kda")])
-            y, lat = mla_absorbed_decode(attn, x_BTD, past_LBSd[len(new_latents)], mask_BS)
-            new_latents.append(lat[:, 0])
+                j = self.kda_index[i]
+                if caches is not None:
+                    return attn(x_BTD, caches[j])
+                return kda_decode_(attn, x_BTD, states.recurrent[j], states.conv[j])
+            y, lat = mla_paged_attention(attn, x_BTD, past_LBSd[self.mla_index[i]], mask_BS)
+            new_latents.append(lat)
             return y
 
-        h_BTD = self.backbone.embed_tokens(torch.tensor(token_ids, device=device)[:, None])
+        h_BTD = self.backbone.embed_tokens(torch.tensor(token_ids, device=device))
         if self.sites is None:
             for i, layer in enumerate(self.backbone.layers):
                 h_BTD = h_BTD + mixer(i, layer.input_layernorm(h_BTD))
                 h_BTD = h_BTD + layer.ffn(layer.post_attention_layernorm(h_BTD))
         else:
             h_BTD = self._attn_res_layers(h_BTD, mixer)
-        logits_BV = self.lm.lm_head(self.backbone.norm(h_BTD))[:, 0]
-        if kda_caches:
-            st.write_states(state_slots, kda_caches)
+        logits_BV = self.lm.lm_head(self.backbone.norm(h_BTD[:, -1]))
+        if caches is not None:
+            states.absorb(caches)
         if has_mla:
-            pages = [table[p // bs] for table, p in zip(block_tables, positions)]
-            st.write_latents(pages, [p % bs for p in positions], torch.stack(new_latents))
-        assert logits_BV.shape[0] == B
+            pages = [
+                table[p // bs]
+                for table, start in zip(block_tables, positions)
+                for p in range(start, start + T)
+            ]
+            offsets = [p % bs for start in positions for p in range(start, start + T)]
+            st.write_latents(pages, offsets, torch.stack(new_latents).flatten(1, 2))
         return logits_BV
 
     def _attn_res_layers(self, h_BTD: torch.Tensor, mixer) -> torch.Tensor:

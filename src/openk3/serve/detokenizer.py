@@ -1,9 +1,12 @@
 """Incremental detokenization with stop strings held back until resolved.
 
-Each push decodes all output ids so far (byte-level BPE decodes a prefix of ids to a prefix of the text,
-except for a trailing incomplete UTF-8 character, shown as U+FFFD and held back). Text that could still
-become the start of a stop string is held back too, so a client never receives part of a stop string; when
-a stop string appears, the text ends just before it.
+Each push decodes a short window of ids, not the whole output (vLLM's ``prefix_offset``/``read_offset``
+scheme): the ids from the start of the last committed piece to the end, minus the text of that piece,
+is the new text. Byte-level BPE decodes a prefix of ids to a prefix of the text, except for a trailing
+incomplete UTF-8 character, shown as U+FFFD: such a tail is not committed until a later token completes it
+(or :meth:`~IncrementalDetokenizer.flush` writes it out). Text that could still become the start of a stop
+string is held back too, so a client never receives part of a stop string; when a stop string appears, the
+text ends just before it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ class IncrementalDetokenizer:
         self.skip_ids = set(skip_ids)
         self.token_ids: list[int] = []
         self.text = ""
+        """Committed text (no incomplete character at its end)."""
         self.emitted = 0
         self.stopped = False
+        self.prefix_offset = 0
+        """``token_ids[prefix_offset:read_offset]`` decode to the last committed piece of ``text``."""
+        self.read_offset = 0
 
     def _held_back(self, end: int) -> int:
         """Length of the longest suffix of ``text[emitted:end]`` that starts some stop string."""
@@ -37,7 +44,10 @@ class IncrementalDetokenizer:
         if self.stopped:
             return "", True
         self.token_ids += [t for t in token_ids if t not in self.skip_ids]
-        self.text = self.tokenizer.decode(self.token_ids)
+        piece = self._new_text()
+        if not piece.endswith(REPLACEMENT_CHAR):
+            self.text += piece
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         if self.stop:
             hits = [i for i in (self.text.find(s, self.emitted) for s in self.stop) if i >= 0]
             if hits:
@@ -46,13 +56,21 @@ class IncrementalDetokenizer:
                 self.text = self.text[:cut]
                 return out, True
         end = len(self.text)
-        while end > self.emitted and self.text[end - 1] == REPLACEMENT_CHAR:
-            end -= 1
         end -= self._held_back(end)
         out, self.emitted = self.text[self.emitted : end], max(end, self.emitted)
         return out, False
 
+    def _new_text(self) -> str:
+        """Text of the ids after ``read_offset``, decoded in the window from ``prefix_offset``."""
+        if self.read_offset == len(self.token_ids):
+            return ""
+        before = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        return self.tokenizer.decode(self.token_ids[self.prefix_offset :])[len(before) :]
+
     def flush(self) -> str:
         """Everything not yet emitted (the held-back tail) once no more tokens come."""
+        if not self.stopped:
+            self.text += self._new_text()
+            self.prefix_offset = self.read_offset = len(self.token_ids)
         out, self.emitted = self.text[self.emitted :], len(self.text)
         return out

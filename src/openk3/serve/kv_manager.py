@@ -182,5 +182,7 @@ class KVCacheManager:
         if rid not in self.block_tables:
             return
         self.pool.free_blocks(reversed(self.block_tables.pop(rid)))
-        self.pool.free_blocks(self.state_slots.pop(rid))
+        slot = self.state_slots.pop(rid)
+        self.storage.release_states(slot)
+        self.pool.free_blocks(slot)
         del self.reserved[rid], self.num_cached_blocks[rid]

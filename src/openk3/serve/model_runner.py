@@ -1,16 +1,16 @@
 """The model runner: executes a scheduled step over the paged cache and samples.
 
-* Prefill chunks (more than one token) run through the model's own forward (the reference path): the
-  first chunks of several new requests packed into one row with ``cu_seqlens``; a chunk that continues a
-  cached prefix (a prefix hit or an earlier chunk) one request at a time, from the slot's KDA state and
-  the gathered past latents. New latents and final KDA states are written back to blocks and slots.
-* One-token chunks (decodes) of all requests run as one batch through
-  :class:`~openk3.serve.decode_forward.PagedDecodeForward`.
+* Chunks run through :class:`~openk3.serve.decode_forward.PagedForward`, one batch per chunk length: all
+  one-token decodes together, and prefill chunks of equal length together (first chunks, chunks that
+  continue a prefix hit or an earlier chunk).
+* A first chunk (nothing cached: ``start == 0``) whose length no other chunk of the step shares runs
+  through the model's own forward (the reference path) instead, packed into one row with ``cu_seqlens``
+  together with the other such chunks; latents and final KDA states are written to blocks and slots.
 
 Sampling reuses :func:`openk3.generate.sample_next` per request (temperature 0 = argmax; ``seed`` gives the
-request its own generator).
+request its own generator); greedy rows cost one ``argmax`` and one device→host copy per batch.
 
-Legend: ``B`` requests, ``T`` chunk tokens, ``V`` vocabulary, ``C`` kv_lora_rank, ``L`` MLA layers.
+Legend: ``B`` requests, ``N`` packed requests, ``T`` chunk tokens, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from openk3.generate import sample_next
 from openk3.model.cache import KDACache, KimiCache, MLACache
 from openk3.serve.cache_storage import CacheStorage
-from openk3.serve.decode_forward import PagedDecodeForward
+from openk3.serve.decode_forward import PagedForward
 from openk3.serve.request import Request
 from openk3.serve.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -39,65 +39,40 @@ class ModelRunner:
         self.storage = storage
         self.kinds = self.lm.config.layer_types
         self.device = self.lm.model.embed_tokens.weight.device
-        self.decode_forward = PagedDecodeForward(self.lm, storage)
+        self.paged_forward = PagedForward(self.lm, storage)
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run every chunk of the step; return request id → sampled token for chunks that sample."""
+        """Run every chunk of the step; return request id → sampled token for chunks that sample.
+
+        Chunks of equal length run as one :class:`PagedForward` batch; first chunks (``start == 0``) whose
+        length no other chunk shares are packed into one reference forward instead."""
         sampled: dict[str, int] = {}
-        decodes = [c for c in out.chunks if c.num_tokens == 1]
-        fresh = [c for c in out.chunks if c.num_tokens > 1 and c.start == 0]
-        if len(fresh) > 1:
-            logits_NV = self.prefill_packed(fresh)
-            rows = [i for i, c in enumerate(fresh) if c.samples]
-            tokens = sample_tokens([fresh[i].request for i in rows], logits_NV[rows])
-            sampled.update({fresh[i].request.request_id: t for i, t in zip(rows, tokens)})
+        by_length: dict[int, list[ScheduledChunk]] = {}
         for chunk in out.chunks:
-            if chunk.num_tokens > 1 and not (len(fresh) > 1 and chunk.start == 0):
-                logits_V = self.prefill(chunk)
-                if chunk.samples:
-                    sampled[chunk.request.request_id] = sample_tokens([chunk.request], logits_V[None])[0]
-        if decodes:
-            logits_BV = self.decode_forward(
-                [c.token_ids[0] for c in decodes],
-                [c.start for c in decodes],
-                [c.block_table for c in decodes],
-                [c.state_slot for c in decodes],
+            by_length.setdefault(chunk.num_tokens, []).append(chunk)
+        fresh = [g[0] for g in by_length.values() if len(g) == 1 and g[0].start == 0]
+        if fresh:
+            self._sample(fresh, self.prefill_packed(fresh), sampled)
+        for chunks in by_length.values():
+            if len(chunks) == 1 and chunks[0].start == 0:
+                continue
+            logits_BV = self.paged_forward(
+                [c.token_ids for c in chunks],
+                [c.start for c in chunks],
+                [c.block_table for c in chunks],
+                [c.state_slot for c in chunks],
             )
-            rows = [i for i, c in enumerate(decodes) if c.samples]
-            tokens = sample_tokens([decodes[i].request for i in rows], logits_BV[rows])
-            sampled.update({decodes[i].request.request_id: t for i, t in zip(rows, tokens)})
+            self._sample(chunks, logits_BV, sampled)
         return sampled
 
-    def prefill(self, chunk: ScheduledChunk) -> torch.Tensor:
-        """One request's chunk through the model forward; returns the last position's logits ``[V]``."""
-        st, bs = self.storage, self.storage.layout.block_size
-        past, T = chunk.start, chunk.num_tokens
-        kda = st.read_states([chunk.state_slot]) if "kda" in self.kinds else []
-        if past and "mla" in self.kinds:
-            lat_LBSd, _ = st.gather_latents([chunk.block_table], [past])
-        C = self.lm.config.kv_lora_rank
-        layers, mla = [], []
-        for kind in self.kinds:
-            if kind == "kda":
-                layers.append(kda[len(layers) - len(mla)])
-            else:
-                j = len(mla)
-                mla.append(MLACache(lat_LBSd[j, :, :, :C], lat_LBSd[j, :, :, C:]) if past else MLACache())
-                layers.append(mla[-1])
-        cache = KimiCache(layers, seq_len=past)
-        ids = torch.tensor([chunk.token_ids], device=self.device)
-        h_BTD = self.lm.model(ids, cache)
-        logits_V = self.lm.lm_head(h_BTD[0, -1])
-        if kda:
-            st.write_states([chunk.state_slot], kda)
-        if mla:
-            new_LTd = torch.stack([torch.cat([c.latent[0, past:], c.k_pe[0, past:]], -1) for c in mla])
-            positions = range(past, past + T)
-            st.write_latents(
-                [chunk.block_table[p // bs] for p in positions], [p % bs for p in positions], new_LTd
-            )
-        return logits_V
+    @staticmethod
+    def _sample(chunks: list[ScheduledChunk], logits_BV: torch.Tensor, sampled: dict[str, int]) -> None:
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        if len(rows) < len(chunks):
+            logits_BV = logits_BV[rows]
+        tokens = sample_tokens([chunks[i].request for i in rows], logits_BV)
+        sampled.update({chunks[i].request.request_id: t for i, t in zip(rows, tokens)})
 
     def prefill_packed(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """First chunks (nothing cached yet) of ``N`` requests packed into one forward with ``cu_seqlens``

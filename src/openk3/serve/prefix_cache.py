@@ -18,7 +18,9 @@ Legend: ``bs`` block size.
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,9 +31,14 @@ ROOT_HASH = hashlib.blake2b(b"openk3 prefix cache root", digest_size=16).digest(
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """16-byte BLAKE2b of the parent hash and the block's token ids (int64 little-endian)."""
+    """16-byte BLAKE2b of the parent hash and the block's token ids (int64 little-endian).
+
+    Raises ``OverflowError`` for an id outside int64."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
     h = hashlib.blake2b(parent_hash, digest_size=16)
-    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids))
+    h.update(ids.tobytes())
     return h.digest()
 
 

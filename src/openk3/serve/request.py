@@ -100,6 +100,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list (a decode reads one token)."""
+        P = self.num_prompt_tokens
+        if start >= P:
+            return self.output_token_ids[start - P : stop - P]
+        if stop <= P:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - P]
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

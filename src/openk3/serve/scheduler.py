@@ -38,7 +38,7 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+        return self.request.token_ids_between(self.start, self.start + self.num_tokens)
 
     @property
     def samples(self) -> bool:
