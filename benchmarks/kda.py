@@ -53,6 +53,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="directory for kda_h200.json and kda_h200.md")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per forward measurement")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations per kernel")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="sweep first, then time everything with the fastest configurations",
+    )
     parser.add_argument("--skip-fla", action="store_true", help="time our kernels only")
     parser.add_argument("--fla-passes", default="fwd,fwd+bwd", help="passes timed for fla (default both)")
     parser.add_argument(
@@ -339,6 +344,7 @@ def our_launches(B, T, H, D) -> dict:
     intra = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], pre, wy, index)
     return {
         "prepare": lambda: chunk_prepare(*args, index, **opts),
+        "prepare (bwd)": lambda: chunk_prepare(*args, index, saved=pre, **opts),
         "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, **state),
         "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, store_h=True, **state),
         "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
@@ -353,25 +359,14 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [
-        {"num_warps": 8},
-        {"key_block": 16},
-        {"key_block": 64},
-        {"key_block": 64, "num_warps": 8},
-        {"wy_block": 32},
-    ],
-    "chunk_state": [
-        {"num_warps": 8},
-        {"num_stages": 2},
-        {"value_block": 64},
-        {"value_block": 128},
-        {"value_block": 128, "num_warps": 8},
-    ],
-    "chunk_grad_wy": [{"num_warps": 4}],
-    "chunk_grad_intra": [{"num_warps": 8}, {"key_block": 16}, {"key_block": 64, "num_warps": 8}],
+    "chunk_prepare": [{}, {"key_block": 64}, {"num_stages": 2}],
+    "chunk_state": [{}, {"value_block": 64}, {"value_block": 128}],
+    "chunk_grad_wy": [{}, {"num_warps": 4}],
+    "chunk_grad_intra": [{}, {"num_warps": 8}, {"num_stages": 2}],
 }
+"""Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {
-    "chunk_prepare": ["prepare"],
+    "chunk_prepare": ["prepare", "prepare (bwd)"],
     "chunk_state": ["state_fwd (o)", "state_fwd (h, E)", "state_bwd"],
     "chunk_grad_wy": ["grad_wy"],
     "chunk_grad_intra": ["grad_intra"],
@@ -414,6 +409,21 @@ def sweep(shapes) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------- report
+
+
+def tune(rows: list[dict]) -> dict:
+    """Set each module's ``LAUNCH`` to its fastest swept configuration (sum over its kernels); returns them."""
+    import importlib
+
+    best = {}
+    for module in SWEEP:
+        timed = [r for r in rows if r["module"] == module and "error" not in r["ms"]]
+        if timed:
+            pick = min(timed, key=lambda r: sum(r["ms"].values()))
+            importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH.update(pick["config"])
+            best[module] = pick["config"]
+    print("tuned launch configurations:", best, flush=True)
+    return best
 
 
 def environment(use_fla: bool) -> dict:
@@ -508,6 +518,10 @@ def main() -> None:
             (args.out / "kda_h200.md").write_text(markdown(report))
 
     sections = args.sections.split(",")
+    if args.tune:
+        report["sweep"] = sweep([(1, 8192, 96, 128)])
+        report["tuned"] = tune(report["sweep"])
+        save()
     if "breakdown" in sections:
         report["breakdown"] = kernel_breakdown(1, 8192, 96, 128)
         print("breakdown", report["breakdown"], flush=True)
@@ -523,7 +537,7 @@ def main() -> None:
             report["chunk"] += bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd)
             torch.cuda.empty_cache()
             save()
-    if "sweep" in sections:
+    if "sweep" in sections and not args.tune:
         report["sweep"] = sweep([(1, 8192, 96, 128)])
         save()
     print(markdown(report))

@@ -231,9 +231,16 @@ def nan_filled_allocations(monkeypatch) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("D", [128, 64])
-@pytest.mark.parametrize("H", [1, 4])
-@pytest.mark.parametrize("T", [1, 15, 63, 64, 65, 1000])
+@pytest.mark.parametrize(
+    ("T", "H", "D"),
+    [
+        (T, H, D)
+        for T in (1, 15, 63, 64, 65, 1000)
+        for H in (1, 4, 96)
+        for D in (128, 64)
+        if H < 96 or D == 128
+    ],
+)  # H = 96 is the K3 layer (D = 128); T = 8192 is test_gpu_chunk_long_many_heads
 def test_gpu_chunk_matches_fp64(T, H, D):
     inputs = make_inputs(2, T, H, D, D, device="cuda", seed=T + H)
     out = run(chunk_kda, inputs)

@@ -2,10 +2,12 @@
 
 Forward (§1.5): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (token-parallel: gate, L2 norm,
 ``Aqk``, ``T``, ``W``, ``U``, ``Q̃``, ``K̂``) then :func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`
-(the sequential state pass, which also writes ``o``). Only the inputs are saved.
+(the sequential state pass, which also writes ``o``). Saved: the inputs, ``Aqk``, ``T`` and the l2norm
+reciprocal norms (384 bytes per token and head at bf16, like fla's saved ``Aqk``/``Akk``, §1.5).
 
-Backward (§1.6): the forward's two launches again (the state pass now keeping the per-chunk states ``h``
-and the residuals ``E``), the reverse state pass, then the per-chunk WY and intra-chunk gradient kernels.
+Backward (§1.6): the prepare kernel's second pass only (``W``, ``U``, ``Q̃``, ``K̂`` from the saved ``T``),
+the state pass keeping the per-chunk states ``h`` and the residuals ``E``, the reverse state pass, then the
+per-chunk WY and intra-chunk gradient kernels.
 The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the initial state.
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`` sequences.
@@ -18,7 +20,7 @@ import torch
 from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
 from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
 from openk3.ops.kda.triton.chunk_index import ChunkIndex, fixed_length_index, varlen_index
-from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
+from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare
 from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
 
@@ -35,15 +37,16 @@ class ChunkKDAFunction(torch.autograd.Function):
             pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=output_final_state,
             store_h=False,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
         ctx.index, ctx.opts = index, opts
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0 = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, Aqk, Akk, q_rstd, k_rstd = ctx.saved_tensors
         index, opts = ctx.index, ctx.opts
-        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
+        saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
         _, _, h, v_new = chunk_state_fwd(
             pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True
         )

@@ -42,7 +42,7 @@ from openk3.ops.kda.triton.kernel_math import (
     store_rows,
 )
 
-LAUNCH = {"num_warps": 4, "key_block": 32}
+LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32}
 """Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives."""
 
 
@@ -183,6 +183,6 @@ def chunk_grad_intra(
         index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
         scale, lower_bound, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NL=NL,
-        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, num_warps=LAUNCH["num_warps"], num_stages=1,
+        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)

@@ -46,7 +46,7 @@ from openk3.ops.kda.triton.kernel_math import (
 
 SUB_CHUNK = 16
 """Rows per sub-chunk ``BC``: the anchor blocks of the intra-chunk matrices (fla's ``BC``)."""
-LAUNCH = {"num_warps": 4, "key_block": 32, "wy_block": 64}
+LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32, "wy_block": 64}
 """Launch configuration: warps, the key slice ``BK`` of the ``Aqk``/``L`` pass and the key/value slice of the
 ``W``/``U`` pass (narrower slices hold fewer registers); ``benchmarks/kda.py --sweep`` times the
 alternatives."""
@@ -103,10 +103,11 @@ def chunk_prepare_kernel(
     scale, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
-    ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``."""
+    ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
+    ``PASS1`` it reads ``Akk``, ``q_rstd``, ``k_rstd`` instead and writes only ``w, u, qg, kg, gend``."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
@@ -119,47 +120,55 @@ def chunk_prepare_kernel(
     o_t = tl.arange(0, BT)
     blk = o_t // BC
 
-    # ---- pass 1, by key slices: raw Aqk and L accumulated over channels, and the row norms.
-    # Row block s is anchored at a_s = Γ before it: rows q·2^{Γ−a_s} (≤ |q|) against columns
-    # k·2^{a_s−Γ} of the blocks ≤ s (≤ |k| before block s, ≤ 2^{115}·|k| inside it), later columns masked
-    # to 0 before the exponential. Each block's product is a full-tile dot with the other rows zero.
-    acc_A = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_L = tl.zeros([BT, BT], dtype=tl.float32)
-    ss_q = tl.zeros([BT], dtype=tl.float32)
-    ss_k = tl.zeros([BT], dtype=tl.float32)
-    for i_k in range(0, K // BK):
-        k0 = i_k * BK
-        b_G, _ = _gate_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS)
-        b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
-        b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
-        ss_q += tl.sum(b_q * b_q, axis=1)
-        ss_k += tl.sum(b_k * b_k, axis=1)
-        for s in tl.static_range(BT // BC):
-            if s == 0:
-                a_s = tl.zeros([BK], dtype=tl.float32)
-            else:
-                a_s = tl.sum(tl.where((o_t == s * BC - 1)[:, None], b_G, 0.0), axis=0)
-            b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
-            b_cf = tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
-            b_col = tl.trans(b_k * b_cf)
-            acc_A += tl.dot(b_q * b_rf, b_col, input_precision=DOT)
-            acc_L += tl.dot(b_k * b_rf, b_col, input_precision=DOT)
+    if PASS1:
+        # ---- pass 1, by key slices: raw Aqk and L accumulated over channels, and the row norms.
+        # Row block s is anchored at a_s = Γ before it: rows q·2^{Γ−a_s} (≤ |q|) against columns
+        # k·2^{a_s−Γ} of the blocks ≤ s (≤ |k| before block s, ≤ 2^{115}·|k| inside it), later columns masked
+        # to 0 before the exponential. Each block's product is a full-tile dot with the other rows zero.
+        acc_A = tl.zeros([BT, BT], dtype=tl.float32)
+        acc_L = tl.zeros([BT, BT], dtype=tl.float32)
+        ss_q = tl.zeros([BT], dtype=tl.float32)
+        ss_k = tl.zeros([BT], dtype=tl.float32)
+        for i_k in range(0, K // BK):
+            k0 = i_k * BK
+            b_G, _ = _gate_slice(
+                g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS
+            )
+            b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
+            b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
+            ss_q += tl.sum(b_q * b_q, axis=1)
+            ss_k += tl.sum(b_k * b_k, axis=1)
+            for s in tl.static_range(BT // BC):
+                if s == 0:
+                    a_s = tl.zeros([BK], dtype=tl.float32)
+                else:
+                    a_s = tl.sum(tl.where((o_t == s * BC - 1)[:, None], b_G, 0.0), axis=0)
+                b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
+                b_cf = tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
+                b_col = tl.trans(b_k * b_cf)
+                acc_A += tl.dot(b_q * b_rf, b_col, input_precision=DOT)
+                acc_L += tl.dot(b_k * b_rf, b_col, input_precision=DOT)
 
-    # ---- norms and β: Aqk_ij = scale·rq_i·rk_j·acc_ij (i ≥ j), L_ij = β_i·rk_i·rk_j·acc_ij (i > j)
-    if USE_L2NORM:
-        b_rq = tl.rsqrt(ss_q + 1e-6)
-        b_rk = tl.rsqrt(ss_k + 1e-6)
-    else:
-        b_rq = tl.full([BT], 1.0, tl.float32)
-        b_rk = tl.full([BT], 1.0, tl.float32)
-    store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
-    store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
-    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
-    b_A = tl.where(o_t[:, None] >= o_t[None, :], acc_A * (b_rq * scale)[:, None] * b_rk[None, :], 0.0)
-    store_rows(Aqk, b_A, t0, n_valid, i_h, 0, H, BT, BT, BT)
-    b_L = tl.where(o_t[:, None] > o_t[None, :], acc_L * (b_beta * b_rk)[:, None] * b_rk[None, :], 0.0)
-    b_T = unit_lower_inverse(b_L, BT, BC, DOT)
-    store_rows(Akk, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
+        # ---- norms and β: Aqk_ij = scale·rq_i·rk_j·acc_ij (i ≥ j), L_ij = β_i·rk_i·rk_j·acc_ij (i > j)
+        if USE_L2NORM:
+            b_rq = tl.rsqrt(ss_q + 1e-6)
+            b_rk = tl.rsqrt(ss_k + 1e-6)
+        else:
+            b_rq = tl.full([BT], 1.0, tl.float32)
+            b_rk = tl.full([BT], 1.0, tl.float32)
+        store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
+        store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
+        b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+        b_A = tl.where(o_t[:, None] >= o_t[None, :], acc_A * (b_rq * scale)[:, None] * b_rk[None, :], 0.0)
+        store_rows(Aqk, b_A, t0, n_valid, i_h, 0, H, BT, BT, BT)
+        b_L = tl.where(o_t[:, None] > o_t[None, :], acc_L * (b_beta * b_rk)[:, None] * b_rk[None, :], 0.0)
+        b_T = unit_lower_inverse(b_L, BT, BC, DOT)
+        store_rows(Akk, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
+    else:  # the backward: T and the norms saved by the forward
+        b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
+        b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
+        b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
+        b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
 
     # ---- pass 2, by key / value slices: Γ from the chunk start (all factors ≤ 1), W, U, Q̃, K̂, D
     b_rq = b_rq * scale
@@ -209,6 +218,7 @@ def chunk_prepare(
     scale: float,
     lower_bound: float,
     use_l2norm: bool,
+    saved: Prepared | None = None,
 ) -> Prepared:
     """Launch :func:`chunk_prepare_kernel`.
 
@@ -216,6 +226,8 @@ def chunk_prepare(
         q, k, g: ``[tokens, H, K]`` (g is the raw gate). v: ``[tokens, H, V]``. beta: ``[tokens, H]``.
         A_log: ``[H]``; dt_bias: ``[H*K]`` or None. index: the chunk tables.
         scale, lower_bound, use_l2norm: as in :func:`~openk3.ops.kda.chunk.chunk_kda`.
+        saved: the forward's result; its ``Aqk``, ``Akk`` and norms are reused and only ``W``, ``U``, ``Q̃``,
+            ``K̂``, ``D`` are recomputed (the backward's cheaper second pass).
 
     Returns:
         :class:`Prepared`: ``w, qg, kg`` ``[tokens, H, K]`` and ``u`` ``[tokens, H, V]`` in the storage dtype
@@ -232,11 +244,11 @@ def chunk_prepare(
         u=q.new_empty(TT, H, V, dtype=dt),
         qg=q.new_empty(TT, H, K, dtype=dt),
         kg=q.new_empty(TT, H, K, dtype=dt),
-        Aqk=q.new_empty(TT, H, CHUNK, dtype=dt),
-        Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float32),
+        Aqk=q.new_empty(TT, H, CHUNK, dtype=dt) if saved is None else saved.Aqk,
+        Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float32) if saved is None else saved.Akk,
         gend=q.new_empty(P, H, K, dtype=torch.float32),
-        q_rstd=q.new_empty(TT, H, dtype=torch.float32),
-        k_rstd=q.new_empty(TT, H, dtype=torch.float32),
+        q_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.q_rstd,
+        k_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.k_rstd,
     )
     if P == 0:
         return out
@@ -247,6 +259,7 @@ def chunk_prepare(
         scale, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
-        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, num_warps=LAUNCH["num_warps"], num_stages=1,
+        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
+        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )  # fmt: skip
     return out
