@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -160,6 +161,25 @@ def test_vision_skipped_and_quantized_rejected(saved, tmp_path):
     _copy_with(path, tmp_path / "q", lambda t: t.update({key: torch.zeros(2, dtype=torch.uint8)}))
     with pytest.raises(NotImplementedError, match="MXFP4"):
         openk3.from_pretrained(tmp_path / "q")
+
+
+def test_from_pretrained_resolves_a_run_folder(saved, tmp_path):
+    """A training run folder (``checkpoints/latest`` naming the newest step folder, the layout
+    ``openk3.train.state.save_checkpoint`` writes) loads its latest checkpoint, like the CLI."""
+    model, path = saved
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(path, run / "checkpoints" / "step-000007")
+    (run / "checkpoints" / "step-000003").mkdir()  # an older step, not named by `latest`
+    (run / "checkpoints" / "latest").write_text("step-000007\n")
+    ids = torch.randint(0, 8192, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        for folder in (run, run / "checkpoints"):
+            assert torch.equal(openk3.from_pretrained(folder)(ids).logits, want)
+    (run / "checkpoints" / "latest").write_text("step-000009\n")
+    with pytest.raises(FileNotFoundError, match="step-000009"):
+        openk3.from_pretrained(run)
 
 
 def test_missing_files(tmp_path):

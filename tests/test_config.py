@@ -143,3 +143,57 @@ def test_load_config_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="model_type"):
         load_config(tmp_path)
+
+
+def _k3_tiny_text() -> dict:
+    return get_preset("k3-tiny").text_config.to_dict()
+
+
+def test_config_without_model_type_is_refused(tmp_path):
+    data = _k3_tiny_text()
+    del data["model_type"]  # before: read as Kimi-Linear with defaults for anything else missing
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as err:
+        load_config(tmp_path)
+    msg = str(err.value)
+    assert str(tmp_path / "config.json") in msg and "no model_type" in msg
+    assert "'kimi_k3', 'kimi_linear'" in msg
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    with pytest.raises(
+        ValueError, match=r"model_type='llama' is not supported; known model types: 'kimi_k3'"
+    ):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("dropped", ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"])
+def test_config_missing_an_essential_field_is_refused(tmp_path, dropped):
+    data = _k3_tiny_text()
+    del data[dropped]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"config.json: the kimi_linear config is missing {dropped}\b"):
+        load_config(tmp_path)
+    k3 = get_preset("k3-tiny").to_dict()
+    del k3["text_config"][dropped]
+    with pytest.raises(ValueError, match=f"missing {dropped}"):
+        config_from_dict(k3)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("mla_use_output_gate", "false"),
+        ("use_cache", "true"),
+        ("moe_renormalize", 1),
+        ("latent_moe_use_norm", 0),
+        ("tie_word_embeddings", "false"),
+        ("use_grouped_topk", None),
+        ("linear_attn_config.use_full_rank_gate", "false"),
+    ],
+)
+def test_bool_fields_take_json_booleans_only(field, value):
+    data = _k3_tiny_text()
+    target = data["linear_attn_config"] if field.startswith("linear_attn_config.") else data
+    name = field.rsplit(".", 1)[-1]
+    target[name] = value
+    with pytest.raises(ValueError, match=rf"\.{name}={value!r} is invalid: expected true or false"):
+        KimiLinearConfig.from_dict(data)

@@ -286,6 +286,18 @@ def test_batches_and_eval_iterator(tmp_path):
         ds.get_batch(1, 1000)
 
 
+@pytest.mark.parametrize("size", [1999, 1000, 0])  # odd byte count, whole tokens short, empty file
+def test_truncated_shard_names_file_and_sizes(tmp_path, size):
+    _arange_shard(tmp_path, 1000)  # 1000 uint16 tokens = 2000 bytes
+    path = tmp_path / "train.bin"
+    os.truncate(path, size)
+    with pytest.raises(ValueError) as err:
+        TokenDataset(path)
+    msg = str(err.value)
+    assert str(path) in msg and "train.json" in msg
+    assert f"is {size:,} bytes" in msg and "1,000 uint16 tokens = 2,000 bytes" in msg
+
+
 def test_sampler_resume(prepared):
     ds = TokenDataset(prepared.train_path)
     run = RandomBatches(ds, batch_size=4, seq_len=16, seed=7)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import openk3
 from openk3.cli import main
 from openk3.train.metrics import read_metrics
-from openk3.train.schedule import lr_factor, parse_context_schedule, seq_len_at
+from openk3.train.schedule import effective_warmup, lr_factor, parse_context_schedule, seq_len_at
 from openk3.train.state import latest_checkpoint
 from openk3.train.trainer import TrainConfig, Trainer, train, unigram_entropy
 
@@ -42,6 +45,7 @@ def small(corpus, out, **kw) -> TrainConfig:
         warmup_steps=2,
         eval_every=3,
         eval_batches=2,
+        final_eval_batches=2,
         save_every=3,
         sample_prompt=None,
         val_fraction=0.25,
@@ -155,3 +159,109 @@ def test_refuses_to_overwrite_a_run_without_resume(corpus, tmp_path):
     with pytest.raises(ValueError, match="--resume"):
         Trainer(small(corpus, tmp_path / "run", steps=2, context_schedule=[(0, 32)]), progress=False)
     assert latest_checkpoint(tmp_path / "run").name == "step-000001"
+
+
+def _snapshot(folder):
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def test_resume_refuses_another_preset_before_touching_the_run(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(small(corpus, run, steps=1, context_schedule=[(0, 32)]), progress=False)
+    before = _snapshot(run)
+    args = ["train", "--out", str(run), "--resume", "--preset", "k3-small", "--no-sample"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"run {run} was trained with preset 'k3-tiny', not 'k3-small'" in err
+    assert "step-000001" in err and "without --preset" in err
+    assert _snapshot(run) == before  # no data rebuild, no train_config.json, no metrics truncation
+    # same preset name, but the checkpoint's model differs from the preset (e.g. an edited config.json)
+    ckpt = latest_checkpoint(run)
+    data = json.loads((ckpt / "config.json").read_text())
+    data["text_config"]["rms_norm_eps"] = 1e-6
+    (ckpt / "config.json").write_text(json.dumps(data))
+    before = _snapshot(run)
+    with pytest.raises(
+        ValueError,
+        match=r"not preset 'k3-tiny' as defined now \(fields that differ: "
+        r"text_config\.rms_norm_eps;",
+    ):
+        Trainer(small(corpus, run, steps=2, context_schedule=[(0, 32)]), resume=True, progress=False)
+    assert _snapshot(run) == before
+
+
+def test_final_eval_reads_the_whole_val_set_like_openk3_eval(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    T, B = 64, 4
+    cfg = small(
+        corpus,
+        run,
+        steps=2,
+        batch_size=B,
+        context_schedule=[(0, T)],
+        eval_every=1,
+        eval_batches=1,
+        final_eval_batches=None,
+        val_fraction=0.125,
+    )
+    summary = train(cfg, progress=False)
+    rows = read_metrics(run / "metrics.jsonl")
+    # periodic evaluation: eval_batches=1 batch, under its own names
+    assert rows[0]["val_subset_tokens"] == B * T and "val_loss" not in rows[0]
+    assert math.exp(rows[0]["val_loss_subset"]) == pytest.approx(rows[0]["val_ppl_subset"])
+    # final evaluation: every window of val.bin, recomputed here from the raw file
+    tokens = np.fromfile(run / "data" / "val.bin", dtype=np.uint16).astype(np.int64)
+    n_win = (len(tokens) - 1) // T
+    assert n_win > 8 and summary["val_tokens"] == rows[-1]["val_tokens"] == n_win * T
+    w = torch.from_numpy(tokens[: n_win * T + 1])
+    x, y = w[:-1].view(n_win, T), w[1:].view(n_win, T)
+    model = openk3.from_pretrained(run)
+    with torch.no_grad():
+        logits = model(x).logits.double()
+    want = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert summary["val_loss"] == rows[-1]["val_loss"] == pytest.approx(want, rel=1e-5)
+    assert "val_loss_subset" not in rows[-1]
+    # `openk3 eval` with the same windows prints the same number
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(run), "--seq-len", str(T), "--batch-size", str(B)]) == 0
+    printed = float(re.search(r"val loss (\S+) nats/token", capsys.readouterr().out).group(1))
+    assert printed == round(summary["val_loss"], 4)
+    assert TrainConfig().final_eval_batches == 32  # the default run's bound (TrainConfig docstring)
+
+
+def test_warmup_is_clamped_for_short_runs():
+    # a 10-step run with the default 20 warmup steps: warmup W = floor(0.25 * 10) = 2, then cosine over 8
+    assert effective_warmup(20, 10) == 2 and effective_warmup(20, 200) == 20 and effective_warmup(5, 1) == 0
+    min_ratio = 0.1
+    want = [0.5, 1.0] + [
+        min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)
+    ]
+    assert [lr_factor(s, 10, 20, min_ratio) for s in range(10)] == pytest.approx(want, rel=1e-12)
+    assert lr_factor(0, 200, 20) == pytest.approx(1 / 20)  # the default run is unchanged
+    assert lr_factor(0, 1, 20) == 1.0  # a 1-step run has no warmup
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        lr_factor(0, 10, -1)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("lr", float("nan")),
+        ("lr", float("inf")),
+        ("lr", 0.0),
+        ("lr", -1e-3),
+        ("warmup_steps", -1),
+        ("steps", 0),
+        ("steps", "10"),
+        ("steps", True),
+        ("batch_size", 0),
+        ("grad_accum", 0),
+        ("final_eval_batches", 0),
+        ("min_lr_ratio", 1.5),
+        ("grad_clip", float("nan")),
+        ("val_fraction", 1.0),
+    ],
+)
+def test_train_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field}={re.escape(repr(value))} is invalid"):
+        TrainConfig(**{field: value})

@@ -12,6 +12,17 @@ from openk3.config import load_config
 from openk3.presets import PRESETS, get_preset
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the error names the flag and the value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -91,7 +102,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "val_loss" in summary:
         print(
             f"val loss {summary['val_loss']:.4f} nats/token, perplexity {summary['val_ppl']:.2f} "
+            f"on {summary['val_tokens']:,} val tokens "
             f"(unigram entropy of the val set: {summary['val_unigram_entropy']:.4f} nats/token)"
+        )
+    elif "val_loss_subset" in summary:
+        print(
+            f"last periodic val loss {summary['val_loss_subset']:.4f} nats/token on "
+            f"{summary['val_subset_tokens']:,} val tokens (the run is not finished)"
         )
     if summary["interrupted"]:
         print(f"stopped at step {summary['step']}; continue with: openk3 train --out {config.out} --resume")
@@ -129,6 +146,9 @@ def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, s
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from openk3.generate import check_sampling
+
+    check_sampling(args.temperature, args.top_p, args.max_new_tokens)  # before the (slow) model load
     model, tokenizer, _ = _load_for_inference(args.ckpt, args.device)
     _stream_text(
         model,
@@ -146,27 +166,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import math
 
-    import torch
-    import torch.nn.functional as F
-
     from openk3.data import TokenDataset
     from openk3.train.state import latest_checkpoint
+    from openk3.train.trainer import validation_loss
 
     folder = latest_checkpoint(args.ckpt)
     model, _, _ = _load_for_inference(str(folder), args.device)
     val_path = Path(args.data) if args.data else folder.parent.parent / "data" / "val.bin"
     dataset = TokenDataset(val_path)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for x, y in dataset.iter_sequential(args.batch_size, args.seq_len, args.max_batches):
-            logits = model(x.to(args.device)).logits
-            total += F.cross_entropy(
-                logits.float().flatten(0, 1), y.to(args.device).flatten(), reduction="sum"
-            ).item()
-            count += y.numel()
-    if count == 0:
-        raise ValueError("no validation windows were evaluated (check --max-batches and --seq-len)")
-    loss = total / count
+    loss, count = validation_loss(
+        model, dataset, args.batch_size, args.seq_len, args.max_batches, device=args.device
+    )
     print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} ({count:,} tokens, {val_path})")
     return 0
 
@@ -199,7 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="progressive context, e.g. '0:128,150:256' (step:seq_len,...)",
     )
     tr.add_argument("--lr", type=float, help="peak learning rate")
-    tr.add_argument("--warmup-steps", dest="warmup_steps", type=int)
+    tr.add_argument(
+        "--warmup-steps",
+        dest="warmup_steps",
+        type=int,
+        help="linear warmup steps (default 20), clamped to at most 25%% of --steps",
+    )
     tr.add_argument("--schedule", choices=["cosine", "wsd"])
     tr.add_argument(
         "--balance", choices=["quantile", "sign", "none"], help="MoE balancing (default quantile)"
@@ -229,9 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     ev.add_argument("--ckpt", required=True, help="checkpoint folder or run folder")
     ev.add_argument("--data", help="a token split (.bin); default: the run's data/val.bin")
-    ev.add_argument("--seq-len", dest="seq_len", type=int, default=256)
-    ev.add_argument("--batch-size", dest="batch_size", type=int, default=16)
-    ev.add_argument("--max-batches", dest="max_batches", type=int, default=None)
+    ev.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=256, help="tokens per window")
+    ev.add_argument(
+        "--batch-size", dest="batch_size", type=_positive_int, default=16, help="windows per batch"
+    )
+    ev.add_argument(
+        "--max-batches",
+        dest="max_batches",
+        type=_positive_int,
+        default=None,
+        help="read only the first N batches (default: every window of the split)",
+    )
     ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ev.set_defaults(func=cmd_eval)
 

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ACTS = ("silu", "situ")
+MODEL_TYPES = ("kimi_k3", "kimi_linear")
+"""The ``model_type`` values a ``config.json`` may hold (top level)."""
+ESSENTIAL_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+"""Fields a ``kimi_linear`` dict must state: they fix the model's shape, so no default is assumed for them."""
 
 
 def _fail(cls: str, name: str, value: Any, fix: str) -> ValueError:
@@ -45,6 +49,22 @@ def _check_float(cls: str, name: str, value: Any, lo: float = -math.inf, hi: flo
         raise _fail(cls, name, value, f"expected a number, got {type(value).__name__}")
     if not (lo <= value <= hi) or math.isnan(value):
         raise _fail(cls, name, value, f"expected a number in [{lo}, {hi}]")
+
+
+def _check_bools(obj: Any) -> None:
+    """Raise ``ValueError`` for any ``bool`` field of dataclass ``obj`` that holds no JSON ``true``/``false``.
+
+    A string such as ``"false"`` would otherwise be read as True (Python truthiness), and ``0``/``1`` as a
+    number that only looks like a flag."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.type == "bool" and not isinstance(value, bool):
+            raise _fail(
+                type(obj).__name__,
+                f.name,
+                value,
+                f"expected true or false (a JSON boolean), got {type(value).__name__}",
+            )
 
 
 def _split_known(cls: type, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -102,8 +122,7 @@ class LinearAttnConfig:
         _check_int(name, "num_heads", self.num_heads)
         _check_int(name, "head_dim", self.head_dim)
         _check_int(name, "short_conv_kernel_size", self.short_conv_kernel_size)
-        if not isinstance(self.use_full_rank_gate, bool):
-            raise _fail(name, "use_full_rank_gate", self.use_full_rank_gate, "expected true or false")
+        _check_bools(self)
         if self.gate_lower_bound is not None:
             _check_float(name, "gate_lower_bound", self.gate_lower_bound)
             if not self.gate_lower_bound < 0:
@@ -229,6 +248,7 @@ class KimiLinearConfig:
             self.linear_attn_config = LinearAttnConfig.from_dict(self.linear_attn_config)
         if self.model_type != "kimi_linear":
             raise _fail(name, "model_type", self.model_type, 'the text backbone must be "kimi_linear"')
+        _check_bools(self)
         for key in (
             "vocab_size",
             "hidden_size",
@@ -381,6 +401,17 @@ class KimiLinearConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KimiLinearConfig:
+        """Read a parsed ``kimi_linear`` dict (unknown keys go to ``extra``).
+
+        Raises ``ValueError`` when a field of :data:`ESSENTIAL_FIELDS` is absent (a dict without the model's
+        shape is not a Kimi-Linear config; the defaults are never taken for them) or any field is invalid.
+        """
+        missing = [k for k in ESSENTIAL_FIELDS if k not in data]
+        if missing:
+            raise ValueError(
+                f"the kimi_linear config is missing {', '.join(missing)}: these fix the model's shape and "
+                "have no default (a Kimi-Linear config.json or a K3 text_config states them all)"
+            )
         known, extra = _split_known(cls, data)
         if "max_position_embeddings" not in known and "model_max_length" in extra:
             # transformers' KimiLinearConfig writes the limit under this name (kept in extra as written)
@@ -443,20 +474,32 @@ def text_config_of(config: AnyConfig) -> KimiLinearConfig:
 def config_from_dict(data: dict[str, Any]) -> AnyConfig:
     """Build the right config class from a parsed ``config.json`` (dispatch on ``model_type``).
 
-    Raises ``ValueError`` for an unknown ``model_type`` or any invalid field.
+    ``model_type`` must be present and one of :data:`MODEL_TYPES` (no default is assumed: a config of another
+    model family would otherwise be read as Kimi-Linear with its defaults). Raises ``ValueError`` for a
+    missing or unknown ``model_type``, a missing essential field or any invalid field.
     """
     if not isinstance(data, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(data).__name__}")
-    kind = data.get("model_type", "kimi_linear")
+    known = ", ".join(repr(k) for k in MODEL_TYPES)
+    if "model_type" not in data:
+        raise ValueError(
+            f"the config has no model_type field, so it is not read as a Kimi K3 or Kimi-Linear config; "
+            f"known model types: {known}"
+        )
+    kind = data["model_type"]
     if kind == "kimi_k3":
         return KimiK3Config.from_dict(data)
     if kind == "kimi_linear":
         return KimiLinearConfig.from_dict(data)
-    raise ValueError(f'config.json model_type={kind!r} is not supported: expected "kimi_k3" or "kimi_linear"')
+    raise ValueError(f"model_type={kind!r} is not supported; known model types: {known}")
 
 
 def load_config(path: str | os.PathLike) -> AnyConfig:
-    """Read ``config.json`` (a file, or a folder that holds one)."""
+    """Read ``config.json`` (a file, or a folder that holds one) with :func:`config_from_dict`.
+
+    Raises ``FileNotFoundError`` when there is none and ``ValueError`` (prefixed with the file's path) for
+    invalid JSON or an invalid config.
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -467,7 +510,10 @@ def load_config(path: str | os.PathLike) -> AnyConfig:
             data = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
-    return config_from_dict(data)
+    try:
+        return config_from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 def save_config(config: AnyConfig, path: str | os.PathLike) -> None:

@@ -8,6 +8,7 @@ smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling, Ho
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -19,13 +20,18 @@ def _logits(out) -> torch.Tensor:
 
 
 def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
-    """Raise ``ValueError`` for ``temperature < 0``, ``top_p`` outside (0, 1] or ``max_new_tokens < 1``."""
-    if not (temperature >= 0):
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    """Raise ``ValueError`` (naming the argument and its value) unless ``temperature`` is a finite number
+    >= 0, ``top_p`` a number in (0, 1] and ``max_new_tokens`` an int >= 1 (NaN and inf are rejected)."""
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature >= 0)
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
 def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:

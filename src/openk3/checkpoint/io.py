@@ -3,6 +3,9 @@
 A folder holds ``config.json``, ``model-0000i-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": …}, "weight_map": {name: shard}}``); a single
 ``model.safetensors`` without an index is read too. Names go through :mod:`openk3.checkpoint.names`.
+A training run folder (``<run>/checkpoints/latest`` naming ``step-NNNNNN/``, :mod:`openk3.train.state`) is
+resolved to its latest checkpoint by :func:`latest_checkpoint`, the one resolver that ``from_pretrained``, the
+CLI and the server share.
 
 Saving writes into a temporary sibling folder and renames it into place, so an interrupted save never
 leaves a torn checkpoint. Loading is strict: it collects every missing key, unexpected key and shape
@@ -18,6 +21,7 @@ import shutil
 import tempfile
 import warnings
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -36,6 +40,8 @@ from openk3.model.modeling import build_model, check_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+LATEST = "latest"
+"""Text file in a run's ``checkpoints`` folder holding the name of the newest checkpoint folder."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -124,6 +130,28 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: i
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def latest_checkpoint(path: str | os.PathLike) -> Path:
+    """Resolve a model folder, a training run folder or its ``checkpoints`` folder to a model folder.
+
+    A folder with ``config.json`` is returned as is; otherwise ``<path>/checkpoints/latest`` (or
+    ``<path>/latest``) names the checkpoint folder. Raises ``FileNotFoundError`` when there is none.
+    """
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        marker = root / LATEST
+        if marker.is_file():
+            ckpt = root / marker.read_text().strip()
+            if (ckpt / "config.json").is_file():
+                return ckpt
+            raise FileNotFoundError(f"{marker} names {ckpt}, which holds no config.json")
+    raise FileNotFoundError(
+        f"no checkpoint at {path} (expected a model folder with config.json, or a run folder with "
+        "checkpoints/latest)"
+    )
 
 
 def _checkpoint_files(path: str) -> dict[str, str]:
@@ -250,13 +278,15 @@ def from_pretrained(
     """Load the model in HF folder ``path``: ``openk3.from_pretrained(path)(input_ids).logits`` is ``[B, T, V]``.
 
     Args:
-        path: folder with ``config.json`` and safetensors weights.
+        path: folder with ``config.json`` and safetensors weights, or a training run folder (its latest
+            checkpoint is loaded, :func:`latest_checkpoint`).
         device: where the weights go (``"meta"`` reads only the config).
         dtype: model dtype; default fp32 (fp32, bf16, fp16 and fp64 are supported; others raise ValueError).
     Raises:
         FileNotFoundError: no config or weights. ValueError: invalid config or dtype.
         CheckpointMismatchError: missing/unexpected keys or shape mismatches (all listed).
     """
+    path = latest_checkpoint(path)
     config: AnyConfig = load_config(path)
     dtype = check_dtype(dtype or torch.float32)
     model = build_model(config, device=device, dtype=dtype, init=False)

@@ -391,12 +391,18 @@ class TokenDataset:
             )
         self.path = path
         self.meta = json.loads(meta_path.read_text())
-        self.tokens_N = np.memmap(path, dtype=np.dtype(self.meta["dtype"]), mode="r")
-        if self.tokens_N.size != self.meta["num_tokens"]:
+        dtype = np.dtype(self.meta["dtype"])
+        expected = int(self.meta["num_tokens"]) * dtype.itemsize
+        actual = path.stat().st_size
+        if actual != expected:
             raise ValueError(
-                f"{str(path)!r} holds {self.tokens_N.size} tokens but its metadata says "
-                f"{self.meta['num_tokens']}: the shard is damaged, run prepare_data again"
+                f"token shard {str(path)!r} is {actual:,} bytes, but {meta_path.name} says "
+                f"{self.meta['num_tokens']:,} {dtype.name} tokens = {expected:,} bytes: the shard is "
+                "truncated or damaged; run prepare_data (or `openk3 train`) again, it rebuilds shards of the "
+                "wrong size"
             )
+        # np.memmap cannot map an empty file
+        self.tokens_N = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
         self.num_tokens = int(self.tokens_N.size)
         self.vocab_size = int(self.meta["vocab_size"])
         self.eos_id = int(self.meta["eos_id"])

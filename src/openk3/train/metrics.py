@@ -29,7 +29,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> None:
-    """Train/val loss (left) and max violation (right) against step, as a PNG (matplotlib, Agg backend)."""
+    """Train/val loss (left) and max violation (right) against step, as a PNG (matplotlib, Agg backend).
+
+    Val points: the periodic evals on a fixed subset (``val_loss_subset``) as a line, the end-of-run eval
+    (``val_loss``, a larger part of the val set) as a marker."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,11 +40,16 @@ def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) ->
 
     rows = read_metrics(metrics_path)
     train = [r for r in rows if "loss" in r]
-    val = [r for r in rows if "val_loss" in r]
+    subset = [r for r in rows if "val_loss_subset" in r]
+    final = [r for r in rows if "val_loss" in r]
     fig, (ax_loss, ax_vio) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
-    if val:
-        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val")
+    if subset:
+        ax_loss.plot(
+            [r["step"] for r in subset], [r["val_loss_subset"] for r in subset], "o-", label="val (subset)"
+        )
+    if final:
+        ax_loss.plot([r["step"] for r in final], [r["val_loss"] for r in final], "D", label="val (final eval)")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.legend()

@@ -4,6 +4,8 @@
   ``min_lr_ratio · peak`` at ``total_steps``.
 * ``wsd`` (warmup–stable–decay): warmup, a flat peak, then a linear decay to ``min_lr_ratio · peak`` over
   the last ``decay_fraction`` of the steps.
+* Short runs: the warmup is clamped to at most ``MAX_WARMUP_FRACTION`` (25%) of ``total_steps``
+  (:func:`effective_warmup`), so a run shorter than its warmup still reaches the peak and decays.
 * Progressive context: a list of ``(start_step, seq_len)`` pairs; the sequence length in force at a step is
   the one of the last pair whose start is ≤ step.
 """
@@ -11,6 +13,19 @@
 from __future__ import annotations
 
 import math
+
+MAX_WARMUP_FRACTION = 0.25
+"""The warmup never takes more than this share of the run (``floor(0.25 · total_steps)`` steps)."""
+
+
+def effective_warmup(warmup_steps: int, total_steps: int) -> int:
+    """Warmup steps actually used: ``min(warmup_steps, floor(MAX_WARMUP_FRACTION · total_steps))``.
+
+    E.g. the default 20 warmup steps in a 10-step run become 2. Raises ``ValueError`` for a negative
+    ``warmup_steps``."""
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+    return min(warmup_steps, int(MAX_WARMUP_FRACTION * total_steps))
 
 
 def lr_factor(
@@ -21,7 +36,12 @@ def lr_factor(
     kind: str = "cosine",
     decay_fraction: float = 0.2,
 ) -> float:
-    """Multiplier of the peak learning rate at 0-based ``step`` (raises ``ValueError`` for an unknown kind)."""
+    """Multiplier of the peak learning rate at 0-based ``step`` of a ``total_steps`` run.
+
+    Linear warmup ``(step + 1) / W`` over ``W = effective_warmup(warmup_steps, total_steps)`` steps (the
+    requested warmup, clamped to at most 25% of the run), then the ``kind`` decay (module doc). Raises
+    ``ValueError`` for an unknown kind or a negative ``warmup_steps``."""
+    warmup_steps = effective_warmup(warmup_steps, total_steps)
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     if kind == "cosine":

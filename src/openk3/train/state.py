@@ -4,7 +4,9 @@
 ``openk3.from_pretrained``), ``tokenizer.json`` (copied from the data folder), and ``trainer_state.pt``
 (step, optimizer, Quantile Balancing, data position, RNG states, the train config). It is written into a
 temporary folder and renamed into place, and ``<run>/checkpoints/latest`` (a text file) is updated only
-after that, so a crash mid-save never leaves a torn or half-referenced checkpoint.
+after that, so a crash mid-save never leaves a torn or half-referenced checkpoint. The resolver from a run
+folder to its latest checkpoint, :func:`latest_checkpoint`, lives in :mod:`openk3.checkpoint.io` (shared with
+``openk3.from_pretrained``) and is re-exported here.
 """
 
 from __future__ import annotations
@@ -18,9 +20,19 @@ import numpy as np
 import torch
 
 from openk3.checkpoint import save_pretrained
+from openk3.checkpoint.io import LATEST, latest_checkpoint
+
+__all__ = [
+    "LATEST",
+    "STATE_FILE",
+    "latest_checkpoint",
+    "load_trainer_state",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
 
 STATE_FILE = "trainer_state.pt"
-LATEST = "latest"
 
 
 def rng_state() -> dict:
@@ -61,25 +73,6 @@ def save_checkpoint(
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def latest_checkpoint(path: str | os.PathLike) -> Path:
-    """Resolve a run folder, a ``checkpoints`` folder or a checkpoint folder to a checkpoint folder.
-
-    Raises ``FileNotFoundError`` when there is none.
-    """
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        marker = root / LATEST
-        if marker.is_file():
-            ckpt = root / marker.read_text().strip()
-            if (ckpt / "config.json").is_file():
-                return ckpt
-    raise FileNotFoundError(
-        f"no checkpoint at {path} (expected a model folder or a run folder with checkpoints/latest)"
-    )
 
 
 def load_trainer_state(ckpt: Path) -> dict:

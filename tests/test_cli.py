@@ -1,0 +1,85 @@
+"""The ``openk3`` command line: bad flags and inputs are refused with a message naming the flag/field, the
+value and the file, before any slow work (data preparation, model loading) starts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import openk3
+from openk3.cli import main
+from openk3.presets import get_preset
+
+
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--lr", "nan", "TrainConfig.lr=nan is invalid: expected a finite number > 0"),
+        ("--lr", "inf", "TrainConfig.lr=inf is invalid"),
+        ("--lr", "0", "TrainConfig.lr=0.0 is invalid"),
+        ("--lr", "-0.1", "TrainConfig.lr=-0.1 is invalid"),
+        ("--warmup-steps", "-1", "TrainConfig.warmup_steps=-1 is invalid: expected an int >= 0"),
+        ("--steps", "0", "TrainConfig.steps=0 is invalid: expected an int >= 1"),
+        ("--batch-size", "0", "TrainConfig.batch_size=0 is invalid: expected an int >= 1"),
+    ],
+)
+def test_train_rejects_bad_numbers_before_any_work(tmp_path, capsys, flag, value, message):
+    out = tmp_path / "run"
+    # a missing --data path would fail later, in data preparation: the flag must be refused first
+    args = ["train", "--out", str(out), "--data", str(tmp_path / "no-corpus"), "--no-sample", flag, value]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--temperature", "nan", "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+        ("--temperature", "inf", "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+        ("--temperature", "-1", "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+        ("--top-p", "0", "top_p must be a number in (0, 1], got 0.0"),
+        ("--top-p", "1.5", "top_p must be a number in (0, 1], got 1.5"),
+        ("--top-p", "nan", "top_p must be a number in (0, 1], got nan"),
+        ("--max-new-tokens", "0", "max_new_tokens must be an int >= 1, got 0"),
+    ],
+)
+def test_generate_rejects_bad_sampling_before_loading(tmp_path, capsys, flag, value, message):
+    # the checkpoint does not exist: the sampling flags are checked before it is looked for
+    args = ["generate", "--ckpt", str(tmp_path / "no-ckpt"), "--prompt", "x", flag, value]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": math.inf}, {"temperature": math.nan}, {"top_p": 0.0}])
+def test_generate_library_rejects_bad_sampling(kwargs):
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature|top_p"):
+        openk3.generate.generate(None, ids, 4, **kwargs)  # refused before the model is called
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--seq-len", "--max-batches"])
+def test_eval_rejects_non_positive_counts(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--ckpt", str(tmp_path), flag, "0"])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: expected an int >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_info_refuses_a_config_without_model_type(tmp_path, capsys):
+    data = get_preset("k3-tiny").text_config.to_dict()
+    del data["model_type"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert main(["info", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'config.json'}: the config has no model_type field" in err
+    assert "known model types: 'kimi_k3', 'kimi_linear'" in err
+
+
+def test_train_help_states_the_warmup_clamp(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "clamped to at most 25% of --steps" in " ".join(capsys.readouterr().out.split())
