@@ -9,20 +9,20 @@ kernel, and produces everything the sequential state pass needs, so that pass is
     W  = T Diag(β) (K ⊙ 2^{Γ})     U = T Diag(β) V
     Q̃  = scale·Q ⊙ 2^{Γ}          K̂ = K ⊙ 2^{Γ_C − Γ}       D = 2^{Γ_C}
 
-``Aqk`` and ``L`` are built from 16-row sub-chunks (fla's ``BC``). Off-diagonal blocks (row sub-chunk ``s``,
-column sub-chunk ``u < s``) factor ``2^{Γ_i − Γ_j} = 2^{Γ_i − a_s}·2^{a_s − Γ_j}`` with the anchor ``a_s`` =
-Γ just before sub-chunk ``s``: both factors are ≤ 1. Diagonal blocks use the same causal anchor, so the
-column factor ``2^{a_s − Γ_j}`` is at most ``2^{16·|lb|·log2 e}`` = ``2^{115.4}`` for ``lb = −5``, inside fp32
-(FlashKDA's bound, §2.2): this is why the Triton path needs ``lower_bound ≥ −5`` (§1.7). Every row ``i``
-reads only rows ``≤ i`` of its chunk, so outputs are bitwise causal. The 16×16 diagonal inverses use the
-doubling product (or forward substitution); the blocks below them follow from
-``T_su = −T_ss Σ_{u ≤ w < s} L_sw T_wu``.
+``Aqk`` and ``L`` are built per 16-row anchor block (fla's ``BC``) but as whole-chunk products: row block
+``s`` factors ``2^{Γ_i − Γ_j} = 2^{Γ_i − a_s}·2^{a_s − Γ_j}`` with the anchor ``a_s`` = Γ just before it; the
+rows of block ``s`` (the others zero) meet the columns of the blocks ``≤ s`` (later ones masked to 0 before
+the exponential) in one 64×64 tensor-core dot. Before block ``s`` both factors are ≤ 1; inside it the column
+factor is at most ``2^{16·|lb|·log2 e}`` = ``2^{115.4}`` for ``lb = −5``, inside fp32 (FlashKDA's bound,
+§2.2): this is why the Triton path needs ``lower_bound ≥ −5`` (§1.7). Every row ``i`` reads only rows ``≤ i``
+of its chunk, so outputs are bitwise causal. ``T`` comes from :func:`unit_lower_inverse`.
 
-Register budget: the ``Aqk``/``L`` blocks are accumulated over key slices of ``BK`` channels (the gate and
-its cumsum are per channel, and the L2 norm is a per-row factor applied after the sums), and ``W``, ``U``,
-``Q̃``, ``K̂`` are produced slice by slice from the stored ``T``, so no tile wider than one slice is live.
+Register budget: ``Aqk`` and ``L`` are accumulated over key slices of ``BK`` channels (the gate and its cumsum
+are per channel, and the L2 norm is a per-row factor applied after the sums); ``W``, ``U``, ``Q̃``, ``K̂`` are
+produced slice by slice from ``T`` in registers, so no tile wider than one slice is live besides the three
+64×64 ones. The backward reruns only that second pass, from the ``T`` and norms the forward wrote.
 
-Legend: ``BT`` chunk rows, ``BC`` sub-chunk rows, ``K``/``V`` key/value dims, ``H`` heads.
+Legend: ``BT`` chunk rows, ``BC`` anchor-block rows, ``K``/``V`` key/value dims, ``H`` heads.
 """
 
 from __future__ import annotations

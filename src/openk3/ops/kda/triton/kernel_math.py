@@ -1,5 +1,5 @@
-"""Triton device functions shared by the KDA kernels: the in-kernel gates, row L2 norm, 16×16 unit
-lower-triangular inverse, and tile loads/stores by token rows.
+"""Triton device functions shared by the KDA kernels: the in-kernel gates, row L2 norm, the dot precision,
+and tile loads/stores by token rows.
 
 Units: the chunk kernels keep log-decays in **log2** units (natural-log gate × log2(e)) so every decay is
 one ``exp2`` (kda_kernels reference §1.5, "log-base convention"); gradients stay w.r.t. the natural-log gate,
@@ -43,37 +43,6 @@ def l2norm_rstd(x, USE_L2NORM: tl.constexpr):
         return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
     else:
         return tl.full([x.shape[0]], 1.0, tl.float32)
-
-
-@triton.jit
-def unit_lower_inverse16(L, BC: tl.constexpr):
-    """``(I + L)^{-1}`` of a strictly lower-triangular ``[16, 16]`` fp32 block by forward substitution.
-
-    Row ``i`` of the inverse is ``e_i − Σ_{j<i} L_ij T_j``; rows are produced in order, so row ``i`` reads
-    only rows ``≤ i`` of ``L`` (causal: a later row never changes an earlier one).
-    """
-    o_i = tl.arange(0, BC)
-    T = (o_i[:, None] == o_i[None, :]).to(tl.float32)
-    for i in tl.static_range(1, BC):
-        l_row = tl.sum(tl.where(o_i[:, None] == i, L, 0.0), axis=0)
-        new_row = -tl.sum(l_row[:, None] * T, axis=0)
-        T = tl.where(o_i[:, None] == i, new_row[None, :] + (o_i[None, :] == i).to(tl.float32), T)
-    return T
-
-
-@triton.jit
-def unit_lower_inverse16_doubling(L, BC: tl.constexpr):
-    """``(I + L)^{-1} = (I − L)(I + L²)(I + L⁴)(I + L⁸)`` for a strictly lower-triangular ``[16, 16]`` fp32
-    block (``L^16 = 0``; FlashKDA's doubling product, kda_kernels reference §2.2), in fp32 FMA dots: no
-    per-row reductions. Row ``i`` of every factor reads only rows ``≤ i`` of ``L``, so it is causal too."""
-    o_i = tl.arange(0, BC)
-    eye = (o_i[:, None] == o_i[None, :]).to(tl.float32)
-    L2 = tl.dot(L, L, input_precision="ieee")
-    L4 = tl.dot(L2, L2, input_precision="ieee")
-    L8 = tl.dot(L4, L4, input_precision="ieee")
-    T = tl.dot(eye - L, eye + L2, input_precision="ieee")
-    T = tl.dot(T, eye + L4, input_precision="ieee")
-    return tl.dot(T, eye + L8, input_precision="ieee")
 
 
 @triton.jit
