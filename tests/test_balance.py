@@ -17,8 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
+import openk3.train.balance as balance_module
 from openk3.config import text_config_of
 from openk3.model.moe import SparseMoeBlock
 from openk3.model.router import RouterOutput
@@ -365,3 +367,74 @@ def test_rank_that_observed_nothing_applies_the_reduced_update(monkeypatch):
     assert idle.step() == want
     for a, b in zip(busy_model.layers, idle_model.layers, strict=True):
         assert torch.equal(a.gate.e_score_correction_bias, b.gate.e_score_correction_bias)
+
+
+# ------------------------------------------------------------------------------------------------ (i)
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func._schema.name] = self.counts.get(func._schema.name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def mixed_stack(shapes: list[tuple[int, int]]) -> nn.Module:
+    """SparseMoeBlocks with the given (E, k) per layer."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(moe_stack(E, k).layers[0] for E, k in shapes)
+    return model
+
+
+@pytest.mark.parametrize("method", ["quantile", "sign"])
+def test_layers_batched_equal_layers_alone(method, monkeypatch):
+    """Layers counted and updated together (runs of equal (E, k)) or one chunk at a time give bit for bit
+    what a balancer of each layer alone gives; batched, each run costs one scatter for loads and one for
+    histograms per micro-batch."""
+    shapes = [(8, 2), (8, 2), (16, 2), (8, 2), (8, 4)]  # runs: layers 0-1, 2, 3, 4
+    N = 300
+    scores = [skewed_scores(N, E, seed=40 + i, skew=0.5 + 0.2 * i) for i, (E, _) in enumerate(shapes)]
+    valid_N = torch.rand(N, generator=torch.Generator().manual_seed(9)) < 0.8
+
+    def run(model, balancer, layers):
+        for _ in range(2):  # two optimizer steps, the second from the updated biases
+            for mb in (slice(0, 170), slice(170, N)):
+                for i, block in zip(layers, model.layers, strict=True):
+                    bias = block.gate.e_score_correction_bias
+                    block.last_router_output = route(scores[i][mb], bias, shapes[i][1])
+                balancer.observe(valid_mask=valid_N[mb])
+            stats = balancer.step()
+        return stats
+
+    # every run in one chunk (the accelerator rule), then one layer per chunk (the CPU rule)
+    monkeypatch.setattr(balance_module, "layers_per_chunk", lambda elements, device: len(shapes))
+    together = mixed_stack(shapes)
+    bal = QuantileBalancer(together, method=method, bins=100)
+    with _OpCounter() as ops:
+        for i, block in enumerate(together.layers):
+            block.last_router_output = route(scores[i], block.gate.e_score_correction_bias, shapes[i][1])
+        bal.observe()
+    bal.discard()
+    bal._counts_flat.zero_()
+    assert ops.counts["aten::scatter_add_"] == (8 if method == "quantile" else 4)  # 4 runs
+    stats = run(together, bal, range(len(shapes)))
+
+    monkeypatch.setattr(balance_module, "layers_per_chunk", lambda elements, device: 1)
+    chunked = mixed_stack(shapes)
+    chunked_stats = run(chunked, QuantileBalancer(chunked, method=method, bins=100), range(len(shapes)))
+    assert chunked_stats == stats
+    for i in range(len(shapes)):
+        alone = mixed_stack(shapes[i : i + 1])
+        alone_stats = run(alone, QuantileBalancer(alone, method=method, bins=100), [i])
+        want = together.layers[i].gate.e_score_correction_bias
+        assert torch.equal(alone.layers[0].gate.e_score_correction_bias, want), i
+        assert torch.equal(chunked.layers[i].gate.e_score_correction_bias, want), i
+        assert alone_stats["maxvio"] == stats["maxvio_per_layer"][bal.layer_names[i]]
+        assert not torch.equal(want, torch.zeros_like(want))
+
+
+def test_layers_per_chunk_rule():
+    assert balance_module.layers_per_chunk(10**6, torch.device("cpu")) == 1
+    assert balance_module.layers_per_chunk(balance_module.BATCH_ELEMENTS // 4, torch.device("meta")) == 4
+    assert balance_module.layers_per_chunk(balance_module.BATCH_ELEMENTS * 2, torch.device("meta")) == 1

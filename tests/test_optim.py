@@ -15,8 +15,10 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
+import openk3.train.optim as optim_module
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import MultiheadLatentAttention
 from openk3.presets import k3_shaped
@@ -158,7 +160,10 @@ def test_stacked_experts_muon_equals_muon_on_each_expert():
     torch.testing.assert_close(ours.detach(), torch.stack([e.detach() for e in experts]), rtol=0, atol=1e-6)
 
 
-def test_adamw_groups_match_torch_adamw():
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_groups_match_torch_adamw(fused, monkeypatch):
+    """Both AdamW paths (foreach with CPU step counts; fused, as on CUDA, forced here on the CPU)."""
+    monkeypatch.setattr(optim_module, "use_fused_adamw", lambda params: fused)
     shapes = [(7,), (5, 9), (6, 1, 4)]
     init = [torch.randn(s, generator=_gen(8)) for s in shapes]
     grads = [[torch.randn(s, generator=_gen(40 + 3 * t + i)) for i, s in enumerate(shapes)] for t in range(5)]
@@ -169,6 +174,72 @@ def test_adamw_groups_match_torch_adamw():
         _run(torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd), ref, grads)
         for p, q in zip(ours, ref, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts dispatched aten ops by name (``aten::bmm``, ``aten::_local_scalar_dense`` = a host read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_groups_share_one_newton_schulz_per_shape():
+    """Same-shape matrices of two groups (plain and per-head, different lr) go through one batched NS, and
+    each still gets torch.optim.Muon's update with its own group's lr."""
+    H, d_h, d_in = 3, 8, 24
+    plain_shapes = [(8, 24), (8, 24), (24, 8), (16, 24)]  # NS shapes: (8, 24) ×2 + 3 heads, (24, 8), (16, 24)
+    gen = _gen(11)
+    plain0 = [torch.randn(s, generator=gen) for s in plain_shapes]
+    head0 = torch.randn(H * d_h, d_in, generator=gen)
+    grads = [[torch.randn(w.shape, generator=gen) for w in [*plain0, head0]] for _ in range(STEPS)]
+    plain = [torch.nn.Parameter(w.clone()) for w in plain0]
+    head = torch.nn.Parameter(head0.clone())
+    groups = [
+        {"params": plain, "lr": LR},
+        {"params": [head], "kind": "muon_per_head", "heads": H, "lr": 2 * LR},
+    ]
+    opt = KimiMuon(groups, weight_decay=WD, ns_dtype=torch.bfloat16, adjust_lr_fn="match_rms_adamw")
+    for step_grads in grads[:-1]:
+        for p, g in zip([*plain, head], step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    for p, g in zip([*plain, head], grads[-1], strict=True):
+        p.grad = g.clone()
+    with _OpCounter() as ops:
+        opt.step()
+    assert ops.counts["aten::bmm"] == 5 * 3  # X Xᵀ once per NS step per shape: 3 shapes, not 7 matrices
+    kw = dict(weight_decay=WD, adjust_lr_fn="match_rms_adamw")
+    ref_plain = [torch.nn.Parameter(w.clone()) for w in plain0]
+    _run(torch.optim.Muon(ref_plain, lr=LR, **kw), ref_plain, [g[:-1] for g in grads])
+    ref_heads = [torch.nn.Parameter(b.clone()) for b in head0.split(d_h)]
+    _run(torch.optim.Muon(ref_heads, lr=2 * LR, **kw), ref_heads, [list(g[-1].split(d_h)) for g in grads])
+    for p, q in zip(plain, ref_plain, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(head.detach(), torch.cat([b.detach() for b in ref_heads]), rtol=0, atol=1e-6)
+
+
+def test_cuda_code_path_step_reads_nothing_back(monkeypatch):
+    """With the CUDA choices (bf16 NS, fused AdamW; forced on the CPU) a step of a K3-shaped model issues
+    no ``_local_scalar_dense`` (what ``.item()``/``bool()``/``int()`` of a tensor dispatch): no host sync."""
+    monkeypatch.setattr(optim_module, "use_fused_adamw", lambda params: True)
+    model = openk3.build_model(k3_shaped(4, vocab_size=512), seed=0)
+    opt = build_optimizer(model, lr=1e-3, ns_dtype=torch.bfloat16)
+    for seed in (1, 2):
+        _random_grads(model, seed)
+        with _OpCounter() as ops:
+            opt.step()
+        assert "aten::_local_scalar_dense" not in ops.counts
+        assert "aten::_fused_adamw_" in ops.counts
+    steps = {
+        opt.state[p]["step"].item() for g in opt.param_groups if g["kind"] == "adamw" for p in g["params"]
+    }
+    assert steps == {2.0}
 
 
 def test_invalid_groups_raise():

@@ -57,7 +57,7 @@ class KimiLinearModel(nn.Module):
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.numel() == 0:
             raise ValueError("input_ids is empty")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync, not two
         if lo < 0 or hi >= cfg.vocab_size:
             bad = hi if hi >= cfg.vocab_size else lo
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")

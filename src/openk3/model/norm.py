@@ -6,13 +6,21 @@ Legend: ``*`` any leading dims, ``D`` normalised width.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype != torch.float64 else x
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x · rsqrt(mean(x², -1) + eps)`` computed in float32 (float64 stays float64); no gain, no cast."""
-    x = x.float() if x.dtype != torch.float64 else x
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    """``x · rsqrt(mean(x², -1) + eps)`` computed in float32 (float64 stays float64); no gain, no cast.
+
+    Runs as ``F.rms_norm``: the same composite ops on CPU (bit-identical), torch's fused kernel on CUDA.
+    """
+    x = _upcast(x)
+    return F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 class RMSNorm(nn.Module):
@@ -30,10 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x_D: torch.Tensor) -> torch.Tensor:
-        return (
-            self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
-            * rms_normalize(x_D, self.eps)
-        ).to(x_D.dtype)
+        x = _upcast(x_D)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps).to(x_D.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -46,8 +52,6 @@ class GatedRMSNorm(RMSNorm):
     """
 
     def forward(self, o_K: torch.Tensor, gate_K: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        y = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32)) * rms_normalize(
-            o_K, self.eps
-        )
-        gate = gate_K.float() if gate_K.dtype != torch.float64 else gate_K
-        return (y * torch.sigmoid(gate)).to(o_K.dtype)
+        o = _upcast(o_K)
+        y = F.rms_norm(o, (o.shape[-1],), self.weight.to(o.dtype), self.eps)
+        return (y * torch.sigmoid(_upcast(gate_K))).to(o_K.dtype)

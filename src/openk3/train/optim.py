@@ -35,8 +35,14 @@ the input side and gets plain Muon, as does every other hidden matrix.
 (batched NS over E, lr scale from the matrix shape), as if the E matrices were separate parameters.
 (torchtitan's step sends non-2-D tensors to AdamW; here they are matrices and get Muon.)
 
-**AdamW** (betas (0.9, 0.95), eps 1e-8, decoupled wd ``W ← W(1 − lr·wd)``; the same arithmetic as
-``torch.optim.AdamW``) for what Muon should not see.
+**AdamW** (betas (0.9, 0.95), eps 1e-8, decoupled wd ``W ← W(1 − lr·wd)``; computed by
+``torch.optim.AdamW``'s own functional form, fused kernel on CUDA) for what Muon should not see.
+
+**One step, few launches, no host sync** (:meth:`KimiMuon.step`): momentum, Nesterov and weight decay
+are ``torch._foreach_*`` ops per group; every Muon matrix of every group is stacked by its ``[M, N]``
+shape (heads, experts, same-shape parameters) and orthogonalised by one batched NS per shape; the
+update is one ``_foreach_add_`` per (group, shape). A per-parameter loop with the same arithmetic gives
+the same numbers (bit for bit on the CPU).
 
 Partition (first matching rule wins; :func:`partition_parameters`):
 
@@ -72,6 +78,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw as adamw_functional
 from torch.optim.optimizer import Optimizer
 
 from openk3.model.kda import KimiDeltaAttention
@@ -144,6 +151,11 @@ def muon_lr_scale(rows: int, cols: int, adjust_lr_fn: str | None = "match_rms_ad
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1.0, rows / cols))
     raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}; use one of {ADJUST_LR_FNS}")
+
+
+def use_fused_adamw(params: list[torch.Tensor]) -> bool:
+    """Whether AdamW takes torch's fused kernel (all ``params`` on one CUDA device) or its foreach path."""
+    return params[0].device.type == "cuda" and all(p.device == params[0].device for p in params)
 
 
 # ---------------------------------------------------------------------------------------- partition
@@ -276,7 +288,8 @@ class KimiMuon(Optimizer):
     * AdamW: ``betas`` (0.9, 0.95), ``eps`` (1e-8).
 
     State per parameter: Muon ``momentum_buffer`` (grad's dtype and shape); AdamW ``step`` (fp32 0-d
-    tensor), ``exp_avg``, ``exp_avg_sq``. With ``kind="muon"``, ``heads=1`` and ``ns_dtype=torch.bfloat16``
+    tensor: on the parameter's CUDA device for the fused kernel, else on the CPU), ``exp_avg``,
+    ``exp_avg_sq``. With ``kind="muon"``, ``heads=1`` and ``ns_dtype=torch.bfloat16``
     a 2-D parameter follows ``torch.optim.Muon`` (same momentum form, NS, lr scale and decay).
 
     Raises ``ValueError`` for an unknown ``kind`` or ``adjust_lr_fn``, a Muon parameter that is not 2-D/3-D,
@@ -339,66 +352,112 @@ class KimiMuon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient; returns ``closure()`` if given."""
+        """One update of every parameter that has a gradient; returns ``closure()`` if given.
+
+        No host-device sync: Muon runs one batched Newton–Schulz per matrix shape (all Muon groups
+        together) and ``torch._foreach_*`` updates; AdamW is torch's fused kernel on CUDA and its
+        multi-tensor (foreach) path elsewhere.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._muon_step([g for g in self.param_groups if g["kind"] != "adamw"])
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 self._adamw_step(group)
-            else:
-                self._muon_step(group)
         return loss
 
-    def _muon_step(self, group: dict) -> None:
-        """Momentum per parameter, then one batched Newton–Schulz per matrix shape (heads, experts and
-        same-shape parameters stacked), so a model's many small matrices cost a few large launches."""
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for p in group["params"]:
-            if p.grad is None:
+    def _muon_step(self, groups: list[dict]) -> None:
+        """Momentum and weight decay per group with ``torch._foreach_*``; then one Newton–Schulz per bucket of
+        same-shape matrices across all Muon groups (heads, experts and parameters stacked), and one
+        ``_foreach_add_`` per (group, shape). A model's hundreds of matrices cost a few dozen launches."""
+        buckets: dict[tuple, list[tuple[dict, torch.Tensor, torch.Tensor]]] = {}
+        for group in groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
                 continue
-            g = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(g, 1 - mu)
-            u = g.lerp(buf, mu) if group["nesterov"] else buf
-            if group["kind"] == "muon_per_head":
-                u = u.reshape(group["heads"], -1, u.shape[-1])  # [H, d_h, d_in]
-            u_bMN = u.reshape(-1, *u.shape[-2:])
-            buckets.setdefault((tuple(u_bMN.shape[-2:]), p.device), []).append((p, u_bMN))
-        for ((M, N), device), items in buckets.items():
-            ns_dtype = group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-            U = torch.cat([u for _, u in items]) if len(items) > 1 else items[0][1]
-            O = newton_schulz(U, group["ns_coefficients"], group["ns_steps"], group["ns_eps"], ns_dtype)
-            scale = muon_lr_scale(M, N, group["adjust_lr_fn"])
-            for (p, _), o in zip(items, O.split([u.shape[0] for _, u in items]), strict=True):
-                p.mul_(1 - lr * wd)
-                p.add_(o.reshape(p.shape).to(p.dtype), alpha=-lr * scale)
+            grads = [p.grad for p in params]
+            bufs = []
+            for p, g in zip(params, grads, strict=True):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                bufs.append(state["momentum_buffer"])
+            mu = group["momentum"]
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+            if group["lr"] * group["weight_decay"] != 0:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            ns_key = (group["ns_coefficients"], group["ns_steps"], group["ns_eps"], group["ns_dtype"])
+            for p, u in zip(params, updates, strict=True):
+                if group["kind"] == "muon_per_head":
+                    u = u.reshape(group["heads"], -1, u.shape[-1])  # [H, d_h, d_in]
+                u_bMN = u.reshape(-1, *u.shape[-2:])
+                key = (*u_bMN.shape[-2:], p.device, ns_key)
+                buckets.setdefault(key, []).append((group, p, u_bMN))
+        for (M, N, device, (coefficients, steps, eps, ns_dtype)), items in buckets.items():
+            ns_dtype = ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+            U_bMN = torch.cat([u for _, _, u in items]) if len(items) > 1 else items[0][2]
+            O_bMN = newton_schulz(U_bMN, coefficients, steps, eps, ns_dtype)
+            dtypes = {p.dtype for _, p, _ in items}
+            if len(dtypes) == 1:  # one cast per bucket, contiguous so slices match the parameter views
+                O_bMN = O_bMN.to(dtypes.pop(), memory_format=torch.contiguous_format)
+            per_group: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = {}
+            for (group, p, u), o_bMN in zip(
+                items, O_bMN.split([u.shape[0] for _, _, u in items]), strict=True
+            ):
+                _, targets, outs = per_group.setdefault(id(group), (group, [], []))
+                o_bMN = o_bMN.to(p.dtype)
+                if p.is_contiguous():  # update through a [b, M, N] view: same shapes for the foreach op
+                    targets.append(p.view(u.shape))
+                    outs.append(o_bMN)
+                else:
+                    targets.append(p)
+                    outs.append(o_bMN.reshape(p.shape))
+            for group, targets, outs in per_group.values():
+                scale = muon_lr_scale(M, N, group["adjust_lr_fn"])
+                torch._foreach_add_(targets, outs, alpha=-group["lr"] * scale)
 
     def _adamw_step(self, group: dict) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
+        """``torch.optim.AdamW``'s arithmetic through its functional form: the fused kernel on CUDA (step
+        counts on the device), the multi-tensor path elsewhere (step counts on the CPU, read without a
+        device sync). Step tensors on the other device (a checkpoint from another machine) are moved."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        fused = use_fused_adamw(params)
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
             state = self.state[p]
+            step_device = p.device if fused else torch.device("cpu")
             if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            t = state["step"].item()
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+            elif state["step"].device != step_device:
+                state["step"] = state["step"].to(step_device)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        adamw_functional(
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=not fused,
+            fused=fused,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
 
 def build_optimizer(
