@@ -1,6 +1,8 @@
 """The HTTP server driven by the real ``openai`` SDK on 127.0.0.1: completions, chat, SSE streaming, usage
-with cached tokens, stop strings, bad input (400), client disconnects, a bounded load test, 429 when the
-queue is full, metrics, and ``openk3 serve`` as a subprocess. Greedy texts are checked against
+with cached tokens, stop strings, bad input (400 naming the field: seed range, lone surrogates, NaN, strict
+booleans, refused no-op-only fields), client disconnects, a bounded load test, 429 when the queue is full,
+metrics, tokenization off the event loop, the default model id, ``--port`` checks, prompt shutdown, and
+``openk3 serve`` as a subprocess. Greedy texts are checked against
 :func:`openk3.generate.greedy` on the same checkpoint."""
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -499,3 +502,234 @@ def test_non_streaming_client_disconnect_frees_blocks(server):
     wait_idle(serving)
     assert request.status.value == "abort" and len(request.output_token_ids) < 200
     assert not serving.engine.engine.kv.block_tables and serving.engine.num_tracked_requests() == 0
+
+
+def _post_json(server, path: str, body: dict) -> tuple[int, dict]:
+    return _post(server, path, json.dumps(body).encode())
+
+
+def _assert_400(status: int, data: dict, param: str, message: str) -> None:
+    assert status == 400, data
+    err = data["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_value", err
+    assert err["param"] == param and message in err["message"], err
+
+
+def test_seed_range_and_per_choice_seeds(server):
+    """``seed`` is int64 (OpenAI's range) for any ``n``: choice ``k`` uses ``(seed + k) mod 2**64``, which
+    ``torch.Generator.manual_seed`` accepts; beyond int64 is a 400 naming ``seed`` (it was a 500)."""
+    for seed in (2**64, 2**63, -(2**63) - 1):
+        status, data = _post_json(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": seed})
+        _assert_400(
+            status, data, "seed", "seed must be an integer in [-9223372036854775808, 9223372036854775807]"
+        )
+    body = {"model": MODEL, "prompt": "To be", "max_tokens": 4, "temperature": 1.0}
+    for seed, n in ((2**63 - 1, 3), (-(2**63), 2)):
+        status, data = _post_json(server, "/v1/completions", {**body, "seed": seed, "n": n})
+        assert status == 200 and len(data["choices"]) == n, data
+    # choice 1 of seed -1 samples with seed (-1 + 1) mod 2**64 = 0, like choice 0 of seed 0
+    _, minus_one = _post_json(server, "/v1/completions", {**body, "seed": -1, "n": 2})
+    _, zero = _post_json(server, "/v1/completions", {**body, "seed": 0})
+    assert minus_one["choices"][1]["text"] == zero["choices"][0]["text"]
+
+
+def test_lone_surrogate_is_400_not_500(server, client):
+    """``"a\\ud800b"`` is valid JSON but not encodable text: refused before the tokenizer sees it."""
+    cases = [
+        (
+            "/v1/completions",
+            {"prompt": "a\ud800b"},
+            "prompt",
+            "prompt contains text that is not valid Unicode",
+        ),
+        ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt", "(lone surrogate)"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x\ud800"}]},
+            "messages.0.content",
+            "message content contains text that is not valid Unicode (lone surrogate)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages.0.content.0.text",
+            "not valid Unicode",
+        ),
+        ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, "stop", "not valid Unicode"),
+    ]
+    for path, body, param, message in cases:
+        raw = json.dumps({"model": MODEL, **body}).encode()
+        assert b"\\ud800" in raw or b"\\udfff" in raw
+        status, data = _post(server, path, raw)
+        _assert_400(status, data, param, message)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices
+
+
+def test_tokenization_does_not_block_the_event_loop(server, monkeypatch):
+    """While a prompt is being tokenized (a tokenizer that blocks, as ``tokenizers`` does on a 20 MB prompt
+    with the GIL released), ``/health`` answers at once."""
+    started, release = threading.Event(), threading.Event()
+    real = server.serving.tokenizer
+
+    class SlowTokenizer:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, text, allow_special=False):
+            started.set()
+            release.wait(10)
+            return real.encode(text, allow_special)
+
+    monkeypatch.setattr(server.serving, "tokenizer", SlowTokenizer())
+    result = {}
+    body = {"model": MODEL, "prompt": "To be", "max_tokens": 2, "temperature": 0}
+    worker = threading.Thread(target=lambda: result.update(r=_post_json(server, "/v1/completions", body)))
+    worker.start()
+    try:
+        assert started.wait(10)
+        t0 = time.monotonic()
+        health = urllib.request.urlopen(server.base_url + "/health", timeout=3).read()
+        assert json.loads(health) == {"status": "ok"} and time.monotonic() - t0 < 1.0
+    finally:
+        release.set()
+        worker.join(30)
+    status, data = result["r"]
+    assert status == 200 and data["usage"]["prompt_tokens"] == len(real.encode("To be"))
+
+
+def test_default_model_name_is_the_given_folder(ckpt, tmp_path):
+    """``--ckpt runs/k3-tiny`` serves ``k3-tiny`` (stable across resumes), not ``step-000020``."""
+    import shutil
+
+    run = tmp_path / "k3-tiny"
+    shutil.copytree(ckpt, run / "checkpoints" / "step-000020")
+    (run / "checkpoints" / "latest").write_text("step-000020\n")
+    _, serving = load_server(run, engine_config())
+    assert serving.config.model_name == "k3-tiny"
+    _, serving = load_server(str(run) + "/", engine_config(), model_name="mine")
+    assert serving.config.model_name == "mine"
+    from openk3.serve.server import served_model_name
+
+    assert served_model_name("runs/k3-tiny/") == "k3-tiny"
+    assert served_model_name(".") == served_model_name(os.getcwd()) != ""
+
+
+BAD_VALUES = [
+    # (path, extra body fields, param, part of the message)
+    ("/v1/completions", {"temperature": float("nan")}, "temperature", "finite number"),
+    ("/v1/completions", {"temperature": float("inf")}, "temperature", "finite number"),
+    ("/v1/completions", {"top_p": float("nan")}, "top_p", "finite number"),
+    ("/v1/completions", {"prompt": 123}, "prompt", "prompt must be a string, a list of strings"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "prompt must be a string"),
+    ("/v1/completions", {"stop": 5}, "stop", "valid string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages.0.content", "string"),
+    ("/v1/completions", {"stream": "yes"}, "stream", "valid boolean"),
+    ("/v1/completions", {"stream": 1}, "stream", "valid boolean"),
+    ("/v1/chat/completions", {"stream": "true"}, "stream", "valid boolean"),
+    ("/v1/completions", {"echo": "no"}, "echo", "valid boolean"),
+    (
+        "/v1/completions",
+        {"stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    ),
+    (
+        "/v1/completions",
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        "stream_options.include_usage",
+        "valid boolean",
+    ),
+    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias", "logit_bias is not supported"),
+    ("/v1/chat/completions", {"logit_bias": {"5": -100}}, "logit_bias", "logit_bias is not supported"),
+    ("/v1/completions", {"best_of": 3}, "best_of", "best_of is not supported"),
+    ("/v1/completions", {"n": 2, "best_of": 1}, "best_of", "set it equal to n"),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_object"}},
+        "response_format",
+        "response_format is not supported",
+    ),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "not supported"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param,message", BAD_VALUES)
+def test_bad_values_name_their_field(server, path, fields, param, message):
+    base = {"model": MODEL}
+    base.update(
+        {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    raw = json.dumps({**base, **fields}).encode()  # NaN / Infinity as Python's json writes them
+    status, data = _post(server, path, raw)
+    _assert_400(status, data, param, message)
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(client):
+    r = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=2, temperature=0, logit_bias={}, best_of=2, n=2
+    )
+    assert len(r.choices) == 2
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        logit_bias={},
+        stream=False,
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_model_is_400_model_not_found_naming_the_served_model(server):
+    status, data = _post_json(server, "/v1/completions", {"model": "gpt-nope", "prompt": "hi"})
+    assert status == 400  # issue #5: unknown model → 400 (OpenAI itself answers 404)
+    err = data["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "'gpt-nope'" in err["message"] and repr(MODEL) in err["message"]
+
+
+def test_cli_port_is_validated(capsys):
+    import argparse
+
+    from openk3.serve.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="openk3")
+    add_serve_parser(parser.add_subparsers())
+    for port in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["serve", "--ckpt", "x", "--port", port])
+        assert e.value.code == 2 and "invalid port" in capsys.readouterr().err
+    assert parser.parse_args(["serve", "--ckpt", "x", "--port", "0"]).port == 0
+    assert parser.parse_args(["serve", "--ckpt", "x", "--port", "65535"]).port == 65535
+
+
+def test_shutdown_ends_open_streams_at_once(ckpt, monkeypatch):
+    """Exiting the server (Ctrl-C) aborts in-flight requests instead of waiting for their ``max_tokens``:
+    with a 0.05 s engine step a 200-token stream would last 10 s, the exit takes well under 3 s."""
+    app, serving = load_server(ckpt, engine_config(), model_name=MODEL)
+    runner = serving.engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(scheduled):
+        time.sleep(0.05)
+        return execute(scheduled)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=30)
+        stream = client.completions.create(
+            model=MODEL, prompt="To be", max_tokens=200, temperature=0, stream=True
+        )
+        chunks = []
+        reader = threading.Thread(target=lambda: chunks.extend(stream))
+        reader.start()
+        deadline = time.monotonic() + 20
+        while not serving.engine.engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (request,) = serving.engine.engine.scheduler.running
+        t0 = time.monotonic()
+        srv.__exit__(None, None, None)  # what Ctrl-C does; the `with` exit is then a no-op
+        reader.join(10)
+        assert time.monotonic() - t0 < 2.5 and not srv.thread.is_alive() and not reader.is_alive()
+        assert request.status.value == "abort" and len(request.output_token_ids) < 100
+    assert chunks and chunks[-1].choices[0].finish_reason == "abort"

@@ -229,3 +229,34 @@ def test_sampling_seed_is_reproducible(model):
     a = engine(model).generate([Request("x", p, params)])["x"]
     b = engine(model).generate([Request("x", p, params), Request("y", prompts([7])[0], params)])["x"]
     assert a == b and len(a) == 8
+
+
+def test_async_engine_shutdown_aborts_requests_and_refuses_new_ones(model):
+    """Server exit: every in-flight request ends at the next step with ``"abort"``, long before its
+    ``max_tokens``; a submit afterwards raises ``EngineClosedError``."""
+    import threading
+
+    from openk3.serve.async_engine import AsyncEngine, EngineClosedError
+
+    eng = AsyncEngine(engine(model))
+    outputs, first, done = [], threading.Event(), threading.Event()
+
+    def callback(out):
+        outputs.append(out)
+        first.set()
+        if out.finished:
+            done.set()
+
+    eng.start()
+    try:
+        eng.submit(Request("long", prompts([9])[0], SamplingParams(max_tokens=2000)), callback)
+        assert first.wait(20)
+        eng.shutdown()
+        assert done.wait(5)
+        assert outputs[-1].finish_reason == "abort"
+        assert sum(len(o.new_token_ids) for o in outputs) < 2000
+        with pytest.raises(EngineClosedError):
+            eng.submit(Request("late", prompts([5])[0], SamplingParams(max_tokens=2)), callback)
+        assert eng.num_tracked_requests() == 0 and not eng.engine.kv.block_tables
+    finally:
+        eng.stop()

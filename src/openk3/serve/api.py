@@ -54,9 +54,12 @@ def build_app(serving: OpenAIServing) -> FastAPI:
         try:
             yield
         finally:
+            serving.engine.shutdown()
             serving.engine.stop()
+            serving.close()
 
     app = FastAPI(title="openk3", lifespan=lifespan)
+    app.state.serving = serving
     created = int(time.time())
 
     @app.exception_handler(APIError)

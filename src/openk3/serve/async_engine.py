@@ -4,7 +4,9 @@
 the engine thread holds only while scheduling and updating (not while the model runs). Each request's
 outputs go to its callback, called on the engine thread (the API hops back to its event loop with
 ``loop.call_soon_threadsafe``). An exception inside a step ends every request with an error and the
-engine keeps serving new ones.
+engine keeps serving new ones. :meth:`AsyncEngine.shutdown` (the server's first step when it is asked to
+exit) aborts every request and refuses new ones, so open streams end within one step instead of running
+to their ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ IDLE_WAIT_S = 0.05
 """How long the idle engine thread sleeps between checks (it is woken at once by a submit)."""
 
 
+class EngineClosedError(RuntimeError):
+    """A request was submitted after :meth:`AsyncEngine.shutdown`."""
+
+
 class AsyncEngine:
     def __init__(
         self, engine: LLMEngine, on_step: Callable[[list[RequestOutput], float], None] | None = None
@@ -36,11 +42,13 @@ class AsyncEngine:
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closed = False
         self.num_step_errors = 0
 
     def start(self) -> None:
         if self._thread is None:
             self._stop.clear()
+            self._closed = False
             self._thread = threading.Thread(target=self._run, name="openk3-engine", daemon=True)
             self._thread.start()
 
@@ -51,9 +59,22 @@ class AsyncEngine:
             self._thread.join(timeout)
             self._thread = None
 
-    def submit(self, request: Request, callback: Callable[[RequestOutput], None]) -> None:
-        """Queue ``request``; raises ``ValueError`` or ``QueueFullError`` (see :meth:`LLMEngine.add_request`)."""
+    def shutdown(self) -> None:
+        """Refuse new requests and abort every tracked one: each callback receives a finished output with
+        ``finish_reason="abort"`` at the engine's next step. The engine thread keeps running until
+        :meth:`stop`."""
         with self._lock:
+            self._closed = True
+            for request_id in list(self._callbacks):
+                self.engine.abort_request(request_id)
+        self._wake.set()
+
+    def submit(self, request: Request, callback: Callable[[RequestOutput], None]) -> None:
+        """Queue ``request``; raises ``ValueError`` or ``QueueFullError`` (see :meth:`LLMEngine.add_request`),
+        ``EngineClosedError`` after :meth:`shutdown`."""
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the server is shutting down")
             self.engine.add_request(request)
             self._callbacks[request.request_id] = callback
         self._wake.set()

@@ -7,6 +7,17 @@ import argparse
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
+def port_number(text: str) -> int:
+    """``--port``: an integer in [0, 65535] (0: any free port); raises ``argparse.ArgumentTypeError``."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: not an integer") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: must be in 1..65535 (or 0 for any free port)")
+    return port
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
@@ -51,8 +62,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--ckpt", required=True, help="checkpoint folder or run folder (uses its latest checkpoint)"
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-name", dest="model_name", help="model id in the API (default: the folder name)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 1..65535 (0: any free port)")
+    p.add_argument(
+        "--model-name",
+        dest="model_name",
+        help="model id in the API (default: the name of the --ckpt folder, e.g. k3-tiny for runs/k3-tiny)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
     g = p.add_argument_group("cache")

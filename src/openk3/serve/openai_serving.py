@@ -9,6 +9,12 @@ request that is rejected while queued still gets a plain 429. When the client go
 early, or a disconnect seen while waiting), every engine request of the call is aborted, which frees its
 blocks.
 
+Tokenization (and chat-template rendering) runs on one worker thread, off the event loop, so a huge prompt
+does not stall ``/health`` and the other clients (the ``tokenizers`` backend releases the GIL); one thread
+keeps the tokenizer's calls serialized. Choice ``k`` of a request with ``seed`` samples with the
+generator seeded ``(seed + k) mod 2**64``. When the server shuts down, the engine ends every request
+("abort"), so open streams finish at once, and new requests get 503.
+
 Special tokens (eos, chat markers, …) never appear in the text. Usage counts each prompt once and every choice's generated tokens (an end-of-sequence token included);
 ``prompt_tokens_details.cached_tokens`` is the prefix-cache hit of each prompt's first choice.
 """
@@ -19,14 +25,15 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from openk3.serve.async_engine import AsyncEngine
+from openk3.serve.async_engine import AsyncEngine, EngineClosedError
 from openk3.serve.chat_template import ChatTemplate
 from openk3.serve.detokenizer import IncrementalDetokenizer
 from openk3.serve.metrics import ServerMetrics
@@ -112,6 +119,15 @@ class OpenAIServing:
         self.metrics, self.config = metrics, config
         self.hidden_ids = set(tokenizer.special_tokens.values())
         """Special tokens are not written into the text (vLLM ``skip_special_tokens``)."""
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="openk3-tokenize")
+
+    def close(self) -> None:
+        """Drop queued tokenization work (the app's shutdown)."""
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` on the tokenizer thread; the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     # ---- validation and submission ---------------------------------------------------------------------
     def _check_common(self, req) -> None:
@@ -164,7 +180,7 @@ class OpenAIServing:
         for p, ids in enumerate(prompts):
             for k in range(req.n):
                 index = p * req.n + k
-                seed = None if req.seed is None else req.seed + k
+                seed = None if req.seed is None else (req.seed + k) % 2**64
                 params = SamplingParams(max_tokens[p], req.temperature, req.top_p, seed, frozenset(stop_ids))
                 detok = IncrementalDetokenizer(self.tokenizer, req.stop_strings, self.hidden_ids | stop_ids)
                 choices.append(_Choice(index, p, Request(f"{base}-{index}", ids, params), detok))
@@ -187,6 +203,9 @@ class OpenAIServing:
                     code="queue_full",
                     headers={"Retry-After": str(self.config.retry_after_s)},
                 ) from e
+            except EngineClosedError as e:
+                self._abort(call)
+                raise APIError(503, str(e), type="server_error", code="server_shutting_down") from e
             except ValueError as e:
                 self._abort(call)
                 raise APIError(400, str(e), param="prompt") from e
@@ -250,7 +269,7 @@ class OpenAIServing:
         except ValidationError as e:
             raise validation_error(e) from e
         self._check_common(req)
-        prompts = self._tokenize_prompts(req.prompt)
+        prompts = await self._off_loop(self._tokenize_prompts, req.prompt)
         max_tokens = [self._max_tokens(req.max_tokens, len(p), "prompt") for p in prompts]
         call = self._start(req, prompts, max_tokens, {self.tokenizer.eos_id})
         return await self._respond(call, req, http, chat=False)
@@ -261,7 +280,8 @@ class OpenAIServing:
         except ValidationError as e:
             raise validation_error(e) from e
         self._check_common(req)
-        ids = self.chat_template.encode([{"role": m.role, "content": m.text} for m in req.messages])
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        ids = await self._off_loop(self.chat_template.encode, messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = [self._max_tokens(requested, len(ids), "messages")]
         call = self._start(req, [ids], max_tokens, set(self.chat_template.stop_token_ids))

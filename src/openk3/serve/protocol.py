@@ -1,18 +1,25 @@
 """OpenAI-compatible request bodies (pydantic) and the error object (reference/systems.md §4.4).
 
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 429 (queue
-full; with ``Retry-After``), 500 (engine error). Fields the server does not implement (``logprobs``,
-``echo``, ``suffix``, penalties, tools) are refused with 400 rather than silently ignored; unknown extra
-fields are ignored, as OpenAI does.
+full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement
+(``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` other than ``n``,
+``response_format`` other than text, tools) are refused with 400 naming the field when they ask for
+something other than the no-op default, rather than silently ignored; unknown extra fields are ignored, as
+OpenAI does. Booleans are strict (``"stream": "yes"`` is refused), floats must be finite, text must be
+valid Unicode (JSON can carry a lone surrogate such as ``"\\ud800"``, which no tokenizer can encode), and
+``seed`` is a signed 64-bit integer (OpenAI's range).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""``seed`` range (int64, as in OpenAI's API); choice ``k`` samples with ``(seed + k) mod 2**64``, which
+``torch.Generator.manual_seed`` accepts (it takes ``[-2**63, 2**64)``)."""
 
 
 class APIError(Exception):
@@ -36,31 +43,60 @@ class APIError(Exception):
 
 
 def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 OpenAI error (``param`` = the field path)."""
-    first = e.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    return APIError(
-        400, f"{param}: {first['msg']}" if param else first["msg"], param=param, code="invalid_value"
-    )
+    """The first pydantic error as a 400 OpenAI error (``param`` = the field path, e.g. ``messages.0.role``).
+
+    Pydantic's union-member tags in the location (``prompt.str``, ``stop.list[str]``) are dropped: only field
+    names and list indices name the parameter. A union reports one error per member; the deepest one under
+    the first error's field is kept (a bad ``messages.0.content.0.text`` rather than "content should be a
+    string")."""
+    names = _field_names()
+    errors = [([p for p in err["loc"] if isinstance(p, int) or p in names], err["msg"]) for err in e.errors()]
+    head = errors[0][0][:1]
+    loc, msg = max((err for err in errors if err[0][:1] == head), key=lambda err: len(err[0]))
+    param = ".".join(str(p) for p in loc) or None
+    msg = msg.removeprefix("Value error, ")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+def _field_names() -> set[str]:
+    return {
+        name
+        for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+        for name in model.model_fields
+    }
+
+
+def check_unicode(text: str, what: str) -> str:
+    """``text`` unchanged; raises ``ValueError`` when it holds a lone surrogate (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} contains text that is not valid Unicode (lone surrogate)") from None
+    return text
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -71,6 +107,29 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        for s in stops:
+            check_unicode(s, "stop")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v):
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by this server (omit it or pass {})")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -92,9 +151,27 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
+    echo: bool = Field(False, strict=True)
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_type(cls, v):
+        ok = isinstance(v, str) or (
+            isinstance(v, list)
+            and (
+                all(isinstance(p, str) for p in v)
+                or all(_is_int(p) for p in v)
+                or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in v)
+            )
+        )
+        if not ok:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+            )
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -103,6 +180,16 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         if v == "":
             raise ValueError("prompt must not be empty")
+        for p in [v] if isinstance(v, str) else v:
+            if isinstance(p, str):
+                check_unicode(p, "prompt")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info: ValidationInfo):
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of is not supported by this server (omit it or set it equal to n)")
         return v
 
     @field_validator("echo")
@@ -124,12 +211,22 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _unicode(cls, v):
+        return check_unicode(v, "message content")
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, v):
+        return check_unicode(v, "message content") if isinstance(v, str) else v
 
     @property
     def text(self) -> str:
@@ -142,19 +239,30 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = None
     tools: list | None = None
+    functions: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs", "functions", "logprobs", "tools")
     @classmethod
-    def _no_logprobs(cls, v):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("logprobs is not supported by this server")
+            raise ValueError(f"{info.field_name} is not supported by this server")
         return v
 
-    @field_validator("tools")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server")
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported by this server (tools are not supported)")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError('response_format is not supported by this server (only {"type": "text"})')
         return v

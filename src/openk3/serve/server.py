@@ -1,11 +1,18 @@
 """Load a checkpoint into a server, run it with uvicorn, or run it on a background thread (tests, benchmarks).
 
 A checkpoint folder (or a training run folder: its latest checkpoint) must hold ``config.json``, the
-safetensors shards and ``tokenizer.json`` (``openk3 train`` writes all three).
+safetensors shards and ``tokenizer.json`` (``openk3 train`` writes all three). The served model id defaults
+to the name of the folder given (``runs/k3-tiny`` → ``k3-tiny``, stable across resumes), not the resolved
+checkpoint folder (``step-000020``).
+
+On exit (Ctrl-C, SIGTERM) :class:`ServingServer` first aborts every engine request, so open streams end
+at once, then lets uvicorn close the connections (at most ``GRACEFUL_SHUTDOWN_S`` seconds).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import threading
 import time
@@ -22,6 +29,30 @@ from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.metrics import ServerMetrics
 from openk3.serve.openai_serving import OpenAIServing, ServingConfig
+
+GRACEFUL_SHUTDOWN_S = 3
+"""Seconds uvicorn waits for connections to close on exit before cancelling their tasks."""
+
+
+class ServingServer(uvicorn.Server):
+    """``uvicorn.Server`` that aborts the engine's requests as soon as it is asked to exit.
+
+    Without this, uvicorn's graceful shutdown waits for every open stream to reach its ``max_tokens``."""
+
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing | None) -> None:
+        super().__init__(config)
+        self.serving = serving
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.serving is not None:
+            self.serving.engine.shutdown()
+        await super().shutdown(sockets=sockets)
+
+
+def served_model_name(ckpt: str | Path) -> str:
+    """Default model id: the name of the folder given (``"."`` and trailing slashes are normalized; a
+    symbolic link keeps its own name)."""
+    return Path(os.path.abspath(ckpt)).name
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -61,14 +92,15 @@ def load_server(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> tuple[FastAPI, OpenAIServing]:
-    """Build the server for a checkpoint folder (``model_name`` defaults to the folder name)."""
+    """Build the server for a checkpoint or run folder (``model_name`` defaults to
+    :func:`served_model_name` of ``ckpt``)."""
     from openk3.checkpoint import from_pretrained
     from openk3.data import Tokenizer
 
     folder = resolve_checkpoint(ckpt)
     model = from_pretrained(folder, device=device, dtype=dtype)
     tokenizer = Tokenizer.load(folder)
-    name = model_name or folder.name
+    name = model_name or served_model_name(ckpt)
     return build_server(model, tokenizer, engine_config, name, ChatTemplate.from_folder(tokenizer, folder))
 
 
@@ -84,8 +116,8 @@ class BackgroundServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        self.server = ServingServer(config, getattr(app.state, "serving", None))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.start_timeout_s = start_timeout_s
 
@@ -117,4 +149,8 @@ def run_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, **kw
         f"{serving.engine.engine.storage.layout.block_size} tokens)",
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after its shutdown
+        ServingServer(config, serving).run()
