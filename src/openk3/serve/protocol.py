@@ -192,17 +192,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of is not supported by this server (omit it or set it equal to n)")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported by this server")
-        return v
-
-    @field_validator("logprobs", "suffix")
+    @field_validator("echo", "logprobs", "suffix")
     @classmethod
     def _unsupported(cls, v, info):
-        if v is not None:
+        if v not in (None, False):  # echo=false and logprobs=0 are the defaults
             raise ValueError(f"{info.field_name} is not supported by this server")
         return v
 
