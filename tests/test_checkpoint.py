@@ -239,3 +239,71 @@ def test_saved_files_follow_the_umask(saved, tmp_path):
         os.umask(umask)
     assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o755
     assert {p.stat().st_mode & 0o777 for p in (tmp_path / "ck").iterdir()} == {0o644}
+
+
+def _with_tokenizer(src, dst):
+    """A copy of model folder ``src`` with a small trained tokenizer, as `openk3 generate` needs."""
+    from openk3.data import Tokenizer
+
+    shutil.copytree(src, dst)
+    Tokenizer.train(["to be or not to be, that is the question"] * 4, 300).save(dst)
+    return dst
+
+
+def test_save_refuses_to_replace_a_training_checkpoint(saved, tmp_path):
+    model, path = saved
+    ckpt = _with_tokenizer(path, tmp_path / "run" / "checkpoints" / "step-000020")
+    torch.save({"step": 20, "train_config": {}}, ckpt / "trainer_state.pt")
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with pytest.raises(
+        FileExistsError, match=r"step-000020 is a training checkpoint \(it holds trainer_state"
+    ):
+        openk3.save_pretrained(model, ckpt)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before  # tokenizer and state kept
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["step-000020"]  # no temporary folder left
+
+
+def test_resume_names_a_missing_or_damaged_trainer_state(saved, tmp_path, capsys):
+    from openk3.cli import main
+
+    _, path = saved
+    run = tmp_path / "run"
+    shutil.copytree(path, run / "checkpoints" / "step-000005")  # a model-only folder (save_pretrained)
+    (run / "checkpoints" / "latest").write_text("step-000005\n")
+    assert main(["train", "--out", str(run), "--resume", "--no-sample"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'checkpoints' / 'step-000005' / 'trainer_state.pt'} is missing" in err
+    assert "not a training checkpoint" in err and "Errno" not in err
+    (run / "checkpoints" / "step-000005" / "trainer_state.pt").write_bytes(b"garbage")
+    assert main(["train", "--out", str(run), "--resume", "--no-sample"]) == 2
+    assert "trainer_state.pt is not a valid trainer state (truncated or corrupt?)" in capsys.readouterr().err
+
+
+def test_corrupt_files_are_named_in_one_line(saved, tmp_path, capsys):
+    from openk3.cli import main
+
+    _, path = saved
+    ckpt = _with_tokenizer(path, tmp_path / "ck")
+    shard = sorted(ckpt.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # an interrupted copy
+    with pytest.raises(ValueError, match=r"safetensors file \(truncated or corrupt\?\)"):
+        openk3.from_pretrained(ckpt)
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "to be"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"openk3: error: {shard} is not a valid safetensors file (truncated or corrupt?)")
+    assert err.count("\n") == 1
+    # a single model.safetensors without an index, truncated
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copy(path / "config.json", single)
+    save_file({"x": torch.zeros(64)}, single / "model.safetensors")
+    (single / "model.safetensors").write_bytes((single / "model.safetensors").read_bytes()[:5])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        openk3.from_pretrained(single)
+    # an overwritten tokenizer.json (the weights are fine)
+    ckpt2 = _with_tokenizer(path, tmp_path / "ck2")
+    (ckpt2 / "tokenizer.json").write_text("garbage")
+    assert main(["generate", "--ckpt", str(ckpt2), "--prompt", "to be"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"openk3: error: {ckpt2 / 'tokenizer.json'} is not a valid tokenizer.json")
+    assert err.count("\n") == 1

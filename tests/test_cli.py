@@ -83,3 +83,93 @@ def test_train_help_states_the_warmup_clamp(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "clamped to at most 25% of --steps" in " ".join(capsys.readouterr().out.split())
+
+
+TEXTS = [
+    "ROMEO. But soft, what light through yonder window breaks? It is the east. " * 20,
+    "HAMLET. To be, or not to be, that is the question: whether 'tis nobler. " * 20,
+    "MACBETH. Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace. " * 20,
+    "LEAR. Blow, winds, and crack your cheeks! rage! blow! You cataracts. " * 20,
+]
+
+
+@pytest.fixture(scope="module")
+def lone(tmp_path_factory):
+    """A k3-tiny checkpoint with a tokenizer, outside any run folder, and a corpus folder."""
+    from openk3.data import Tokenizer
+
+    root = tmp_path_factory.mktemp("lone")
+    openk3.save_pretrained(openk3.build_model(get_preset("k3-tiny"), seed=0), root / "ckpt")
+    Tokenizer.train(TEXTS, 300).save(root / "ckpt")
+    for i, text in enumerate(TEXTS):
+        (root / "corpus").mkdir(exist_ok=True)
+        (root / "corpus" / f"doc{i}.txt").write_text(text)
+    return root
+
+
+def test_eval_outside_a_run_asks_for_a_token_split(lone, capsys):
+    ckpt = lone / "ckpt"
+    assert main(["eval", "--ckpt", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {ckpt} is not inside a run folder" in err
+    assert "pass --data path/to/val.bin (a token split written by `openk3 train`" in err
+    assert "/data/val.bin'" not in err and "run prepare_data first" not in err
+    text = lone / "corpus" / "doc0.txt"
+    assert main(["eval", "--ckpt", str(ckpt), "--data", str(text)]) == 2
+    assert f"--data {text} is not a token split (.bin)" in capsys.readouterr().err
+
+
+def test_eval_refuses_a_split_of_another_tokenizer(lone, tmp_path, capsys):
+    from openk3.data import Tokenizer, prepare_data
+
+    ckpt = lone / "ckpt"
+    own = prepare_data(
+        lone / "corpus",
+        out_dir=tmp_path / "own",
+        vocab_size=8192,
+        tokenizer=ckpt,
+        val_fraction=0.5,
+        progress=False,
+    )
+    args = ["eval", "--ckpt", str(ckpt), "--seq-len", "8", "--batch-size", "1", "--max-batches", "1"]
+    assert main([*args, "--data", str(own.val_path)]) == 0  # the checkpoint's own tokenizer: accepted
+    assert "perplexity" in capsys.readouterr().out
+    other_tok = Tokenizer.train(["completely different text about other things " * 30], 290)
+    other = prepare_data(
+        lone / "corpus",
+        out_dir=tmp_path / "other",
+        vocab_size=8192,
+        tokenizer=other_tok,
+        val_fraction=0.5,
+        progress=False,
+    )
+    recorded = json.loads((tmp_path / "other" / "val.json").read_text())["tokenizer_sha256"]
+    assert recorded == other_tok.sha256 != Tokenizer.load(ckpt).sha256
+    assert main([*args, "--data", str(other.val_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{other.val_path} was tokenized with another tokenizer than checkpoint {ckpt}'s" in err
+    assert recorded[:12] in err
+
+
+def test_a_closed_stdout_exits_quietly(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (e.g. `head`) is gone before anything is written
+    src = str(Path(openk3.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "openk3.cli", "info", "--preset", "kimi-k3", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=env,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert proc.stderr.decode() == ""
+    assert proc.returncode == 141  # 128 + SIGPIPE

@@ -265,3 +265,88 @@ def test_warmup_is_clamped_for_short_runs():
 def test_train_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{field}={re.escape(repr(value))} is invalid"):
         TrainConfig(**{field: value})
+
+
+@pytest.fixture(scope="module")
+def run1(tmp_path_factory):
+    """A finished 1-step run on its own copy of the corpus: (run folder, corpus folder). Tests copy it."""
+    root = tmp_path_factory.mktemp("run1")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(TEXT * 2):
+        (corpus / f"work{i}.txt").write_text(text * 40)
+    train(small(str(corpus), root / "run", steps=1, context_schedule=[(0, 32)]), progress=False)
+    return root / "run", corpus
+
+
+def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsys):
+    import os
+    import shutil
+
+    src, corpus = run1
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(2):  # too small to train on: it must be refused before it is read
+        (other / f"tiny{i}.txt").write_text("a b")
+    before = _snapshot(run)
+    base = ["train", "--out", str(run), "--resume", "--steps", "3", "--no-sample"]
+    assert main([*base, "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"run {run} was trained on data={str(corpus)!r} with a byte-level BPE trained on it" in err
+    assert "(data differ)" in err and "resume without --data" in err
+    tok = run / "data" / "tokenizer" / "tokenizer.json"
+    assert main([*base, "--tokenizer", str(tok)]) == 2
+    assert "(tokenizer differ)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"\(val_fraction differ\).*TrainConfig\.val_fraction"):
+        Trainer(small(str(corpus), run, steps=3, val_fraction=0.5), resume=True, progress=False)
+    # the same flags, but a corpus file changed since the shards were built
+    work0 = corpus / "work0.txt"
+    stat = work0.stat()
+    os.utime(work0, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        assert main(base) == 2
+        assert f"the inputs of run {run} changed since its token shards were built" in capsys.readouterr().err
+    finally:
+        os.utime(work0, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # a finished run without a larger --steps: nothing to do
+    assert main(base[:-3] + ["--no-sample"]) == 2
+    assert f"run {run} is already at step 1 and steps=1" in capsys.readouterr().err
+    assert _snapshot(run) == before  # no data rebuild, no train_config.json, no metrics truncation
+
+
+def test_extending_a_run_then_a_double_ctrl_c(run1, tmp_path, capsys, monkeypatch):
+    import os
+    import shutil
+    import signal
+
+    run = tmp_path / "run"
+    shutil.copytree(run1[0], run)
+    one_step = Trainer.train_step
+
+    def step_then_two_ctrl_c(self):
+        row = one_step(self)
+        os.kill(os.getpid(), signal.SIGINT)  # the first: finish this step and save
+        os.kill(os.getpid(), signal.SIGINT)  # the second: stop at once
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_two_ctrl_c)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        code = main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-sample"])
+    except KeyboardInterrupt:
+        pytest.fail("a second Ctrl-C escaped as a KeyboardInterrupt traceback")
+    assert code == 130 and signal.getsignal(signal.SIGINT) is handler
+    out, err = capsys.readouterr()
+    # lr of the peak 3e-3 at step 1 (warmup clamped to 0): cosine floor 0.1 at the end of a 1-step run,
+    # 0.1 + 0.9 * (1 + cos(pi / 3)) / 2 = 0.775 of a 3-step run
+    assert f"resuming {run} at step 1 with total steps 1 → 3" in out
+    assert f"(lr at step 1: {3e-3 * 0.1:.3e} → {3e-3 * 0.775:.3e})" in out
+    ckpt = run / "checkpoints" / "step-000001"
+    assert "Traceback" not in err and err.endswith("\n")  # above the message: the progress bar only
+    assert err.splitlines()[-1] == (
+        f"openk3: training aborted by a second Ctrl-C at step 2; the checkpoint was NOT saved, the run's "
+        f"latest checkpoint is step 1 ({ckpt}); continue with: openk3 train --out {run} --resume"
+    )
+    assert latest_checkpoint(run) == ckpt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _load_for_inference(ckpt: str, device: str):
+    """(model, tokenizer, folder) of checkpoint or run folder ``ckpt``; the tokenizer is read first (cheap).
+    Damaged files raise ``ValueError`` naming the file (printed by :func:`main`)."""
     from openk3.checkpoint import from_pretrained
     from openk3.data import Tokenizer
     from openk3.train.state import latest_checkpoint
@@ -72,7 +75,8 @@ def _load_for_inference(ckpt: str, device: str):
     folder = latest_checkpoint(ckpt)
     if not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{folder} has no tokenizer.json (checkpoints written by `openk3 train` do)")
-    return from_pretrained(folder, device=device), Tokenizer.load(folder), folder
+    tokenizer = Tokenizer.load(folder)
+    return from_pretrained(folder, device=device), tokenizer, folder
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -163,6 +167,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_split(folder: Path, data: str | None) -> Path:
+    """The token split ``openk3 eval`` reads: ``--data`` (a ``.bin``, or a folder holding ``val.bin``), else
+    the ``data/val.bin`` of the run that holds checkpoint ``folder``. Raises ``FileNotFoundError`` /
+    ``ValueError`` saying what to pass instead."""
+    hint = "pass --data path/to/val.bin (a token split written by `openk3 train` into RUN/data/)"
+    if data is None:
+        if folder.parent.name != "checkpoints":
+            raise FileNotFoundError(
+                f"checkpoint {folder} is not inside a run folder (RUN/checkpoints/step-*), so there is no run "
+                f"val split to default to: {hint}"
+            )
+        path = folder.parent.parent / "data" / "val.bin"
+        if not path.is_file():
+            raise FileNotFoundError(f"the run of checkpoint {folder} has no {path} (deleted?): {hint}")
+        return path
+    path = Path(data)
+    if path.is_dir() and (path / "val.bin").is_file():
+        return path / "val.bin"
+    if path.suffix != ".bin":
+        raise ValueError(
+            f"--data {data} is not a token split (.bin): openk3 eval reads the token ids written by "
+            "`openk3 train` (RUN/data/val.bin, with its val.json). To evaluate a text file, tokenize it with "
+            "the checkpoint's tokenizer first: openk3.data.prepare_data(TEXT, out_dir=DIR, vocab_size=V, "
+            "tokenizer=CKPT) writes DIR/val.bin"
+        )
+    return path
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import math
 
@@ -171,9 +203,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from openk3.train.trainer import validation_loss
 
     folder = latest_checkpoint(args.ckpt)
-    model, _, _ = _load_for_inference(str(folder), args.device)
-    val_path = Path(args.data) if args.data else folder.parent.parent / "data" / "val.bin"
+    val_path = _eval_split(folder, args.data)
     dataset = TokenDataset(val_path)
+    model, tokenizer, _ = _load_for_inference(str(folder), args.device)
+    dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
     loss, count = validation_loss(
         model, dataset, args.batch_size, args.seq_len, args.max_batches, device=args.device
     )
@@ -264,13 +297,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so the interpreter's final flush of a closed pipe is silent."""
     try:
-        return args.func(args)
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit codes: its own (0 on success), 2 for a bad input (one ``openk3: error:`` line on
+    stderr), 130 for Ctrl-C (one line saying what was saved), 141 when stdout was closed early
+    (``openk3 info --json | head``; nothing printed)."""
+    try:
+        args = build_parser().parse_args(argv)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
     except (ValueError, FileNotFoundError) as e:
         print(f"openk3: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from openk3.checkpoint.io import (
     CheckpointMismatchError,
+    CorruptCheckpointError,
     from_pretrained,
     latest_checkpoint,
     load_state,
@@ -12,6 +13,7 @@ from openk3.checkpoint.names import NAME_TABLE
 __all__ = [
     "NAME_TABLE",
     "CheckpointMismatchError",
+    "CorruptCheckpointError",
     "from_pretrained",
     "latest_checkpoint",
     "load_state",

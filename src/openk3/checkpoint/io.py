@@ -8,12 +8,15 @@ resolved to its latest checkpoint by :func:`latest_checkpoint`, the one resolver
 CLI and the server share.
 
 Saving writes into a temporary sibling folder and renames it into place, so an interrupted save never
-leaves a torn checkpoint. Loading is strict: it collects every missing key, unexpected key and shape
-mismatch and raises one :class:`CheckpointMismatchError` listing them all, before any weight is copied.
+leaves a torn checkpoint; it never replaces a training checkpoint (a folder holding ``trainer_state.pt``).
+Loading is strict: it collects every missing key, unexpected key and shape mismatch and raises one
+:class:`CheckpointMismatchError` listing them all, before any weight is copied. A file that is not valid
+safetensors or JSON (truncated, overwritten) raises :class:`CorruptCheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -42,10 +45,29 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 LATEST = "latest"
 """Text file in a run's ``checkpoints`` folder holding the name of the newest checkpoint folder."""
+TRAINER_STATE_FILE = "trainer_state.pt"
+"""The file that makes a model folder a training checkpoint (:mod:`openk3.train.state`)."""
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint does not match the model; the message lists every problem."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file cannot be parsed (truncated or overwritten); the message names the file."""
+
+
+@contextlib.contextmanager
+def _open_shard(fname: str):
+    """``safe_open(fname)``, raising :class:`CorruptCheckpointError` naming ``fname`` when its header or
+    data cannot be read (a truncated download or an interrupted copy)."""
+    try:
+        with safe_open(fname, "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CorruptCheckpointError(
+            f"{fname} is not a valid safetensors file (truncated or corrupt?): {e}"
+        ) from e
 
 
 def _module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -79,11 +101,18 @@ def _parse_size(size: int | str) -> int:
 def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
     """Write ``model`` (with its ``config``) as an HF folder at ``path``, atomically.
 
-    An existing checkpoint folder at ``path`` is replaced; raises ``FileExistsError`` when ``path`` is a file
-    or a non-empty folder without a ``config.json`` (nothing else is ever deleted)."""
+    An existing model folder at ``path`` is replaced. Raises ``FileExistsError`` when ``path`` is a file, a
+    non-empty folder without a ``config.json``, or a training checkpoint (a folder holding
+    ``trainer_state.pt``, whose trainer state and tokenizer the replacement would lose); nothing else is ever
+    deleted."""
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{path} is a file, not a model folder; choose another path")
+    if os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
+        raise FileExistsError(
+            f"{path} is a training checkpoint (it holds {TRAINER_STATE_FILE}, which `openk3 train --resume` "
+            "needs, and the run's tokenizer); refusing to replace it: save the model to another folder"
+        )
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileExistsError(
             f"{path} is a non-empty folder that holds no checkpoint (no config.json); "
@@ -158,8 +187,11 @@ def _checkpoint_files(path: str) -> dict[str, str]:
     """Official tensor name → shard file path."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as e:  # not JSON, or JSON that is not an object
+            raise CorruptCheckpointError(f"{index} is not a valid index (truncated or corrupt?): {e}") from e
         if not isinstance(weight_map, dict):
             raise CheckpointMismatchError(f"{index} has no weight_map")
         files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
@@ -169,7 +201,7 @@ def _checkpoint_files(path: str) -> dict[str, str]:
         return files
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        with safe_open(single, "pt") as f:
+        with _open_shard(single) as f:
             return {name: single for name in f.keys()}
     raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {path}")
 
@@ -187,7 +219,8 @@ def _expected_shape(model: nn.Module, shape: list[int], slot, target: torch.Tens
 
 
 def load_state(model: nn.Module, path: str | os.PathLike) -> None:
-    """Copy the checkpoint in folder ``path`` into ``model`` (strict; raises CheckpointMismatchError)."""
+    """Copy the checkpoint in folder ``path`` into ``model`` (strict; raises CheckpointMismatchError, or
+    CorruptCheckpointError for a shard that cannot be parsed)."""
     path = os.fspath(path)
     files = _checkpoint_files(path)
     targets = _module_tensors(model)
@@ -196,7 +229,7 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
     for name, fname in files.items():
         by_file[fname].append(name)
     for fname, names in by_file.items():
-        with safe_open(fname, "pt") as f:
+        with _open_shard(fname) as f:
             for name in names:
                 shapes[name] = list(f.get_slice(name).get_shape())
     quantized = sorted(n for n in shapes if n.endswith(QUANTIZED_SUFFIXES))
@@ -256,7 +289,7 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
     with torch.no_grad():
         for fname, names in by_file.items():
             wanted = {n for n in names}
-            with safe_open(fname, "pt") as f:
+            with _open_shard(fname) as f:
                 for name, slot in plan:
                     if name not in wanted:
                         continue
@@ -285,6 +318,7 @@ def from_pretrained(
     Raises:
         FileNotFoundError: no config or weights. ValueError: invalid config or dtype.
         CheckpointMismatchError: missing/unexpected keys or shape mismatches (all listed).
+        CorruptCheckpointError: a shard or the index that cannot be parsed (named in the message).
     """
     path = latest_checkpoint(path)
     config: AnyConfig = load_config(path)

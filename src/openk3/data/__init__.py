@@ -29,6 +29,7 @@ from openk3.data.shards import (
     RandomBatches,
     SplitInfo,
     TokenDataset,
+    data_fingerprint,
     prepare_data,
     shard_dtype,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "SplitInfo",
     "TokenDataset",
     "Tokenizer",
+    "data_fingerprint",
     "default_corpus_files",
     "prepare_data",
     "read_documents",

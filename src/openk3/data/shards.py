@@ -257,6 +257,47 @@ def _write_build(
     return splits
 
 
+def _build_params(data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency):
+    """(sources, their JSON list, the parameters hashed into the fingerprint); checks the tokenizer fits and
+    ``val_fraction``, resolves the inputs (raising as :func:`prepare_data` says)."""
+    if tokenizer is not None:
+        tokenizer.check_fits(vocab_size)
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction!r} must lie strictly between 0 and 1")
+    sources = resolve_inputs(data)
+    source_list = [{"path": s.path, "name": s.name, "size": s.size, "mtime_ns": s.mtime_ns} for s in sources]
+    params = {
+        "version": SHARD_FORMAT_VERSION,
+        "sources_sha256": _sha256_json(source_list),
+        "text_field": text_field,
+        "tokenizer": _tokenizer_spec(tokenizer, vocab_size, min_frequency),
+        "model_vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+        "seed": seed,
+    }
+    return sources, source_list, params
+
+
+def data_fingerprint(
+    data=None,
+    *,
+    vocab_size: int,
+    tokenizer: Tokenizer | str | os.PathLike | None = None,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    text_field: str = "text",
+    min_frequency: int = 2,
+) -> str:
+    """The fingerprint :func:`prepare_data` would record in ``data.json`` for these arguments (same meaning),
+    computed without reading, tokenizing or writing anything: a build whose ``data.json`` holds another
+    fingerprint would be rebuilt. Raises as :func:`prepare_data` does for missing inputs or a bad tokenizer.
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = Tokenizer.load(tokenizer)
+    params = _build_params(data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency)[2]
+    return _sha256_json(params)
+
+
 def prepare_data(
     data=None,
     *,
@@ -291,21 +332,9 @@ def prepare_data(
     out_dir = Path(out_dir)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = Tokenizer.load(tokenizer)
-    if tokenizer is not None:
-        tokenizer.check_fits(vocab_size)
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction={val_fraction!r} must lie strictly between 0 and 1")
-    sources = resolve_inputs(data)
-    source_list = [{"path": s.path, "name": s.name, "size": s.size, "mtime_ns": s.mtime_ns} for s in sources]
-    params = {
-        "version": SHARD_FORMAT_VERSION,
-        "sources_sha256": _sha256_json(source_list),
-        "text_field": text_field,
-        "tokenizer": _tokenizer_spec(tokenizer, vocab_size, min_frequency),
-        "model_vocab_size": vocab_size,
-        "val_fraction": val_fraction,
-        "seed": seed,
-    }
+    sources, source_list, params = _build_params(
+        data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency
+    )
     fingerprint = _sha256_json(params)
     reused = _reuse(out_dir, fingerprint, t0)
     if reused is not None:
@@ -386,8 +415,11 @@ class TokenDataset:
         path = Path(path)
         meta_path = path.with_suffix(".json")
         if not path.is_file() or not meta_path.is_file():
+            missing = path if not path.is_file() else meta_path
             raise FileNotFoundError(
-                f"no token shard at {str(path)!r} (with {meta_path.name}); run prepare_data first"
+                f"no token shard at {str(path)!r} ({missing.name} is missing): token splits (train.bin/val.bin "
+                "with their .json) are written by `openk3 train` into RUN/data/, or by "
+                "openk3.data.prepare_data(out_dir=...)"
             )
         self.path = path
         self.meta = json.loads(meta_path.read_text())
@@ -409,6 +441,21 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return self.num_tokens
+
+    def check_tokenizer(self, tokenizer: Tokenizer, owner: str) -> None:
+        """Raise ``ValueError`` unless this split was tokenized with ``tokenizer``: the ``tokenizer_sha256``
+        recorded in its ``.json`` (:attr:`Tokenizer.sha256` of the tokenizer :func:`prepare_data` used) must
+        equal ``tokenizer.sha256``. ``owner`` names where ``tokenizer`` comes from (e.g. a checkpoint
+        folder), for the message. A split without the field (written by another tool) is not checked."""
+        recorded = self.meta.get("tokenizer_sha256")
+        if recorded is not None and recorded != tokenizer.sha256:
+            raise ValueError(
+                f"{self.path} was tokenized with another tokenizer than {owner}'s ({self.path.with_suffix('.json').name}"
+                f" records tokenizer_sha256 {recorded[:12]}…, {owner} has {tokenizer.sha256[:12]}…): its token "
+                "ids would mean other text to this model. Use the val.bin of the run that wrote the "
+                "checkpoint, or tokenize your text with the checkpoint's tokenizer "
+                "(openk3.data.prepare_data(..., tokenizer=<checkpoint folder>))"
+            )
 
     def _check(self, batch_size: int, seq_len: int) -> None:
         if batch_size < 1 or seq_len < 1:

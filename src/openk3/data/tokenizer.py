@@ -52,6 +52,18 @@ def _hf():
     return tokenizers
 
 
+def _read_config(path: Path) -> dict:
+    """``tokenizer_config.json`` as a dict; raises ``ValueError`` naming the file when it is not a JSON
+    object."""
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object (corrupt?)")
+    return config
+
+
 class Tokenizer:
     """Text ↔ token ids. Build with :meth:`train` or :meth:`load`; write with :meth:`save`.
 
@@ -196,7 +208,10 @@ class Tokenizer:
             raise ImportError(f"loading {os.fspath(path)!r} needs tiktoken: pip install tiktoken") from e
         path = Path(path)
         raw = path.read_bytes()
-        ranks = load_tiktoken_bpe(str(path))
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except (ValueError, IndexError) as e:  # a line that is not "base64-token rank"
+            raise ValueError(f"{path} is not a valid .tiktoken file (truncated or corrupt?): {e}") from e
         if special_tokens is None:
             special_tokens = {eos_token: len(ranks)}
         encoding = tiktoken.Encoding(
@@ -214,13 +229,14 @@ class Tokenizer:
         ``tokenizer.json`` file, or a ``.tiktoken`` file. The eos token comes from ``eos_token``, else the
         folder's ``tokenizer_config.json``, else the first of ``<|endoftext|>``, ``</s>``, ``[EOS]``, …
         present.
-        Raises ``FileNotFoundError`` for a path holding none of these.
+        Raises ``FileNotFoundError`` for a path holding none of these, ``ValueError`` naming the file when
+        ``tokenizer.json``, ``tokenizer_config.json`` or the ``.tiktoken`` file cannot be parsed.
         """
         path = Path(path)
         config = {}
         if path.is_dir():
             if (path / TOKENIZER_CONFIG).is_file():
-                config = json.loads((path / TOKENIZER_CONFIG).read_text())
+                config = _read_config(path / TOKENIZER_CONFIG)
             if config.get("tiktoken_file"):
                 return cls.from_tiktoken_file(
                     path / config["tiktoken_file"],
@@ -243,7 +259,11 @@ class Tokenizer:
         eos = config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
-        return cls._from_hf(_hf().Tokenizer.from_file(str(path)), eos_token=eos_token or eos)
+        try:
+            backend = _hf().Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust backend raises a bare Exception ("expected value at line 1 ...")
+            raise ValueError(f"{path} is not a valid tokenizer.json (truncated or corrupt?): {e}") from e
+        return cls._from_hf(backend, eos_token=eos_token or eos)
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write the tokenizer into ``folder`` (created): ``tokenizer.json`` (or the ``.tiktoken`` file) and a

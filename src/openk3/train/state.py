@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from openk3.checkpoint import save_pretrained
-from openk3.checkpoint.io import LATEST, latest_checkpoint
+from openk3.checkpoint.io import LATEST, TRAINER_STATE_FILE, CorruptCheckpointError, latest_checkpoint
 
 __all__ = [
     "LATEST",
@@ -32,7 +32,8 @@ __all__ = [
     "set_rng_state",
 ]
 
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = TRAINER_STATE_FILE
+"""``trainer_state.pt``: its presence marks a training checkpoint (``save_pretrained`` refuses to replace one)."""
 
 
 def rng_state() -> dict:
@@ -76,4 +77,28 @@ def save_checkpoint(
 
 
 def load_trainer_state(ckpt: Path) -> dict:
-    return torch.load(Path(ckpt) / STATE_FILE, map_location="cpu", weights_only=False)
+    """The trainer state saved in checkpoint folder ``ckpt`` (step, optimizer, balancer, data position, RNG
+    states, ``train_config``).
+
+    Raises ``FileNotFoundError`` naming the missing ``trainer_state.pt`` (a model-only folder, e.g. one
+    written by ``save_pretrained``, cannot be resumed), ``CorruptCheckpointError`` (a ``ValueError``) when the
+    file cannot be read or holds no trainer state."""
+    file = Path(ckpt) / STATE_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} is missing: {ckpt} holds model weights but not the trainer state (step, optimizer, data "
+            f"position, RNG) that a resume needs, so it is not a training checkpoint (a folder written by "
+            f"save_pretrained?). Point {Path(ckpt).parent / LATEST} at an older step-* folder that has "
+            f"{STATE_FILE}, or start a new run in another --out"
+        )
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for a damaged file
+        raise CorruptCheckpointError(
+            f"{file} is not a valid trainer state (truncated or corrupt?): {e}"
+        ) from e
+    if not isinstance(state, dict) or "train_config" not in state:
+        raise CorruptCheckpointError(
+            f"{file} holds no trainer state (no train_config): corrupt or foreign file"
+        )
+    return state

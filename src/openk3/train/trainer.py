@@ -8,8 +8,12 @@ One optimizer step (``Trainer.train_step``)::
 Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
 fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C) a checkpoint is
 written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest checkpoint with
-the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything is written) a
-preset whose model differs from the checkpoint's.
+the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything in the run folder
+is written) a preset whose model differs from the checkpoint's, data inputs (``data``, ``tokenizer``,
+``val_fraction``, ``seed``) other than the run's or input files changed since its shards were built
+(:func:`check_resume_data`), and a ``steps`` the run has already reached. A larger ``steps`` extends the run;
+the LR schedule is then recomputed over the new total, which is printed. A second Ctrl-C stops at once with
+:class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run.
 
 Validation (:func:`validation_loss`, the same computation as ``openk3 eval``), logged in ``metrics.jsonl``:
 
@@ -41,7 +45,7 @@ from tqdm.auto import tqdm
 
 from openk3.checkpoint import load_state
 from openk3.config import load_config, text_config_of
-from openk3.data import RandomBatches, TokenDataset, Tokenizer, prepare_data
+from openk3.data import RandomBatches, TokenDataset, Tokenizer, data_fingerprint, prepare_data
 from openk3.model import build_model
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
@@ -245,6 +249,96 @@ def check_resume_model(run_dir: Path, ckpt: Path, saved_preset: str | None, conf
     )
 
 
+DATA_FIELDS = {"data": "--data", "tokenizer": "--tokenizer", "val_fraction": None, "seed": "--seed"}
+"""TrainConfig fields that decide the token shards and tokenizer (and their CLI flags); a resume keeps them."""
+
+
+class TrainingAborted(KeyboardInterrupt):
+    """A second Ctrl-C stopped training at once; the message says whether the current step was saved and
+    which checkpoint the run continues from."""
+
+
+def _same_input(a, b) -> bool:
+    if a == b:
+        return True
+    if isinstance(a, str) and isinstance(b, str):
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return False
+
+
+def _describe_data(values: dict) -> str:
+    data = "the default Shakespeare corpus" if values.get("data") is None else f"data={values['data']!r}"
+    tok = values.get("tokenizer")
+    tok = "a byte-level BPE trained on it" if tok is None else f"tokenizer={tok!r}"
+    return f"{data} with {tok} (val_fraction={values.get('val_fraction')}, seed={values.get('seed')})"
+
+
+def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
+    """Raise ``ValueError`` unless ``config`` asks for the data the run was trained on.
+
+    ``saved`` is the run's train config (from its checkpoint). The fields of :data:`DATA_FIELDS` must agree
+    (paths compare equal as given or resolved); then, when ``<run>/data/data.json`` exists, its fingerprint
+    must equal :func:`openk3.data.data_fingerprint` of the inputs now (it differs when a corpus file's size or
+    mtime, or a given tokenizer file, changed). Either change would make :func:`openk3.data.prepare_data`
+    re-tokenize the corpus (and retrain the tokenizer) under weights trained on the old token ids, so the
+    message says what the run was trained on and how to resume."""
+    diff = [k for k in DATA_FIELDS if not _same_input(saved.get(k), getattr(config, k))]
+    if diff:
+        flags = [DATA_FIELDS[k] or f"TrainConfig.{k}" for k in diff]
+        asked = {k: getattr(config, k) for k in DATA_FIELDS}
+        raise ValueError(
+            f"run {run_dir} was trained on {_describe_data(saved)}; this resume asks for "
+            f"{_describe_data(asked)} ({', '.join(diff)} differ). Its weights are tied to that data's "
+            f"tokenizer: resume without {' / '.join(flags)} (the run's train config supplies them), or train "
+            "on the new data into another --out"
+        )
+    manifest = run_dir / "data" / "data.json"
+    if not manifest.is_file():
+        return
+    try:
+        recorded = json.loads(manifest.read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return  # a damaged manifest: prepare_data rebuilds, as for a missing one
+    vocab = text_config_of(get_preset(config.preset)).vocab_size
+    now = data_fingerprint(
+        config.data,
+        vocab_size=vocab,
+        tokenizer=config.tokenizer,
+        val_fraction=config.val_fraction,
+        seed=config.seed,
+    )
+    if recorded != now:
+        raise ValueError(
+            f"the inputs of run {run_dir} changed since its token shards were built ({manifest} records "
+            f"another fingerprint: a corpus file of {_describe_data(saved)} was added, removed or modified, "
+            "or the tokenizer file changed): resuming would re-tokenize the corpus (and retrain the tokenizer) "
+            "under weights trained on the old token ids. Restore the original files, or train on the new data "
+            "into another --out"
+        )
+
+
+def check_resume_steps(run_dir: Path, step: int, saved: dict, config: TrainConfig) -> str | None:
+    """Raise ``ValueError`` when ``config.steps`` is not beyond the run's ``step``; return the line to print
+    when it differs from the run's total (``saved["steps"]``): the LR schedule (``lr_factor`` over the total)
+    changes from ``step`` on, or ``None``."""
+    if config.steps <= step:
+        raise ValueError(
+            f"run {run_dir} is already at step {step} and steps={config.steps}: nothing to train; "
+            f"pass --steps N with N > {step} to extend it"
+        )
+    old = saved.get("steps")
+    if old is None or old == config.steps:
+        return None
+    args = (config.warmup_steps, config.min_lr_ratio, config.schedule)
+    lr_old = config.lr * lr_factor(step, old, *args)
+    lr_new = config.lr * lr_factor(step, config.steps, *args)
+    return (
+        f"resuming {run_dir} at step {step} with total steps {old} → {config.steps}: the {config.schedule} "
+        f"learning-rate schedule is recomputed over {config.steps} steps (lr at step {step}: "
+        f"{lr_old:.3e} → {lr_new:.3e})"
+    )
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, resume: bool = False, progress: bool = True) -> None:
         if config.device == "cuda" and not torch.cuda.is_available():
@@ -257,11 +351,19 @@ class Trainer:
                 "or choose another --out"
             )
         self._resume_from: tuple[Path, dict] | None = None
-        if resume:  # check the model before anything in the run folder is touched
+        self.saved: tuple[int, Path] | None = None
+        """(step, folder) of the newest checkpoint this run holds."""
+        if resume:  # check model, data and steps before anything in the run folder is touched
             ckpt = latest_checkpoint(self.run_dir)
             state = load_trainer_state(ckpt)
-            check_resume_model(self.run_dir, ckpt, state["train_config"].get("preset"), config)
+            saved = state["train_config"]
+            check_resume_model(self.run_dir, ckpt, saved.get("preset"), config)
+            check_resume_data(self.run_dir, saved, config)
+            steps_note = check_resume_steps(self.run_dir, int(state["step"]), saved, config)
+            if steps_note:
+                print(steps_note)
             self._resume_from = (ckpt, state)
+            self.saved = (int(state["step"]), ckpt)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.device = torch.device(config.device)
@@ -316,9 +418,21 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        return save_checkpoint(
+        ckpt = save_checkpoint(
             self.run_dir, self.step, self.model, self.trainer_state(), self.data.tokenizer_dir
         )
+        self.saved = (self.step, ckpt)
+        return ckpt
+
+    def _abort_message(self) -> str:
+        head = f"training aborted by a second Ctrl-C at step {self.step}"
+        if self.saved is None:
+            return f"{head}; no checkpoint was saved (the run has none yet)"
+        step, ckpt = self.saved
+        resume = f"continue with: openk3 train --out {self.config.out} --resume"
+        if step == self.step:
+            return f"{head}; its checkpoint was saved ({ckpt}); {resume}"
+        return f"{head}; the checkpoint was NOT saved, the run's latest checkpoint is step {step} ({ckpt}); {resume}"
 
     def _resume(self) -> None:
         ckpt, state = self._resume_from
@@ -405,38 +519,14 @@ class Trainer:
             total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True
         )
         last_eval: dict = {}
-        try:
-            while self.step < cfg.steps:
-                row = self.train_step()
-                if self.step == cfg.steps:  # the reported result (final_eval_batches; None: whole val set)
-                    ev = self.evaluate(cfg.final_eval_batches)
-                    last_eval = {"val_loss": ev["loss"], "val_ppl": ev["ppl"], "val_tokens": ev["tokens"]}
-                    row.update(last_eval)
-                elif self.step % cfg.eval_every == 0:  # progress: a fixed subset of eval_batches batches
-                    ev = self.evaluate(cfg.eval_batches)
-                    last_eval = {
-                        "val_loss_subset": ev["loss"],
-                        "val_ppl_subset": ev["ppl"],
-                        "val_subset_tokens": ev["tokens"],
-                    }
-                    row.update(last_eval)
-                self.metrics.write(row)
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{row['loss']:.3f}",
-                    tok_s=f"{row['tokens_per_s']:.0f}",
-                    lr=f"{row['lr']:.2e}",
-                    maxvio=f"{row['maxvio'] or 0:.2f}",
-                    **({"val": f"{next(iter(last_eval.values())):.3f}"} if last_eval else {}),
-                )
-                if self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    self.save()
-                if self._stop or (cfg.stop_at_step is not None and self.step >= cfg.stop_at_step):
-                    break
+        try:  # the handler stays installed through the final save: a second Ctrl-C aborts it too (atomic)
+            self._loop(bar, last_eval)
+            ckpt = self.save()
+        except KeyboardInterrupt:
+            raise TrainingAborted(self._abort_message()) from None
         finally:
             bar.close()
             signal.signal(signal.SIGINT, previous)
-        ckpt = self.save()
         plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         return {
             "checkpoint": str(ckpt),
@@ -445,6 +535,42 @@ class Trainer:
             "val_unigram_entropy": unigram_entropy(self.val_set.tokens_N),
             **last_eval,
         }
+
+    def _loop(self, bar, last_eval: dict) -> None:
+        """Train until ``steps``, ``stop_at_step`` or a first Ctrl-C; ``last_eval`` receives the keys of the
+        latest evaluation."""
+        cfg = self.config
+        while self.step < cfg.steps:
+            row = self.train_step()
+            if self.step == cfg.steps:  # the reported result (final_eval_batches; None: whole val set)
+                ev = self.evaluate(cfg.final_eval_batches)
+                last_eval.clear()
+                last_eval.update({"val_loss": ev["loss"], "val_ppl": ev["ppl"], "val_tokens": ev["tokens"]})
+                row.update(last_eval)
+            elif self.step % cfg.eval_every == 0:  # progress: a fixed subset of eval_batches batches
+                ev = self.evaluate(cfg.eval_batches)
+                last_eval.clear()
+                last_eval.update(
+                    {
+                        "val_loss_subset": ev["loss"],
+                        "val_ppl_subset": ev["ppl"],
+                        "val_subset_tokens": ev["tokens"],
+                    }
+                )
+                row.update(last_eval)
+            self.metrics.write(row)
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{row['loss']:.3f}",
+                tok_s=f"{row['tokens_per_s']:.0f}",
+                lr=f"{row['lr']:.2e}",
+                maxvio=f"{row['maxvio'] or 0:.2f}",
+                **({"val": f"{next(iter(last_eval.values())):.3f}"} if last_eval else {}),
+            )
+            if self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                self.save()
+            if self._stop or (cfg.stop_at_step is not None and self.step >= cfg.stop_at_step):
+                break
 
 
 def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
