@@ -307,3 +307,33 @@ def test_corrupt_files_are_named_in_one_line(saved, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"openk3: error: {ckpt2 / 'tokenizer.json'} is not a valid tokenizer.json")
     assert err.count("\n") == 1
+
+
+def test_save_pretrained_carries_the_tokenizer(tmp_path):
+    """A model loaded from a folder with a tokenizer is saved with it (so the CLI can use the copy); an
+    explicit tokenizer is written, and ``tokenizer=None`` writes none."""
+    from openk3.data import Tokenizer
+
+    src = tmp_path / "src"
+    openk3.save_pretrained(openk3.build_model(get_preset("k3-tiny"), seed=0), src, tokenizer=None)
+    assert not (src / "tokenizer.json").exists()
+    tok = Tokenizer.train(["to be or not to be, that is the question " * 20], 280)
+    tok.save(src)
+    model = openk3.from_pretrained(src)
+    assert model.name_or_path == str(src)
+    openk3.save_pretrained(model, tmp_path / "copy")
+    assert Tokenizer.load(tmp_path / "copy").sha256 == tok.sha256
+    openk3.save_pretrained(model, tmp_path / "bare", tokenizer=None)
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
+    fresh = openk3.build_model(get_preset("k3-tiny"), seed=0)
+    openk3.save_pretrained(fresh, tmp_path / "given", tokenizer=src / "tokenizer.json")
+    assert Tokenizer.load(tmp_path / "given").sha256 == tok.sha256
+
+
+def test_save_refuses_a_run_folder(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(FileExistsError, match="is a training run folder"):
+        openk3.save_pretrained(openk3.build_model(get_preset("k3-tiny"), seed=0), run)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]

@@ -650,6 +650,11 @@ BAD_VALUES = [
         "response_format is not supported",
     ),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "not supported"),
+    ("/v1/completions", {"max_tokens": "5"}, "max_tokens", "valid integer"),
+    ("/v1/completions", {"max_tokens": True}, "max_tokens", "valid integer"),
+    ("/v1/completions", {"n": "2"}, "n", "valid integer"),
+    ("/v1/completions", {"seed": "3"}, "seed", "valid integer"),
+    ("/v1/chat/completions", {"max_completion_tokens": 4.5}, "max_completion_tokens", "valid integer"),
 ]
 
 
@@ -733,3 +738,20 @@ def test_shutdown_ends_open_streams_at_once(ckpt, monkeypatch):
         assert time.monotonic() - t0 < 2.5 and not srv.thread.is_alive() and not reader.is_alive()
         assert request.status.value == "abort" and len(request.output_token_ids) < 100
     assert chunks and chunks[-1].choices[0].finish_reason == "abort"
+
+
+def test_a_busy_port_is_one_line_before_loading(ckpt, capsys):
+    """``openk3 serve`` on a port another socket listens on: one ``openk3: error`` line, exit 2, and the
+    model is not loaded first."""
+    import socket
+
+    from openk3.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--ckpt", str(ckpt), "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert f"cannot listen on 127.0.0.1:{port}" in captured.err
+    assert "openk3 serve: model" not in captured.out

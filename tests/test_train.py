@@ -295,11 +295,11 @@ def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsy
     assert main([*base, "--data", str(other)]) == 2
     err = capsys.readouterr().err
     assert f"run {run} was trained on data={str(corpus)!r} with a byte-level BPE trained on it" in err
-    assert "(data differ)" in err and "resume without --data" in err
+    assert "(different data)" in err and "resume without --data" in err
     tok = run / "data" / "tokenizer" / "tokenizer.json"
     assert main([*base, "--tokenizer", str(tok)]) == 2
-    assert "(tokenizer differ)" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"\(val_fraction differ\).*TrainConfig\.val_fraction"):
+    assert "(different tokenizer)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"\(different val_fraction\).*TrainConfig\.val_fraction"):
         Trainer(small(str(corpus), run, steps=3, val_fraction=0.5), resume=True, progress=False)
     # the same flags, but a corpus file changed since the shards were built
     work0 = corpus / "work0.txt"

@@ -98,11 +98,18 @@ def _parse_size(size: int | str) -> int:
     return int(s)
 
 
-def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+def save_pretrained(
+    model: nn.Module, path: str | os.PathLike, max_shard_size: int | str = "5GB", tokenizer="auto"
+) -> None:
     """Write ``model`` (with its ``config``) as an HF folder at ``path``, atomically.
 
+    ``tokenizer``: ``"auto"`` (default) copies the tokenizer of the folder the model was loaded from
+    (``model.name_or_path``, set by :func:`from_pretrained`) when it has one, so the saved folder works with
+    ``openk3 generate/eval/serve``; an :class:`openk3.data.Tokenizer` or a tokenizer path (folder,
+    ``tokenizer.json`` or ``.tiktoken``) is written instead; ``None`` writes none.
+
     An existing model folder at ``path`` is replaced. Raises ``FileExistsError`` when ``path`` is a file, a
-    non-empty folder without a ``config.json``, or a training checkpoint (a folder holding
+    training run folder, a non-empty folder without a ``config.json``, or a training checkpoint (a folder holding
     ``trainer_state.pt``, whose trainer state and tokenizer the replacement would lose); nothing else is ever
     deleted."""
     path = os.path.abspath(os.fspath(path))
@@ -113,11 +120,18 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: i
             f"{path} is a training checkpoint (it holds {TRAINER_STATE_FILE}, which `openk3 train --resume` "
             "needs, and the run's tokenizer); refusing to replace it: save the model to another folder"
         )
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(
+        os.path.join(path, "metrics.jsonl")
+    ):
+        raise FileExistsError(
+            f"{path} is a training run folder; refusing to replace it: save the model to another folder"
+        )
     if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileExistsError(
             f"{path} is a non-empty folder that holds no checkpoint (no config.json); "
             "refusing to replace it, choose another path"
         )
+    tok = _tokenizer_to_save(model, tokenizer)
     limit = _parse_size(max_shard_size)
     tensors = official_state(model)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -147,6 +161,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: i
                 total += t.numel() * t.element_size()
         with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        if tok is not None:
+            tok.save(tmp)
         for name in os.listdir(tmp):  # safetensors writes owner-only files; follow the umask like the rest
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.exists(path):
@@ -159,6 +175,24 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, max_shard_size: i
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _tokenizer_to_save(model: nn.Module, tokenizer):
+    """The :class:`openk3.data.Tokenizer` :func:`save_pretrained` writes, or None (see its docstring)."""
+    from openk3.data.tokenizer import Tokenizer
+
+    if tokenizer is None or isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        source = getattr(model, "name_or_path", None)
+        if source is None or not _has_tokenizer(Path(source)):
+            return None
+        tokenizer = source
+    return Tokenizer.load(tokenizer)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or any(folder.glob("*.tiktoken"))
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
@@ -327,4 +361,5 @@ def from_pretrained(
     if str(device) != "meta":
         load_state(model, path)
     model.eval()
+    model.name_or_path = str(path)  # the folder it came from (Hugging Face's attribute name)
     return model

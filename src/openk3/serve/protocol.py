@@ -89,11 +89,11 @@ class _SamplingFields(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, strict=True)
     stop: str | list[str] | None = None
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, strict=True)
     presence_penalty: float = Field(0.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
@@ -150,7 +150,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, strict=True)
     echo: bool = Field(False, strict=True)
     logprobs: int | None = None
     suffix: str | None = None
@@ -230,8 +230,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = None
     tools: list | None = None

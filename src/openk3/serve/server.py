@@ -140,8 +140,25 @@ class BackgroundServer:
         self.sock.close()
 
 
+def check_address(host: str, port: int) -> None:
+    """Raise ``ValueError`` naming ``host:port`` when it cannot be listened on (in use, not local, no
+    permission), before the model is loaded."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind(address)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def run_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
-    """Serve a checkpoint until interrupted (``openk3 serve``)."""
+    """Serve a checkpoint until interrupted (``openk3 serve``); raises ``ValueError`` when ``host:port``
+    cannot be listened on (checked before loading the model)."""
+    check_address(host, port)
     app, serving = load_server(ckpt, **kwargs)
     print(
         f"openk3 serve: model {serving.config.model_name!r} on http://{host}:{port}/v1 "

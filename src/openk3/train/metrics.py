@@ -49,7 +49,9 @@ def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) ->
             [r["step"] for r in subset], [r["val_loss_subset"] for r in subset], "o-", label="val (subset)"
         )
     if final:
-        ax_loss.plot([r["step"] for r in final], [r["val_loss"] for r in final], "D", label="val (final eval)")
+        ax_loss.plot(
+            [r["step"] for r in final], [r["val_loss"] for r in final], "D", label="val (final eval)"
+        )
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.legend()

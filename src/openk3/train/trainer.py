@@ -288,7 +288,7 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
         asked = {k: getattr(config, k) for k in DATA_FIELDS}
         raise ValueError(
             f"run {run_dir} was trained on {_describe_data(saved)}; this resume asks for "
-            f"{_describe_data(asked)} ({', '.join(diff)} differ). Its weights are tied to that data's "
+            f"{_describe_data(asked)} (different {', '.join(diff)}). Its weights are tied to that data's "
             f"tokenizer: resume without {' / '.join(flags)} (the run's train config supplies them), or train "
             "on the new data into another --out"
         )
