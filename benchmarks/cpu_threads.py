@@ -1,8 +1,9 @@
 """CPU training-step time of k3-tiny under three OpenMP settings: 2 spinning threads (the default), 2 threads
 with ``OMP_WAIT_POLICY=PASSIVE``, and one thread. Each setting runs in a fresh process (the policy is read when
-torch's OpenMP runtime loads). Run it on an idle machine and again while another job keeps a core busy.
+torch's OpenMP runtime loads). ``--hog`` keeps one core busy with a spinning process during the
+measurement, as another job on a shared machine would.
 
-    python benchmarks/cpu_threads.py [--steps 4]
+    python benchmarks/cpu_threads.py [--steps 4] [--hog]
 
 Prints seconds per forward+backward step (batch 16 × 64 tokens, median of ``--steps`` after one warm-up).
 """
@@ -37,13 +38,23 @@ SETTINGS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--hog", action="store_true", help="keep one core busy during the measurement")
     args = parser.parse_args()
-    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    print(f"load average before: {os.getloadavg()[0]:.2f}; hog: {args.hog}")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.hog else None
+    try:
+        run_settings(args.steps)
+    finally:
+        if hog is not None:
+            hog.kill()
+
+
+def run_settings(steps: int) -> None:
     for name, extra in SETTINGS.items():
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
         env.update(extra)
         out = subprocess.run(
-            [sys.executable, "-c", STEP.format(steps=args.steps)], env=env, capture_output=True, text=True
+            [sys.executable, "-c", STEP.format(steps=steps)], env=env, capture_output=True, text=True
         )
         result = out.stdout.strip() or out.stderr.strip().splitlines()[-1]
         print(f"{name:<38} {result} s/step", flush=True)

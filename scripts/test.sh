@@ -2,8 +2,8 @@
 # Quickstart command 2: install with the test extras and run the whole test suite (CPU, under 15 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# OpenMP threads sleep instead of spinning while they wait: on a machine whose cores are shared with other
-# jobs, spinning torch threads made a k3-tiny step several times slower (benchmarks/results/cpu_threads.md).
+# OpenMP threads sleep instead of spinning while they wait: a shared CI machine cannot thrash the suite
+# (spinning threads were ~2x slower per step with one core busy, benchmarks/results/cpu_threads.md).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 bash scripts/install.sh test
 # Without a CUDA GPU, the Triton kernels run in Triton's CPU interpreter (needs triton >= 3.9); a CUDA machine
