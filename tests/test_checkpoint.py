@@ -337,3 +337,15 @@ def test_save_refuses_a_run_folder(tmp_path):
     with pytest.raises(FileExistsError, match="is a training run folder"):
         openk3.save_pretrained(openk3.build_model(get_preset("k3-tiny"), seed=0), run)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+
+
+def test_checkpoint_with_tokenizer_resolves_or_names_the_missing_tokenizer(tmp_path):
+    from openk3.checkpoint import checkpoint_with_tokenizer
+    from openk3.data import Tokenizer
+
+    folder = tmp_path / "model"
+    openk3.save_pretrained(openk3.build_model(get_preset("k3-tiny"), seed=0), folder, tokenizer=None)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json or .tiktoken file"):
+        checkpoint_with_tokenizer(folder)
+    Tokenizer.train(["to be or not to be " * 20], 270).save(folder)
+    assert checkpoint_with_tokenizer(folder) == folder

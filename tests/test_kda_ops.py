@@ -28,13 +28,7 @@ H, K, V = 2, 32, 24
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The reference runs thousands of tiny ops: one thread is faster, and steady on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(B: int, T: int, *, N: int | None = None, gate: str = "logsigmoid", seed: int = 0) -> dict:

@@ -21,14 +21,7 @@ from openk3.serve.scheduler import QueueFullError
 VOCAB = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second intra-op thread, and on a shared machine OpenMP spinning
-    can slow these tests tenfold; the previous setting is restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -63,18 +63,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _load_for_inference(ckpt: str, device: str):
     """(model, tokenizer, folder) of checkpoint or run folder ``ckpt``; the tokenizer is read first (cheap).
     Damaged files raise ``ValueError`` naming the file (printed by :func:`main`)."""
-    from openk3.checkpoint import from_pretrained
+    from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
     from openk3.data import Tokenizer
-    from openk3.train.state import latest_checkpoint
 
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
-    folder = latest_checkpoint(ckpt)
-    if not (folder / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{folder} has no tokenizer.json (checkpoints written by `openk3 train` do)")
+    folder = checkpoint_with_tokenizer(ckpt)
     tokenizer = Tokenizer.load(folder)
     return from_pretrained(folder, device=device), tokenizer, folder
 

@@ -3,6 +3,7 @@
 from openk3.checkpoint.io import (
     CheckpointMismatchError,
     CorruptCheckpointError,
+    checkpoint_with_tokenizer,
     from_pretrained,
     latest_checkpoint,
     load_state,
@@ -14,6 +15,7 @@ __all__ = [
     "NAME_TABLE",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
+    "checkpoint_with_tokenizer",
     "from_pretrained",
     "latest_checkpoint",
     "load_state",

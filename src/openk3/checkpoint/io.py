@@ -195,6 +195,22 @@ def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or any(folder.glob("*.tiktoken"))
 
 
+def checkpoint_with_tokenizer(path: str | os.PathLike) -> Path:
+    """A model folder, or a run folder's latest checkpoint (:func:`latest_checkpoint`), that also holds a
+    tokenizer (``tokenizer.json`` or a ``.tiktoken`` file), as ``openk3 generate/eval/serve`` need.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``, or one without a tokenizer.
+    """
+    folder = latest_checkpoint(path)
+    if not _has_tokenizer(folder):
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer.json or .tiktoken file (checkpoints written by `openk3 train` have "
+            "one; `openk3.save_pretrained(model, path, tokenizer=...)` writes one)"
+        )
+    return folder
+
+
 def latest_checkpoint(path: str | os.PathLike) -> Path:
     """Resolve a model folder, a training run folder or its ``checkpoints`` folder to a model folder.
 

@@ -263,23 +263,24 @@ class OpenAIServing:
                 return choice, self._apply(call, choice, out)
 
     # ---- endpoints -------------------------------------------------------------------------------------
-    async def completions(self, body, http: HTTPRequest):
+    def _parse(self, model_cls, body):
+        """Validate ``body`` as ``model_cls`` and the checks both endpoints share; raises the 400 error."""
         try:
-            req = CompletionRequest.model_validate(body)
+            req = model_cls.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from e
         self._check_common(req)
+        return req
+
+    async def completions(self, body, http: HTTPRequest):
+        req = self._parse(CompletionRequest, body)
         prompts = await self._off_loop(self._tokenize_prompts, req.prompt)
         max_tokens = [self._max_tokens(req.max_tokens, len(p), "prompt") for p in prompts]
         call = self._start(req, prompts, max_tokens, {self.tokenizer.eos_id})
         return await self._respond(call, req, http, chat=False)
 
     async def chat(self, body, http: HTTPRequest):
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from e
-        self._check_common(req)
+        req = self._parse(ChatCompletionRequest, body)
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         ids = await self._off_loop(self.chat_template.encode, messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -55,18 +55,6 @@ def served_model_name(ckpt: str | Path) -> str:
     return Path(os.path.abspath(ckpt)).name
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A model folder, or a run folder's latest checkpoint. Raises ``FileNotFoundError``."""
-    from openk3.train.state import latest_checkpoint
-
-    folder = latest_checkpoint(path)
-    if not (folder / "tokenizer.json").is_file():
-        raise FileNotFoundError(
-            f"{folder} has no tokenizer.json (checkpoints written by `openk3 train` have one)"
-        )
-    return folder
-
-
 def build_server(
     model,
     tokenizer,
@@ -94,10 +82,10 @@ def load_server(
 ) -> tuple[FastAPI, OpenAIServing]:
     """Build the server for a checkpoint or run folder (``model_name`` defaults to
     :func:`served_model_name` of ``ckpt``)."""
-    from openk3.checkpoint import from_pretrained
+    from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
     from openk3.data import Tokenizer
 
-    folder = resolve_checkpoint(ckpt)
+    folder = checkpoint_with_tokenizer(ckpt)
     model = from_pretrained(folder, device=device, dtype=dtype)
     tokenizer = Tokenizer.load(folder)
     name = model_name or served_model_name(ckpt)

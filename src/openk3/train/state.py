@@ -59,7 +59,7 @@ def save_checkpoint(
     final = ckpt_root / f"step-{step:06d}"
     tmp = ckpt_root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)
+    save_pretrained(model, tmp, tokenizer=None)  # the run's tokenizer files are copied byte for byte
     if tokenizer_dir is not None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (Path(tokenizer_dir) / name).is_file():

@@ -32,10 +32,12 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_grad_wy import WYGrads
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
-from openk3.ops.kda.triton.chunk_prepare import SUB_CHUNK, Prepared, _gate_slice
+from openk3.ops.kda.triton.chunk_prepare import SUB_CHUNK, Prepared
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    chunk_rows,
     dot_precision,
+    gate_cumsum_slice,
     load_row_vec,
     load_rows,
     store_row_vec,
@@ -68,12 +70,7 @@ def chunk_grad_intra_kernel(
     with the totals before the L2-norm backward."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
     blk = o_t // BC
@@ -95,7 +92,9 @@ def chunk_grad_intra_kernel(
     for i_k in range(0, K // BK):
         k0 = i_k * BK
         o_k = k0 + tl.arange(0, BK)
-        b_G, _ = _gate_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS)
+        b_G, _ = gate_cumsum_slice(
+            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS
+        )
         b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rq[:, None]
         b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rk[:, None]
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)

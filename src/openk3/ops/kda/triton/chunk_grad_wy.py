@@ -33,24 +33,14 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    chunk_rows,
     dot_precision,
-    k3_gate_log2,
+    gate_cumsum_slice,
     load_row_vec,
     load_rows,
     store_row_vec,
     store_rows,
 )
-
-
-@triton.jit
-def _chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
-    """First token and number of valid rows of chunk ``i_c``."""
-    i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    return t0, tl.minimum(eos - t0, BT).to(tl.int32)
 
 
 @triton.jit
@@ -63,7 +53,7 @@ def chunk_grad_wy_value_kernel(
     ``dβ ← Σ_v V dXv`` and ``dL ← −dXv Uᵀ`` (partial 0 of ``dL`` and ``dβ``)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    t0, n_valid = _chunk_rows(cu_seqlens, chunk_table, i_c, BT)
+    t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     dt = v_new.dtype.element_ty
     b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
@@ -102,9 +92,8 @@ def chunk_grad_wy_key_kernel(
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_k = tl.program_id(2)
-    t0, n_valid = _chunk_rows(cu_seqlens, chunk_table, i_c, BT)
+    t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
-    m_t = o_t < n_valid
     o_k = i_k * BK + tl.arange(0, BK)
     dt = w.dtype.element_ty
 
@@ -138,14 +127,9 @@ def chunk_grad_wy_key_kernel(
 
     # the gate and the normalised q, k of this key block
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    if HAS_BIAS:
-        bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
-    else:
-        bias = tl.zeros([BK], dtype=tl.float32)
-    b_x = load_rows(g, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-    b_g = tl.where(m_t[:, None], k3_gate_log2(b_x, A_h, bias, lower_bound_log2), 0.0)
-    b_G = tl.cumsum(b_g, axis=0)
-    b_GC = tl.sum(b_g, axis=0)
+    b_G, b_GC = gate_cumsum_slice(
+        g, t0, n_valid, i_h, A_h, dt_bias, i_k * BK, lower_bound_log2, H, K, BT, BK, HAS_BIAS
+    )
     b_eG = tl.exp2(b_G)
     b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
 

@@ -36,8 +36,9 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    chunk_rows,
     dot_precision,
-    k3_gate_log2,
+    gate_cumsum_slice,
     load_row_vec,
     load_rows,
     store_row_vec,
@@ -50,22 +51,6 @@ LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32, "wy_block": 64}
 """Launch configuration: warps, the key slice ``BK`` of the ``Aqk``/``L`` pass and the key/value slice of the
 ``W``/``U`` pass (narrower slices hold fewer registers); ``benchmarks/kda.py --sweep`` times the
 alternatives."""
-
-
-@triton.jit
-def _gate_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lb2,
-                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                HAS_BIAS: tl.constexpr):  # fmt: skip
-    """Channels ``k0..k0+BK`` of the chunk's gate: Γ ``[BT, BK]`` (inclusive cumsum, log2 units) and its
-    last valid row Γ_C ``[BK]``; rows past ``n_valid`` add nothing (identity tokens)."""
-    o_t = tl.arange(0, BT)
-    if HAS_BIAS:
-        bias = tl.load(dt_bias + i_h * K + k0 + tl.arange(0, BK)).to(tl.float32)
-    else:
-        bias = tl.zeros([BK], dtype=tl.float32)
-    b_x = load_rows(g, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
-    b_g = tl.where((o_t < n_valid)[:, None], k3_gate_log2(b_x, A_h, bias, lb2), 0.0)
-    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
 
 @triton.jit
@@ -110,12 +95,7 @@ def chunk_prepare_kernel(
     ``PASS1`` it reads ``Akk``, ``q_rstd``, ``k_rstd`` instead and writes only ``w, u, qg, kg, gend``."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     o_t = tl.arange(0, BT)
     blk = o_t // BC
@@ -131,7 +111,7 @@ def chunk_prepare_kernel(
         ss_k = tl.zeros([BT], dtype=tl.float32)
         for i_k in range(0, K // BK):
             k0 = i_k * BK
-            b_G, _ = _gate_slice(
+            b_G, _ = gate_cumsum_slice(
                 g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS
             )
             b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
@@ -174,7 +154,7 @@ def chunk_prepare_kernel(
     b_rq = b_rq * scale
     for i_k in range(0, K // BK2):
         k0 = i_k * BK2
-        b_G, b_GC = _gate_slice(
+        b_G, b_GC = gate_cumsum_slice(
             g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK2, HAS_BIAS
         )
         b_eG = tl.exp2(b_G)

@@ -1,5 +1,5 @@
-"""Triton device functions shared by the KDA kernels: the in-kernel gates, row L2 norm, the dot precision,
-and tile loads/stores by token rows.
+"""Triton device functions shared by the KDA kernels: the in-kernel gate and its cumsum over a key slice,
+the chunk rows of a program, the dot precision, and tile loads/stores by token rows.
 
 Units: the chunk kernels keep log-decays in **log2** units (natural-log gate × log2(e)) so every decay is
 one ``exp2`` (kda_kernels reference §1.5, "log-base convention"); gradients stay w.r.t. the natural-log gate,
@@ -37,12 +37,15 @@ def k3_gate_log2(x, A_h, bias, lower_bound_log2):
 
 
 @triton.jit
-def l2norm_rstd(x, USE_L2NORM: tl.constexpr):
-    """``1/sqrt(Σ_k x² + 1e-6)`` per row of ``x`` ``[R, K]`` (fla's l2norm epsilon, §1.4); ones without."""
-    if USE_L2NORM:
-        return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
-    else:
-        return tl.full([x.shape[0]], 1.0, tl.float32)
+def chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
+    """First token (int64) and number of valid rows (int32, ≤ ``BT``) of chunk ``i_c`` of a
+    :class:`~openk3.ops.kda.triton.chunk_index.ChunkIndex` (``chunk_table`` ``[P, 2]``, ``cu_seqlens``)."""
+    i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
+    i_t = tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    return t0, tl.minimum(eos - t0, BT).to(tl.int32)
 
 
 @triton.jit
@@ -88,3 +91,19 @@ def store_row_vec(ptr, value, t_start, n_rows, i_h, H: tl.constexpr, R: tl.const
     o_r = tl.arange(0, R)
     base = ptr + t_start.to(tl.int64) * H + i_h
     tl.store(base + o_r * H, value.to(ptr.dtype.element_ty), mask=o_r < n_rows)
+
+
+@triton.jit
+def gate_cumsum_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lb2,
+                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Channels ``k0..k0+BK`` of the chunk's gate: Γ ``[BT, BK]`` (inclusive cumsum, log2 units) and its
+    last valid row Γ_C ``[BK]``; rows past ``n_valid`` add nothing (identity tokens)."""
+    o_t = tl.arange(0, BT)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + i_h * K + k0 + tl.arange(0, BK)).to(tl.float32)
+    else:
+        bias = tl.zeros([BK], dtype=tl.float32)
+    b_x = load_rows(g, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
+    b_g = tl.where((o_t < n_valid)[:, None], k3_gate_log2(b_x, A_h, bias, lb2), 0.0)
+    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
