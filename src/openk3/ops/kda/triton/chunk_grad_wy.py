@@ -173,7 +173,7 @@ class WYGrads(NamedTuple):
     """``[1 + NK, tokens, H]`` partials of ``dβ``, in the same order."""
 
 
-LAUNCH = {"num_warps": 8, "num_stages": 2}
+LAUNCH = {"num_warps": 4, "num_stages": 2}
 """Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives."""
 
 

@@ -9,10 +9,10 @@ kernel, and produces everything the sequential state pass needs, so that pass is
     W  = T Diag(β) (K ⊙ 2^{Γ})     U = T Diag(β) V
     Q̃  = scale·Q ⊙ 2^{Γ}          K̂ = K ⊙ 2^{Γ_C − Γ}       D = 2^{Γ_C}
 
-``Aqk`` and ``L`` are built per 16-row anchor block (fla's ``BC``) but as whole-chunk products: row block
-``s`` factors ``2^{Γ_i − Γ_j} = 2^{Γ_i − a_s}·2^{a_s − Γ_j}`` with the anchor ``a_s`` = Γ just before it; the
-rows of block ``s`` (the others zero) meet the columns of the blocks ``≤ s`` (later ones masked to 0 before
-the exponential) in one 64×64 tensor-core dot. Before block ``s`` both factors are ≤ 1; inside it the column
+``Aqk`` and ``L`` are built per 16-row anchor block (fla's ``BC``): row block ``s`` factors
+``2^{Γ_i − Γ_j} = 2^{Γ_i − a_s}·2^{a_s − Γ_j}`` with the anchor ``a_s`` = Γ just before it; its 16 rows meet
+the columns of the blocks ``≤ s`` (later ones masked to 0 before the exponential) in one 16×64 tensor-core
+dot per key slice. Before block ``s`` both factors are ≤ 1; inside it the column
 factor is at most ``2^{16·|lb|·log2 e}`` = ``2^{115.4}`` for ``lb = −5``, inside fp32 (FlashKDA's bound,
 §2.2): this is why the Triton path needs ``lower_bound ≥ −5`` (§1.7). Every row ``i`` reads only rows ``≤ i``
 of its chunk, so outputs are bitwise causal. ``T`` comes from :func:`unit_lower_inverse`.
@@ -36,48 +36,89 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    cat4_cols,
+    cat4_rows,
     chunk_rows,
     dot_precision,
     gate_cumsum_slice,
+    last_row,
     load_row_vec,
     load_rows,
+    split4_cols,
+    split4_rows,
     store_row_vec,
     store_rows,
 )
 
 SUB_CHUNK = 16
 """Rows per sub-chunk ``BC``: the anchor blocks of the intra-chunk matrices (fla's ``BC``)."""
-LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32, "wy_block": 64}
+LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 64, "wy_block": 64}
 """Launch configuration: warps, the key slice ``BK`` of the ``Aqk``/``L`` pass and the key/value slice of the
 ``W``/``U`` pass (narrower slices hold fewer registers); ``benchmarks/kda.py --sweep`` times the
 alternatives."""
 
 
 @triton.jit
-def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
-    """``(I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``), in ten
-    tensor-core products.
+def unit_lower_inverse_block(L, BC: tl.constexpr, DOT: tl.constexpr):
+    """``(I + L)^{-1}`` of a strictly lower-triangular ``[BC, BC]`` fp32 block (``BC = 16``) as the doubling
+    product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` = ``Σ_{n<16} (−L)^n`` (exact: ``L^{16} = 0``; FlashKDA's
+    inverse, kda_kernels reference §2.2): six ``16³`` tensor-core products."""
+    tl.static_assert(BC == 16, "the doubling product is exact for 16-row blocks")
+    o_c = tl.arange(0, BC)
+    eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    P = tl.dot(L, L, input_precision=DOT)
+    X = tl.dot(eye - L, eye + P, input_precision=DOT)
+    P = tl.dot(P, P, input_precision=DOT)
+    X = tl.dot(X, eye + P, input_precision=DOT)
+    P = tl.dot(P, P, input_precision=DOT)
+    return tl.dot(X, eye + P, input_precision=DOT)
 
-    ``I + L = D + L_O`` with ``D = I + L_D`` block-diagonal (``BC × BC`` blocks). ``D^{-1}`` is the doubling
-    product ``(I − L_D)(I + L_D²)(I + L_D⁴)(I + L_D⁸)`` (exact: ``L_D^{16} = 0``; FlashKDA's inverse,
-    kda_kernels reference §2.2), then with ``N = D^{-1} L_O`` (strictly block-lower, ``N⁴ = 0``)
-    ``(I + L)^{-1} = (I + N)^{-1} D^{-1} = (I − N)(I + N²) D^{-1}``. Row ``i`` of every factor depends only on
-    rows ``≤ i`` of ``L`` (causal).
+
+@triton.jit
+def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+    """``T = (I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``) by block
+    forward substitution over its ``BC``-row blocks.
+
+    With ``D_s = (I + L_ss)^{-1}`` (:func:`unit_lower_inverse_block`), row block ``s`` of ``T`` is
+    ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e. ``D_s`` on the diagonal block
+    plus ``−D_s Σ_{u<s} L_su T_u``: 24 ``16³`` and nine ``16×16×64`` products instead of full-tile ones.
+    Row ``i`` of every factor reads only rows ``≤ i`` of ``L`` (causal).
     """
-    o_t = tl.arange(0, BT)
-    eye = (o_t[:, None] == o_t[None, :]).to(tl.float32)
-    same = (o_t[:, None] // BC) == (o_t[None, :] // BC)
-    L_D = tl.where(same, L, 0.0)
-    L_O = tl.where(same, 0.0, L)
-    P = tl.dot(L_D, L_D, input_precision=DOT)
-    X = tl.dot(eye - L_D, eye + P, input_precision=DOT)
-    P = tl.dot(P, P, input_precision=DOT)
-    X = tl.dot(X, eye + P, input_precision=DOT)
-    P = tl.dot(P, P, input_precision=DOT)
-    X = tl.dot(X, eye + P, input_precision=DOT)
-    N = tl.dot(X, L_O, input_precision=DOT)
-    Y = tl.dot(eye - N, eye + tl.dot(N, N), input_precision=DOT)
-    return tl.dot(Y, X, input_precision=DOT)
+    tl.static_assert(BT == 4 * BC, "four anchor blocks per chunk")
+    L0, L1, L2, L3 = split4_rows(L, BT, BT)
+    L00, _, _, _ = split4_cols(L0, BC, BT)
+    L10, L11, _, _ = split4_cols(L1, BC, BT)
+    L20, L21, L22, _ = split4_cols(L2, BC, BT)
+    L30, L31, L32, L33 = split4_cols(L3, BC, BT)
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    D0 = unit_lower_inverse_block(L00, BC, DOT)
+    D1 = unit_lower_inverse_block(L11, BC, DOT)
+    D2 = unit_lower_inverse_block(L22, BC, DOT)
+    D3 = unit_lower_inverse_block(L33, BC, DOT)
+    T0 = cat4_cols(D0, zero, zero, zero, BC, BC)
+    R1 = tl.dot(L10, T0, input_precision=DOT)
+    T1 = cat4_cols(zero, D1, zero, zero, BC, BC) - tl.dot(D1, R1, input_precision=DOT)
+    R2 = tl.dot(L21, T1, tl.dot(L20, T0, input_precision=DOT), input_precision=DOT)
+    T2 = cat4_cols(zero, zero, D2, zero, BC, BC) - tl.dot(D2, R2, input_precision=DOT)
+    R3 = tl.dot(L30, T0, input_precision=DOT)
+    R3 = tl.dot(L32, T2, tl.dot(L31, T1, R3, input_precision=DOT), input_precision=DOT)
+    T3 = cat4_cols(zero, zero, zero, D3, BC, BC) - tl.dot(D3, R3, input_precision=DOT)
+    return cat4_rows(T0, T1, T2, T3, BC, BT)
+
+
+@triton.jit
+def anchor_block_products(acc_A, acc_L, q_s, k_s, G_s, a_s, b_k, b_G,
+                          s: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """Add one key slice's share of row block ``s`` of the raw ``Aqk`` and ``L`` (``acc_A``, ``acc_L``
+    ``[BC, BT]``): rows ``q_s·2^{Γ_s−a_s}``, ``k_s·2^{Γ_s−a_s}`` (``[BC, BK]``, ≤ 1 factors) against columns
+    ``k·2^{a_s−Γ}`` of the blocks ``≤ s`` (``b_k``, ``b_G`` ``[BT, BK]``; later blocks masked to 0 before the
+    exponential, ≤ ``2^{115}`` inside block ``s``)."""
+    blk = tl.arange(0, BT) // BC
+    b_rf = tl.exp2(G_s - a_s[None, :])
+    b_col = tl.trans(b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf"))))
+    acc_A += tl.dot(q_s * b_rf, b_col, input_precision=DOT)
+    acc_L += tl.dot(k_s * b_rf, b_col, input_precision=DOT)
+    return acc_A, acc_L
 
 
 @triton.jit
@@ -98,17 +139,22 @@ def chunk_prepare_kernel(
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     o_t = tl.arange(0, BT)
-    blk = o_t // BC
 
     if PASS1:
         # ---- pass 1, by key slices: raw Aqk and L accumulated over channels, and the row norms.
-        # Row block s is anchored at a_s = Γ before it: rows q·2^{Γ−a_s} (≤ |q|) against columns
-        # k·2^{a_s−Γ} of the blocks ≤ s (≤ |k| before block s, ≤ 2^{115}·|k| inside it), later columns masked
-        # to 0 before the exponential. Each block's product is a full-tile dot with the other rows zero.
-        acc_A = tl.zeros([BT, BT], dtype=tl.float32)
-        acc_L = tl.zeros([BT, BT], dtype=tl.float32)
+        # Row block s is anchored at a_s = Γ before it (anchor_block_products): one [BC, BK] × [BK, BT]
+        # product per block and matrix; the four row blocks are glued back after the slices.
+        acc_A0 = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_A1 = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_A2 = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_A3 = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_L0 = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_L1 = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_L2 = tl.zeros([BC, BT], dtype=tl.float32)
+        acc_L3 = tl.zeros([BC, BT], dtype=tl.float32)
         ss_q = tl.zeros([BT], dtype=tl.float32)
         ss_k = tl.zeros([BT], dtype=tl.float32)
+        a_0 = tl.zeros([BK], dtype=tl.float32)
         for i_k in range(0, K // BK):
             k0 = i_k * BK
             b_G, _ = gate_cumsum_slice(
@@ -118,16 +164,18 @@ def chunk_prepare_kernel(
             b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
             ss_q += tl.sum(b_q * b_q, axis=1)
             ss_k += tl.sum(b_k * b_k, axis=1)
-            for s in tl.static_range(BT // BC):
-                if s == 0:
-                    a_s = tl.zeros([BK], dtype=tl.float32)
-                else:
-                    a_s = tl.sum(tl.where((o_t == s * BC - 1)[:, None], b_G, 0.0), axis=0)
-                b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
-                b_cf = tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
-                b_col = tl.trans(b_k * b_cf)
-                acc_A += tl.dot(b_q * b_rf, b_col, input_precision=DOT)
-                acc_L += tl.dot(b_k * b_rf, b_col, input_precision=DOT)
+            G0, G1, G2, G3 = split4_rows(b_G, BT, BK)
+            q0, q1, q2, q3 = split4_rows(b_q, BT, BK)
+            k0_, k1_, k2_, k3_ = split4_rows(b_k, BT, BK)
+            a_1 = last_row(G0, BC)
+            a_2 = last_row(G1, BC)
+            a_3 = last_row(G2, BC)
+            acc_A0, acc_L0 = anchor_block_products(acc_A0, acc_L0, q0, k0_, G0, a_0, b_k, b_G, 0, BT, BC, DOT)
+            acc_A1, acc_L1 = anchor_block_products(acc_A1, acc_L1, q1, k1_, G1, a_1, b_k, b_G, 1, BT, BC, DOT)
+            acc_A2, acc_L2 = anchor_block_products(acc_A2, acc_L2, q2, k2_, G2, a_2, b_k, b_G, 2, BT, BC, DOT)
+            acc_A3, acc_L3 = anchor_block_products(acc_A3, acc_L3, q3, k3_, G3, a_3, b_k, b_G, 3, BT, BC, DOT)
+        acc_A = cat4_rows(acc_A0, acc_A1, acc_A2, acc_A3, BC, BT)
+        acc_L = cat4_rows(acc_L0, acc_L1, acc_L2, acc_L3, BC, BT)
 
         # ---- norms and β: Aqk_ij = scale·rq_i·rk_j·acc_ij (i ≥ j), L_ij = β_i·rk_i·rk_j·acc_ij (i > j)
         if USE_L2NORM:

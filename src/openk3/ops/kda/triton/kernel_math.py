@@ -5,7 +5,11 @@ Units: the chunk kernels keep log-decays in **log2** units (natural-log gate × 
 one ``exp2`` (kda_kernels reference §1.5, "log-base convention"); gradients stay w.r.t. the natural-log gate,
 because ``d/dΓ e^{Γ} = 2^{Γ·log2 e}``.
 
-Legend: ``R`` rows of a tile (tokens), ``K`` key dim, ``C`` columns of a 16×16 block.
+The chunk kernels work on a 64-row chunk as four 16-row anchor blocks; ``split4_rows``/``cat4_rows`` (and the
+column versions) cut a register tile into its blocks and glue them back (reshape, permute and
+``tl.split``/``tl.join``: data movement only, values bitwise unchanged).
+
+Legend: ``R`` rows of a tile (tokens), ``K`` key dim, ``C`` columns of a tile.
 """
 
 from __future__ import annotations
@@ -107,3 +111,63 @@ def gate_cumsum_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lb2,
     b_x = load_rows(g, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
     b_g = tl.where((o_t < n_valid)[:, None], k3_gate_log2(b_x, A_h, bias, lb2), 0.0)
     return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def split2_rows(x, R: tl.constexpr, C: tl.constexpr):
+    """Rows ``[0, R/2)`` and ``[R/2, R)`` of ``x`` ``[R, C]``."""
+    return tl.split(tl.permute(tl.reshape(x, [2, R // 2, C]), [1, 2, 0]))
+
+
+@triton.jit
+def split2_cols(x, R: tl.constexpr, C: tl.constexpr):
+    """Columns ``[0, C/2)`` and ``[C/2, C)`` of ``x`` ``[R, C]``."""
+    return tl.split(tl.permute(tl.reshape(x, [R, 2, C // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def cat2_rows(a, b, R: tl.constexpr, C: tl.constexpr):
+    """``[a; b]`` ``[2R, C]`` from two ``[R, C]`` tiles."""
+    return tl.reshape(tl.permute(tl.join(a, b), [2, 0, 1]), [2 * R, C])
+
+
+@triton.jit
+def cat2_cols(a, b, R: tl.constexpr, C: tl.constexpr):
+    """``[a, b]`` ``[R, 2C]`` from two ``[R, C]`` tiles."""
+    return tl.reshape(tl.permute(tl.join(a, b), [0, 2, 1]), [R, 2 * C])
+
+
+@triton.jit
+def split4_rows(x, R: tl.constexpr, C: tl.constexpr):
+    """The four ``[R/4, C]`` row blocks of ``x`` ``[R, C]``, top first."""
+    top, bottom = split2_rows(x, R, C)
+    x0, x1 = split2_rows(top, R // 2, C)
+    x2, x3 = split2_rows(bottom, R // 2, C)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def split4_cols(x, R: tl.constexpr, C: tl.constexpr):
+    """The four ``[R, C/4]`` column blocks of ``x`` ``[R, C]``, left first."""
+    left, right = split2_cols(x, R, C)
+    x0, x1 = split2_cols(left, R, C // 2)
+    x2, x3 = split2_cols(right, R, C // 2)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def cat4_rows(x0, x1, x2, x3, R: tl.constexpr, C: tl.constexpr):
+    """``[x0; x1; x2; x3]`` ``[4R, C]`` from four ``[R, C]`` tiles."""
+    return cat2_rows(cat2_rows(x0, x1, R, C), cat2_rows(x2, x3, R, C), 2 * R, C)
+
+
+@triton.jit
+def cat4_cols(x0, x1, x2, x3, R: tl.constexpr, C: tl.constexpr):
+    """``[x0, x1, x2, x3]`` ``[R, 4C]`` from four ``[R, C]`` tiles."""
+    return cat2_cols(cat2_cols(x0, x1, R, C), cat2_cols(x2, x3, R, C), R, 2 * C)
+
+
+@triton.jit
+def last_row(x, R: tl.constexpr):
+    """Row ``R − 1`` of ``x`` ``[R, C]`` as a ``[C]`` vector."""
+    return tl.sum(tl.where((tl.arange(0, R) == R - 1)[:, None], x, 0.0), axis=0)
