@@ -24,7 +24,12 @@ import openk3.train.balance as balance_module
 from openk3.config import text_config_of
 from openk3.model.moe import SparseMoeBlock
 from openk3.model.router import RouterOutput
-from openk3.train.balance import QuantileBalancer, quantile_from_histogram, sign_rule_delta
+from openk3.train.balance import (
+    QuantileBalancer,
+    accumulate_histogram_,
+    quantile_from_histogram,
+    sign_rule_delta,
+)
 
 
 def moe_stack(E: int, k: int, layers: int = 1) -> nn.Module:
@@ -438,3 +443,15 @@ def test_layers_per_chunk_rule():
     assert balance_module.layers_per_chunk(10**6, torch.device("cpu")) == 1
     assert balance_module.layers_per_chunk(balance_module.BATCH_ELEMENTS // 4, torch.device("meta")) == 4
     assert balance_module.layers_per_chunk(balance_module.BATCH_ELEMENTS * 2, torch.device("meta")) == 1
+
+
+def test_histogram_keeps_non_finite_scores_in_range():
+    """NaN lands in bin 0, ±inf in the end bins; every valid token is counted once (no index overflow)."""
+    hist_EB = torch.zeros(2, 10, dtype=torch.int32)
+    r_NE = torch.tensor([[float("nan"), 0.55], [float("inf"), float("-inf")], [0.05, 0.95]])
+    accumulate_histogram_(
+        hist_EB, r_NE, torch.tensor(0.0, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64),
+        torch.ones(3, dtype=torch.int32),
+    )  # fmt: skip
+    assert hist_EB[0].tolist() == [2, 0, 0, 0, 0, 0, 0, 0, 0, 1]
+    assert hist_EB[1].tolist() == [1, 0, 0, 0, 0, 1, 0, 0, 0, 1]

@@ -173,3 +173,58 @@ def test_a_closed_stdout_exits_quietly(tmp_path):
         os.close(write_end)
     assert proc.stderr.decode() == ""
     assert proc.returncode == 141  # 128 + SIGPIPE
+
+
+def test_train_refuses_an_out_that_is_a_file_and_a_seed_out_of_range(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert main(["train", "--out", str(afile), "--data", str(tmp_path), "--no-sample"]) == 2
+    assert "is a file, not a run folder" in capsys.readouterr().err
+    assert afile.read_text() == "keep me"
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--out", str(tmp_path / "r"), "--seed", str(2**70)])
+    assert exc.value.code == 2
+    assert "argument --seed: expected an int in [0, 2^63)" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
+    prompt = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")  # how Python hands undecodable argv bytes
+    assert main(["generate", "--ckpt", str(tmp_path / "no-ckpt"), "--prompt", prompt]) == 2
+    assert "--prompt is not valid UTF-8 text (byte 0xe9 at character 3)" in capsys.readouterr().err
+
+
+def test_out_of_memory_is_one_line(monkeypatch, capsys):
+    import openk3.cli as cli
+
+    def boom(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(cli, "cmd_info", boom)
+    assert main(["info"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("openk3: error: out of memory (") and "--batch-size" in err and err.count("\n") == 1
+
+    def bug(args):
+        raise RuntimeError("a genuine bug")
+
+    monkeypatch.setattr(cli, "cmd_info", bug)
+    with pytest.raises(RuntimeError, match="a genuine bug"):  # other errors keep their traceback
+        main(["info"])
+
+
+def test_sampling_stays_inside_the_tokenizer_vocabulary():
+    """A model whose vocabulary is larger than its tokenizer's never emits ids the tokenizer lacks; with the
+    full size the tokens are the unrestricted ones (same seed)."""
+    from openk3.generate import stream
+
+    config = get_preset("k3-tiny")
+    model = openk3.build_model(config, seed=0).eval()
+    V = config.text_config.vocab_size if hasattr(config, "text_config") else config.vocab_size
+    ids = torch.tensor([[5, 6, 7]])
+
+    def tokens(**kw):
+        return torch.cat(list(stream(model, ids, 40, temperature=1.5, seed=3, **kw)), 1)[0].tolist()
+
+    assert max(tokens()) >= 50  # an untrained model spreads over the whole vocabulary
+    assert max(tokens(vocab_size=50)) < 50
+    assert tokens(vocab_size=V) == tokens()

@@ -253,3 +253,13 @@ def test_async_engine_shutdown_aborts_requests_and_refuses_new_ones(model):
         assert eng.num_tracked_requests() == 0 and not eng.engine.kv.block_tables
     finally:
         eng.stop()
+
+
+def test_engine_samples_only_ids_of_the_tokenizer(model):
+    """``sample_vocab_size`` (the server passes its tokenizer's size) keeps every sampled id below it."""
+    eng = LLMEngine(model, EngineConfig(), sample_vocab_size=20)
+    params = SamplingParams(max_tokens=12, temperature=1.5, seed=5)
+    out = eng.generate([Request("a", prompts([9])[0], params), Request("b", prompts([5], seed=1)[0], params)])
+    assert all(0 <= t < 20 for toks in out.values() for t in toks)
+    unrestricted = engine(model).generate([Request("a", prompts([9])[0], params)])["a"]
+    assert max(unrestricted) >= 20

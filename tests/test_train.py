@@ -350,3 +350,49 @@ def test_extending_a_run_then_a_double_ctrl_c(run1, tmp_path, capsys, monkeypatc
         f"latest checkpoint is step 1 ({ckpt}); continue with: openk3 train --out {run} --resume"
     )
     assert latest_checkpoint(run) == ckpt
+
+
+def test_divergence_stops_before_the_update_and_keeps_the_last_checkpoint(corpus, tmp_path, capsys):
+    """A learning rate of 1e4 blows the model up within a few steps: training stops at the first non-finite
+    loss (or gradient norm) with one line naming the latest checkpoint, every saved checkpoint is finite and
+    metrics.jsonl stays valid JSON (``json.loads`` rejects nothing: bare NaN is not written)."""
+    out = tmp_path / "run"
+    args = ["train", "--data", corpus, "--out", str(out), "--steps", "12", "--batch-size", "2"]
+    args += ["--context-schedule", "0:32", "--lr", "1e4", "--warmup-steps", "0", "--save-every", "1"]
+    assert main([*args, "--no-sample"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bars
+    assert err.startswith("openk3: error: training diverged: the ")
+    step = int(re.search(r" at step (\d+) ", err).group(1))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step))
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    if step > 1:  # the message names the checkpoint of the last good step, which holds finite weights
+        assert f"step-{step - 1:06d}" in err
+        model = openk3.from_pretrained(latest_checkpoint(out))
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    else:
+        assert "has no checkpoint yet" in err
+
+
+def test_a_run_that_fails_to_start_leaves_no_folder(tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises((ValueError, FileNotFoundError)):
+        Trainer(small(str(tmp_path / "missing-corpus"), out), progress=False)
+    assert not out.exists()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a run folder"):
+        Trainer(small(str(tmp_path / "missing-corpus"), tmp_path / "afile"), progress=False)
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_metrics_log_writes_non_finite_values_as_null(tmp_path):
+    from openk3.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "m.jsonl")
+    log.write({"step": 1, "loss": float("nan"), "val": float("inf"), "per_layer": [1.0, float("-inf")]})
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {
+        "step": 1,
+        "loss": None,
+        "val": None,
+        "per_layer": [1.0, None],
+    }

@@ -24,6 +24,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """argparse type: a seed, an int in ``[0, 2^63)``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 2^63), got {text!r}")
+    return value
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -121,11 +132,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_prompt(prompt: str) -> None:
+    """Raise ``ValueError`` when ``prompt`` holds bytes that are not UTF-8 (undecodable argv bytes arrive as
+    lone surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = prompt[e.start].encode("utf-8", "surrogateescape")
+        raise ValueError(
+            f"--prompt is not valid UTF-8 text (byte 0x{bad.hex()} at character {e.start}); pass UTF-8 text"
+        ) from None
+
+
 def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, device) -> None:
     import torch
 
     from openk3.generate import stream
 
+    _check_prompt(prompt)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
@@ -133,7 +157,8 @@ def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, s
     produced: list[int] = []
     shown = ""
     x = torch.tensor([ids], device=device)
-    for tok in stream(model, x, max_new_tokens, temperature, top_p, seed, stop_ids={tokenizer.eos_id}):
+    stop = {tokenizer.eos_id}
+    for tok in stream(model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size):
         token = int(tok[0, 0])
         if token == tokenizer.eos_id:
             break
@@ -150,6 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.generate import check_sampling
 
     check_sampling(args.temperature, args.top_p, args.max_new_tokens)  # before the (slow) model load
+    _check_prompt(args.prompt)
     model, tokenizer, _ = _load_for_inference(args.ckpt, args.device)
     _stream_text(
         model,
@@ -251,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--eval-every", dest="eval_every", type=int)
     tr.add_argument("--save-every", dest="save_every", type=int)
-    tr.add_argument("--seed", type=int)
+    tr.add_argument("--seed", type=_seed)
     tr.add_argument("--device", choices=["cpu", "cuda"])
     tr.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
@@ -267,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-p", dest="top_p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=_seed, default=None)
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     gen.set_defaults(func=cmd_generate)
 
@@ -307,9 +333,26 @@ def _silence_stdout() -> None:
         pass
 
 
+def _failure_line(e: BaseException) -> str | None:
+    """The one-line report of a failure that is not a bug: training diverged, or memory ran out (host or
+    GPU); ``None`` for any other error (its traceback is shown)."""
+    from openk3.train.trainer import DivergenceError
+
+    if isinstance(e, DivergenceError):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    oom = isinstance(e, MemoryError) or "out of memory" in first.lower() or "DefaultCPUAllocator" in first
+    if not oom:
+        return None
+    return (
+        f"out of memory ({first[:200]}): use a smaller --batch-size, a shorter --seq-len / --context-schedule, "
+        "--grad-accum to split the batch, or a smaller --preset"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: its own (0 on success), 2 for a bad input (one ``openk3: error:`` line on
-    stderr), 130 for Ctrl-C (one line saying what was saved), 141 when stdout was closed early
+    stderr), 1 for diverged training or memory exhausted (one such line), 130 for Ctrl-C (one line saying what was saved), 141 when stdout was closed early
     (``openk3 info --json | head``; nothing printed)."""
     try:
         args = build_parser().parse_args(argv)
@@ -322,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"openk3: error: {e}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        why = _failure_line(e)
+        if why is None:
+            raise
+        print(f"openk3: error: {why}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
         return 130

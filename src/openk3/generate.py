@@ -56,8 +56,12 @@ def stream(
     top_p: float = 1.0,
     seed: int | None = None,
     stop_ids: set[int] | None = None,
+    vocab_size: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield new tokens ``[B, 1]`` one step at a time (stops early when every row hit ``stop_ids``)."""
+    """Yield new tokens ``[B, 1]`` one step at a time (stops early when every row hit ``stop_ids``).
+
+    ``vocab_size``: only ids below it are chosen (a tokenizer smaller than the model's vocabulary has no
+    text for the others); ``None``: every id of the model."""
     check_sampling(temperature, top_p, max_new_tokens)
     generator = None
     if seed is not None:
@@ -66,7 +70,9 @@ def stream(
     logits = _logits(model(input_ids, cache))[:, -1]
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_p, generator)
+        nxt = sample_next(
+            logits if vocab_size is None else logits[:, :vocab_size], temperature, top_p, generator
+        )
         yield nxt
         if stop_ids:
             done |= torch.isin(nxt[:, 0], torch.tensor(sorted(stop_ids), device=nxt.device))

@@ -185,8 +185,9 @@ class Tokenizer:
             eos_token = next((t for t in _EOS_CANDIDATES if t in specials), None)
             if eos_token is None:
                 raise ValueError(
-                    f"cannot tell the eos token of this tokenizer (special tokens: {sorted(specials)}); "
-                    f"pass eos_token=..."
+                    f"cannot tell the eos token of this tokenizer (special tokens: {sorted(specials)}): "
+                    f"give it a special token named one of {list(_EOS_CANDIDATES)}, or in Python pass "
+                    "Tokenizer.load(path, eos_token=...)"
                 )
         digest = hashlib.sha256(backend.to_str().encode()).hexdigest()
         return cls(backend, "tokenizers", specials, eos_token, digest)

@@ -38,7 +38,10 @@ class EngineStats:
 class LLMEngine:
     """Continuous batching over a paged cache for one model (``eval`` mode, no grad)."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, config: EngineConfig | None = None, sample_vocab_size: int | None = None
+    ) -> None:
+        """``sample_vocab_size``: sampled ids stay below it (the tokenizer's id space; ``None``: the model's)."""
         self.config = config or EngineConfig()
         self.model = model.eval()
         lm = language_model(model)
@@ -57,7 +60,7 @@ class LLMEngine:
         self.storage = CacheStorage(layout, num_blocks, device)
         self.kv = KVCacheManager(self.pool, self.storage, cc)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self.runner = ModelRunner(model, self.storage)
+        self.runner = ModelRunner(model, self.storage, sample_vocab_size)
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit) or ``QueueFullError``."""

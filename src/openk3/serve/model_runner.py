@@ -34,9 +34,12 @@ def language_model(model: nn.Module) -> nn.Module:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, storage: CacheStorage) -> None:
+    def __init__(self, model: nn.Module, storage: CacheStorage, sample_vocab_size: int | None = None) -> None:
+        """``sample_vocab_size``: sample only ids below it (the tokenizer's id space when it is smaller than
+        the model's vocabulary; ``None``: every id)."""
         self.lm = language_model(model)
         self.storage = storage
+        self.sample_vocab_size = sample_vocab_size
         self.kinds = self.lm.config.layer_types
         self.device = self.lm.model.embed_tokens.weight.device
         self.paged_forward = PagedForward(self.lm, storage)
@@ -66,11 +69,12 @@ class ModelRunner:
             self._sample(chunks, logits_BV, sampled)
         return sampled
 
-    @staticmethod
-    def _sample(chunks: list[ScheduledChunk], logits_BV: torch.Tensor, sampled: dict[str, int]) -> None:
+    def _sample(self, chunks: list[ScheduledChunk], logits_BV: torch.Tensor, sampled: dict[str, int]) -> None:
         rows = [i for i, c in enumerate(chunks) if c.samples]
         if len(rows) < len(chunks):
             logits_BV = logits_BV[rows]
+        if self.sample_vocab_size is not None:
+            logits_BV = logits_BV[:, : self.sample_vocab_size]
         tokens = sample_tokens([chunks[i].request for i in rows], logits_BV)
         sampled.update({chunks[i].request.request_id: t for i, t in zip(rows, tokens)})
 

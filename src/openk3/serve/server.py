@@ -67,7 +67,9 @@ def build_server(
     engine_config = engine_config or EngineConfig()
     tokenizer.check_fits(getattr(model, "language_model", model).config.vocab_size)
     metrics = ServerMetrics()
-    engine = AsyncEngine(LLMEngine(model, engine_config), on_step=metrics.on_step)
+    engine = AsyncEngine(
+        LLMEngine(model, engine_config, sample_vocab_size=tokenizer.vocab_size), on_step=metrics.on_step
+    )
     config = ServingConfig(model_name, engine_config.scheduler.max_model_len, max_n)
     serving = OpenAIServing(engine, tokenizer, chat_template or ChatTemplate(tokenizer), metrics, config)
     return build_app(serving), serving

@@ -102,12 +102,13 @@ def accumulate_histogram_(
     ``hist_EB``: contiguous int32 ``[..., E, B]``; ``r_NE``: float ``[..., N, E]``; ``lo``, ``width``: fp64
     ``[...]`` (one per leading index, e.g. per layer); ``valid_N``: int32 ``[N]`` of 0/1 (the count each
     token adds). Leading dims batch several layers into one scatter. Binning runs in ``r_NE``'s dtype;
-    no host sync.
+    no host sync. A NaN score lands in bin 0 and ±inf in the end bins (the trainer stops on a non-finite
+    loss before it gets here; this only keeps the index in range).
     """
     E, B = hist_EB.shape[-2:]
     lo_11 = lo.to(r_NE.dtype)[..., None, None]
     width_11 = width.to(r_NE.dtype)[..., None, None]
-    bin_NE = ((r_NE - lo_11) / width_11).floor_().clamp_(0, B - 1).to(torch.int64)
+    bin_NE = ((r_NE - lo_11) / width_11).floor_().nan_to_num_(nan=0.0).clamp_(0, B - 1).to(torch.int64)
     row_1E = torch.arange(hist_EB.numel() // B, device=bin_NE.device).view(*hist_EB.shape[:-2], 1, E)
     flat_NE = bin_NE + row_1E * B  # index of (leading, expert, bin) in the flat histogram
     counts_NE = valid_N[:, None].expand(flat_NE.shape)

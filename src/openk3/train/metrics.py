@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -20,8 +21,20 @@ class MetricsLog:
             self.path.unlink()
 
     def write(self, row: dict) -> None:
+        """Append ``row`` as one JSON line; non-finite floats are written as ``null`` (valid JSON)."""
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
+
+
+def _finite_or_null(value):
+    """``value`` with every NaN/inf float (inside dicts and lists too) replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -13,7 +13,9 @@ is written) a preset whose model differs from the checkpoint's, data inputs (``d
 ``val_fraction``, ``seed``) other than the run's or input files changed since its shards were built
 (:func:`check_resume_data`), and a ``steps`` the run has already reached. A larger ``steps`` extends the run;
 the LR schedule is then recomputed over the new total, which is printed. A second Ctrl-C stops at once with
-:class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run.
+:class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run. A
+non-finite loss or gradient norm raises :class:`DivergenceError` before that step updates anything (no NaN
+model is ever saved); its message names the latest checkpoint.
 
 Validation (:func:`validation_loss`, the same computation as ``openk3 eval``), logged in ``metrics.jsonl``:
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -61,9 +64,15 @@ from openk3.train.state import (
 )
 
 
-def _check_int(name: str, value, minimum: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+def _check_int(name: str, value, minimum: int | None, maximum: int | None = None) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
         expected = "an int" + ("" if minimum is None else f" >= {minimum}")
+        expected += "" if maximum is None else f" and <= {maximum}"
         raise ValueError(f"TrainConfig.{name}={value!r} is invalid: expected {expected}")
 
 
@@ -143,7 +152,7 @@ class TrainConfig:
         if self.final_eval_batches is not None:
             _check_int("final_eval_batches", self.final_eval_batches, minimum=1)
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
-        _check_int("seed", self.seed, minimum=None)
+        _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if self.stop_at_step is not None:
             _check_int("stop_at_step", self.stop_at_step, minimum=1)
         _check_float("lr", self.lr, "a finite number > 0 (the peak learning rate, e.g. 3e-3)", lo=0.0)
@@ -253,9 +262,18 @@ DATA_FIELDS = {"data": "--data", "tokenizer": "--tokenizer", "val_fraction": Non
 """TrainConfig fields that decide the token shards and tokenizer (and their CLI flags); a resume keeps them."""
 
 
+class DivergenceError(RuntimeError):
+    """A non-finite loss or gradient norm stopped training before the optimizer step; nothing was saved after
+    it, and the message names the run's latest checkpoint."""
+
+
 class TrainingAborted(KeyboardInterrupt):
     """A second Ctrl-C stopped training at once; the message says whether the current step was saved and
     which checkpoint the run continues from."""
+
+
+MAX_SEED = 2**63 - 1
+"""Largest accepted seed (torch and numpy generators take any int in ``[0, 2^63)``)."""
 
 
 def _same_input(a, b) -> bool:
@@ -345,6 +363,8 @@ class Trainer:
             raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
         self.config = config
         self.run_dir = Path(config.out)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ValueError(f"--out {self.run_dir} is a file, not a run folder: choose another --out")
         if not resume and (self.run_dir / "checkpoints" / "latest").exists():
             raise ValueError(
                 f"{self.run_dir} already holds a run with checkpoints: continue it with --resume, "
@@ -364,7 +384,21 @@ class Trainer:
                 print(steps_note)
             self._resume_from = (ckpt, state)
             self.saved = (int(state["step"]), ckpt)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        created = not self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(
+                f"cannot create the run folder --out {self.run_dir}: {e.strerror or e}"
+            ) from None
+        try:
+            self._setup(config, resume, progress)
+        except BaseException:
+            if created:  # a run that never started leaves no folder behind (it held only what we wrote)
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _setup(self, config: TrainConfig, resume: bool, progress: bool) -> None:
         self.progress = progress
         self.device = torch.device(config.device)
         self.model_config = get_preset(config.preset)
@@ -434,6 +468,19 @@ class Trainer:
             return f"{head}; its checkpoint was saved ({ckpt}); {resume}"
         return f"{head}; the checkpoint was NOT saved, the run's latest checkpoint is step {step} ({ckpt}); {resume}"
 
+    def _diverged(self, what: str, value: float, lr: float) -> None:
+        """Raise :class:`DivergenceError` for a non-finite ``what`` at the step being computed (before any
+        parameter, balancer or optimizer update of that step)."""
+        if self.saved is None:
+            where = "the run has no checkpoint yet"
+        else:
+            step, ckpt = self.saved
+            where = f"the run's latest checkpoint is step {step} ({ckpt}), continue from it with --resume"
+        raise DivergenceError(
+            f"training diverged: the {what} is {value} at step {self.step + 1} (lr {lr:.3g}); nothing was "
+            f"saved after it and {where}. Lower --lr or raise --warmup-steps / --grad-clip"
+        )
+
     def _resume(self) -> None:
         ckpt, state = self._resume_from
         load_state(self.model, ckpt)
@@ -469,11 +516,16 @@ class Trainer:
         total = 0.0
         for x_mb, y_mb in zip(x_BT.chunk(cfg.grad_accum), y_BT.chunk(cfg.grad_accum)):
             loss = self._loss(x_mb, y_mb) / cfg.grad_accum
+            value = loss.item()
+            if not math.isfinite(value):
+                self._diverged("loss", value * cfg.grad_accum, cfg.lr * factor)
             loss.backward()
-            total += loss.item()
+            total += value
             if self.balancer:
                 self.balancer.observe()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if not math.isfinite(float(grad_norm)):
+            self._diverged("gradient norm", float(grad_norm), cfg.lr * factor)
         stats = self.balancer.step() if self.balancer else {}
         self.optimizer.step()
         self.step += 1
