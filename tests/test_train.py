@@ -396,3 +396,19 @@ def test_metrics_log_writes_non_finite_values_as_null(tmp_path):
         "val": None,
         "per_layer": [1.0, None],
     }
+
+
+def test_impossible_sizes_are_refused_with_their_numbers(corpus, tmp_path):
+    """The memory floor counts 16 bytes per parameter (the accounting module's independent count) and 12
+    per logit; ``kimi-k3`` on this machine is refused before any folder is written."""
+    from openk3.accounting import accounting_report
+    from openk3.train.trainer import training_memory_floor
+
+    config = openk3.get_preset("k3-tiny")
+    floor = training_memory_floor(config, 2, 32)
+    assert floor["state"] == pytest.approx(16 * accounting_report(config)["total_params"], rel=1e-3)
+    assert floor["logits"] == 2 * 32 * config.text_config.vocab_size * 12
+    out = tmp_path / "big"
+    with pytest.raises(ValueError, match=r"training kimi-k3 .* needs at least [\d,.]+ GiB .* more than the"):
+        Trainer(small(corpus, out, preset="kimi-k3"), progress=False)
+    assert not out.exists()

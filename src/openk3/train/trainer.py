@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import signal
 import time
@@ -357,6 +358,48 @@ def check_resume_steps(run_dir: Path, step: int, saved: dict, config: TrainConfi
     )
 
 
+def training_memory_floor(model_config, batch_size: int, seq_len: int) -> dict[str, int]:
+    """A lower bound of the memory one training step needs, in bytes: ``state`` = parameters × 16 (fp32
+    weights, gradients and up to two optimizer moments) and ``logits`` = micro-batch × ``seq_len`` ×
+    vocabulary × 12 (fp32 logits, their softmax and its gradient). Activations are not counted."""
+    model = build_model(model_config, device="meta")
+    params = sum(p.numel() for p in model.parameters())
+    vocab = text_config_of(model_config).vocab_size
+    return {"state": params * 16, "logits": batch_size * seq_len * vocab * 12}
+
+
+def device_memory_bytes(device: str) -> int | None:
+    """Total memory of ``device`` in bytes: physical RAM for ``"cpu"``, the GPU's for ``"cuda"``; ``None``
+    when it cannot be read."""
+    try:
+        if device == "cuda":
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def check_memory(model_config, config: TrainConfig) -> None:
+    """Raise ``ValueError`` when :func:`training_memory_floor` of the run exceeds the device's memory, so an
+    impossible size (``--preset kimi-k3`` on a laptop, ``--batch-size 100000000``) fails at once with its
+    numbers instead of in an allocator."""
+    total = device_memory_bytes(config.device)
+    if total is None:
+        return
+    seq_len = max(t for _, t in config.context_schedule)
+    need = training_memory_floor(model_config, config.batch_size, seq_len)
+    if sum(need.values()) <= total:
+        return
+    gib = 2**30
+    raise ValueError(
+        f"training {config.preset} with micro-batches of {config.batch_size} × {seq_len} tokens needs at least "
+        f"{sum(need.values()) / gib:,.1f} GiB (parameters, gradients and optimizer state "
+        f"{need['state'] / gib:,.1f} GiB; logits {need['logits'] / gib:,.1f} GiB), more than the "
+        f"{total / gib:,.1f} GiB of {config.device} memory: use a smaller --preset or --batch-size (with "
+        "--grad-accum for the same tokens per step) or a shorter context"
+    )
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, resume: bool = False, progress: bool = True) -> None:
         if config.device == "cuda" and not torch.cuda.is_available():
@@ -384,6 +427,7 @@ class Trainer:
                 print(steps_note)
             self._resume_from = (ckpt, state)
             self.saved = (int(state["step"]), ckpt)
+        check_memory(get_preset(config.preset), config)  # before any folder or shard is written
         created = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
