@@ -1,0 +1,106 @@
+"""Where the Triton KDA chunk kernels spend their time, one kernel at a time, for Nsight Compute.
+
+``benchmarks/kda.py`` gives each launch's time; this script gives the reasons. It prepares the inputs of one
+B1 T8192 H96 D128 training step once (bf16, K3 gate, lower bound −5, L2 norm in the kernel), runs the chosen
+launches twice (the first compiles), and prints each Triton kernel's registers per thread, spilled bytes,
+shared memory and warps, so a profile can be read against the occupancy they allow. Run it under ``ncu`` to
+read the hardware counters of the second launch (on a machine whose runtime lets ncu read them; leave the
+clocks alone with ``--clock-control none``)::
+
+    python benchmarks/kda_profile.py                                   # registers / spills / smem / time
+    ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:chunk_prepare_kernel \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        --section SchedulerStats --section MemoryWorkloadAnalysis \\
+        python benchmarks/kda_profile.py --launch prepare
+
+``--launch`` names one of ``benchmarks/kda.py``'s launches (``prepare``, ``prepare (bwd)``, ``state_fwd (o)``,
+``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``; default all).
+
+Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kda import our_launches, time_ms  # noqa: E402  (the benchmark's own inputs and launches)
+
+KERNELS = {
+    "openk3.ops.kda.triton.chunk_prepare": ["chunk_prepare_kernel"],
+    "openk3.ops.kda.triton.chunk_state": ["chunk_state_fwd_kernel"],
+    "openk3.ops.kda.triton.chunk_state_bwd": ["chunk_state_bwd_kernel"],
+    "openk3.ops.kda.triton.chunk_grad_wy": ["chunk_grad_wy_value_kernel", "chunk_grad_wy_key_kernel"],
+    "openk3.ops.kda.triton.chunk_grad_intra": ["chunk_grad_intra_kernel"],
+}
+"""Modules and the ``@triton.jit`` kernels whose compiled variants are reported."""
+
+
+def compiled_variants(jit_fn) -> list:
+    """The compiled kernels a ``@triton.jit`` function holds (Triton 3.x keeps them per device in
+    ``device_caches``; older versions in ``cache``); empty when neither attribute exists."""
+    found = []
+    for caches in getattr(jit_fn, "device_caches", {}).values():
+        table = caches[0] if isinstance(caches, tuple) else caches
+        found += list(table.values())
+    for table in getattr(jit_fn, "cache", {}).values():
+        found += list(table.values())
+    return found
+
+
+def kernel_resources() -> list[dict]:
+    """Registers, spills, shared memory and warps of every compiled variant of :data:`KERNELS`."""
+    import importlib
+
+    rows = []
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            jit_fn = getattr(module, name, None)
+            if jit_fn is None:
+                continue
+            for kernel in compiled_variants(jit_fn):
+                meta = getattr(kernel, "metadata", None)
+                rows.append(
+                    {
+                        "kernel": name,
+                        "registers": getattr(kernel, "n_regs", None),
+                        "spilled_bytes": getattr(kernel, "n_spills", None),
+                        "shared_bytes": getattr(meta, "shared", None),
+                        "warps": getattr(meta, "num_warps", None),
+                        "stages": getattr(meta, "num_stages", None),
+                    }
+                )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launch", default=None, help="one launch name (default: all)")
+    parser.add_argument("--shape", default="1,8192,96,128", help="B,T,H,D (default 1,8192,96,128)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kda_profile.py needs a CUDA GPU")
+    B, T, H, D = (int(x) for x in args.shape.split(","))
+    launches = our_launches(B, T, H, D)
+    if args.launch is not None and args.launch not in launches:
+        sys.exit(f"--launch must be one of {sorted(launches)}, got {args.launch!r}")
+    names = [args.launch] if args.launch else list(launches)
+    for name in names:
+        launches[name]()  # compile (the profiled launch is the second)
+        torch.cuda.synchronize()
+        print(f"{name}: {time_ms(launches[name], 3, warmup=0):.3f} ms", flush=True)
+    print("kernel                         regs  spill B  smem B  warps  stages")
+    for row in kernel_resources():
+        print(
+            f"{row['kernel']:<30} {row['registers']!s:>4} {row['spilled_bytes']!s:>8} "
+            f"{row['shared_bytes']!s:>7} {row['warps']!s:>6} {row['stages']!s:>7}"
+        )
+
+
+if __name__ == "__main__":
+    main()
