@@ -349,3 +349,48 @@ def test_checkpoint_with_tokenizer_resolves_or_names_the_missing_tokenizer(tmp_p
         checkpoint_with_tokenizer(folder)
     Tokenizer.train(["to be or not to be " * 20], 270).save(folder)
     assert checkpoint_with_tokenizer(folder) == folder
+
+
+def test_save_into_a_model_folder_keeps_the_users_files(saved, tmp_path):
+    """Saving over a model folder keeps what the user put there (README.md, notes/) and drops only the old
+    save's model files: the shard set changes with max_shard_size and no stale shard stays behind. Old
+    tokenizer files go only when the new save writes a tokenizer."""
+    from openk3.data import Tokenizer
+
+    model, _ = saved
+    path = tmp_path / "ck"
+    openk3.save_pretrained(model, path, max_shard_size="20MB", tokenizer=None)
+    old_shards = set(_names(path)["weight_map"].values())
+    (path / "README.md").write_text("# my model card\n")
+    (path / "notes").mkdir()
+    (path / "notes" / "run.txt").write_text("lr 3e-4, 20 steps\n")
+    (path / "generation_config.json").write_text("{}")  # a model file of another tool's save: replaced
+    tok_a = Tokenizer.train(["to be or not to be, that is the question " * 20], 280)
+    tok_a.save(path)
+    (path / "vocab.json").write_text("{}")  # a Hugging Face tokenizer file
+
+    openk3.save_pretrained(model, path, max_shard_size="40MB", tokenizer=None)
+    new_shards = set(_names(path)["weight_map"].values())
+    assert len(old_shards) == 5 and len(new_shards) == 3  # 84 MB of fp32 tensors, 20 MB and 40 MB shards
+    tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "vocab.json"}  # kept: no tokenizer written
+    user_files = {"README.md", "notes"}
+    assert {p.name for p in path.iterdir()} == {
+        "config.json",
+        "model.safetensors.index.json",
+        *new_shards,
+        *tokenizer_files,
+        *user_files,
+    }
+    assert (path / "README.md").read_text() == "# my model card\n"
+    assert (path / "notes" / "run.txt").read_text() == "lr 3e-4, 20 steps\n"
+    assert Tokenizer.load(path).sha256 == tok_a.sha256
+    loaded = openk3.from_pretrained(path)
+    for (n1, t1), (n2, t2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(t1, t2), n1
+
+    tok_b = Tokenizer.train(["now is the winter of our discontent " * 20], 280)
+    openk3.save_pretrained(model, path, max_shard_size="40MB", tokenizer=tok_b)
+    names = {p.name for p in path.iterdir()}
+    assert "vocab.json" not in names and user_files <= names  # the old tokenizer's extra file is gone
+    assert Tokenizer.load(path).sha256 == tok_b.sha256 != tok_a.sha256
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary or old folder left

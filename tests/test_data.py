@@ -10,6 +10,7 @@ Legend: B batch rows, T tokens per row, N tokens in a split.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -19,12 +20,15 @@ import numpy as np
 import pytest
 import torch
 
+import openk3.data.corpus as corpus_module
 from openk3.data import (
     SHAKESPEARE_INSTALL,
+    CorpusReport,
     Document,
     RandomBatches,
     TokenDataset,
     Tokenizer,
+    data_fingerprint,
     default_corpus_files,
     prepare_data,
     read_documents,
@@ -332,3 +336,182 @@ def test_shakespeare_corpus(tmp_path):
     decoded = [info.tokenizer.decode(d) for d in _split_at_eos(val_tokens_N, info.tokenizer.eos_id)]
     texts = {f.name: f.read_text(encoding="utf-8") for f in short}
     assert decoded == [texts[n] for n in info.splits["val"].documents] and len(decoded) == 2
+
+
+# ---- fingerprint by content ------------------------------------------------------------------------------
+def _small_corpus(folder):
+    folder.mkdir(parents=True)
+    (folder / "sub").mkdir()
+    for name, text in zip(("d0.txt", "d1.txt", "sub/d2.txt"), PROSE, strict=True):
+        (folder / name).write_text(text)
+    return folder
+
+
+def _json_sha256(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _stamp(out):
+    """Identity of the written shards: (inode, mtime_ns) of each .bin (a rebuild renames new files in)."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(out.glob("*.bin"))}
+
+
+KW = {"vocab_size": 300, "val_fraction": 0.4}
+
+
+def test_fingerprint_follows_content_not_stats(tmp_path):
+    src = _small_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    first = prepare_data(src, out_dir=out, progress=False, **KW)
+    manifest = json.loads((out / "data.json").read_text())
+    # the manifest records each file's SHA-256, and the sources part of the fingerprint is names + hashes only
+    names = ["d0.txt", "d1.txt", "sub/d2.txt"]
+    digests = [hashlib.sha256((src / n).read_bytes()).hexdigest() for n in names]
+    assert [(r["name"], r["sha256"]) for r in manifest["sources"]] == list(zip(names, digests, strict=True))
+    listed = [{"name": n, "sha256": d} for n, d in zip(names, digests, strict=True)]
+    assert manifest["sources_sha256"] == _json_sha256(listed)
+    fp = manifest["fingerprint"]
+    assert data_fingerprint(src, **KW) == fp and not first.reused
+    stamp = _stamp(out)
+
+    os.utime(src / "d0.txt", ns=(10**18, 10**18))  # touch (to 2001-09-09)
+    shutil.copyfile(src / "d1.txt", tmp_path / "d1.bak")
+    (src / "d1.txt").write_text("scratch")
+    shutil.copyfile(tmp_path / "d1.bak", src / "d1.txt")  # cp doc.bak doc.txt
+    (src / "sub" / "new").write_bytes((src / "sub" / "d2.txt").read_bytes())
+    os.replace(src / "sub" / "new", src / "sub" / "d2.txt")  # git checkout: same bytes, new inode
+    assert data_fingerprint(src, **KW) == fp
+    again = prepare_data(src, out_dir=out, progress=False, **KW)
+    assert again.reused and _stamp(out) == stamp  # shards not rebuilt
+    after = json.loads((out / "data.json").read_text())
+    assert after["fingerprint"] == fp and after["sources"][0]["mtime_ns"] == 10**18  # new stats recorded
+
+    moved = shutil.move(src, tmp_path / "elsewhere" / "corpus")
+    assert data_fingerprint(moved, **KW) == fp
+    assert prepare_data(moved, out_dir=out, progress=False, **KW).reused and _stamp(out) == stamp
+
+    (moved / "sub" / "d2.txt").rename(moved / "sub" / "d3.txt")  # renamed: its name decides the split
+    renamed = data_fingerprint(moved, **KW)
+    (moved / "d4.txt").write_text(PROSE[0])
+    added = data_fingerprint(moved, **KW)
+    (moved / "d0.txt").unlink()
+    removed = data_fingerprint(moved, **KW)
+    assert len({fp, renamed, added, removed}) == 4
+    assert data_fingerprint(moved, **{**KW, "seed": 1}) != removed  # parameters still count
+
+
+def test_one_changed_byte_behind_a_restored_mtime(tmp_path, monkeypatch):
+    """Size and mtime equal to the manifest's, one byte different: the ctime (which os.utime cannot restore)
+    sends the file back to hashing. The recorded hash is reused only for files whose stats are unchanged, and
+    only once their last change is STAT_TRUST_NS older than the hash (counted through file_sha256)."""
+    src = _small_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    hashed = []
+    real = corpus_module.file_sha256
+    monkeypatch.setattr(corpus_module, "file_sha256", lambda path: hashed.append(path) or real(path))
+    monkeypatch.setattr(corpus_module, "STAT_TRUST_NS", 0)  # trust records at once (no waiting in a test)
+    prepare_data(src, out_dir=out, progress=False, **KW)
+    assert len(hashed) == 3
+    stamp, fp = _stamp(out), json.loads((out / "data.json").read_text())["fingerprint"]
+    hashed.clear()
+    assert prepare_data(src, out_dir=out, progress=False, **KW).reused and hashed == []  # fast path
+    assert data_fingerprint(src, out_dir=out, **KW) == fp and hashed == []
+    assert data_fingerprint(src, **KW) == fp and len(hashed) == 3  # no manifest: every file is read
+
+    monkeypatch.setattr(corpus_module, "STAT_TRUST_NS", 10**18)  # a change too close to its hash: re-read
+    hashed.clear()
+    assert prepare_data(src, out_dir=out, progress=False, **KW).reused and len(hashed) == 3
+    monkeypatch.setattr(corpus_module, "STAT_TRUST_NS", 0)
+
+    target = src / "d1.txt"
+    st = target.stat()
+    data = bytearray(target.read_bytes())
+    data[5] = ord("X") if data[5] != ord("X") else ord("Y")
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    now = target.stat()
+    assert (now.st_size, now.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    hashed.clear()
+    changed = data_fingerprint(src, out_dir=out, **KW)
+    assert changed != fp and hashed == [str(target)]  # only the changed file was read
+    rebuilt = prepare_data(src, out_dir=out, progress=False, **KW)
+    assert not rebuilt.reused and _stamp(out) != stamp
+    assert json.loads((out / "data.json").read_text())["fingerprint"] == changed
+
+
+def test_manifest_without_hashes(tmp_path):
+    """A data.json from before content hashes (sources with path, size, mtime only; fingerprint over those):
+    while its stats still match, the build is re-used and upgraded in place; once they differ it is rebuilt."""
+    src = _small_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    prepare_data(src, out_dir=out, progress=False, **KW)
+    new = json.loads((out / "data.json").read_text())
+    stamp = _stamp(out)
+
+    def write_legacy(mtime_shift):
+        sources = [
+            {"path": r["path"], "name": r["name"], "size": r["size"], "mtime_ns": r["mtime_ns"] + mtime_shift}
+            for r in new["sources"]
+        ]
+        params = {k: new[k] for k in ("version", "text_field", "model_vocab_size", "val_fraction", "seed")}
+        params.update(tokenizer=new["tokenizer"]["spec"], sources_sha256=_json_sha256(sources))
+        legacy = {**new, "sources": sources, "sources_sha256": params["sources_sha256"]}
+        legacy["fingerprint"] = _json_sha256(params)  # the formula openk3 used before content hashes
+        (out / "data.json").write_text(json.dumps(legacy))
+        return legacy["fingerprint"]
+
+    old_fp = write_legacy(0)
+    assert data_fingerprint(src, out_dir=out, **KW) == old_fp  # what this build would be re-used under
+    assert data_fingerprint(src, **KW) == new["fingerprint"]
+    info = prepare_data(src, out_dir=out, progress=False, **KW)
+    assert info.reused and _stamp(out) == stamp
+    upgraded = json.loads((out / "data.json").read_text())
+    assert upgraded["fingerprint"] == new["fingerprint"] and all("sha256" in r for r in upgraded["sources"])
+    assert json.loads((out / "train.json").read_text())["fingerprint"] == new["fingerprint"]
+
+    old_fp = write_legacy(1)  # a file touched since the legacy build: its stats no longer vouch for it
+    assert data_fingerprint(src, out_dir=out, **KW) == new["fingerprint"] != old_fp
+    assert not prepare_data(src, out_dir=out, progress=False, **KW).reused
+
+
+# ---- corpus problems on the console ----------------------------------------------------------------------
+def test_corpus_problems_printed_in_one_line(tmp_path, capfd):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for i, text in enumerate(PROSE, start=1):
+        (src / f"good{i}.txt").write_text(text)
+    (src / "latin1.txt").write_bytes(BAD_UTF8)  # 3 invalid bytes in 124: kept
+    (src / "edge_kept.txt").write_bytes(b"abcdefg" + b"\xff" * 3)  # 3 of 10 invalid = 30 %: kept
+    (src / "edge_skip.txt").write_bytes(b"abcdef" + b"\xff" * 4)  # 4 of 10 > 30 %: binary
+    (src / "nul.txt").write_bytes(b"looks like text but holds a \x00 byte")  # binary
+    (src / "empty.txt").write_bytes(b"")
+    (src / "records.jsonl").write_text(json.dumps({"text": "one record"}) + "\n{not json\n")
+    out = tmp_path / "out"
+    capfd.readouterr()
+    info = prepare_data(src, out_dir=out, progress=False, **KW)
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "openk3: corpus: 2 files had non-UTF-8 bytes (6 replaced by U+FFFD): edge_kept.txt, latin1.txt; "
+        "2 files look binary (skipped): edge_skip.txt, nul.txt; "
+        "1 bad JSONL record skipped: records.jsonl:2 (invalid JSON: Expecting property name enclosed in double "
+        "quotes); 1 empty document skipped: empty.txt "
+        f"(details: {out / 'data.json'})\n"
+    )
+    r = info.report
+    assert (r.files, r.binary_files, r.binary_examples) == (9, 2, ["edge_skip.txt", "nul.txt"])
+    assert r.documents == 3 + 2 + 1  # good1-3, latin1, edge_kept, records.jsonl:1
+    docs = {d.name: d.text for d in read_documents(resolve_inputs(src))[0]}
+    assert docs["edge_kept.txt"] == "abcdefg" + "\ufffd" * 3 and "nul.txt" not in docs
+    assert json.loads((out / "data.json").read_text())["report"]["binary_examples"] == r.binary_examples
+    assert "skipped 2 file(s) that look binary" in str(info)
+
+    assert prepare_data(src, out_dir=out, progress=False, **KW).reused
+    assert capfd.readouterr().err == ""  # re-used: nothing read, nothing printed
+    clean = _small_corpus(tmp_path / "clean")
+    prepare_data(clean, out_dir=tmp_path / "out_clean", progress=False, **KW)
+    assert capfd.readouterr().err == ""
+    many = CorpusReport(non_utf8_files=5, replaced_bytes=9, non_utf8_examples=list("abcde"))
+    assert many.summary() == "5 files had non-UTF-8 bytes (9 replaced by U+FFFD): a, b, c"  # 3 examples
+    assert CorpusReport().summary() is None
+    assert CorpusReport.from_dict({**many.to_dict(), "from_a_newer_version": 1}) == many

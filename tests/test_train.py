@@ -301,15 +301,18 @@ def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsy
     assert "(different tokenizer)" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"\(different val_fraction\).*TrainConfig\.val_fraction"):
         Trainer(small(str(corpus), run, steps=3, val_fraction=0.5), resume=True, progress=False)
-    # the same flags, but a corpus file changed since the shards were built
+    # the same flags, but one byte of a corpus file changed since the shards were built (same size, mtime put
+    # back as `cp -p` or `touch -d` would): the fingerprint follows the content
     work0 = corpus / "work0.txt"
-    stat = work0.stat()
-    os.utime(work0, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    stat, original = work0.stat(), work0.read_bytes()
+    work0.write_bytes(original.replace(b"R", b"r", 1))
+    os.utime(work0, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     try:
         assert main(base) == 2
         assert f"the inputs of run {run} changed since its token shards were built" in capsys.readouterr().err
     finally:
-        os.utime(work0, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        work0.write_bytes(original)
+    os.utime(work0)  # restored byte for byte, then touched: the same data, so the steps check answers below
     # a finished run without a larger --steps: nothing to do
     assert main(base[:-3] + ["--no-sample"]) == 2
     assert f"run {run} is already at step 1 and steps=1" in capsys.readouterr().err

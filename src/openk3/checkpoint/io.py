@@ -9,6 +9,8 @@ CLI and the server share.
 
 Saving writes into a temporary sibling folder and renames it into place, so an interrupted save never
 leaves a torn checkpoint; it never replaces a training checkpoint (a folder holding ``trainer_state.pt``).
+Replacing a model folder keeps what the user added there (a README.md, notes): only the old save's model
+files (:data:`MODEL_FILES`, and :data:`TOKENIZER_FILES` when a tokenizer is written) are dropped.
 Loading is strict: it collects every missing key, unexpected key and shape mismatch and raises one
 :class:`CheckpointMismatchError` listing them all, before any weight is copied. A file that is not valid
 safetensors or JSON (truncated, overwritten) raises :class:`CorruptCheckpointError` naming the file.
@@ -17,6 +19,7 @@ safetensors or JSON (truncated, overwritten) raises :class:`CorruptCheckpointErr
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import os
@@ -47,6 +50,21 @@ LATEST = "latest"
 """Text file in a run's ``checkpoints`` folder holding the name of the newest checkpoint folder."""
 TRAINER_STATE_FILE = "trainer_state.pt"
 """The file that makes a model folder a training checkpoint (:mod:`openk3.train.state`)."""
+MODEL_FILES = ("*.safetensors", INDEX_FILE, "config.json", "generation_config.json")
+"""Name patterns (``fnmatch``, case-sensitive) of an earlier save's model files: :func:`save_pretrained`
+drops them from a folder it replaces (the new save writes its own)."""
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "*.tiktoken",
+)
+"""Name patterns of tokenizer files (ours and Hugging Face's): dropped from a replaced folder only when the new
+save writes a tokenizer, so that no file of the old tokenizer sits beside the new one."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -108,8 +126,16 @@ def save_pretrained(
     ``openk3 generate/eval/serve``; an :class:`openk3.data.Tokenizer` or a tokenizer path (folder,
     ``tokenizer.json`` or ``.tiktoken``) is written instead; ``None`` writes none.
 
-    An existing model folder at ``path`` is replaced. Raises ``FileExistsError`` when ``path`` is a file, a
-    training run folder, a non-empty folder without a ``config.json``, or a training checkpoint (a folder holding
+    ``max_shard_size``: bytes per ``model-0000i-of-0000n.safetensors`` shard, an int or a string such as
+    ``"5GB"`` / ``"500MiB"`` (default ``"5GB"``).
+
+    An existing model folder at ``path`` is replaced atomically (the new folder is renamed into place). Every
+    file, subfolder and symlink of the old folder that the new save does not write is copied into the new
+    folder first (a README.md, notes/, …), except the old save's model files — shards ``*.safetensors``,
+    ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` (:data:`MODEL_FILES`) — and,
+    when the new save writes a tokenizer, the old tokenizer files (:data:`TOKENIZER_FILES`); a tokenizer
+    the new save does not replace is kept. Raises ``FileExistsError`` when ``path`` is a file, a training run
+    folder, a non-empty folder without a ``config.json``, or a training checkpoint (a folder holding
     ``trainer_state.pt``, whose trainer state and tokenizer the replacement would lose); nothing else is ever
     deleted."""
     path = os.path.abspath(os.fspath(path))
@@ -166,6 +192,7 @@ def save_pretrained(
         for name in os.listdir(tmp):  # safetensors writes owner-only files; follow the umask like the rest
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.exists(path):
+            _keep_user_files(path, tmp, tokenizer_written=tok is not None)
             old = path + ".old-" + os.path.basename(tmp)
             os.replace(path, old)
             os.replace(tmp, path)
@@ -175,6 +202,26 @@ def save_pretrained(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _keep_user_files(old: str, new: str, tokenizer_written: bool) -> None:
+    """Copy into folder ``new`` every entry of folder ``old`` that ``new`` lacks and that is not a model file
+    of the old save (:data:`MODEL_FILES`; :data:`TOKENIZER_FILES` too when ``tokenizer_written``): regular
+    files with their metadata (``shutil.copy2``), folders recursively, symlinks as symlinks; other entries
+    (sockets, FIFOs) are left out."""
+    written = set(os.listdir(new))
+    stale = MODEL_FILES + (TOKENIZER_FILES if tokenizer_written else ())
+    with os.scandir(old) as entries:
+        for entry in entries:
+            if entry.name in written or any(fnmatch.fnmatchcase(entry.name, p) for p in stale):
+                continue
+            target = os.path.join(new, entry.name)
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry.path), target)
+            elif entry.is_dir():
+                shutil.copytree(entry.path, target, symlinks=True)
+            elif entry.is_file():
+                shutil.copy2(entry.path, target)
 
 
 def _tokenizer_to_save(model: nn.Module, tokenizer):

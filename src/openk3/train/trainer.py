@@ -297,8 +297,9 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
 
     ``saved`` is the run's train config (from its checkpoint). The fields of :data:`DATA_FIELDS` must agree
     (paths compare equal as given or resolved); then, when ``<run>/data/data.json`` exists, its fingerprint
-    must equal :func:`openk3.data.data_fingerprint` of the inputs now (it differs when a corpus file's size or
-    mtime, or a given tokenizer file, changed). Either change would make :func:`openk3.data.prepare_data`
+    must equal :func:`openk3.data.data_fingerprint` of the inputs now (it follows file contents, not timestamps:
+    it differs when a byte of a corpus file changed, a file was added, removed or renamed, or a given
+    tokenizer file changed; touching a file or restoring it byte for byte leaves it unchanged). Either change would make :func:`openk3.data.prepare_data`
     re-tokenize the corpus (and retrain the tokenizer) under weights trained on the old token ids, so the
     message says what the run was trained on and how to resume."""
     diff = [k for k in DATA_FIELDS if not _same_input(saved.get(k), getattr(config, k))]
@@ -325,6 +326,7 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
         tokenizer=config.tokenizer,
         val_fraction=config.val_fraction,
         seed=config.seed,
+        out_dir=manifest.parent,  # hashes recorded there are reused for files whose stats did not change
     )
     if recorded != now:
         raise ValueError(
