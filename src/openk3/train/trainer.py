@@ -297,11 +297,12 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
 
     ``saved`` is the run's train config (from its checkpoint). The fields of :data:`DATA_FIELDS` must agree
     (paths compare equal as given or resolved); then, when ``<run>/data/data.json`` exists, its fingerprint
-    must equal :func:`openk3.data.data_fingerprint` of the inputs now (it follows file contents, not timestamps:
-    it differs when a byte of a corpus file changed, a file was added, removed or renamed, or a given
-    tokenizer file changed; touching a file or restoring it byte for byte leaves it unchanged). Either change would make :func:`openk3.data.prepare_data`
-    re-tokenize the corpus (and retrain the tokenizer) under weights trained on the old token ids, so the
-    message says what the run was trained on and how to resume."""
+    must equal :func:`openk3.data.data_fingerprint` of the inputs now (it follows file contents, not
+    timestamps: it differs when a byte of a corpus file changed, a file was added, removed or renamed, or a
+    given tokenizer file changed; touching a file or restoring it byte for byte leaves it unchanged). Either
+    change would make :func:`openk3.data.prepare_data` re-tokenize the corpus (and retrain the tokenizer)
+    under weights trained on the old token ids, so the message says what the run was trained on and how to
+    resume."""
     diff = [k for k in DATA_FIELDS if not _same_input(saved.get(k), getattr(config, k))]
     if diff:
         flags = [DATA_FIELDS[k] or f"TrainConfig.{k}" for k in diff]
