@@ -228,3 +228,13 @@ def test_sampling_stays_inside_the_tokenizer_vocabulary():
     assert max(tokens()) >= 50  # an untrained model spreads over the whole vocabulary
     assert max(tokens(vocab_size=50)) < 50
     assert tokens(vocab_size=V) == tokens()
+
+
+def test_python_generate_checks_seed_and_stays_inside_vocab_size():
+    model = openk3.build_model(get_preset("k3-tiny"), seed=0).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    for seed in (2**70, -1, True):
+        with pytest.raises(ValueError, match="seed must be None or an int in"):
+            openk3.generate.generate(model, ids, 2, temperature=1.0, seed=seed)
+    new = openk3.generate.generate(model, ids, 30, temperature=1.5, seed=1, vocab_size=40)
+    assert new.shape == (1, 30) and int(new.max()) < 40

@@ -58,7 +58,10 @@ for ``dA_log``), so their error is measured against the size of those terms inst
 :func:`gate_param_error`."""
 LOWER_BOUND = -5.0
 
-gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
+gpu = pytest.mark.skipif(
+    not (HAS_CUDA and HAS_TRITON),
+    reason="GPU test: needs a CUDA GPU and triton (on CPU the interpreter tests below run the same kernels)",
+)
 interpreter = pytest.mark.skipif(
     not INTERPRET,
     reason="interpreter tests run on CPU-only machines with triton >= 3.9 installed "

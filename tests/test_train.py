@@ -309,7 +309,9 @@ def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsy
     os.utime(work0, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     try:
         assert main(base) == 2
-        assert f"the inputs of run {run} changed since its token shards were built" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"the inputs of run {run} changed since its token shards were built" in err
+        assert "another fingerprint: modified: work0.txt)" in err
     finally:
         work0.write_bytes(original)
     os.utime(work0)  # restored byte for byte, then touched: the same data, so the steps check answers below
@@ -378,14 +380,34 @@ def test_divergence_stops_before_the_update_and_keeps_the_last_checkpoint(corpus
 
 
 def test_a_run_that_fails_to_start_leaves_no_folder(tmp_path):
-    out = tmp_path / "never"
+    out = tmp_path / "never" / "a" / "b"  # every folder it creates is removed again
     with pytest.raises((ValueError, FileNotFoundError)):
         Trainer(small(str(tmp_path / "missing-corpus"), out), progress=False)
-    assert not out.exists()
+    assert not (tmp_path / "never").exists()
+    stranger = tmp_path / "stranger"  # a non-empty folder that is not a run: refused, untouched
+    stranger.mkdir()
+    (stranger / "README.md").write_text("mine")
+    with pytest.raises(ValueError, match=r"is a non-empty folder that holds no openk3 run \(README.md\)"):
+        Trainer(small(str(tmp_path / "missing-corpus"), stranger), progress=False)
+    assert [p.name for p in stranger.iterdir()] == ["README.md"]
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a run folder"):
         Trainer(small(str(tmp_path / "missing-corpus"), tmp_path / "afile"), progress=False)
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_blowup_threshold_and_a_finite_blowup(corpus, tmp_path):
+    """``2·ln V + 5`` (23.02 nats at V = 8192): a loss above it stops the run like a NaN, with its value."""
+    from openk3.train.trainer import DivergenceError, blowup_loss
+
+    assert blowup_loss(8192) == pytest.approx(2 * 9.010913 + 5, abs=1e-5)
+    trainer = Trainer(small(corpus, tmp_path / "run", steps=4), progress=False)
+    trainer.blowup_loss = 0.5  # every real loss of this model is above it
+    with pytest.raises(
+        DivergenceError, match=r"the loss is [\d.]+ \(above 0.5\) at step 1 .* no checkpoint yet"
+    ):
+        trainer.fit()
+    assert trainer.step == 0
 
 
 def test_metrics_log_writes_non_finite_values_as_null(tmp_path):
@@ -415,3 +437,16 @@ def test_impossible_sizes_are_refused_with_their_numbers(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"training kimi-k3 .* needs at least [\d,.]+ GiB .* more than the"):
         Trainer(small(corpus, out, preset="kimi-k3"), progress=False)
     assert not out.exists()
+
+
+def test_eval_default_window_fits_a_short_val_split(run1, capsys, monkeypatch):
+    """Without --seq-len, a val split shorter than the default window is read as one window of N − 1
+    targets (the count a window of the whole split has)."""
+    import openk3.cli as cli
+    from openk3.data import TokenDataset
+
+    run, _ = run1
+    n = TokenDataset(run / "data" / "val.bin").num_tokens
+    monkeypatch.setattr(cli, "DEFAULT_EVAL_SEQ_LEN", n + 1000)
+    assert main(["eval", "--ckpt", str(run)]) == 0
+    assert f"({n - 1:,} tokens," in capsys.readouterr().out

@@ -35,6 +35,10 @@ def _seed(text: str) -> int:
     return value
 
 
+DEFAULT_EVAL_SEQ_LEN = 256
+"""``openk3 eval``'s window length when ``--seq-len`` is not given."""
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -230,8 +234,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     dataset = TokenDataset(val_path)
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
+    seq_len = args.seq_len
+    if seq_len is None:  # the default window, shortened for a val split smaller than one window (as training)
+        seq_len = max(1, min(DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
     loss, count = validation_loss(
-        model, dataset, args.batch_size, args.seq_len, args.max_batches, device=args.device
+        model, dataset, args.batch_size, seq_len, args.max_batches, device=args.device
     )
     print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} ({count:,} tokens, {val_path})")
     return 0
@@ -265,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="progressive context, e.g. '0:128,150:256' (step:seq_len,...)",
     )
     tr.add_argument("--lr", type=float, help="peak learning rate")
+    tr.add_argument(
+        "--grad-clip", dest="grad_clip", type=float, help="max global gradient norm (default 1.0)"
+    )
     tr.add_argument(
         "--warmup-steps",
         dest="warmup_steps",
@@ -300,7 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     ev.add_argument("--ckpt", required=True, help="checkpoint folder or run folder")
     ev.add_argument("--data", help="a token split (.bin); default: the run's data/val.bin")
-    ev.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=256, help="tokens per window")
+    ev.add_argument(
+        "--seq-len",
+        dest="seq_len",
+        type=_positive_int,
+        default=None,
+        help=f"tokens per window (default {DEFAULT_EVAL_SEQ_LEN}, or the val split's length - 1 if shorter)",
+    )
     ev.add_argument(
         "--batch-size", dest="batch_size", type=_positive_int, default=16, help="windows per batch"
     )

@@ -19,9 +19,12 @@ def _logits(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: int | None = None) -> None:
     """Raise ``ValueError`` (naming the argument and its value) unless ``temperature`` is a finite number
-    >= 0, ``top_p`` a number in (0, 1] and ``max_new_tokens`` an int >= 1 (NaN and inf are rejected)."""
+    >= 0, ``top_p`` a number in (0, 1], ``max_new_tokens`` an int >= 1 (NaN and inf are rejected) and
+    ``seed`` None or an int in ``[0, 2^63)``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed must be None or an int in [0, 2^63), got {seed!r}")
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, (int, float))
@@ -62,7 +65,11 @@ def stream(
 
     ``vocab_size``: only ids below it are chosen (a tokenizer smaller than the model's vocabulary has no
     text for the others); ``None``: every id of the model."""
-    check_sampling(temperature, top_p, max_new_tokens)
+    check_sampling(temperature, top_p, max_new_tokens, seed)
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+    ):
+        raise ValueError(f"vocab_size must be None or an int >= 1, got {vocab_size!r}")
     generator = None
     if seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
@@ -89,9 +96,12 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """New tokens ``[B, max_new_tokens]`` (int64, prompt excluded). See :func:`stream`."""
-    return torch.cat(list(stream(model, input_ids, max_new_tokens, temperature, top_p, seed)), dim=1)
+    """New tokens ``[B, max_new_tokens]`` (int64, prompt excluded). See :func:`stream`; pass the tokenizer's
+    ``vocab_size`` when it is smaller than the model's vocabulary (a model trained on a small corpus)."""
+    tokens = stream(model, input_ids, max_new_tokens, temperature, top_p, seed, vocab_size=vocab_size)
+    return torch.cat(list(tokens), dim=1)
 
 
 def greedy(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

@@ -14,8 +14,9 @@ is written) a preset whose model differs from the checkpoint's, data inputs (``d
 (:func:`check_resume_data`), and a ``steps`` the run has already reached. A larger ``steps`` extends the run;
 the LR schedule is then recomputed over the new total, which is printed. A second Ctrl-C stops at once with
 :class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run. A
-non-finite loss or gradient norm raises :class:`DivergenceError` before that step updates anything (no NaN
-model is ever saved); its message names the latest checkpoint.
+non-finite loss or gradient norm, or a loss above :func:`blowup_loss` (``2·ln V + 5``), raises
+:class:`DivergenceError` before that step updates anything (no NaN or blown-up model is saved after it); its
+message names the latest checkpoint and its train loss.
 
 Validation (:func:`validation_loss`, the same computation as ``openk3 eval``), logged in ``metrics.jsonl``:
 
@@ -50,6 +51,7 @@ from tqdm.auto import tqdm
 from openk3.checkpoint import load_state
 from openk3.config import load_config, text_config_of
 from openk3.data import RandomBatches, TokenDataset, Tokenizer, data_fingerprint, prepare_data
+from openk3.data.corpus import resolve_inputs, source_records
 from openk3.model import build_model
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
@@ -264,8 +266,8 @@ DATA_FIELDS = {"data": "--data", "tokenizer": "--tokenizer", "val_fraction": Non
 
 
 class DivergenceError(RuntimeError):
-    """A non-finite loss or gradient norm stopped training before the optimizer step; nothing was saved after
-    it, and the message names the run's latest checkpoint."""
+    """A non-finite loss or gradient norm, or a loss above :func:`blowup_loss`, stopped training before the
+    optimizer step; nothing was saved after it, and the message names the run's latest checkpoint."""
 
 
 class TrainingAborted(KeyboardInterrupt):
@@ -317,7 +319,8 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
     if not manifest.is_file():
         return
     try:
-        recorded = json.loads(manifest.read_text()).get("fingerprint")
+        manifest_dict = json.loads(manifest.read_text())
+        recorded = manifest_dict.get("fingerprint")
     except (OSError, ValueError, AttributeError):
         return  # a damaged manifest: prepare_data rebuilds, as for a missing one
     vocab = text_config_of(get_preset(config.preset)).vocab_size
@@ -332,11 +335,31 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
     if recorded != now:
         raise ValueError(
             f"the inputs of run {run_dir} changed since its token shards were built ({manifest} records "
-            f"another fingerprint: a corpus file of {_describe_data(saved)} was added, removed or modified, "
-            "or the tokenizer file changed): resuming would re-tokenize the corpus (and retrain the tokenizer) "
+            f"another fingerprint: {_changed_sources(manifest_dict, config.data)}): resuming would re-tokenize the corpus (and retrain the tokenizer) "
             "under weights trained on the old token ids. Restore the original files, or train on the new data "
             "into another --out"
         )
+
+
+def _changed_sources(manifest: dict, data) -> str:
+    """Which corpus files differ from the ``sources`` a manifest recorded (by relative name and SHA-256), up to
+    three per kind, or a general phrase when none does (then the tokenizer file changed)."""
+    old = {r.get("name"): r.get("sha256") for r in manifest.get("sources") or () if isinstance(r, dict)}
+    try:
+        new = {r["name"]: r["sha256"] for r in source_records(resolve_inputs(data), manifest.get("sources"))}
+    except (OSError, ValueError):
+        return "a corpus file was added, removed or modified, or the tokenizer file changed"
+    kinds = {
+        "modified": [n for n in new if n in old and old[n] != new[n]],
+        "added": [n for n in new if n not in old],
+        "removed": [n for n in old if n not in new],
+    }
+    parts = [
+        f"{kind}: {', '.join(names[:3])}{', …' if len(names) > 3 else ''}"
+        for kind, names in kinds.items()
+        if names
+    ]
+    return "; ".join(parts) if parts else "the corpus files are unchanged, so the tokenizer file changed"
 
 
 def check_resume_steps(run_dir: Path, step: int, saved: dict, config: TrainConfig) -> str | None:
@@ -403,6 +426,51 @@ def check_memory(model_config, config: TrainConfig) -> None:
     )
 
 
+RUN_MARKERS = ("train_config.json", "checkpoints", "data", "metrics.jsonl")
+"""Entries that make a folder an openk3 run folder (a finished, interrupted or never-started run)."""
+
+
+def check_fresh_run_folder(run_dir: Path) -> None:
+    """Raise ``ValueError`` when ``run_dir`` (``--out`` of a new run) is a non-empty folder that is not an
+    openk3 run folder (none of :data:`RUN_MARKERS`): training would scatter its files among someone else's
+    (``--out /``, ``--out ''`` = the current folder, a model or checkpoint folder)."""
+    try:
+        entries = {p.name for p in run_dir.iterdir()}
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"cannot read the run folder --out {run_dir}: {_os_reason(e)}") from None
+    if entries and not entries & set(RUN_MARKERS):
+        shown = ", ".join(sorted(entries)[:3]) + (", …" if len(entries) > 3 else "")
+        raise ValueError(
+            f"--out {str(run_dir) or '.'} is a non-empty folder that holds no openk3 run ({shown}): "
+            "choose a new or empty folder"
+        )
+
+
+def first_missing_folder(path: Path) -> Path | None:
+    """The outermost folder that ``path.mkdir(parents=True)`` would create (``path`` or one of its parents),
+    or ``None`` when ``path`` exists."""
+    if path.exists():
+        return None
+    top = path
+    while top.parent != top and not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def _os_reason(e: BaseException) -> str:
+    return getattr(e, "strerror", None) or (
+        "the path is not valid UTF-8" if isinstance(e, UnicodeError) else str(e)
+    )
+
+
+def blowup_loss(vocab_size: int) -> float:
+    """Training loss (nats/token) above which a run has diverged: ``2·ln(V) + 5``, far above ``ln V``, the loss
+    of a uniform guess that an untrained model starts near (23.0 for ``V = 8192``)."""
+    return 2 * math.log(vocab_size) + 5
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, resume: bool = False, progress: bool = True) -> None:
         if config.device == "cuda" and not torch.cuda.is_available():
@@ -418,6 +486,10 @@ class Trainer:
             )
         self._resume_from: tuple[Path, dict] | None = None
         self.saved: tuple[int, Path] | None = None
+        self.last_loss: float | None = None
+        """Train loss of the latest step of this process."""
+        self.saved_loss: float | None = None
+        """Train loss at :attr:`saved`'s step (``None`` for a checkpoint from before a resume)."""
         """(step, folder) of the newest checkpoint this run holds."""
         if resume:  # check model, data and steps before anything in the run folder is touched
             ckpt = latest_checkpoint(self.run_dir)
@@ -431,18 +503,18 @@ class Trainer:
             self._resume_from = (ckpt, state)
             self.saved = (int(state["step"]), ckpt)
         check_memory(get_preset(config.preset), config)  # before any folder or shard is written
-        created = not self.run_dir.exists()
+        if not resume:
+            check_fresh_run_folder(self.run_dir)
+        created = first_missing_folder(self.run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(
-                f"cannot create the run folder --out {self.run_dir}: {e.strerror or e}"
-            ) from None
+        except (OSError, UnicodeError) as e:
+            raise ValueError(f"cannot create the run folder --out {self.run_dir}: {_os_reason(e)}") from None
         try:
             self._setup(config, resume, progress)
         except BaseException:
-            if created:  # a run that never started leaves no folder behind (it held only what we wrote)
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+            if created is not None:  # a run that never started leaves no folder behind (only ours was there)
+                shutil.rmtree(created, ignore_errors=True)
             raise
 
     def _setup(self, config: TrainConfig, resume: bool, progress: bool) -> None:
@@ -450,6 +522,7 @@ class Trainer:
         self.device = torch.device(config.device)
         self.model_config = get_preset(config.preset)
         vocab = text_config_of(self.model_config).vocab_size
+        self.vocab_size, self.blowup_loss = vocab, blowup_loss(vocab)
         tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
         self.data = prepare_data(
             config.data,
@@ -503,6 +576,7 @@ class Trainer:
             self.run_dir, self.step, self.model, self.trainer_state(), self.data.tokenizer_dir
         )
         self.saved = (self.step, ckpt)
+        self.saved_loss = self.last_loss
         return ckpt
 
     def _abort_message(self) -> str:
@@ -516,16 +590,31 @@ class Trainer:
         return f"{head}; the checkpoint was NOT saved, the run's latest checkpoint is step {step} ({ckpt}); {resume}"
 
     def _diverged(self, what: str, value: float, lr: float) -> None:
-        """Raise :class:`DivergenceError` for a non-finite ``what`` at the step being computed (before any
-        parameter, balancer or optimizer update of that step)."""
+        """Raise :class:`DivergenceError` for a non-finite (or, for the loss, above :func:`blowup_loss`)
+        ``what`` at the step being computed, before any parameter, balancer or optimizer update of that step.
+        The message names the latest checkpoint and its train loss, and warns when that loss was already
+        worse than a uniform guess (its weights may be damaged too)."""
+        fix = "Lower --lr or raise --warmup-steps"
         if self.saved is None:
             where = "the run has no checkpoint yet"
         else:
             step, ckpt = self.saved
-            where = f"the run's latest checkpoint is step {step} ({ckpt}), continue from it with --resume"
+            where = f"the run's latest checkpoint is step {step} ({ckpt}"
+            loss = self.saved_loss
+            if loss is None:
+                where += "); continue from it with --resume --lr <lower>"
+            elif loss <= math.log(self.vocab_size) + 1:
+                where += f", train loss {loss:.3f}); continue from it with --resume --lr <lower>"
+            else:
+                where += (
+                    f", train loss {loss:.3g}, already above ln V = {math.log(self.vocab_size):.2f}, a uniform "
+                    "guess: its weights may be damaged too; if a --resume --lr <lower> diverges again, start "
+                    "over into a new --out"
+                )
+        limit = "" if not math.isfinite(value) else f" (above {self.blowup_loss:.1f})"
         raise DivergenceError(
-            f"training diverged: the {what} is {value} at step {self.step + 1} (lr {lr:.3g}); nothing was "
-            f"saved after it and {where}. Lower --lr or raise --warmup-steps / --grad-clip"
+            f"training diverged: the {what} is {value:.4g}{limit} at step {self.step + 1} (lr {lr:.3g}); "
+            f"nothing was saved after it and {where}. {fix}"
         )
 
     def _resume(self) -> None:
@@ -564,7 +653,7 @@ class Trainer:
         for x_mb, y_mb in zip(x_BT.chunk(cfg.grad_accum), y_BT.chunk(cfg.grad_accum)):
             loss = self._loss(x_mb, y_mb) / cfg.grad_accum
             value = loss.item()
-            if not math.isfinite(value):
+            if not math.isfinite(value) or value * cfg.grad_accum > self.blowup_loss:
                 self._diverged("loss", value * cfg.grad_accum, cfg.lr * factor)
             loss.backward()
             total += value
@@ -576,6 +665,7 @@ class Trainer:
         stats = self.balancer.step() if self.balancer else {}
         self.optimizer.step()
         self.step += 1
+        self.last_loss = total
         elapsed = time.perf_counter() - start
         return {
             "step": self.step,
