@@ -126,8 +126,13 @@ def test_input_errors(tmp_path, monkeypatch):
         resolve_inputs(str(tmp_path / "*.txt"))
     (tmp_path / "e1.txt").write_text("")
     (tmp_path / "e2.txt").write_text("\n \n")
-    with pytest.raises(ValueError, match="no usable documents"):
+    with pytest.raises(
+        ValueError, match=r"^no usable documents in the input \(2 empty documents skipped: e1.txt, e2.txt\)$"
+    ):
         prepare_data(tmp_path, out_dir=tmp_path / "out", vocab_size=300, progress=False)
+    if os.path.exists("/dev/null"):
+        with pytest.raises(ValueError, match="is neither a regular file nor a folder"):
+            resolve_inputs("/dev/null")
     (tmp_path / "one.txt").write_text("only one document here")
     with pytest.raises(ValueError, match="1 usable document"):
         prepare_data(tmp_path, out_dir=tmp_path / "out", vocab_size=300, progress=False)

@@ -270,6 +270,8 @@ def _expand(item: str | os.PathLike) -> list[Path]:
         return files
     if path.is_file():
         return [path]
+    if path.exists():
+        raise ValueError(f"input path {str(path)!r} is neither a regular file nor a folder (a device or pipe?)")
     raise FileNotFoundError(f"input path does not exist: {str(path)!r}")
 
 
@@ -461,7 +463,7 @@ def read_documents(
                 _skip_empty(src.name, report)
     report.documents = len(docs)
     if not docs:
-        raise ValueError("no usable documents in the input:\n  " + "\n  ".join(report.lines()))
+        raise ValueError(f"no usable documents in the input ({report.summary() or 'every document is empty'})")
     return docs, report
 
 
