@@ -364,7 +364,7 @@ def test_save_into_a_model_folder_keeps_the_users_files(saved, tmp_path):
     (path / "README.md").write_text("# my model card\n")
     (path / "notes").mkdir()
     (path / "notes" / "run.txt").write_text("lr 3e-4, 20 steps\n")
-    (path / "generation_config.json").write_text("{}")  # a model file of another tool's save: replaced
+    (path / "generation_config.json").write_text("{}")  # not written by openk3: kept
     tok_a = Tokenizer.train(["to be or not to be, that is the question " * 20], 280)
     tok_a.save(path)
     (path / "vocab.json").write_text("{}")  # a Hugging Face tokenizer file
@@ -373,7 +373,7 @@ def test_save_into_a_model_folder_keeps_the_users_files(saved, tmp_path):
     new_shards = set(_names(path)["weight_map"].values())
     assert len(old_shards) == 5 and len(new_shards) == 3  # 84 MB of fp32 tensors, 20 MB and 40 MB shards
     tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "vocab.json"}  # kept: no tokenizer written
-    user_files = {"README.md", "notes"}
+    user_files = {"README.md", "notes", "generation_config.json"}
     assert {p.name for p in path.iterdir()} == {
         "config.json",
         "model.safetensors.index.json",

@@ -450,3 +450,40 @@ def test_eval_default_window_fits_a_short_val_split(run1, capsys, monkeypatch):
     monkeypatch.setattr(cli, "DEFAULT_EVAL_SEQ_LEN", n + 1000)
     assert main(["eval", "--ckpt", str(run)]) == 0
     assert f"({n - 1:,} tokens," in capsys.readouterr().out
+
+
+def test_resume_with_a_lower_lr_uses_it_from_another_folder(corpus, tmp_path, monkeypatch):
+    """``--resume --lr`` (the divergence message's advice) trains at the new peak lr: the optimizer's lr at
+    the next step is new_lr × lr_factor (closed form), the run differs from a same-lr resume, and the run
+    resumes from another working folder (it recorded absolute input paths)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").symlink_to(corpus)
+    first = small("corpus", "run", stop_at_step=3)
+    train(first, progress=False)
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert saved["data"] == str(tmp_path / "corpus")  # absolute, as the run recorded it
+    import shutil
+
+    shutil.copytree(tmp_path / "run", tmp_path / "same")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    low = small(str(tmp_path / "corpus"), tmp_path / "run", lr=first.lr / 10)
+    trainer = Trainer(low, resume=True, progress=False)
+    trainer.train_step()
+    factor = lr_factor(3, low.steps, low.warmup_steps, low.min_lr_ratio, low.schedule)
+    assert {g["lr"] for g in trainer.optimizer.param_groups} == {first.lr / 10 * factor}
+    same = Trainer(small(str(tmp_path / "corpus"), tmp_path / "same"), resume=True, progress=False)
+    assert same.train_step()["loss"] == trainer.last_loss  # step 4's loss is from step 3's weights
+    assert same.train_step()["loss"] != trainer.train_step()["loss"]  # step 5: weights from different lrs
+
+
+def test_divergence_after_a_resume_still_gives_the_checkpoint_loss(corpus, tmp_path):
+    from openk3.train.trainer import DivergenceError
+
+    train(small(corpus, tmp_path / "run", stop_at_step=3), progress=False)
+    loss3 = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]["loss"]
+    trainer = Trainer(small(corpus, tmp_path / "run"), resume=True, progress=False)
+    trainer.blowup_loss = 0.5
+    with pytest.raises(DivergenceError, match=rf"step-000003, train loss {loss3:.3f}\); continue from it"):
+        trainer.fit()

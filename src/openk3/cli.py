@@ -222,6 +222,16 @@ def _eval_split(folder: Path, data: str | None) -> Path:
     return path
 
 
+def _run_context(folder: Path) -> int | None:
+    """The longest context of the training run that holds checkpoint ``folder`` (its train_config.json), or
+    ``None`` outside a run or when the file is unreadable."""
+    try:
+        config = json.loads((folder.parent.parent / "train_config.json").read_text())
+        return max(int(t) for _, t in config["context_schedule"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import math
 
@@ -235,8 +245,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
     seq_len = args.seq_len
-    if seq_len is None:  # the default window, shortened for a val split smaller than one window (as training)
-        seq_len = max(1, min(DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
+    if seq_len is None:  # the run's longest context (as its evaluations), else the default; at most N - 1
+        seq_len = max(1, min(_run_context(folder) or DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
     loss, count = validation_loss(
         model, dataset, args.batch_size, seq_len, args.max_batches, device=args.device
     )
@@ -244,8 +254,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (``openk3 train: error: … (see openk3 train --help)``)
+    instead of the usage block and the error; subcommand parsers inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="openk3", description="Kimi K3 family: models, accounting, tools")
+    parser = _Parser(prog="openk3", description="Kimi K3 family: models, accounting, tools")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="parameter counts and cache sizes of a preset or config.json")
     src = info.add_mutually_exclusive_group()
@@ -315,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="seq_len",
         type=_positive_int,
         default=None,
-        help=f"tokens per window (default {DEFAULT_EVAL_SEQ_LEN}, or the val split's length - 1 if shorter)",
+        help=f"tokens per window (default: the run's longest training context, else {DEFAULT_EVAL_SEQ_LEN}; "
+        "at most the val split's length - 1)",
     )
     ev.add_argument(
         "--batch-size", dest="batch_size", type=_positive_int, default=16, help="windows per batch"

@@ -50,7 +50,7 @@ LATEST = "latest"
 """Text file in a run's ``checkpoints`` folder holding the name of the newest checkpoint folder."""
 TRAINER_STATE_FILE = "trainer_state.pt"
 """The file that makes a model folder a training checkpoint (:mod:`openk3.train.state`)."""
-MODEL_FILES = ("*.safetensors", INDEX_FILE, "config.json", "generation_config.json")
+MODEL_FILES = ("*.safetensors", INDEX_FILE, "config.json")
 """Name patterns (``fnmatch``, case-sensitive) of an earlier save's model files: :func:`save_pretrained`
 drops them from a folder it replaces (the new save writes its own)."""
 TOKENIZER_FILES = (
@@ -132,7 +132,7 @@ def save_pretrained(
     An existing model folder at ``path`` is replaced atomically (the new folder is renamed into place). Every
     file, subfolder and symlink of the old folder that the new save does not write is copied into the new
     folder first (a README.md, notes/, …), except the old save's model files — shards ``*.safetensors``,
-    ``model.safetensors.index.json``, ``config.json``, ``generation_config.json`` (:data:`MODEL_FILES`) — and,
+    ``model.safetensors.index.json``, ``config.json`` (:data:`MODEL_FILES`) — and,
     when the new save writes a tokenizer, the old tokenizer files (:data:`TOKENIZER_FILES`); a tokenizer
     the new save does not replace is kept. Raises ``FileExistsError`` when ``path`` is a file, a training run
     folder, a non-empty folder without a ``config.json``, or a training checkpoint (a folder holding

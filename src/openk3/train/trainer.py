@@ -55,7 +55,7 @@ from openk3.data.corpus import resolve_inputs, source_records
 from openk3.model import build_model
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
-from openk3.train.metrics import MetricsLog, plot_metrics
+from openk3.train.metrics import MetricsLog, plot_metrics, read_metrics
 from openk3.train.optim import build_optimizer
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
@@ -475,6 +475,14 @@ class Trainer:
     def __init__(self, config: TrainConfig, resume: bool = False, progress: bool = True) -> None:
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+        if not resume:  # the run records absolute input paths: it resumes from any working folder
+            config = dataclasses.replace(
+                config,
+                data=None if config.data is None else os.path.abspath(os.path.expanduser(config.data)),
+                tokenizer=None
+                if config.tokenizer is None
+                else os.path.abspath(os.path.expanduser(config.tokenizer)),
+            )
         self.config = config
         self.run_dir = Path(config.out)
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -555,6 +563,11 @@ class Trainer:
         if resume:
             self._resume()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
+        if resume:  # the train loss logged at the checkpoint's step, for a divergence message
+            rows = read_metrics(self.metrics.path) if self.metrics.path.exists() else []
+            self.saved_loss = next(
+                (r.get("loss") for r in reversed(rows) if r.get("step") == self.step), None
+            )
         (self.run_dir / "train_config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2) + "\n"
         )
@@ -608,7 +621,7 @@ class Trainer:
             else:
                 where += (
                     f", train loss {loss:.3g}, already above ln V = {math.log(self.vocab_size):.2f}, a uniform "
-                    "guess: its weights may be damaged too; if a --resume --lr <lower> diverges again, start "
+                    "guess); its weights may be damaged too: if a --resume --lr <lower> diverges again, start "
                     "over into a new --out"
                 )
         limit = "" if not math.isfinite(value) else f" (above {self.blowup_loss:.1f})"
@@ -620,7 +633,10 @@ class Trainer:
     def _resume(self) -> None:
         ckpt, state = self._resume_from
         load_state(self.model, ckpt)
+        peak = [group["peak_lr"] for group in self.optimizer.param_groups]  # from this run's --lr
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, lr in zip(self.optimizer.param_groups, peak):  # a resume may lower (or raise) --lr
+            group["peak_lr"] = lr
         if self.balancer and state["balancer"] is not None:
             self.balancer.load_state_dict(state["balancer"])
         self.batches.load_state_dict(state["batches"], strict=False)
