@@ -440,14 +440,19 @@ def test_impossible_sizes_are_refused_with_their_numbers(corpus, tmp_path):
 
 
 def test_eval_default_window_fits_a_short_val_split(run1, capsys, monkeypatch):
-    """Without --seq-len, a val split shorter than the default window is read as one window of N − 1
-    targets (the count a window of the whole split has)."""
+    """Without --seq-len, eval reads windows of the run's longest training context (here 32, the same
+    number as ``--seq-len 32``); a val split shorter than the window is read as one window of N − 1 targets
+    (the count a window of the whole split has)."""
     import openk3.cli as cli
     from openk3.data import TokenDataset
 
     run, _ = run1
+    assert main(["eval", "--ckpt", str(run)]) == 0
+    default = capsys.readouterr().out
+    assert main(["eval", "--ckpt", str(run), "--seq-len", "32"]) == 0
+    assert capsys.readouterr().out == default
     n = TokenDataset(run / "data" / "val.bin").num_tokens
-    monkeypatch.setattr(cli, "DEFAULT_EVAL_SEQ_LEN", n + 1000)
+    monkeypatch.setattr(cli, "_run_context", lambda folder: n + 1000)
     assert main(["eval", "--ckpt", str(run)]) == 0
     assert f"({n - 1:,} tokens," in capsys.readouterr().out
 
