@@ -402,6 +402,7 @@ def test_blowup_threshold_and_a_finite_blowup(corpus, tmp_path):
 
     assert blowup_loss(8192) == pytest.approx(2 * 9.010913 + 5, abs=1e-5)
     trainer = Trainer(small(corpus, tmp_path / "run", steps=4), progress=False)
+    assert trainer.blowup_loss == blowup_loss(8192)  # the model's ids: an untrained model's loss is ≈ ln 8192
     trainer.blowup_loss = 0.5  # every real loss of this model is above it
     with pytest.raises(
         DivergenceError, match=r"the loss is [\d.]+ \(above 0.5\) at step 1 .* no checkpoint yet"
@@ -452,12 +453,12 @@ def test_eval_default_window_fits_a_short_val_split(run1, capsys, monkeypatch):
     assert main(["eval", "--ckpt", str(run), "--seq-len", "32"]) == 0
     assert capsys.readouterr().out == default
     n = TokenDataset(run / "data" / "val.bin").num_tokens
-    monkeypatch.setattr(cli, "_run_context", lambda folder: n + 1000)
+    monkeypatch.setattr(cli, "_run_eval_shape", lambda folder: (n + 1000, 2))
     assert main(["eval", "--ckpt", str(run)]) == 0
     assert f"({n - 1:,} tokens," in capsys.readouterr().out
 
 
-def test_resume_with_a_lower_lr_uses_it_from_another_folder(corpus, tmp_path, monkeypatch):
+def test_resume_with_a_lower_lr_uses_it_from_another_folder(corpus, tmp_path, monkeypatch, capsys):
     """``--resume --lr`` (the divergence message's advice) trains at the new peak lr: the optimizer's lr at
     the next step is new_lr × lr_factor (closed form), the run differs from a same-lr resume, and the run
     resumes from another working folder (it recorded absolute input paths)."""
@@ -473,8 +474,10 @@ def test_resume_with_a_lower_lr_uses_it_from_another_folder(corpus, tmp_path, mo
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    low = small(str(tmp_path / "corpus"), tmp_path / "run", lr=first.lr / 10)
+    low = small("../corpus", tmp_path / "run", lr=first.lr / 10)  # the same folder by another relative path
     trainer = Trainer(low, resume=True, progress=False)
+    assert f"resuming {tmp_path / 'run'} at step 3 with peak lr 0.003 → 0.0003" in capsys.readouterr().out
+    assert trainer.config.data == str(tmp_path / "corpus")  # recorded absolute again
     trainer.train_step()
     factor = lr_factor(3, low.steps, low.warmup_steps, low.min_lr_ratio, low.schedule)
     assert {g["lr"] for g in trainer.optimizer.param_groups} == {first.lr / 10 * factor}
@@ -490,5 +493,10 @@ def test_divergence_after_a_resume_still_gives_the_checkpoint_loss(corpus, tmp_p
     loss3 = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]["loss"]
     trainer = Trainer(small(corpus, tmp_path / "run"), resume=True, progress=False)
     trainer.blowup_loss = 0.5
-    with pytest.raises(DivergenceError, match=rf"step-000003, train loss {loss3:.3f}\); continue from it"):
+    with pytest.raises(
+        DivergenceError, match=r"step-000003, train loss [\d.]+ on its weights\); continue from"
+    ) as e:
         trainer.fit()
+    # the loss measured on the checkpoint's weights is the diverging step's own value, not step 3's
+    value = re.search(r"the loss is ([\d.]+)", str(e.value)).group(1)
+    assert f"train loss {float(value):.3f} on its weights" in str(e.value) and float(value) != loss3

@@ -36,7 +36,9 @@ def _seed(text: str) -> int:
 
 
 DEFAULT_EVAL_SEQ_LEN = 256
-"""``openk3 eval``'s window length when ``--seq-len`` is not given."""
+"""``openk3 eval``'s window length when ``--seq-len`` is not given and the checkpoint is outside a run."""
+DEFAULT_EVAL_BATCH_SIZE = 16
+"""``openk3 eval``'s windows per batch when ``--batch-size`` is not given and the checkpoint is outside a run."""
 
 
 def _mib(n: float) -> str:
@@ -222,14 +224,15 @@ def _eval_split(folder: Path, data: str | None) -> Path:
     return path
 
 
-def _run_context(folder: Path) -> int | None:
-    """The longest context of the training run that holds checkpoint ``folder`` (its train_config.json), or
-    ``None`` outside a run or when the file is unreadable."""
+def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
+    """(longest context, batch size) of the training run that holds checkpoint ``folder`` (its
+    train_config.json): the windows its evaluations read; ``(None, None)`` outside a run or when the file is
+    unreadable."""
     try:
         config = json.loads((folder.parent.parent / "train_config.json").read_text())
-        return max(int(t) for _, t in config["context_schedule"])
+        return max(int(t) for _, t in config["context_schedule"]), int(config["batch_size"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return None, None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -244,12 +247,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     dataset = TokenDataset(val_path)
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
+    run_seq_len, run_batch = _run_eval_shape(folder)  # defaults: the windows the run's evaluations read
     seq_len = args.seq_len
-    if seq_len is None:  # the run's longest context (as its evaluations), else the default; at most N - 1
-        seq_len = max(1, min(_run_context(folder) or DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
-    loss, count = validation_loss(
-        model, dataset, args.batch_size, seq_len, args.max_batches, device=args.device
-    )
+    if seq_len is None:  # at most N - 1 (a val split shorter than one window)
+        seq_len = max(1, min(run_seq_len or DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
+    batch_size = args.batch_size or run_batch or DEFAULT_EVAL_BATCH_SIZE
+    loss, count = validation_loss(model, dataset, batch_size, seq_len, args.max_batches, device=args.device)
     print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} ({count:,} tokens, {val_path})")
     return 0
 
@@ -337,7 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
         "at most the val split's length - 1)",
     )
     ev.add_argument(
-        "--batch-size", dest="batch_size", type=_positive_int, default=16, help="windows per batch"
+        "--batch-size",
+        dest="batch_size",
+        type=_positive_int,
+        default=None,
+        help=f"windows per batch (default: the run's batch size, else {DEFAULT_EVAL_BATCH_SIZE})",
     )
     ev.add_argument(
         "--max-batches",

@@ -372,15 +372,17 @@ def check_resume_steps(run_dir: Path, step: int, saved: dict, config: TrainConfi
             f"pass --steps N with N > {step} to extend it"
         )
     old = saved.get("steps")
+    old_lr = saved.get("lr", config.lr)
+    peak = f"peak lr {old_lr:.3g} → {config.lr:.3g}"
     if old is None or old == config.steps:
-        return None
+        return None if old_lr == config.lr else f"resuming {run_dir} at step {step} with {peak}"
     args = (config.warmup_steps, config.min_lr_ratio, config.schedule)
-    lr_old = config.lr * lr_factor(step, old, *args)
+    lr_old = old_lr * lr_factor(step, old, *args)
     lr_new = config.lr * lr_factor(step, config.steps, *args)
     return (
         f"resuming {run_dir} at step {step} with total steps {old} → {config.steps}: the {config.schedule} "
         f"learning-rate schedule is recomputed over {config.steps} steps (lr at step {step}: "
-        f"{lr_old:.3e} → {lr_new:.3e})"
+        f"{lr_old:.3e} → {lr_new:.3e})" + ("" if old_lr == config.lr else f", {peak}")
     )
 
 
@@ -475,14 +477,14 @@ class Trainer:
     def __init__(self, config: TrainConfig, resume: bool = False, progress: bool = True) -> None:
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
-        if not resume:  # the run records absolute input paths: it resumes from any working folder
-            config = dataclasses.replace(
-                config,
-                data=None if config.data is None else os.path.abspath(os.path.expanduser(config.data)),
-                tokenizer=None
-                if config.tokenizer is None
-                else os.path.abspath(os.path.expanduser(config.tokenizer)),
-            )
+        # the run records absolute input paths (also after a resume), so it resumes from any folder
+        config = dataclasses.replace(
+            config,
+            data=None if config.data is None else os.path.abspath(os.path.expanduser(config.data)),
+            tokenizer=None
+            if config.tokenizer is None
+            else os.path.abspath(os.path.expanduser(config.tokenizer)),
+        )
         self.config = config
         self.run_dir = Path(config.out)
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -496,8 +498,8 @@ class Trainer:
         self.saved: tuple[int, Path] | None = None
         self.last_loss: float | None = None
         """Train loss of the latest step of this process."""
-        self.saved_loss: float | None = None
-        """Train loss at :attr:`saved`'s step (``None`` for a checkpoint from before a resume)."""
+        self.losses: dict[int, float] = {}
+        """Logged train loss per step (step ``s`` is measured on the weights of step ``s − 1``)."""
         """(step, folder) of the newest checkpoint this run holds."""
         if resume:  # check model, data and steps before anything in the run folder is touched
             ckpt = latest_checkpoint(self.run_dir)
@@ -530,7 +532,6 @@ class Trainer:
         self.device = torch.device(config.device)
         self.model_config = get_preset(config.preset)
         vocab = text_config_of(self.model_config).vocab_size
-        self.vocab_size, self.blowup_loss = vocab, blowup_loss(vocab)
         tokenizer = Tokenizer.load(config.tokenizer) if config.tokenizer else None
         self.data = prepare_data(
             config.data,
@@ -542,6 +543,8 @@ class Trainer:
             progress=progress,
         )
         self.tokenizer = self.data.tokenizer
+        # an untrained model guesses uniformly over the model's ids (loss ≈ ln V), whatever the tokenizer
+        self.vocab_size, self.blowup_loss = vocab, blowup_loss(vocab)
         self.train_set, self.val_set = TokenDataset(self.data.train_path), TokenDataset(self.data.val_path)
         torch.manual_seed(config.seed)
         self.model = build_model(self.model_config, device=self.device, seed=config.seed)
@@ -563,11 +566,9 @@ class Trainer:
         if resume:
             self._resume()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
-        if resume:  # the train loss logged at the checkpoint's step, for a divergence message
+        if resume:  # the losses logged so far, for a divergence message
             rows = read_metrics(self.metrics.path) if self.metrics.path.exists() else []
-            self.saved_loss = next(
-                (r.get("loss") for r in reversed(rows) if r.get("step") == self.step), None
-            )
+            self.losses = {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))}
         (self.run_dir / "train_config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2) + "\n"
         )
@@ -589,7 +590,6 @@ class Trainer:
             self.run_dir, self.step, self.model, self.trainer_state(), self.data.tokenizer_dir
         )
         self.saved = (self.step, ckpt)
-        self.saved_loss = self.last_loss
         return ckpt
 
     def _abort_message(self) -> str:
@@ -605,24 +605,27 @@ class Trainer:
     def _diverged(self, what: str, value: float, lr: float) -> None:
         """Raise :class:`DivergenceError` for a non-finite (or, for the loss, above :func:`blowup_loss`)
         ``what`` at the step being computed, before any parameter, balancer or optimizer update of that step.
-        The message names the latest checkpoint and its train loss, and warns when that loss was already
-        worse than a uniform guess (its weights may be damaged too)."""
+        The message names the latest checkpoint and the train loss measured on its weights (the next step's
+        logged loss, or this one's ``value``), and warns when that loss is worse than an untrained model's
+        (``ln V + 1``; the checkpoint is damaged too)."""
         fix = "Lower --lr or raise --warmup-steps"
         if self.saved is None:
             where = "the run has no checkpoint yet"
         else:
             step, ckpt = self.saved
             where = f"the run's latest checkpoint is step {step} ({ckpt}"
-            loss = self.saved_loss
+            loss = value if step == self.step and what == "loss" else self.losses.get(step + 1)
+            uniform = math.log(self.vocab_size)
             if loss is None:
                 where += "); continue from it with --resume --lr <lower>"
-            elif loss <= math.log(self.vocab_size) + 1:
-                where += f", train loss {loss:.3f}); continue from it with --resume --lr <lower>"
+            elif math.isfinite(loss) and loss <= uniform + 1:
+                where += (
+                    f", train loss {loss:.3f} on its weights); continue from it with --resume --lr <lower>"
+                )
             else:
                 where += (
-                    f", train loss {loss:.3g}, already above ln V = {math.log(self.vocab_size):.2f}, a uniform "
-                    "guess); its weights may be damaged too: if a --resume --lr <lower> diverges again, start "
-                    "over into a new --out"
+                    f", train loss {loss:.3g} on its weights, above ln V = {uniform:.2f}, an untrained model's); "
+                    "it is damaged too: start over into a new --out with a lower --lr"
                 )
         limit = "" if not math.isfinite(value) else f" (above {self.blowup_loss:.1f})"
         raise DivergenceError(
@@ -681,7 +684,7 @@ class Trainer:
         stats = self.balancer.step() if self.balancer else {}
         self.optimizer.step()
         self.step += 1
-        self.last_loss = total
+        self.last_loss = self.losses[self.step] = total
         elapsed = time.perf_counter() - start
         return {
             "step": self.step,
