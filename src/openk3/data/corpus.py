@@ -271,7 +271,9 @@ def _expand(item: str | os.PathLike) -> list[Path]:
     if path.is_file():
         return [path]
     if path.exists():
-        raise ValueError(f"input path {str(path)!r} is neither a regular file nor a folder (a device or pipe?)")
+        raise ValueError(
+            f"input path {str(path)!r} is neither a regular file nor a folder (a device or pipe?)"
+        )
     raise FileNotFoundError(f"input path does not exist: {str(path)!r}")
 
 
@@ -463,7 +465,9 @@ def read_documents(
                 _skip_empty(src.name, report)
     report.documents = len(docs)
     if not docs:
-        raise ValueError(f"no usable documents in the input ({report.summary() or 'every document is empty'})")
+        raise ValueError(
+            f"no usable documents in the input ({report.summary() or 'every document is empty'})"
+        )
     return docs, report
 
 

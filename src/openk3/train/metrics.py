@@ -13,10 +13,12 @@ class MetricsLog:
 
     def __init__(self, path: str | os.PathLike, resume_step: int | None = None) -> None:
         self.path = Path(path)
+        self.kept: list[dict] = []
+        """Rows kept from an earlier part of the run (when resuming)."""
         if resume_step is not None and self.path.exists():
             rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [r for r in rows if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.kept = [r for r in rows if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
 

@@ -55,7 +55,7 @@ from openk3.data.corpus import resolve_inputs, source_records
 from openk3.model import build_model
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
-from openk3.train.metrics import MetricsLog, plot_metrics, read_metrics
+from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.optim import build_optimizer
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
@@ -496,8 +496,6 @@ class Trainer:
             )
         self._resume_from: tuple[Path, dict] | None = None
         self.saved: tuple[int, Path] | None = None
-        self.last_loss: float | None = None
-        """Train loss of the latest step of this process."""
         self.losses: dict[int, float] = {}
         """Logged train loss per step (step ``s`` is measured on the weights of step ``s − 1``)."""
         """(step, folder) of the newest checkpoint this run holds."""
@@ -567,7 +565,7 @@ class Trainer:
             self._resume()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
         if resume:  # the losses logged so far, for a divergence message
-            rows = read_metrics(self.metrics.path) if self.metrics.path.exists() else []
+            rows = self.metrics.kept
             self.losses = {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))}
         (self.run_dir / "train_config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2) + "\n"
@@ -684,7 +682,7 @@ class Trainer:
         stats = self.balancer.step() if self.balancer else {}
         self.optimizer.step()
         self.step += 1
-        self.last_loss = self.losses[self.step] = total
+        self.losses[self.step] = total
         elapsed = time.perf_counter() - start
         return {
             "step": self.step,

@@ -40,19 +40,13 @@ from openk3.ops.kda.triton.kernel_math import (
     gate_cumsum_slice,
     load_row_vec,
     load_rows,
+    row_at,
     store_row_vec,
     store_rows,
 )
 
 LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32}
 """Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives."""
-
-
-@triton.jit
-def _row_at(b_G, row, BT: tl.constexpr):
-    """Row ``row`` of a ``[BT, BK]`` tile as a ``[BK]`` vector."""
-    o_t = tl.arange(0, BT)
-    return tl.sum(tl.where((o_t == row)[:, None], b_G, 0.0), axis=0)
 
 
 @triton.jit
@@ -102,7 +96,7 @@ def chunk_grad_intra_kernel(
         acc_c = tl.zeros([BT, BK], dtype=tl.float32)
         a_s = tl.zeros([BK], dtype=tl.float32)
         for s in tl.static_range(BT // BC):
-            b_s = _row_at(b_G, s * BC + BC - 1, BT)
+            b_s = row_at(b_G, s * BC + BC - 1, BT)
             # row block s, anchor a_s (Γ before the block)
             b_col = b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
             b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))

@@ -41,9 +41,9 @@ from openk3.ops.kda.triton.kernel_math import (
     chunk_rows,
     dot_precision,
     gate_cumsum_slice,
-    last_row,
     load_row_vec,
     load_rows,
+    row_at,
     split4_cols,
     split4_rows,
     store_row_vec,
@@ -167,9 +167,9 @@ def chunk_prepare_kernel(
             G0, G1, G2, G3 = split4_rows(b_G, BT, BK)
             q0, q1, q2, q3 = split4_rows(b_q, BT, BK)
             k0_, k1_, k2_, k3_ = split4_rows(b_k, BT, BK)
-            a_1 = last_row(G0, BC)
-            a_2 = last_row(G1, BC)
-            a_3 = last_row(G2, BC)
+            a_1 = row_at(G0, BC - 1, BC)
+            a_2 = row_at(G1, BC - 1, BC)
+            a_3 = row_at(G2, BC - 1, BC)
             acc_A0, acc_L0 = anchor_block_products(acc_A0, acc_L0, q0, k0_, G0, a_0, b_k, b_G, 0, BT, BC, DOT)
             acc_A1, acc_L1 = anchor_block_products(acc_A1, acc_L1, q1, k1_, G1, a_1, b_k, b_G, 1, BT, BC, DOT)
             acc_A2, acc_L2 = anchor_block_products(acc_A2, acc_L2, q2, k2_, G2, a_2, b_k, b_G, 2, BT, BC, DOT)

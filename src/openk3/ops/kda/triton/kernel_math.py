@@ -168,6 +168,6 @@ def cat4_cols(x0, x1, x2, x3, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def last_row(x, R: tl.constexpr):
-    """Row ``R − 1`` of ``x`` ``[R, C]`` as a ``[C]`` vector."""
-    return tl.sum(tl.where((tl.arange(0, R) == R - 1)[:, None], x, 0.0), axis=0)
+def row_at(x, row, R: tl.constexpr):
+    """Row ``row`` of ``x`` ``[R, C]`` as a ``[C]`` vector (a masked sum over rows: exact)."""
+    return tl.sum(tl.where((tl.arange(0, R) == row)[:, None], x, 0.0), axis=0)
