@@ -359,10 +359,10 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [{}, {"key_block": 32}],
-    "chunk_state": [{}],
-    "chunk_grad_wy": [{}, {"num_warps": 8}, {"num_stages": 1}],
-    "chunk_grad_intra": [{}, {"key_block": 16}, {"key_block": 64}],
+    "chunk_prepare": [{}, {"key_block": 32}, {"maxnreg": 168}],
+    "chunk_state": [{}, {"value_block": 32}, {"value_block": 64}],
+    "chunk_grad_wy": [{}, {"num_stages": 1}],
+    "chunk_grad_intra": [{}, {"key_block": 64}],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {

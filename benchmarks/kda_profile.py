@@ -14,7 +14,9 @@ clocks alone with ``--clock-control none``)::
         python benchmarks/kda_profile.py --launch prepare
 
 ``--launch`` names one of ``benchmarks/kda.py``'s launches (``prepare``, ``prepare (bwd)``, ``state_fwd (o)``,
-``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``; default all).
+``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``; default all). ``--fla`` instead lists the
+CUDA kernels of one flash-linear-attention ``chunk_kda`` forward and forward+backward on the same inputs, with
+each kernel's time from ``torch.profiler`` (the peer's split, to compare launch by launch).
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim.
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kda import our_launches, time_ms  # noqa: E402  (the benchmark's own inputs and launches)
+from kda import LEAVES, chunk_inputs, fla_chunk, fwd_bwd, our_launches, time_ms  # noqa: E402  (the benchmark's own inputs and launches)
 
 KERNELS = {
     "openk3.ops.kda.triton.chunk_prepare": ["chunk_prepare_kernel"],
@@ -78,14 +80,42 @@ def kernel_resources() -> list[dict]:
     return rows
 
 
+def fla_kernels(B: int, T: int, H: int, D: int, repeats: int = 3) -> None:
+    """Print each CUDA kernel of fla's ``chunk_kda`` forward and forward+backward with its mean time (ms per
+    call, from ``torch.profiler`` over ``repeats`` calls after one warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = chunk_inputs(B, T, H, D, None)
+    for name in LEAVES:
+        x[name].requires_grad_(True)
+    do = torch.randn_like(x["v"])
+    for label, fn in (("fwd", lambda: fla_chunk(x)), ("fwd+bwd", lambda: fwd_bwd(fla_chunk, x, do))):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                fn()
+            torch.cuda.synchronize()
+        rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        rows.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in rows) / repeats / 1e3
+        print(f"fla chunk_kda {label}: {total:.3f} ms of kernels per call")
+        for e in rows:
+            print(f"  {e.device_time_total / repeats / 1e3:8.3f} ms  x{e.count // repeats:<3} {e.key[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", default=None, help="one launch name (default: all)")
     parser.add_argument("--shape", default="1,8192,96,128", help="B,T,H,D (default 1,8192,96,128)")
+    parser.add_argument("--fla", action="store_true", help="list fla chunk_kda's kernels and times instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kda_profile.py needs a CUDA GPU")
     B, T, H, D = (int(x) for x in args.shape.split(","))
+    if args.fla:
+        fla_kernels(B, T, H, D)
+        return
     launches = our_launches(B, T, H, D)
     if args.launch is not None and args.launch not in launches:
         sys.exit(f"--launch must be one of {sorted(launches)}, got {args.launch!r}")

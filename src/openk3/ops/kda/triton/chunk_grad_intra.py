@@ -38,6 +38,7 @@ from openk3.ops.kda.triton.kernel_math import (
     chunk_rows,
     dot_precision,
     gate_cumsum_slice,
+    launch_options,
     load_row_vec,
     load_rows,
     row_at,
@@ -176,6 +177,6 @@ def chunk_grad_intra(
         index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
         scale, lower_bound, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NL=NL,
-        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, **launch_options(LAUNCH),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)

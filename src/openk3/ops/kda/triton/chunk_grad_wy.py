@@ -36,6 +36,7 @@ from openk3.ops.kda.triton.kernel_math import (
     chunk_rows,
     dot_precision,
     gate_cumsum_slice,
+    launch_options,
     load_row_vec,
     load_rows,
     store_row_vec,
@@ -207,7 +208,7 @@ def chunk_grad_wy(
     chunk_grad_wy_value_kernel[(P, H)](
         v, beta, pre.u, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,
-        H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, **launch_options(LAUNCH),
     )  # fmt: skip
     chunk_grad_wy_key_kernel[(P, H, NK)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
@@ -216,6 +217,6 @@ def chunk_grad_wy(
         index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
         scale, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        **launch_options(LAUNCH),
     )  # fmt: skip
     return out

@@ -41,6 +41,7 @@ from openk3.ops.kda.triton.kernel_math import (
     chunk_rows,
     dot_precision,
     gate_cumsum_slice,
+    launch_options,
     load_row_vec,
     load_rows,
     row_at,
@@ -52,8 +53,8 @@ from openk3.ops.kda.triton.kernel_math import (
 
 SUB_CHUNK = 16
 """Rows per sub-chunk ``BC``: the anchor blocks of the intra-chunk matrices (fla's ``BC``)."""
-LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 64, "wy_block": 64}
-"""Launch configuration: warps, the key slice ``BK`` of the ``Aqk``/``L`` pass and the key/value slice of the
+LAUNCH = {"num_warps": 4, "num_stages": 1, "maxnreg": 0, "key_block": 64, "wy_block": 64}
+"""Launch configuration: warps, stages, a register cap (0: none), the key slice ``BK`` of the ``Aqk``/``L`` pass and the key/value slice of the
 ``W``/``U`` pass (narrower slices hold fewer registers); ``benchmarks/kda.py --sweep`` times the
 alternatives."""
 
@@ -288,6 +289,6 @@ def chunk_prepare(
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
-        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        **launch_options(LAUNCH),
     )  # fmt: skip
     return out

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.kernel_math import dot_precision, load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import dot_precision, launch_options, load_rows, store_rows
 
 
 @triton.jit
@@ -126,6 +126,6 @@ def chunk_state_fwd(
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV,
         USE_H0=initial_state is not None, STORE_O=not store_h, STORE_FINAL=output_final_state,
-        STORE_H=store_h, num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        STORE_H=store_h, **launch_options(LAUNCH),
     )  # fmt: skip
     return o, ht, h, v_new

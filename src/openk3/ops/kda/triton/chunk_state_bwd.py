@@ -23,7 +23,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
-from openk3.ops.kda.triton.kernel_math import dot_precision, load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import dot_precision, launch_options, load_rows, store_rows
 
 
 @triton.jit
@@ -99,6 +99,6 @@ def chunk_state_bwd(
         pre.qg, pre.kg, pre.w, pre.Aqk, pre.gend, do, dht, dh, dv_new, dh0,
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None,
-        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
+        **launch_options(LAUNCH),
     )  # fmt: skip
     return dh, dv_new, dh0

@@ -29,6 +29,16 @@ def dot_precision(dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def launch_options(launch: dict) -> dict:
+    """Triton launch keywords from a kernel module's ``LAUNCH`` dict: ``num_warps``, ``num_stages`` and, when
+    ``launch["maxnreg"]`` is set (> 0), the register cap per thread (more programs per multiprocessor at the
+    price of spills; FlashKDA's prepare kernel makes the same trade, kda_kernels reference §2.2)."""
+    options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
+    if launch.get("maxnreg"):
+        options["maxnreg"] = launch["maxnreg"]
+    return options
+
+
 @triton.jit
 def k3_gate_log2(x, A_h, bias, lower_bound_log2):
     """K3 lower-bounded gate in log2 units: ``lb·log2(e)·σ(e^{A_log}·(x + dt_bias))`` (§1.3).
