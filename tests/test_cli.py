@@ -238,3 +238,16 @@ def test_python_generate_checks_seed_and_stays_inside_vocab_size():
             openk3.generate.generate(model, ids, 2, temperature=1.0, seed=seed)
     new = openk3.generate.generate(model, ids, 30, temperature=1.5, seed=1, vocab_size=40)
     assert new.shape == (1, 30) and int(new.max()) < 40
+
+
+@pytest.mark.parametrize(
+    "argv", [["train"], ["info"], ["generate", "--ckpt", "m", "--prompt", "p"], ["eval", "--ckpt", "m"]]
+)
+def test_unknown_option_is_named_by_its_subcommand(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--bogus", "1"])
+    assert exit_.value.code == 2
+    command = argv[0]
+    assert capsys.readouterr().err == (
+        f"openk3 {command}: error: unrecognized arguments: --bogus 1 (see openk3 {command} --help)\n"
+    )

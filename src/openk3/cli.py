@@ -261,13 +261,25 @@ class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (``openk3 train: error: … (see openk3 train --help)``)
     instead of the usage block and the error; subcommand parsers inherit it."""
 
+    commands: dict[str, argparse.ArgumentParser] | None = None
+    """Subcommand parsers by name (set on the top-level parser), so an unknown option is reported by the
+    subcommand it was given to (``openk3 train: error: unrecognized arguments: --bogus``)."""
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = (self.commands or {}).get(getattr(parsed, "command", None), self)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="openk3", description="Kimi K3 family: models, accounting, tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices
     info = sub.add_parser("info", help="parameter counts and cache sizes of a preset or config.json")
     src = info.add_mutually_exclusive_group()
     src.add_argument(
