@@ -157,6 +157,13 @@ def test_split_by_document():
         split_documents(docs, 0.0)
 
 
+def test_tokenizer_training_progress_leaves_a_piped_stdout_empty(capfd):
+    # tokenizers draws its bar on stdout; off a terminal it used to print one empty line per stage
+    tok = Tokenizer.train(PROSE, vocab_size=300, show_progress=True, length=len(PROSE))
+    assert tok.vocab_size > 260
+    assert capfd.readouterr().out == ""
+
+
 def test_tokenizer_roundtrip_save_load(tmp_path):
     tok = Tokenizer.train(PROSE, vocab_size=300)
     assert 256 + 4 < tok.vocab_size <= 300

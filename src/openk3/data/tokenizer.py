@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -152,7 +153,8 @@ class Tokenizer:
 
         ``vocab_size``: target size including the 256 byte tokens and ``special_tokens`` (ids 0..); a small
         corpus can stop short of it (no pair left with ``min_frequency`` occurrences). ``special_tokens[0]``
-        becomes the eos token. ``length`` (number of texts) only feeds the progress bar. Raises
+        becomes the eos token. ``length`` (number of texts) only feeds the progress bar, which ``tokenizers``
+        draws on stdout and so is shown only when stdout is a terminal (else it leaves empty lines). Raises
         ``ValueError`` when ``vocab_size`` cannot hold the bytes and special tokens.
         """
         tk = _hf()
@@ -172,7 +174,7 @@ class Tokenizer:
             min_frequency=min_frequency,
             special_tokens=list(special_tokens),
             initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=show_progress,
+            show_progress=show_progress and sys.stdout.isatty(),
         )
         backend.train_from_iterator(texts, trainer, length=length)
         return cls._from_hf(backend, eos_token=special_tokens[0])
