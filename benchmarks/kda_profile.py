@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kda import LEAVES, chunk_inputs, fla_chunk, fwd_bwd, our_launches, time_ms  # noqa: E402  (the benchmark's own inputs and launches)
+# the benchmark's own inputs and launches
+from kda import LEAVES, chunk_inputs, fla_chunk, fwd_bwd, our_launches, time_ms  # noqa: E402
 
 KERNELS = {
     "openk3.ops.kda.triton.chunk_prepare": ["chunk_prepare_kernel"],

@@ -54,9 +54,9 @@ from openk3.ops.kda.triton.kernel_math import (
 SUB_CHUNK = 16
 """Rows per sub-chunk ``BC``: the anchor blocks of the intra-chunk matrices (fla's ``BC``)."""
 LAUNCH = {"num_warps": 4, "num_stages": 1, "maxnreg": 0, "key_block": 64, "wy_block": 64}
-"""Launch configuration: warps, stages, a register cap (0: none), the key slice ``BK`` of the ``Aqk``/``L`` pass and the key/value slice of the
-``W``/``U`` pass (narrower slices hold fewer registers); ``benchmarks/kda.py --sweep`` times the
-alternatives."""
+"""Launch configuration: warps, stages, a register cap (0: none), the key slice ``BK`` of the ``Aqk``/``L``
+pass and the key/value slice of the ``W``/``U`` pass (narrower slices hold fewer registers);
+``benchmarks/kda.py --sweep`` times the alternatives."""
 
 
 @triton.jit
