@@ -318,6 +318,11 @@ def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsy
     # a finished run without a larger --steps: nothing to do
     assert main(base[:-3] + ["--no-sample"]) == 2
     assert f"run {run} is already at step 1 and steps=1" in capsys.readouterr().err
+    # the same files spelled as a glob pass the data check (and reach the steps check); a glob of a subset not
+    assert main(base[:-3] + ["--no-sample", "--data", str(corpus / "*.txt")]) == 2
+    assert f"run {run} is already at step 1 and steps=1" in capsys.readouterr().err
+    assert main(base[:-3] + ["--no-sample", "--data", str(corpus / "work0*")]) == 2
+    assert "(different data)" in capsys.readouterr().err
     assert _snapshot(run) == before  # no data rebuild, no train_config.json, no metrics truncation
 
 

@@ -279,12 +279,22 @@ MAX_SEED = 2**63 - 1
 """Largest accepted seed (torch and numpy generators take any int in ``[0, 2^63)``)."""
 
 
-def _same_input(a, b) -> bool:
+def _same_input(a, b, *, corpus: bool = False) -> bool:
+    """Whether two values of a :data:`DATA_FIELDS` field name the same input: equal, the same path once
+    resolved, or (``corpus``: the ``data`` field) files, folders or globs that resolve to the same files in
+    the same order (``corpus/*.txt`` and ``corpus/``)."""
     if a == b:
         return True
-    if isinstance(a, str) and isinstance(b, str):
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    return False
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    if Path(a).expanduser().resolve() == Path(b).expanduser().resolve():
+        return True
+    if not corpus:
+        return False
+    try:
+        return [f.path for f in resolve_inputs(a)] == [f.path for f in resolve_inputs(b)]
+    except (OSError, ValueError):
+        return False  # one of them names nothing now: keep the plain refusal
 
 
 def _describe_data(values: dict) -> str:
@@ -298,14 +308,14 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
     """Raise ``ValueError`` unless ``config`` asks for the data the run was trained on.
 
     ``saved`` is the run's train config (from its checkpoint). The fields of :data:`DATA_FIELDS` must agree
-    (paths compare equal as given or resolved); then, when ``<run>/data/data.json`` exists, its fingerprint
+    (paths compare equal as given or resolved, and ``data`` also when it resolves to the same files); then, when ``<run>/data/data.json`` exists, its fingerprint
     must equal :func:`openk3.data.data_fingerprint` of the inputs now (it follows file contents, not
     timestamps: it differs when a byte of a corpus file changed, a file was added, removed or renamed, or a
     given tokenizer file changed; touching a file or restoring it byte for byte leaves it unchanged). Either
     change would make :func:`openk3.data.prepare_data` re-tokenize the corpus (and retrain the tokenizer)
     under weights trained on the old token ids, so the message says what the run was trained on and how to
     resume."""
-    diff = [k for k in DATA_FIELDS if not _same_input(saved.get(k), getattr(config, k))]
+    diff = [k for k in DATA_FIELDS if not _same_input(saved.get(k), getattr(config, k), corpus=k == "data")]
     if diff:
         flags = [DATA_FIELDS[k] or f"TrainConfig.{k}" for k in diff]
         asked = {k: getattr(config, k) for k in DATA_FIELDS}
