@@ -251,3 +251,20 @@ def test_unknown_option_is_named_by_its_subcommand(capsys, argv):
     assert capsys.readouterr().err == (
         f"openk3 {command}: error: unrecognized arguments: --bogus 1 (see openk3 {command} --help)\n"
     )
+
+
+def test_an_option_before_the_command_is_named(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "openk3: error: unrecognized arguments: --bogus (the command comes first: info, train"
+    )
+
+
+def test_info_names_a_config_that_is_not_utf8(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_bytes(b"\xff\xfe{}")
+    assert main(["info", "--config", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"openk3: error: {bad} is not UTF-8 text (JSON): ")

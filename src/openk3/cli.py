@@ -269,7 +269,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args=None, namespace=None):
-        parsed, extras = self.parse_known_args(args, namespace)
+        argv = sys.argv[1:] if args is None else list(args)
+        if self.commands and argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+            self.error(
+                f"unrecognized arguments: {argv[0]} (the command comes first: {', '.join(self.commands)})"
+            )
+        parsed, extras = self.parse_known_args(argv, namespace)
         if extras:
             owner = (self.commands or {}).get(getattr(parsed, "command", None), self)
             owner.error(f"unrecognized arguments: {' '.join(extras)}")

@@ -510,6 +510,8 @@ def load_config(path: str | os.PathLike) -> AnyConfig:
             data = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text (JSON): {e}") from e
     try:
         return config_from_dict(data)
     except ValueError as e:
