@@ -502,6 +502,8 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kda.py needs a CUDA GPU (the chunk kernels are Triton GPU kernels)")
     use_fla = not args.skip_fla
     if use_fla:
         try:
