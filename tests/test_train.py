@@ -151,7 +151,8 @@ def test_cli_train_generate_eval(corpus, tmp_path, capsys):
     assert main(["eval", "--ckpt", str(out), "--seq-len", "32", "--max-batches", "2"]) == 0
     assert "perplexity" in capsys.readouterr().out
     assert main(["generate", "--ckpt", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
-    assert main(["generate", "--ckpt", str(out), "--prompt", "x", "--temperature", "-1"]) == 2
+    with pytest.raises(SystemExit, match="2"):
+        main(["generate", "--ckpt", str(out), "--prompt", "x", "--temperature", "-1"])
 
 
 def test_refuses_to_overwrite_a_run_without_resume(corpus, tmp_path):

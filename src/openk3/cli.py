@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -13,26 +14,29 @@ from openk3.config import load_config
 from openk3.presets import PRESETS, get_preset
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (the error names the flag and the value)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
+def _checked(cast, what: str, ok):
+    """An argparse type: ``cast(text)`` for which ``ok(value)`` holds; otherwise argparse's one-line error
+    names the flag, ``what`` was expected and the text given (``argument --lr: expected a finite number > 0,
+    got 'nan'``)."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seed(text: str) -> int:
-    """argparse type: a seed, an int in ``[0, 2^63)``."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an int in [0, 2^63), got {text!r}")
-    return value
+_positive_int = _checked(int, "an int >= 1", lambda v: v >= 1)
+_non_negative_int = _checked(int, "an int >= 0", lambda v: v >= 0)
+_seed = _checked(int, "an int in [0, 2^63)", lambda v: 0 <= v < 2**63)
+_positive_float = _checked(float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+_temperature = _checked(float, "a finite number >= 0 (0 = greedy)", lambda v: math.isfinite(v) and v >= 0)
+_top_p = _checked(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 
 
 DEFAULT_EVAL_SEQ_LEN = 256
@@ -301,30 +305,30 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", help="text/JSONL file, folder or glob (default: Shakespeare's complete works)")
     tr.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: train a byte-level BPE)")
     tr.add_argument("--out", help="run folder (default runs/k3-tiny)")
-    tr.add_argument("--steps", type=int, help="optimizer steps")
-    tr.add_argument("--batch-size", dest="batch_size", type=int, help="sequences per step")
-    tr.add_argument("--grad-accum", dest="grad_accum", type=int, help="micro-batches per step")
+    tr.add_argument("--steps", type=_positive_int, help="optimizer steps")
+    tr.add_argument("--batch-size", dest="batch_size", type=_positive_int, help="sequences per step")
+    tr.add_argument("--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step")
     tr.add_argument(
         "--context-schedule",
         dest="context_schedule",
         help="progressive context, e.g. '0:128,150:256' (step:seq_len,...)",
     )
-    tr.add_argument("--lr", type=float, help="peak learning rate")
+    tr.add_argument("--lr", type=_positive_float, help="peak learning rate")
     tr.add_argument(
-        "--grad-clip", dest="grad_clip", type=float, help="max global gradient norm (default 1.0)"
+        "--grad-clip", dest="grad_clip", type=_positive_float, help="max global gradient norm (default 1.0)"
     )
     tr.add_argument(
         "--warmup-steps",
         dest="warmup_steps",
-        type=int,
+        type=_non_negative_int,
         help="linear warmup steps (default 20), clamped to at most 25%% of --steps",
     )
     tr.add_argument("--schedule", choices=["cosine", "wsd"])
     tr.add_argument(
         "--balance", choices=["quantile", "sign", "none"], help="MoE balancing (default quantile)"
     )
-    tr.add_argument("--eval-every", dest="eval_every", type=int)
-    tr.add_argument("--save-every", dest="save_every", type=int)
+    tr.add_argument("--eval-every", dest="eval_every", type=_positive_int)
+    tr.add_argument("--save-every", dest="save_every", type=_positive_int)
     tr.add_argument("--seed", type=_seed)
     tr.add_argument("--device", choices=["cpu", "cuda"])
     tr.add_argument(
@@ -338,9 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ckpt", required=True, help="checkpoint folder or run folder (uses its latest checkpoint)"
     )
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-p", dest="top_p", type=float, default=1.0)
+    gen.add_argument("--max-new-tokens", dest="max_new_tokens", type=_positive_int, default=200)
+    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-p", dest="top_p", type=_top_p, default=1.0)
     gen.add_argument("--seed", type=_seed, default=None)
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     gen.set_defaults(func=cmd_generate)
