@@ -111,8 +111,8 @@ def test_schedules():
     )
     sched = parse_context_schedule("0:64,10:128,20:256")
     assert [seq_len_at(s, sched) for s in (0, 9, 10, 19, 20, 1000)] == [64, 64, 128, 128, 256, 256]
-    for bad in ("10:64", "0:64,0:128", "0:x"):
-        with pytest.raises(ValueError):
+    for bad in ("10:64", "0:64,0:128", "0:x", "0:0"):
+        with pytest.raises(ValueError, match=f"context schedule '{bad}': "):  # the text as typed
             parse_context_schedule(bad)
     with pytest.raises(ValueError, match="balance"):
         TrainConfig(balance="magic")

@@ -63,17 +63,21 @@ def parse_context_schedule(text: str) -> list[tuple[int, int]]:
         pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
     except ValueError as e:
         raise ValueError(f"context schedule {text!r}: expected 'step:seq_len,step:seq_len,...'") from e
-    return check_context_schedule(pairs)
+    return check_context_schedule(pairs, shown=repr(text))
 
 
-def check_context_schedule(pairs) -> list[tuple[int, int]]:
+def check_context_schedule(pairs, shown: str | None = None) -> list[tuple[int, int]]:
+    """``pairs`` as a list of int ``(step, seq_len)``; raises ``ValueError`` naming the schedule (``shown``, e.g.
+    the text the user typed, else ``repr(pairs)``) unless it starts at step 0, its steps increase and every
+    length is >= 1."""
     pairs = [tuple(p) for p in pairs]
+    shown = repr(pairs) if shown is None else shown
     if not pairs or any(len(p) != 2 for p in pairs):
-        raise ValueError(f"context schedule {pairs!r}: expected a non-empty list of (step, seq_len)")
+        raise ValueError(f"context schedule {shown}: expected a non-empty list of (step, seq_len)")
     if pairs[0][0] != 0:
-        raise ValueError(f"context schedule {pairs!r}: the first entry must start at step 0")
+        raise ValueError(f"context schedule {shown}: the first entry must start at step 0")
     if any(b[0] <= a[0] for a, b in zip(pairs, pairs[1:])) or any(p[1] < 1 for p in pairs):
-        raise ValueError(f"context schedule {pairs!r}: steps must increase and lengths be >= 1")
+        raise ValueError(f"context schedule {shown}: steps must increase and lengths be >= 1")
     return [(int(s), int(t)) for s, t in pairs]
 
 
