@@ -362,7 +362,7 @@ SWEEP = {
     "chunk_prepare": [{}, {"key_block": 32}, {"maxnreg": 168}],
     "chunk_state": [{}, {"value_block": 32}, {"value_block": 64}],
     "chunk_grad_wy": [{}, {"num_stages": 1}],
-    "chunk_grad_intra": [{}, {"key_block": 64}],
+    "chunk_grad_intra": [{}, {"key_block": 64}, {"bf16_operands": True}],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {

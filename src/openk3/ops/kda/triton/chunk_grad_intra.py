@@ -41,13 +41,17 @@ from openk3.ops.kda.triton.kernel_math import (
     launch_options,
     load_row_vec,
     load_rows,
+    mixed_dot,
     row_at,
     store_row_vec,
     store_rows,
 )
 
-LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32}
-"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives."""
+LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32, "bf16_operands": False}
+"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives. ``bf16_operands`` (for
+bf16/fp16 inputs; not yet timed on a GPU, so off) keeps the four ``[BT, BT]`` operand tiles (``dAqk``, ``dL``
+and their transposes) and the other factors of the products in bf16, with fp32 accumulation: half the shared
+memory and operand registers of the default tf32 products."""
 
 
 @triton.jit
@@ -58,7 +62,7 @@ def chunk_grad_intra_kernel(
     cu_seqlens, chunk_table, part_stride, part_stride_b,
     scale, lower_bound, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    NL: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NL: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the per-chunk
     partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites ``dqn``/``dkn``
@@ -80,6 +84,9 @@ def chunk_grad_intra_kernel(
     b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
     b_dAt = tl.trans(b_dA)
     b_dLt = tl.trans(b_dL * b_beta[:, None])
+    if BF16:  # the loop-invariant operand tiles, once
+        b_dA, b_dL = b_dA.to(tl.bfloat16), b_dL.to(tl.bfloat16)
+        b_dAt, b_dLt = b_dAt.to(tl.bfloat16), b_dLt.to(tl.bfloat16)
     b_db = tl.zeros([BT], dtype=tl.float32)
     c_q = tl.zeros([BT], dtype=tl.float32)
     c_k = tl.zeros([BT], dtype=tl.float32)
@@ -101,14 +108,13 @@ def chunk_grad_intra_kernel(
             # row block s, anchor a_s (Γ before the block)
             b_col = b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
             b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
-            acc_q += tl.dot(b_dA, b_col, input_precision=DOT) * b_rf
-            acc_m += tl.dot(b_dL, b_col, input_precision=DOT) * b_rf
+            acc_q += mixed_dot(b_dA, b_col, DOT, BF16) * b_rf
+            acc_m += mixed_dot(b_dL, b_col, DOT, BF16) * b_rf
             # column block s, anchor b_s (Γ at its last row)
             b_rows = tl.exp2(tl.where((blk >= s)[:, None], b_G - b_s[None, :], float("-inf")))
             b_cf = tl.exp2(tl.where((blk == s)[:, None], b_s[None, :] - b_G, float("-inf")))
             acc_c += (
-                tl.dot(b_dAt, b_q * b_rows, input_precision=DOT)
-                + tl.dot(b_dLt, b_k * b_rows, input_precision=DOT)
+                mixed_dot(b_dAt, b_q * b_rows, DOT, BF16) + mixed_dot(b_dLt, b_k * b_rows, DOT, BF16)
             ) * b_cf
             a_s = b_s
         b_db += tl.sum(b_k * acc_m, axis=1)
@@ -177,6 +183,7 @@ def chunk_grad_intra(
         index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
         scale, lower_bound, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NL=NL,
-        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, **launch_options(LAUNCH),
+        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32, **launch_options(LAUNCH),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)

@@ -40,6 +40,16 @@ def launch_options(launch: dict) -> dict:
 
 
 @triton.jit
+def mixed_dot(a, b, DOT: tl.constexpr, BF16: tl.constexpr):
+    """``a @ b`` accumulated in fp32: bf16 operands when ``BF16`` (the tensor cores' bf16 rate, half the
+    operand registers and shared memory), else fp32 operands at precision ``DOT``."""
+    if BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision=DOT)
+
+
+@triton.jit
 def k3_gate_log2(x, A_h, bias, lower_bound_log2):
     """K3 lower-bounded gate in log2 units: ``lb·log2(e)·σ(e^{A_log}·(x + dt_bias))`` (§1.3).
 
