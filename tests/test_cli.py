@@ -280,3 +280,24 @@ def test_info_names_a_config_that_is_not_utf8(tmp_path, capsys):
     bad.write_bytes(b"\xff\xfe{}")
     assert main(["info", "--config", str(bad)]) == 2
     assert capsys.readouterr().err.startswith(f"openk3: error: {bad} is not UTF-8 text (JSON): ")
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1e-44, 1.0), (1e-300, 1.0), (0.8, 1e-300), (0.8, 5e-324)])
+def test_extreme_sampling_values_pick_the_most_likely_token(temperature, top_p):
+    # a tiny temperature used to overflow logits/T to inf (softmax NaN); a top_p below fp32's range masked
+    # every token; both limits are greedy decoding
+    from openk3.generate import sample_next
+
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [10.0, -5.0, 9.5, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    assert sample_next(logits, temperature, top_p, gen).flatten().tolist() == [1, 0]
+
+
+def test_train_refuses_more_tokens_per_step_than_it_can_draw(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--no-sample", "--batch-size", "2", "--grad-accum", str(10**20)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "batch_size × grad_accum × the longest context = 2 × 100000000000000000000 × 128" in err
+    assert "above 2,147,483,647" in err
+    assert not out.exists()

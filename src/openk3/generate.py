@@ -41,10 +41,17 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, gener
     """Next tokens ``[B, 1]`` (int64) from last-position logits ``[B, V]``."""
     if temperature == 0:
         return logits_BV.argmax(-1, keepdim=True)
-    probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
+    logits_BV = logits_BV.float()
+    # shifted to a maximum of 0 first, so a tiny temperature gives -inf, not inf − inf = NaN; one below fp32's
+    # smallest normal number acts as that number (else it would round to 0 and divide 0 by 0)
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    probs_BV = torch.softmax((logits_BV - logits_BV.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1:
         sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
         outside_BV = sorted_BV.cumsum(-1) - sorted_BV >= top_p  # keep tokens until the mass reaches top_p
+        outside_BV[:, 0] = (
+            False  # the most likely token always stays (a top_p below fp32's range rounds to 0)
+        )
         sorted_BV = sorted_BV.masked_fill(outside_BV, 0.0)
         probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
     return torch.multinomial(probs_BV, 1, generator=generator)

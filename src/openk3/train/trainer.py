@@ -158,6 +158,14 @@ class TrainConfig:
         _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if self.stop_at_step is not None:
             _check_int("stop_at_step", self.stop_at_step, minimum=1)
+        seq_len = max(t for _, t in self.context_schedule)
+        tokens = self.batch_size * self.grad_accum * seq_len
+        if tokens > MAX_TOKENS_PER_STEP:
+            raise ValueError(
+                f"TrainConfig: batch_size × grad_accum × the longest context = {self.batch_size} × "
+                f"{self.grad_accum} × {seq_len} = {tokens:,} tokens per step, above {MAX_TOKENS_PER_STEP:,} "
+                "(2^31 − 1; the step's token windows are drawn at once): lower --batch-size or --grad-accum"
+            )
         _check_float("lr", self.lr, "a finite number > 0 (the peak learning rate, e.g. 3e-3)", lo=0.0)
         _check_float("grad_clip", self.grad_clip, "a finite number > 0 (max global grad norm)", lo=0.0)
         _check_float("min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]", lo=0.0, hi=1.0, lo_ok=True)
@@ -263,6 +271,11 @@ def check_resume_model(run_dir: Path, ckpt: Path, saved_preset: str | None, conf
 
 DATA_FIELDS = {"data": "--data", "tokenizer": "--tokenizer", "val_fraction": None, "seed": "--seed"}
 """TrainConfig fields that decide the token shards and tokenizer (and their CLI flags); a resume keeps them."""
+
+
+MAX_TOKENS_PER_STEP = 2**31 - 1
+"""Most tokens one optimizer step may hold (``batch_size × grad_accum × seq_len``): the step's windows are
+drawn in one batch. Far above real runs (millions of tokens per step)."""
 
 
 class DivergenceError(RuntimeError):
