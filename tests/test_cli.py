@@ -37,7 +37,8 @@ def test_train_rejects_bad_numbers_before_any_work(tmp_path, capsys, flag, value
         main(args)
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (
-        f"openk3 train: error: argument {flag}: expected {expected}, got {value!r} (see openk3 train --help)\n"
+        f"openk3 train: error: argument {flag}: expected {expected}, got {value!r} "
+        "(see openk3 train --help)\n"
     )
     assert not out.exists()
 

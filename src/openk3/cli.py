@@ -159,7 +159,6 @@ def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, s
 
     from openk3.generate import stream
 
-    _check_prompt(prompt)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
@@ -182,9 +181,7 @@ def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, s
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from openk3.generate import check_sampling
-
-    check_sampling(args.temperature, args.top_p, args.max_new_tokens)  # before the (slow) model load
+    # the sampling flags were checked by their argparse types; the prompt is checked before the (slow) load
     _check_prompt(args.prompt)
     model, tokenizer, _ = _load_for_inference(args.ckpt, args.device)
     _stream_text(
@@ -240,8 +237,6 @@ def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import math
-
     from openk3.data import TokenDataset
     from openk3.train.state import latest_checkpoint
     from openk3.train.trainer import validation_loss
@@ -415,8 +410,9 @@ def _failure_line(e: BaseException) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: its own (0 on success), 2 for a bad input (one ``openk3: error:`` line on
-    stderr), 1 for diverged training or memory exhausted (one such line), 130 for Ctrl-C (one line saying what was saved), 141 when stdout was closed early
-    (``openk3 info --json | head``; nothing printed)."""
+    stderr; argparse's own errors raise ``SystemExit(2)`` with one ``openk3 <command>: error:`` line), 1 for
+    diverged training or memory exhausted (one such line), 130 for Ctrl-C (one line saying what was saved),
+    141 when stdout was closed early (``openk3 info --json | head``; nothing printed)."""
     try:
         args = build_parser().parse_args(argv)
         code = args.func(args)

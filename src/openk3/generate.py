@@ -49,9 +49,8 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, gener
     if top_p < 1:
         sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
         outside_BV = sorted_BV.cumsum(-1) - sorted_BV >= top_p  # keep tokens until the mass reaches top_p
-        outside_BV[:, 0] = (
-            False  # the most likely token always stays (a top_p below fp32's range rounds to 0)
-        )
+        # the most likely token always stays (a top_p below fp32's range rounds to 0 and would drop it)
+        outside_BV[:, 0] = False
         sorted_BV = sorted_BV.masked_fill(outside_BV, 0.0)
         probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
     return torch.multinomial(probs_BV, 1, generator=generator)

@@ -67,9 +67,9 @@ def parse_context_schedule(text: str) -> list[tuple[int, int]]:
 
 
 def check_context_schedule(pairs, shown: str | None = None) -> list[tuple[int, int]]:
-    """``pairs`` as a list of int ``(step, seq_len)``; raises ``ValueError`` naming the schedule (``shown``, e.g.
-    the text the user typed, else ``repr(pairs)``) unless it starts at step 0, its steps increase and every
-    length is >= 1."""
+    """``pairs`` as a list of int ``(step, seq_len)``; raises ``ValueError`` naming the schedule
+    (``shown``, e.g. the text the user typed, else ``repr(pairs)``) unless it starts at step 0, its steps
+    increase and every length is >= 1."""
     pairs = [tuple(p) for p in pairs]
     shown = repr(pairs) if shown is None else shown
     if not pairs or any(len(p) != 2 for p in pairs):

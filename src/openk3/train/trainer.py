@@ -321,13 +321,13 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
     """Raise ``ValueError`` unless ``config`` asks for the data the run was trained on.
 
     ``saved`` is the run's train config (from its checkpoint). The fields of :data:`DATA_FIELDS` must agree
-    (paths compare equal as given or resolved, and ``data`` also when it resolves to the same files); then, when ``<run>/data/data.json`` exists, its fingerprint
-    must equal :func:`openk3.data.data_fingerprint` of the inputs now (it follows file contents, not
-    timestamps: it differs when a byte of a corpus file changed, a file was added, removed or renamed, or a
-    given tokenizer file changed; touching a file or restoring it byte for byte leaves it unchanged). Either
-    change would make :func:`openk3.data.prepare_data` re-tokenize the corpus (and retrain the tokenizer)
-    under weights trained on the old token ids, so the message says what the run was trained on and how to
-    resume."""
+    (paths compare equal as given or resolved, and ``data`` also when it resolves to the same files); then,
+    when ``<run>/data/data.json`` exists, its fingerprint must equal :func:`openk3.data.data_fingerprint` of
+    the inputs now (it follows file contents, not timestamps: it differs when a byte of a corpus file changed,
+    a file was added, removed or renamed, or a given tokenizer file changed; touching a file or restoring it
+    byte for byte leaves it unchanged). Either change would make :func:`openk3.data.prepare_data` re-tokenize
+    the corpus (and retrain the tokenizer) under weights trained on the old token ids, so the message says
+    what the run was trained on and how to resume."""
     diff = [k for k in DATA_FIELDS if not _same_input(saved.get(k), getattr(config, k), corpus=k == "data")]
     if diff:
         flags = [DATA_FIELDS[k] or f"TrainConfig.{k}" for k in diff]
@@ -358,9 +358,9 @@ def check_resume_data(run_dir: Path, saved: dict, config: TrainConfig) -> None:
     if recorded != now:
         raise ValueError(
             f"the inputs of run {run_dir} changed since its token shards were built ({manifest} records "
-            f"another fingerprint: {_changed_sources(manifest_dict, config.data)}): resuming would re-tokenize the corpus (and retrain the tokenizer) "
-            "under weights trained on the old token ids. Restore the original files, or train on the new data "
-            "into another --out"
+            f"another fingerprint: {_changed_sources(manifest_dict, config.data)}): resuming would "
+            "re-tokenize the corpus (and retrain the tokenizer) under weights trained on the old token ids. Restore the "
+            "original files, or train on the new data into another --out"
         )
 
 
@@ -519,9 +519,9 @@ class Trainer:
             )
         self._resume_from: tuple[Path, dict] | None = None
         self.saved: tuple[int, Path] | None = None
+        """(step, folder) of the newest checkpoint this run holds."""
         self.losses: dict[int, float] = {}
         """Logged train loss per step (step ``s`` is measured on the weights of step ``s − 1``)."""
-        """(step, folder) of the newest checkpoint this run holds."""
         if resume:  # check model, data and steps before anything in the run folder is touched
             ckpt = latest_checkpoint(self.run_dir)
             state = load_trainer_state(ckpt)
