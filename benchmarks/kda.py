@@ -359,10 +359,10 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [{}, {"key_block": 32}, {"maxnreg": 168}],
-    "chunk_state": [{}, {"value_block": 32}, {"value_block": 64}],
-    "chunk_grad_wy": [{}, {"num_stages": 1}],
-    "chunk_grad_intra": [{}, {"key_block": 64}, {"bf16_operands": True}],
+    "chunk_prepare": [{}, {"fp16_inverse": True}, {"fp16_inverse": True, "key_block": 32}],
+    "chunk_state": [{}, {"value_block": 32}],
+    "chunk_grad_wy": [{}],
+    "chunk_grad_intra": [{}, {"bf16_operands": True}, {"bf16_operands": True, "key_block": 64}],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {

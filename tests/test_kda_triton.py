@@ -200,6 +200,18 @@ def assert_grads_close(ref: dict, out: dict, tol: dict, inputs: dict) -> None:
             assert_close(name, ref[name], out[name], tol[name])
 
 
+PRECISION_OPTIONS = ["chunk_grad_intra:bf16_operands", "chunk_prepare:fp16_inverse"]
+"""Launch options (``module:key`` of a kernel module's ``LAUNCH``) that choose 16-bit or tf32 operands for
+bf16 inputs; both settings must meet the tolerances (the other tests cover the defaults)."""
+
+
+def flip(monkeypatch, option: str) -> None:
+    """Set one of :data:`PRECISION_OPTIONS` to the opposite of its default for the test."""
+    module, key = option.split(":")
+    launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
+    monkeypatch.setitem(launch, key, not launch[key])
+
+
 def triton_chunk(**kw):
     """The Triton chunk path called directly (works on CPU tensors under the interpreter)."""
     from openk3.ops.kda.inputs import check_kda_args
@@ -259,13 +271,12 @@ def test_gpu_chunk_long_many_heads():
 
 
 @gpu
+@pytest.mark.parametrize("option", PRECISION_OPTIONS)
 @pytest.mark.parametrize(("T", "H"), [(1000, 4), (8192, 96)])
-def test_gpu_chunk_intra_bf16_operands(monkeypatch, T, H):
-    """The intra-chunk backward's bf16-operand option (a launch alternative the benchmark times) at the same
-    tolerances."""
-    from openk3.ops.kda.triton import chunk_grad_intra
-
-    monkeypatch.setitem(chunk_grad_intra.LAUNCH, "bf16_operands", True)
+def test_gpu_chunk_precision_options_flipped(monkeypatch, option, T, H):
+    """Each operand-precision launch option set against its default (alternatives the benchmark times), at
+    the same tolerances."""
+    flip(monkeypatch, option)
     inputs = make_inputs(1, T, H, 128, 128, device="cuda", seed=T + 5)
     assert_grads_close(reference(inputs), run(chunk_kda, inputs), TOL_BF16, inputs)
 
@@ -432,12 +443,13 @@ def test_interpreter_chunk_bf16_tolerances():
 
 
 @interpreter
-def test_interpreter_chunk_bf16_operands_in_the_intra_backward(monkeypatch):
-    """``chunk_grad_intra.LAUNCH["bf16_operands"]`` (bf16 operand tiles): the same tolerances, at T = 300
-    (five chunks, the last partial). Measured: dq 0.0040, dg 0.0041 vs 0.0037 / 0.0037 with tf32 operands."""
-    from openk3.ops.kda.triton import chunk_grad_intra
-
-    monkeypatch.setitem(chunk_grad_intra.LAUNCH, "bf16_operands", True)
+@pytest.mark.parametrize("option", PRECISION_OPTIONS)
+def test_interpreter_chunk_precision_options_flipped(monkeypatch, option):
+    """Each operand-precision launch option set against its default, at the same tolerances, at T = 300
+    (five chunks, the last partial). Measured (seed 31, 16-bit operands vs tf32): ``bf16_operands`` dq 0.0040
+    vs 0.0037, dg 0.0041 vs 0.0037; ``fp16_inverse`` every value within 0.0003 of tf32's (fp16 keeps tf32's
+    significand)."""
+    flip(monkeypatch, option)
     inputs = make_inputs(1, 300, 2, 128, 128, seed=31)
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
 

@@ -3,7 +3,8 @@
 Forward (§1.5): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (token-parallel: gate, L2 norm,
 ``Aqk``, ``T``, ``W``, ``U``, ``Q̃``, ``K̂``) then :func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`
 (the sequential state pass, which also writes ``o``). Saved: the inputs, ``Aqk``, ``T`` and the l2norm
-reciprocal norms (384 bytes per token and head at bf16, like fla's saved ``Aqk``/``Akk``, §1.5).
+reciprocal norms (392 bytes per token and head at bf16, 264 with ``T`` in fp16; fla saves ``Aqk``/``Akk``,
+§1.5).
 
 Backward (§1.6): the prepare kernel's second pass only (``W``, ``U``, ``Q̃``, ``K̂`` from the saved ``T``),
 the state pass keeping the per-chunk states ``h`` and the residuals ``E``, the reverse state pass, then the

@@ -5,7 +5,7 @@ kernel, and produces everything the sequential state pass needs, so that pass is
 
     Γ  = cumsum of the log2 gate over the chunk          Γ_C its last row
     Aqk_ij = scale Σ_d q_id k_jd 2^{Γ_id − Γ_jd}  (i ≥ j)      L_ij = β_i Σ_d k_id k_jd 2^{Γ_id − Γ_jd}  (i > j)
-    T  = (I + L)^{-1}                                     (written to ``Akk``, fp32)
+    T  = (I + L)^{-1}                                     (written to ``Akk``, fp32 or fp16)
     W  = T Diag(β) (K ⊙ 2^{Γ})     U = T Diag(β) V
     Q̃  = scale·Q ⊙ 2^{Γ}          K̂ = K ⊙ 2^{Γ_C − Γ}       D = 2^{Γ_C}
 
@@ -36,6 +36,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    bounded_dot,
     cat4_cols,
     cat4_rows,
     chunk_rows,
@@ -53,36 +54,58 @@ from openk3.ops.kda.triton.kernel_math import (
 
 SUB_CHUNK = 16
 """Rows per sub-chunk ``BC``: the anchor blocks of the intra-chunk matrices (fla's ``BC``)."""
-LAUNCH = {"num_warps": 4, "num_stages": 1, "maxnreg": 0, "key_block": 64, "wy_block": 64}
+LAUNCH = {
+    "num_warps": 4,
+    "num_stages": 1,
+    "maxnreg": 0,
+    "key_block": 64,
+    "wy_block": 64,
+    "fp16_inverse": True,
+}
 """Launch configuration: warps, stages, a register cap (0: none), the key slice ``BK`` of the ``Aqk``/``L``
-pass and the key/value slice of the ``W``/``U`` pass (narrower slices hold fewer registers);
+pass, the key/value slice of the ``W``/``U`` pass (narrower slices hold fewer registers) and
+``fp16_inverse``: fp16 operands (fp32 accumulation, :func:`~openk3.ops.kda.triton.kernel_math.bounded_dot`)
+in the products of ``T = (I + L)^{-1}`` and ``W = T·Diag(β)K̃``, and ``T`` saved in fp16, for bf16/fp16
+inputs with the in-kernel L2 norm. There every operand is bounded:
+
+* unit keys and ``β ∈ [0, 1]`` give ``|L_ij| ≤ 1``, so the powers and partial sums of a 16×16 block stay
+  below ``2^15``;
+* ``|T_ij| ≤ β_i ≤ 1`` (FlashKDA's rationale for its fp16 inverse, kda_kernels reference §2.2): ``T_ij β_j``
+  is the value the chunk's delta rule writes at step ``i`` after a unit write at step ``j``, and every step
+  ``Diag(α)(I − β k kᵀ)`` has norm ≤ 1;
+* ``|β k̃| ≤ 1``. ``U``'s factor ``V`` is unbounded, so ``U`` stays tf32.
+
+fp16 keeps tf32's significand, so the results match tf32's to rounding (B1 T300 H2 in the interpreter: every
+error within 0.0003 of tf32's); it took prepare from 2.32 to 2.14 ms and its backward pass from 0.86 to 0.80 ms
+at B1 T8192 H96 on the H200.
 ``benchmarks/kda.py --sweep`` times the alternatives."""
 
 
 @triton.jit
-def unit_lower_inverse_block(L, BC: tl.constexpr, DOT: tl.constexpr):
+def unit_lower_inverse_block(L, BC: tl.constexpr, DOT: tl.constexpr, FP16: tl.constexpr):
     """``(I + L)^{-1}`` of a strictly lower-triangular ``[BC, BC]`` fp32 block (``BC = 16``) as the doubling
     product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` = ``Σ_{n<16} (−L)^n`` (exact: ``L^{16} = 0``; FlashKDA's
-    inverse, kda_kernels reference §2.2): six ``16³`` tensor-core products."""
+    inverse, kda_kernels reference §2.2): six ``16³`` tensor-core products (fp16 operands when ``FP16``)."""
     tl.static_assert(BC == 16, "the doubling product is exact for 16-row blocks")
     o_c = tl.arange(0, BC)
     eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
-    P = tl.dot(L, L, input_precision=DOT)
-    X = tl.dot(eye - L, eye + P, input_precision=DOT)
-    P = tl.dot(P, P, input_precision=DOT)
-    X = tl.dot(X, eye + P, input_precision=DOT)
-    P = tl.dot(P, P, input_precision=DOT)
-    return tl.dot(X, eye + P, input_precision=DOT)
+    P = bounded_dot(L, L, DOT, FP16)
+    X = bounded_dot(eye - L, eye + P, DOT, FP16)
+    P = bounded_dot(P, P, DOT, FP16)
+    X = bounded_dot(X, eye + P, DOT, FP16)
+    P = bounded_dot(P, P, DOT, FP16)
+    return bounded_dot(X, eye + P, DOT, FP16)
 
 
 @triton.jit
-def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, FP16: tl.constexpr):
     """``T = (I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``) by block
     forward substitution over its ``BC``-row blocks.
 
     With ``D_s = (I + L_ss)^{-1}`` (:func:`unit_lower_inverse_block`), row block ``s`` of ``T`` is
     ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e. ``D_s`` on the diagonal block
-    plus ``−D_s Σ_{u<s} L_su T_u``: 24 ``16³`` and nine ``16×16×64`` products instead of full-tile ones.
+    plus ``−D_s Σ_{u<s} L_su T_u``: 24 ``16³`` and nine ``16×16×64`` products instead of full-tile ones
+    (fp16 operands when ``FP16``).
     Row ``i`` of every factor reads only rows ``≤ i`` of ``L`` (causal).
     """
     tl.static_assert(BT == 4 * BC, "four anchor blocks per chunk")
@@ -92,18 +115,18 @@ def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr)
     L20, L21, L22, _ = split4_cols(L2, BC, BT)
     L30, L31, L32, L33 = split4_cols(L3, BC, BT)
     zero = tl.zeros([BC, BC], dtype=tl.float32)
-    D0 = unit_lower_inverse_block(L00, BC, DOT)
-    D1 = unit_lower_inverse_block(L11, BC, DOT)
-    D2 = unit_lower_inverse_block(L22, BC, DOT)
-    D3 = unit_lower_inverse_block(L33, BC, DOT)
+    D0 = unit_lower_inverse_block(L00, BC, DOT, FP16)
+    D1 = unit_lower_inverse_block(L11, BC, DOT, FP16)
+    D2 = unit_lower_inverse_block(L22, BC, DOT, FP16)
+    D3 = unit_lower_inverse_block(L33, BC, DOT, FP16)
     T0 = cat4_cols(D0, zero, zero, zero, BC, BC)
-    R1 = tl.dot(L10, T0, input_precision=DOT)
-    T1 = cat4_cols(zero, D1, zero, zero, BC, BC) - tl.dot(D1, R1, input_precision=DOT)
-    R2 = tl.dot(L21, T1, tl.dot(L20, T0, input_precision=DOT), input_precision=DOT)
-    T2 = cat4_cols(zero, zero, D2, zero, BC, BC) - tl.dot(D2, R2, input_precision=DOT)
-    R3 = tl.dot(L30, T0, input_precision=DOT)
-    R3 = tl.dot(L32, T2, tl.dot(L31, T1, R3, input_precision=DOT), input_precision=DOT)
-    T3 = cat4_cols(zero, zero, zero, D3, BC, BC) - tl.dot(D3, R3, input_precision=DOT)
+    R1 = bounded_dot(L10, T0, DOT, FP16)
+    T1 = cat4_cols(zero, D1, zero, zero, BC, BC) - bounded_dot(D1, R1, DOT, FP16)
+    R2 = bounded_dot(L21, T1, DOT, FP16) + bounded_dot(L20, T0, DOT, FP16)
+    T2 = cat4_cols(zero, zero, D2, zero, BC, BC) - bounded_dot(D2, R2, DOT, FP16)
+    R3 = bounded_dot(L30, T0, DOT, FP16) + bounded_dot(L31, T1, DOT, FP16)
+    R3 += bounded_dot(L32, T2, DOT, FP16)
+    T3 = cat4_cols(zero, zero, zero, D3, BC, BC) - bounded_dot(D3, R3, DOT, FP16)
     return cat4_rows(T0, T1, T2, T3, BC, BT)
 
 
@@ -130,7 +153,7 @@ def chunk_prepare_kernel(
     scale, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr, FP16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
     ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
@@ -191,7 +214,7 @@ def chunk_prepare_kernel(
         b_A = tl.where(o_t[:, None] >= o_t[None, :], acc_A * (b_rq * scale)[:, None] * b_rk[None, :], 0.0)
         store_rows(Aqk, b_A, t0, n_valid, i_h, 0, H, BT, BT, BT)
         b_L = tl.where(o_t[:, None] > o_t[None, :], acc_L * (b_beta * b_rk)[:, None] * b_rk[None, :], 0.0)
-        b_T = unit_lower_inverse(b_L, BT, BC, DOT)
+        b_T = unit_lower_inverse(b_L, BT, BC, DOT, FP16)
         store_rows(Akk, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
     else:  # the backward: T and the norms saved by the forward
         b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
@@ -211,7 +234,7 @@ def chunk_prepare_kernel(
         store_rows(qg, b_q * b_rq[:, None] * b_eG, t0, n_valid, i_h, k0, H, K, BT, BK2)
         b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32) * b_rk[:, None]
         store_rows(kg, b_k * tl.exp2(b_GC[None, :] - b_G), t0, n_valid, i_h, k0, H, K, BT, BK2)
-        b_w = tl.dot(b_T, b_k * b_eG * b_beta[:, None], input_precision=DOT)
+        b_w = bounded_dot(b_T, b_k * b_eG * b_beta[:, None], DOT, FP16)
         store_rows(w, b_w, t0, n_valid, i_h, k0, H, K, BT, BK2)
         tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK2), tl.exp2(b_GC))
     for i_v in range(0, V // BV2):
@@ -260,7 +283,8 @@ def chunk_prepare(
 
     Returns:
         :class:`Prepared`: ``w, qg, kg`` ``[tokens, H, K]`` and ``u`` ``[tokens, H, V]`` in the storage dtype
-        (q's dtype, fp32 for fp32 inputs), ``Aqk`` in the storage dtype and ``Akk`` = T in fp32, both
+        (q's dtype, fp32 for fp32 inputs), ``Aqk`` in the storage dtype and ``Akk`` = T in fp32 (fp16 with
+        ``LAUNCH["fp16_inverse"]``), both
         ``[tokens, H, 64]``, ``gend`` fp32 ``[P, H, K]``, the l2norm reciprocal norms fp32 ``[tokens, H]``
         (ones without the norm).
     """
@@ -268,13 +292,16 @@ def chunk_prepare(
     V = v.shape[-1]
     dt = q.dtype
     P = index.num_chunks
+    fp16 = LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
     out = Prepared(
         w=q.new_empty(TT, H, K, dtype=dt),
         u=q.new_empty(TT, H, V, dtype=dt),
         qg=q.new_empty(TT, H, K, dtype=dt),
         kg=q.new_empty(TT, H, K, dtype=dt),
         Aqk=q.new_empty(TT, H, CHUNK, dtype=dt) if saved is None else saved.Aqk,
-        Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float32) if saved is None else saved.Akk,
+        Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float16 if fp16 else torch.float32)
+        if saved is None
+        else saved.Akk,
         gend=q.new_empty(P, H, K, dtype=torch.float32),
         q_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.q_rstd,
         k_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.k_rstd,
@@ -289,6 +316,7 @@ def chunk_prepare(
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
+        FP16=fp16,
         **launch_options(LAUNCH),
     )  # fmt: skip
     return out
