@@ -359,10 +359,10 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [{}, {"fp16_inverse": True}, {"fp16_inverse": True, "key_block": 32}],
+    "chunk_prepare": [{}, {"fp16_inverse": False}, {"cumsum_by_dot": True}],
     "chunk_state": [{}, {"value_block": 32}],
-    "chunk_grad_wy": [{}],
-    "chunk_grad_intra": [{}, {"bf16_operands": True}, {"bf16_operands": True, "key_block": 64}],
+    "chunk_grad_wy": [{}, {"cumsum_by_dot": False}],
+    "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {

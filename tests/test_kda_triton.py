@@ -200,16 +200,36 @@ def assert_grads_close(ref: dict, out: dict, tol: dict, inputs: dict) -> None:
             assert_close(name, ref[name], out[name], tol[name])
 
 
-PRECISION_OPTIONS = ["chunk_grad_intra:bf16_operands", "chunk_prepare:fp16_inverse"]
-"""Launch options (``module:key`` of a kernel module's ``LAUNCH``) that choose 16-bit or tf32 operands for
-bf16 inputs; both settings must meet the tolerances (the other tests cover the defaults)."""
+LAUNCH_OPTIONS = [
+    "chunk_grad_intra:bf16_operands",
+    "chunk_grad_intra:cumsum_by_dot",
+    "chunk_grad_wy:cumsum_by_dot",
+    "chunk_prepare:cumsum_by_dot",
+    "chunk_prepare:fp16_inverse",
+]
+"""The kernels' on/off launch options (``module:key`` of a kernel module's ``LAUNCH``): operand precision for
+bf16 inputs, the cumsum's method. Both settings must meet the tolerances (the other tests cover the
+defaults)."""
 
 
 def flip(monkeypatch, option: str) -> None:
-    """Set one of :data:`PRECISION_OPTIONS` to the opposite of its default for the test."""
+    """Set one of :data:`LAUNCH_OPTIONS` to the opposite of its default for the test."""
     module, key = option.split(":")
     launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
     monkeypatch.setitem(launch, key, not launch[key])
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from openk3.ops.kda.triton.kernel_math import cumsum_rows
+
+    @triton.jit
+    def cumsum_rows_kernel(x, y, R: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
+        """:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows` by dot over contiguous ``[R, C]`` fp32."""
+        offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+        tl.store(y + offs, cumsum_rows(tl.load(x + offs), R, REVERSE, True))
 
 
 def triton_chunk(**kw):
@@ -271,11 +291,11 @@ def test_gpu_chunk_long_many_heads():
 
 
 @gpu
-@pytest.mark.parametrize("option", PRECISION_OPTIONS)
+@pytest.mark.parametrize("option", LAUNCH_OPTIONS)
 @pytest.mark.parametrize(("T", "H"), [(1000, 4), (8192, 96)])
-def test_gpu_chunk_precision_options_flipped(monkeypatch, option, T, H):
-    """Each operand-precision launch option set against its default (alternatives the benchmark times), at
-    the same tolerances."""
+def test_gpu_chunk_launch_options_flipped(monkeypatch, option, T, H):
+    """Each on/off launch option set against its default (alternatives the benchmark times), at the same
+    tolerances."""
     flip(monkeypatch, option)
     inputs = make_inputs(1, T, H, 128, 128, device="cuda", seed=T + 5)
     assert_grads_close(reference(inputs), run(chunk_kda, inputs), TOL_BF16, inputs)
@@ -443,15 +463,38 @@ def test_interpreter_chunk_bf16_tolerances():
 
 
 @interpreter
-@pytest.mark.parametrize("option", PRECISION_OPTIONS)
-def test_interpreter_chunk_precision_options_flipped(monkeypatch, option):
-    """Each operand-precision launch option set against its default, at the same tolerances, at T = 300
-    (five chunks, the last partial). Measured (seed 31, 16-bit operands vs tf32): ``bf16_operands`` dq 0.0040
-    vs 0.0037, dg 0.0041 vs 0.0037; ``fp16_inverse`` every value within 0.0003 of tf32's (fp16 keeps tf32's
-    significand)."""
+@pytest.mark.parametrize("option", LAUNCH_OPTIONS)
+def test_interpreter_chunk_launch_options_flipped(monkeypatch, option):
+    """Each on/off launch option set against its default, at the same tolerances, at T = 300 (five chunks,
+    the last partial). Measured (seed 31, 16-bit operands vs tf32): ``bf16_operands`` dq 0.0040 vs 0.0037,
+    dg 0.0041 vs 0.0037; ``fp16_inverse`` every value within 0.0003 of tf32's (fp16 keeps tf32's
+    significand); ``cumsum_by_dot`` every value within 0.0003."""
     flip(monkeypatch, option)
     inputs = make_inputs(1, 300, 2, 128, 128, seed=31)
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
+
+
+@interpreter
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_interpreter_cumsum_rows_by_dot(reverse):
+    """``cumsum_rows`` as three bf16 tensor-core products matches an fp64 cumsum to fp32 rounding (values
+    spanning 2^-20..2^20, both signs) and stays causal bit for bit: rows after (before, reversed) row 20
+    do not change rows up to (from) it."""
+    gen = torch.Generator().manual_seed(40)
+    x = torch.randn(64, 32, generator=gen) * torch.exp2(torch.randint(-20, 21, (64, 32), generator=gen))
+    y = torch.empty_like(x)
+    cumsum_rows_kernel[(1,)](x, y, 64, 32, reverse)
+    x64 = x.double().flip(0) if reverse else x.double()
+    ref = x64.cumsum(0).flip(0) if reverse else x64.cumsum(0)
+    scale = x64.abs().cumsum(0).flip(0) if reverse else x64.abs().cumsum(0)
+    assert ((y.double() - ref).abs() / scale).max().item() < 1e-6
+    changed = x.clone()
+    rows = slice(None, 20) if reverse else slice(21, None)
+    changed[rows] = torch.randn(changed[rows].shape, generator=gen) * 1e6
+    y2 = torch.empty_like(x)
+    cumsum_rows_kernel[(1,)](changed, y2, 64, 32, reverse)
+    kept = slice(20, None) if reverse else slice(None, 21)
+    assert torch.equal(y[kept], y2[kept])
 
 
 @interpreter

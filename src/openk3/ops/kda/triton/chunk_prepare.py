@@ -61,6 +61,7 @@ LAUNCH = {
     "key_block": 64,
     "wy_block": 64,
     "fp16_inverse": True,
+    "cumsum_by_dot": False,
 }
 """Launch configuration: warps, stages, a register cap (0: none), the key slice ``BK`` of the ``Aqk``/``L``
 pass, the key/value slice of the ``W``/``U`` pass (narrower slices hold fewer registers) and
@@ -74,6 +75,10 @@ inputs with the in-kernel L2 norm. There every operand is bounded:
   is the value the chunk's delta rule writes at step ``i`` after a unit write at step ``j``, and every step
   ``Diag(α)(I − β k kᵀ)`` has norm ≤ 1;
 * ``|β k̃| ≤ 1``. ``U``'s factor ``V`` is unbounded, so ``U`` stays tf32.
+
+``cumsum_by_dot``: the gate's cumsum as tensor-core products
+(:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); slower here (2.49 vs 2.11 ms, B1 T8192 H96, H200),
+faster in the backward kernels.
 
 fp16 keeps tf32's significand, so the results match tf32's to rounding (B1 T300 H2 in the interpreter: every
 error within 0.0003 of tf32's); it took prepare from 2.32 to 2.14 ms and its backward pass from 0.86 to 0.80 ms
@@ -154,6 +159,7 @@ def chunk_prepare_kernel(
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr, FP16: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
     ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
@@ -182,7 +188,7 @@ def chunk_prepare_kernel(
         for i_k in range(0, K // BK):
             k0 = i_k * BK
             b_G, _ = gate_cumsum_slice(
-                g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS
+                g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS, SCAN_BY_DOT
             )
             b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
             b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
@@ -227,7 +233,7 @@ def chunk_prepare_kernel(
     for i_k in range(0, K // BK2):
         k0 = i_k * BK2
         b_G, b_GC = gate_cumsum_slice(
-            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK2, HAS_BIAS
+            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK2, HAS_BIAS, SCAN_BY_DOT
         )
         b_eG = tl.exp2(b_G)
         b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32)
@@ -316,7 +322,7 @@ def chunk_prepare(
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
-        FP16=fp16,
+        FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"],
         **launch_options(LAUNCH),
     )  # fmt: skip
     return out

@@ -132,11 +132,36 @@ def store_row_vec(ptr, value, t_start, n_rows, i_h, H: tl.constexpr, R: tl.const
 
 
 @triton.jit
+def cumsum_rows(x, R: tl.constexpr, REVERSE: tl.constexpr, BY_DOT: tl.constexpr):
+    """Inclusive cumsum of ``x`` ``[R, C]`` fp32 over its rows (``REVERSE``: from the last row).
+
+    With ``BY_DOT`` it is three tensor-core products with the 0/1 triangle instead of ``tl.cumsum``'s scan:
+    ``x`` is split into bf16 pieces ``hi + mid + lo`` (each the bf16 rounding of what is left, so the pieces
+    carry ``x`` to ``2^-27`` relative), the triangle is exact in bf16 and the products accumulate in fp32, so
+    the result is an fp32 cumsum up to summation order. A zero of the triangle times a finite ``x`` is an
+    exact zero, so row ``i`` depends on rows ``≤ i`` only (``≥ i`` when ``REVERSE``)."""
+    if BY_DOT:
+        o = tl.arange(0, R)
+        if REVERSE:
+            tri = tl.where(o[:, None] <= o[None, :], 1.0, 0.0).to(tl.bfloat16)
+        else:
+            tri = tl.where(o[:, None] >= o[None, :], 1.0, 0.0).to(tl.bfloat16)
+        hi = x.to(tl.bfloat16)
+        rest = x - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(tri, lo) + tl.dot(tri, mid) + tl.dot(tri, hi)
+    else:
+        return tl.cumsum(x, axis=0, reverse=REVERSE)
+
+
+@triton.jit
 def gate_cumsum_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lb2,
                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      HAS_BIAS: tl.constexpr):  # fmt: skip
-    """Channels ``k0..k0+BK`` of the chunk's gate: Γ ``[BT, BK]`` (inclusive cumsum, log2 units) and its
-    last valid row Γ_C ``[BK]``; rows past ``n_valid`` add nothing (identity tokens)."""
+                      HAS_BIAS: tl.constexpr, BY_DOT: tl.constexpr):  # fmt: skip
+    """Channels ``k0..k0+BK`` of the chunk's gate: Γ ``[BT, BK]`` (inclusive cumsum, log2 units, by
+    :func:`cumsum_rows`) and its last valid row Γ_C ``[BK]``; rows past ``n_valid`` add nothing (identity
+    tokens)."""
     o_t = tl.arange(0, BT)
     if HAS_BIAS:
         bias = tl.load(dt_bias + i_h * K + k0 + tl.arange(0, BK)).to(tl.float32)
@@ -144,7 +169,7 @@ def gate_cumsum_slice(g, t0, n_valid, i_h, A_h, dt_bias, k0, lb2,
         bias = tl.zeros([BK], dtype=tl.float32)
     b_x = load_rows(g, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
     b_g = tl.where((o_t < n_valid)[:, None], k3_gate_log2(b_x, A_h, bias, lb2), 0.0)
-    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+    return cumsum_rows(b_g, BT, False, BY_DOT), tl.sum(b_g, axis=0)
 
 
 @triton.jit
