@@ -42,21 +42,23 @@ from openk3.ops.kda.triton.kernel_math import (
     launch_options,
     load_row_vec,
     load_rows,
-    mixed_dot,
     row_at,
+    split_bf16,
     store_row_vec,
     store_rows,
 )
 
 LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32, "bf16_operands": True, "cumsum_by_dot": True}
-"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives. ``bf16_operands`` (for
-bf16/fp16 inputs) keeps the four ``[BT, BT]`` operand tiles (``dAqk``, ``dL`` and their transposes) and the
-other factors of the products in bf16, with fp32 accumulation: half the shared memory and operand registers of
-tf32 products, 5.17 → 3.93 ms at B1 T8192 H96 on the H200 (benchmarks/results/kda_h200.md), within the
-issue's tolerances (dq 0.0040 and dg 0.0041 against 0.0037 / 0.0037 with tf32, B1 T300 H2 in the
-interpreter). fp32 inputs always use tf32x3 operands. ``cumsum_by_dot``: the gate's cumsum and the reverse
-cumsum of ``dΓ`` as tensor-core products (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`), 3.93 →
-3.77 ms."""
+"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives.
+
+``bf16_operands`` (bf16/fp16 inputs; fp32 inputs always take tf32x3): the four loop-invariant ``[BT, BT]``
+gradient tiles (``dAqk``, ``dL`` and their transposes) in bf16, half the registers and shared memory of tf32
+ones, and each decay-weighted factor tile (``k 2^{a−Γ}``, ``q 2^{Γ−b}``, ``k 2^{Γ−b}``) as two bf16 pieces
+(:func:`~openk3.ops.kda.triton.kernel_math.split_bf16`), products accumulated in fp32. A single bf16 factor
+was measured too coarse: its rounding adds up coherently in ``dA_log`` (0.021 of the term size at
+B2 T65 H1 D64, over the 0.02 tolerance; 0.0022 with the two pieces, 0.0002 with tf32).
+``cumsum_by_dot``: the gate's cumsum and the reverse cumsum of ``dΓ`` as tensor-core products
+(:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`)."""
 
 
 @triton.jit
@@ -114,14 +116,22 @@ def chunk_grad_intra_kernel(
             # row block s, anchor a_s (Γ before the block)
             b_col = b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
             b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
-            acc_q += mixed_dot(b_dA, b_col, DOT, BF16) * b_rf
-            acc_m += mixed_dot(b_dL, b_col, DOT, BF16) * b_rf
             # column block s, anchor b_s (Γ at its last row)
             b_rows = tl.exp2(tl.where((blk >= s)[:, None], b_G - b_s[None, :], float("-inf")))
             b_cf = tl.exp2(tl.where((blk == s)[:, None], b_s[None, :] - b_G, float("-inf")))
-            acc_c += (
-                mixed_dot(b_dAt, b_q * b_rows, DOT, BF16) + mixed_dot(b_dLt, b_k * b_rows, DOT, BF16)
-            ) * b_cf
+            if BF16:  # bf16 gradient tiles against the factors' two bf16 pieces
+                c_hi, c_lo = split_bf16(b_col)
+                acc_q += tl.dot(b_dA, c_lo, tl.dot(b_dA, c_hi)) * b_rf
+                acc_m += tl.dot(b_dL, c_lo, tl.dot(b_dL, c_hi)) * b_rf
+                q_hi, q_lo = split_bf16(b_q * b_rows)
+                k_hi, k_lo = split_bf16(b_k * b_rows)
+                b_c = tl.dot(b_dAt, q_lo, tl.dot(b_dAt, q_hi))
+                acc_c += tl.dot(b_dLt, k_lo, tl.dot(b_dLt, k_hi, b_c)) * b_cf
+            else:
+                acc_q += tl.dot(b_dA, b_col, input_precision=DOT) * b_rf
+                acc_m += tl.dot(b_dL, b_col, input_precision=DOT) * b_rf
+                b_c = tl.dot(b_dAt, b_q * b_rows, input_precision=DOT)
+                acc_c += tl.dot(b_dLt, b_k * b_rows, b_c, input_precision=DOT) * b_cf
             a_s = b_s
         b_db += tl.sum(b_k * acc_m, axis=1)
         b_dk_row = acc_m * b_beta[:, None]

@@ -40,13 +40,12 @@ def launch_options(launch: dict) -> dict:
 
 
 @triton.jit
-def mixed_dot(a, b, DOT: tl.constexpr, BF16: tl.constexpr):
-    """``a @ b`` accumulated in fp32: bf16 operands when ``BF16`` (the tensor cores' bf16 rate, half the
-    operand registers and shared memory), else fp32 operands at precision ``DOT``."""
-    if BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        return tl.dot(a, b, input_precision=DOT)
+def split_bf16(x):
+    """``x`` (fp32) as two bf16 pieces ``hi + lo``: ``hi`` its bf16 rounding and ``lo`` that of the rest, so
+    ``hi + lo`` carries ``x`` to ``2^-18`` relative (16 significant bits); ``a @ hi + a @ lo`` is a product
+    with ``x`` at two bf16 tensor-core passes (fla's ``bf16x3`` keeps a third, kda_kernels reference §1.6)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
