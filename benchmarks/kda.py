@@ -359,7 +359,7 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [{}, {"fp16_inverse": False}, {"cumsum_by_dot": True}],
+    "chunk_prepare": [{}, {"fp16_inverse": False}, {"gate_once": True}],
     "chunk_state": [{}, {"value_block": 32}],
     "chunk_grad_wy": [{}, {"cumsum_by_dot": False}],
     "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}],

@@ -206,6 +206,7 @@ LAUNCH_OPTIONS = [
     "chunk_grad_wy:cumsum_by_dot",
     "chunk_prepare:cumsum_by_dot",
     "chunk_prepare:fp16_inverse",
+    "chunk_prepare:gate_once",
 ]
 """The kernels' on/off launch options (``module:key`` of a kernel module's ``LAUNCH``): operand precision for
 bf16 inputs, the cumsum's method. Both settings must meet the tolerances (the other tests cover the
@@ -495,6 +496,23 @@ def test_interpreter_cumsum_rows_by_dot(reverse):
     cumsum_rows_kernel[(1,)](changed, y2, 64, 32, reverse)
     kept = slice(20, None) if reverse else slice(None, 21)
     assert torch.equal(y[kept], y2[kept])
+
+
+@interpreter
+@pytest.mark.parametrize("gate", ["init", "lb"])
+def test_interpreter_prepare_gate_once_changes_no_bit(monkeypatch, gate):
+    """``chunk_prepare.LAUNCH["gate_once"]`` writes the gated tensors in pass 1 and keeps ``Diag(β)K̃`` in an
+    fp16 scratch, the precision ``W``'s fp16 product rounds it to anyway: every output and gradient is
+    bitwise the default's (T = 130: three chunks, the last partial)."""
+    from openk3.ops.kda.triton import chunk_prepare
+
+    inputs = make_inputs(1, 130, 2, 64, 32, gate=gate, seed=3)
+    runs = []
+    for once in (False, True):
+        monkeypatch.setitem(chunk_prepare.LAUNCH, "gate_once", once)
+        runs.append(run(triton_chunk, inputs))
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
 
 
 @interpreter
