@@ -222,9 +222,12 @@ def decode_roofline(B, H, D) -> dict:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 
-def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd=True) -> list[dict]:
+def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd=True, rows=None, save=None) -> list[dict]:
+    """Forward, then forward+backward rows of one shape, appended to ``rows`` (a new list if None);
+    ``save()`` runs after each row, so a run cut short keeps its forward row."""
     x = chunk_inputs(B, T, H, D, lens)
-    rows = []
+    rows = [] if rows is None else rows
+    save = save or (lambda: None)
     ops = {"ours": ours_chunk} | ({"fla": fla_chunk} if use_fla else {})
     with torch.no_grad():
         outs = {side: op(x) for side, op in ops.items()}
@@ -232,6 +235,7 @@ def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd=True) -> list[di
     rows.append(_row(name, "fwd", times, roofline(B, T, H, D, "fwd")))
     if use_fla:
         rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["ours"])
+    save()
     del outs
     if not fla_bwd:
         ops.pop("fla", None)
@@ -251,6 +255,7 @@ def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd=True) -> list[di
         rows[-1]["ours_vs_fla_grad_rel_rmse"] = {
             n: rel_rmse(grads["fla"][n], grads["ours"][n]) for n in LEAVES
         }
+    save()
     return rows
 
 
@@ -361,7 +366,7 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 SWEEP = {
     "chunk_prepare": [{}, {"fp16_inverse": False}, {"gate_once": True}],
     "chunk_state": [{}, {"value_block": 32}],
-    "chunk_grad_wy": [{}, {"cumsum_by_dot": False}],
+    "chunk_grad_wy": [{}, {"cumsum_by_dot": True}],
     "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
@@ -536,9 +541,8 @@ def main() -> None:
         picked = [int(i) for i in args.shapes.split(",") if i] or range(1, len(CHUNK_SHAPES) + 1)
         for name, B, T, H, D, lens in (CHUNK_SHAPES[i - 1] for i in picked):
             fla_bwd = "fwd+bwd" in args.fla_passes.split(",")
-            report["chunk"] += bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd)
+            bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd, rows=report["chunk"], save=save)
             torch.cuda.empty_cache()
-            save()
     if "sweep" in sections and not args.tune:
         report["sweep"] = sweep([(1, 8192, 96, 128)])
         save()

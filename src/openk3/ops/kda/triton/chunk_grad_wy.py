@@ -174,10 +174,11 @@ class WYGrads(NamedTuple):
     """``[1 + NK, tokens, H]`` partials of ``dβ``, in the same order."""
 
 
-LAUNCH = {"num_warps": 4, "num_stages": 2, "cumsum_by_dot": True}
+LAUNCH = {"num_warps": 4, "num_stages": 2, "cumsum_by_dot": False}
 """Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives. ``cumsum_by_dot``: the gate's
-cumsum as tensor-core products (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`), 3.54 → 3.46 ms at
-B1 T8192 H96 on the H200."""
+cumsum as tensor-core products (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); within noise of
+``tl.cumsum``'s scan at B1 T8192 H96 on the H200 (3.46 vs 3.54 ms in one run, 3.48 vs 3.42 in the next), so
+off."""
 
 
 def key_block(K: int) -> int:

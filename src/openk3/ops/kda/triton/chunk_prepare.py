@@ -15,7 +15,8 @@ the columns of the blocks ``≤ s`` (later ones masked to 0 before the exponenti
 dot per key slice. Before block ``s`` both factors are ≤ 1; inside it the column
 factor is at most ``2^{16·|lb|·log2 e}`` = ``2^{115.4}`` for ``lb = −5``, inside fp32 (FlashKDA's bound,
 §2.2): this is why the Triton path needs ``lower_bound ≥ −5`` (§1.7). Every row ``i`` reads only rows ``≤ i``
-of its chunk, so outputs are bitwise causal. ``T`` comes from :func:`unit_lower_inverse`.
+of its chunk, so outputs are bitwise causal. ``T`` comes from :func:`unit_lower_inverse` (fp32 substitution
+within 16-row blocks, tensor-core products between them).
 
 Register budget: ``Aqk`` and ``L`` are accumulated over key slices of ``BK`` channels (the gate and its cumsum
 are per channel, and the L2 norm is a per-row factor applied after the sums); ``W``, ``U``, ``Q̃``, ``K̂`` are
@@ -69,19 +70,22 @@ LAUNCH = {
 (narrower slices hold fewer registers), and three switches.
 
 ``fp16_inverse``: fp16 operands (fp32 accumulation, :func:`~openk3.ops.kda.triton.kernel_math.bounded_dot`)
-in the products of ``T = (I + L)^{-1}`` and ``W = T·Diag(β)K̃``, and ``T`` saved in fp16, for bf16/fp16
-inputs with the in-kernel L2 norm. There every operand is bounded:
+in the block-substitution products of ``T = (I + L)^{-1}`` and in ``W = T·Diag(β)K̃``, and ``T`` saved in
+fp16, for bf16/fp16 inputs with the in-kernel L2 norm (β is documented post-sigmoid, in ``[0, 1]``). There
+every operand is bounded, so none overflows:
 
-* unit keys and ``β ∈ [0, 1]`` give ``|L_ij| ≤ 1``, so the powers and partial sums of a 16×16 block stay
-  below ``2^15``;
-* ``|T_ij| ≤ β_i ≤ 1`` (FlashKDA's rationale for its fp16 inverse, kda_kernels reference §2.2): ``T_ij β_j``
-  is the value the chunk's delta rule writes at step ``i`` after a unit write at step ``j``, and every step
-  ``Diag(α)(I − β k kᵀ)`` has norm ≤ 1;
+* unit keys and ``β ≤ 1`` give ``|L_ij| ≤ 1``;
+* ``|T_ij| ≤ β_i ≤ 1`` for ``i > j`` (``T_ii = 1``; FlashKDA's rationale for its fp16 inverse, kda_kernels
+  reference §2.2): ``T_ij β_j`` is the value the chunk's delta rule writes at step ``i`` after a unit write at
+  step ``j``, and every step ``Diag(α)(I − β k kᵀ)`` has norm ≤ 1;
 * ``|β k̃| ≤ 1``. ``U``'s factor ``V`` is unbounded, so ``U`` stays tf32.
 
-fp16 keeps tf32's significand, so the results match tf32's to rounding (B1 T300 H2 in the interpreter: every
-error within 0.0003 of tf32's); it took prepare from 2.32 to 2.14 ms and its backward pass from 0.86 to
-0.80 ms at B1 T8192 H96 on the H200.
+Bounded is not the same as accurate: the 16×16 diagonal blocks are inverted by fp32 substitution
+(:func:`unit_lower_inverse_block`), because the doubling product they replaced cancelled large terms. With
+fp16 the errors stay those of tf32 operands (B1 T300 H2 in the interpreter: every output and gradient within
+0.0006 of exact fp32 products, ``dA_log``, one sum per head, within 0.0010). It took prepare from 2.32 to 2.14
+ms and its backward pass from 0.86 to 0.80 ms at B1 T8192 H96 on the H200 (with the doubling-product
+inverse, since replaced; not re-timed).
 
 ``cumsum_by_dot``: the gate's cumsum as tensor-core products
 (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); slower here (2.49 vs 2.11 ms, B1 T8192 H96, H200),
@@ -96,19 +100,22 @@ bitwise the default's in the interpreter."""
 
 
 @triton.jit
-def unit_lower_inverse_block(L, BC: tl.constexpr, DOT: tl.constexpr, FP16: tl.constexpr):
-    """``(I + L)^{-1}`` of a strictly lower-triangular ``[BC, BC]`` fp32 block (``BC = 16``) as the doubling
-    product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` = ``Σ_{n<16} (−L)^n`` (exact: ``L^{16} = 0``; FlashKDA's
-    inverse, kda_kernels reference §2.2): six ``16³`` tensor-core products (fp16 operands when ``FP16``)."""
-    tl.static_assert(BC == 16, "the doubling product is exact for 16-row blocks")
+def unit_lower_inverse_block(L, BC: tl.constexpr):
+    """``(I + L)^{-1}`` of a strictly lower-triangular ``[BC, BC]`` fp32 block by forward substitution in
+    fp32 on the CUDA cores: row ``i`` is ``e_i − Σ_{j<i} L_ij T_j`` (fla's ``solve_tril`` does the same for
+    its 16×16 blocks, kda_kernels reference §1.5).
+
+    Every term is bounded (``|L_ij| ≤ 1``, ``|T_ij| ≤ 1``), so each row carries fp32 rounding only. The
+    doubling product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` used before (FlashKDA's) is exact in exact
+    arithmetic but its factors reach ``C(14, 7) ≈ 3·10³`` and cancel to entries ≤ 1: with nearly parallel
+    keys in a block (cosine ≳ 0.9, β ≳ 0.8, slow decay) its tf32/fp16 result was off by up to 1."""
     o_c = tl.arange(0, BC)
-    eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
-    P = bounded_dot(L, L, DOT, FP16)
-    X = bounded_dot(eye - L, eye + P, DOT, FP16)
-    P = bounded_dot(P, P, DOT, FP16)
-    X = bounded_dot(X, eye + P, DOT, FP16)
-    P = bounded_dot(P, P, DOT, FP16)
-    return bounded_dot(X, eye + P, DOT, FP16)
+    T = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    for i in tl.static_range(1, BC):
+        l_i = tl.sum(tl.where(o_c[:, None] == i, L, 0.0), axis=0)  # row i of L (zero from column i on)
+        t_i = tl.where(o_c == i, 1.0, 0.0) - tl.sum(l_i[:, None] * T, axis=0)
+        T = tl.where(o_c[:, None] == i, t_i[None, :], T)
+    return T
 
 
 @triton.jit
@@ -118,8 +125,8 @@ def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr,
 
     With ``D_s = (I + L_ss)^{-1}`` (:func:`unit_lower_inverse_block`), row block ``s`` of ``T`` is
     ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e. ``D_s`` on the diagonal block
-    plus ``−D_s Σ_{u<s} L_su T_u``: 24 ``16³`` and nine ``16×16×64`` products instead of full-tile ones
-    (fp16 operands when ``FP16``).
+    plus ``−D_s Σ_{u<s} L_su T_u``: four 16-row fp32 substitutions and nine ``16×16×64`` tensor-core products
+    (fp16 operands when ``FP16``; every factor is bounded by 1 and every sum has at most 48 terms).
     Row ``i`` of every factor reads only rows ``≤ i`` of ``L`` (causal).
     """
     tl.static_assert(BT == 4 * BC, "four anchor blocks per chunk")
@@ -129,10 +136,10 @@ def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr,
     L20, L21, L22, _ = split4_cols(L2, BC, BT)
     L30, L31, L32, L33 = split4_cols(L3, BC, BT)
     zero = tl.zeros([BC, BC], dtype=tl.float32)
-    D0 = unit_lower_inverse_block(L00, BC, DOT, FP16)
-    D1 = unit_lower_inverse_block(L11, BC, DOT, FP16)
-    D2 = unit_lower_inverse_block(L22, BC, DOT, FP16)
-    D3 = unit_lower_inverse_block(L33, BC, DOT, FP16)
+    D0 = unit_lower_inverse_block(L00, BC)
+    D1 = unit_lower_inverse_block(L11, BC)
+    D2 = unit_lower_inverse_block(L22, BC)
+    D3 = unit_lower_inverse_block(L33, BC)
     T0 = cat4_cols(D0, zero, zero, zero, BC, BC)
     R1 = bounded_dot(L10, T0, DOT, FP16)
     T1 = cat4_cols(zero, D1, zero, zero, BC, BC) - bounded_dot(D1, R1, DOT, FP16)

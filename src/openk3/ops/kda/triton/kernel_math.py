@@ -42,7 +42,7 @@ def launch_options(launch: dict) -> dict:
 @triton.jit
 def split_bf16(x):
     """``x`` (fp32) as two bf16 pieces ``hi + lo``: ``hi`` its bf16 rounding and ``lo`` that of the rest, so
-    ``hi + lo`` carries ``x`` to ``2^-18`` relative (16 significant bits); ``a @ hi + a @ lo`` is a product
+    ``hi + lo`` carries ``x`` to ``2^-17`` relative (about 16 significant bits); ``a @ hi + a @ lo`` is a product
     with ``x`` at two bf16 tensor-core passes (fla's ``bf16x3`` keeps a third, kda_kernels reference §1.6)."""
     hi = x.to(tl.bfloat16)
     return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
@@ -53,9 +53,10 @@ def bounded_dot(a, b, DOT: tl.constexpr, FP16: tl.constexpr):
     """``a @ b`` accumulated in fp32, for operands known to lie well inside fp16's range (``|x| ≪ 65504``):
     fp16 operands when ``FP16``, else fp32 operands at precision ``DOT``.
 
-    fp16 keeps tf32's 11-bit significand, so for such operands the products carry the same information as
-    ``"tf32"`` (values below fp16's 2^-24 flush, an absolute error under 6e-8) at twice the tensor-core rate
-    and half the operand registers and shared memory."""
+    fp16 keeps tf32's 11-bit significand for ``|x| ≥ 2^-14``; smaller values lose relative precision in fp16's
+    subnormals and values below ``2^-25`` flush, an absolute error of at most ``3·10^-8``. So for operands
+    bounded by about 1 the products carry what ``"tf32"`` ones do, at twice the tensor-core rate and half the
+    operand registers and shared memory."""
     if FP16:
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
