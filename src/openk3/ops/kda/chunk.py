@@ -58,7 +58,10 @@ def chunk_kda(
         v: ``[B, T, H, V]``.
         g: ``[B, T, H, K]`` log-decay (natural log, ≤ 0); with ``A_log`` given, the raw gate pre-activation
             that :func:`~openk3.ops.kda.gate.kda_gate` turns into the log-decay inside the op.
-        beta: ``[B, T, H]`` post-sigmoid delta-rule strength.
+        beta: ``[B, T, H]`` post-sigmoid delta-rule strength, in ``[0, 1]``. Not checked (a check would
+            sync with the device); the CUDA path's fp16 operand bounds assume it (see
+            :data:`openk3.ops.kda.triton.chunk_prepare.LAUNCH`; at β = 1.9 with repeated keys the results
+            stay finite but are 2% off in Triton's interpreter).
         scale: multiplies q; default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` (K first) in the compute dtype, or None for zeros; ``N = B``, or the
             number of documents with ``cu_seqlens``.
