@@ -1,0 +1,189 @@
+"""Compile every Triton KDA launch of one chunked forward+backward and one decode step for a GPU target on a
+machine without a GPU, and report each kernel's registers and stack (spill) bytes.
+
+The device is the scarce resource: this checks that changed kernels compile for the H200 (``sm_90``) and
+compares their register pressure before a device run. It records the launches by calling the real launchers
+(:func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton`,
+:func:`~openk3.ops.kda.triton.decode.fused_recurrent_kda_decode`) on CPU tensors with the kernels' launch
+replaced by a recorder, then compiles each recorded signature with ``triton.compile`` and reads the
+resources from the cubin with the ``cuobjdump`` that ships with triton's NVIDIA backend.
+
+The numbers come from the installed triton's compiler. The device runs triton 3.6; to match it, install that
+version into a side directory and put it first::
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:src python benchmarks/kda_compile.py
+
+Usage: ``python benchmarks/kda_compile.py [--arch 90] [--set module:key=value ...]``; ``--set`` changes a
+kernel module's ``LAUNCH`` entry first (``--set chunk_prepare:gate_once=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+TORCH_TO_TRITON = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "i1",
+}
+LAUNCH_KEYWORDS = ("num_warps", "num_stages", "maxnreg")
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: the JIT function, its arguments by name and the launch options."""
+
+    fn: object
+    args: dict
+    options: dict
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within the block, ``kernel[grid](...)`` records a :class:`Launch` instead of running; yields the list."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+
+    def getitem(fn, grid):
+        def record(*args, **kwargs):
+            options = {k: kwargs.pop(k) for k in LAUNCH_KEYWORDS if k in kwargs}
+            named = dict(zip(fn.arg_names, args)) | kwargs
+            launches.append(Launch(fn, named, options))
+
+        return record
+
+    saved = JITFunction.__getitem__
+    JITFunction.__getitem__ = getitem
+    try:
+        yield launches
+    finally:
+        JITFunction.__getitem__ = saved
+
+
+def record_kda_launches() -> list[Launch]:
+    """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, initial state) and
+    of one decode step on a state pool, in order."""
+    from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
+    from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
+
+    B, T, H, D = 1, 128, 96, 128
+    bf = torch.bfloat16
+    q, k, v, g = (torch.randn(B, T, H, D, dtype=bf, requires_grad=True) for _ in range(4))
+    beta = torch.rand(B, T, H, dtype=bf, requires_grad=True)
+    A_log = torch.zeros(H, requires_grad=True)
+    dt_bias = torch.zeros(H * D, requires_grad=True)
+    h0 = torch.zeros(B, H, D, D, requires_grad=True)
+    with recorded_launches() as launches:
+        o, ht = chunk_kda_triton(
+            q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True, seq_lens=None,
+            cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+        )  # fmt: skip
+        (o.float().sum() + ht.sum()).backward()
+        pool = torch.zeros(4, H, D, D)
+        fused_recurrent_kda_decode(
+            q[:, :1].detach(), k[:, :1].detach(), v[:, :1].detach(), g[:, :1].detach(), beta[:, :1].detach(),
+            pool, torch.tensor([2]), A_log=A_log.detach(), dt_bias=dt_bias.detach(), lower_bound=-5.0,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+    return launches
+
+
+def signature(launch: Launch) -> tuple[dict, dict]:
+    """``(signature, constexprs)`` for :class:`triton.compiler.ASTSource` from a recorded launch."""
+    sig, const = {}, {}
+    for i, param in enumerate(launch.fn.params):
+        value = launch.args.get(param.name, param.default)
+        if param.is_constexpr or value is None:
+            sig[param.name] = "constexpr"
+            const[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            sig[param.name] = "*" + TORCH_TO_TRITON[value.dtype]
+        elif isinstance(value, bool):
+            sig[param.name] = "i1"
+        elif isinstance(value, int):
+            sig[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            sig[param.name] = "fp32"
+        else:
+            raise TypeError(f"{launch.fn.__name__}: argument {param.name} of type {type(value).__name__}")
+    return sig, const
+
+
+def compile_launch(launch: Launch, arch: int):
+    """Compile one recorded launch for ``sm_<arch>``; returns triton's compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, const = signature(launch)
+    source = ASTSource(launch.fn, sig, constexprs=const)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+
+
+def resources(cubin: bytes) -> dict:
+    """``{"REG": n, "STACK": bytes, "SHARED": bytes, ...}`` of a cubin, from ``cuobjdump --dump-resource-usage``."""
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        )
+    fields = {}
+    for line in out.stdout.splitlines():
+        if "REG:" in line:
+            for item in line.split():
+                key, _, val = item.partition(":")
+                if val.isdigit():
+                    fields[key] = int(val)
+    return fields
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability ×10 (default 90, the H200)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE:KEY=VALUE")
+    args = parser.parse_args()
+    for item in args.set:
+        target, _, value = item.partition("=")
+        module, _, key = target.partition(":")
+        launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
+        if key not in launch:
+            sys.exit(f"--set {item}: {module}.LAUNCH has no key {key!r} (keys: {', '.join(launch)})")
+        launch[key] = ast.literal_eval(value)
+    import triton
+
+    print(
+        f"triton {triton.__version__}, sm_{args.arch}; launches of chunk fwd+bwd (B1 T128 H96 D128 bf16) + decode"
+    )
+    print(f"{'kernel':34s} {'warps':>5s} {'regs':>5s} {'stack B':>8s} {'shared B':>9s}")
+    for launch in record_kda_launches():
+        compiled = compile_launch(launch, args.arch)
+        res = resources(compiled.asm["cubin"])
+        print(
+            f"{launch.fn.__name__:34s} {launch.options.get('num_warps', 4):5d} {res.get('REG', -1):5d} "
+            f"{res.get('STACK', -1):8d} {compiled.metadata.shared:9d}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

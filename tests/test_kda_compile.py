@@ -1,0 +1,55 @@
+"""Every Triton KDA launch compiles for the H200 (``sm_90``) on any machine, GPU or not.
+
+Triton's CPU interpreter (``test_kda_triton.py``) runs the kernels' arithmetic but not the GPU compiler, so a
+kernel can pass there and still fail to compile on the device. ``benchmarks/kda_compile.py`` records the
+launches of a chunked forward+backward and a decode step and compiles each with ``triton.compile`` for
+``sm_90``; it runs in a subprocess because ``test_kda_triton.py`` puts the process in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = {
+    "chunk_prepare_kernel": 2,  # the forward and the backward's second pass
+    "chunk_state_fwd_kernel": 2,  # with o, then with h and E
+    "chunk_state_bwd_kernel": 1,
+    "chunk_grad_wy_value_kernel": 1,
+    "chunk_grad_wy_key_kernel": 1,
+    "chunk_grad_intra_kernel": 1,
+    "kda_decode_kernel": 1,
+}
+
+
+def _has_nvidia_backend() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return importlib.util.find_spec("triton.backends.nvidia") is not None
+
+
+@pytest.mark.skipif(
+    not _has_nvidia_backend(), reason="needs triton with its NVIDIA backend (pip install triton)"
+)
+def test_every_kda_launch_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kda_compile.py"), "--arch", "90"],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [
+        line.split() for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0] in KERNELS
+    ]
+    counts = {name: sum(row[0] == name for row in rows) for name in KERNELS}
+    assert counts == KERNELS, proc.stdout
+    for name, _warps, regs, stack, shared in rows:
+        assert 0 < int(regs) <= 255, f"{name}: {regs} registers"
+        assert int(stack) >= 0 and int(shared) > 0, f"{name}: stack {stack}, shared {shared}"
