@@ -57,7 +57,8 @@ class Launch:
 
 @contextlib.contextmanager
 def recorded_launches():
-    """Within the block, ``kernel[grid](...)`` records a :class:`Launch` instead of running; yields the list."""
+    """Within the block, ``kernel[grid](...)`` records a :class:`Launch` instead of running; yields the
+    list."""
     from triton.runtime.jit import JITFunction
 
     launches: list[Launch] = []
@@ -139,7 +140,8 @@ def compile_launch(launch: Launch, arch: int):
 
 
 def resources(cubin: bytes) -> dict:
-    """``{"REG": n, "STACK": bytes, "SHARED": bytes, ...}`` of a cubin, from ``cuobjdump --dump-resource-usage``."""
+    """``{"REG": n, "STACK": bytes, "SHARED": bytes, ...}`` of a cubin, from
+    ``cuobjdump --dump-resource-usage``."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
@@ -174,7 +176,8 @@ def main() -> None:
     import triton
 
     print(
-        f"triton {triton.__version__}, sm_{args.arch}; launches of chunk fwd+bwd (B1 T128 H96 D128 bf16) + decode"
+        f"triton {triton.__version__}, sm_{args.arch}; "
+        "launches of chunk fwd+bwd (B1 T128 H96 D128 bf16) + decode"
     )
     print(f"{'kernel':34s} {'warps':>5s} {'regs':>5s} {'stack B':>8s} {'shared B':>9s}")
     for launch in record_kda_launches():

@@ -149,9 +149,9 @@ def make_inputs(B, T, H, K, V, *, N=None, gate="init", dtype=BF16, device="cpu",
 
 
 def near_parallel_keys(inputs: dict, *, noise: float = 0.1, beta: float = 0.95, seed: int = 50) -> dict:
-    """``inputs`` with every key one shared direction plus ``noise``·N(0, 1) (cosines ≈ 0.99 after the L2 norm)
-    and every β = ``beta``: the delta rule's worst-conditioned chunks (a repeated token), where the inverse
-    ``(I + L)^{-1}`` must not lose accuracy."""
+    """``inputs`` with every key one shared direction plus ``noise``·N(0, 1) (cosines ≈ 0.99 after the L2
+    norm) and every β = ``beta``: the delta rule's worst-conditioned chunks (a repeated token), where the
+    inverse ``(I + L)^{-1}`` must not lose accuracy."""
     gen = torch.Generator().manual_seed(seed)
     k = inputs["k"]
     B, T, H, K = k.shape
@@ -162,8 +162,8 @@ def near_parallel_keys(inputs: dict, *, noise: float = 0.1, beta: float = 0.95, 
 
 def prepared_inverse_error(inputs: dict) -> float:
     """Largest ``|T − T_ref|`` of the Triton prepare kernel's ``T = (I + L)^{-1}`` (saved as ``Akk``) for
-    inputs with the ``zero`` gate (no decay), against the fp64 inverse of ``L_ij = β_i k̂_i·k̂_j`` (i > j) built
-    from the same stored values, per 64-token chunk."""
+    inputs with the ``zero`` gate (no decay), against the fp64 inverse of ``L_ij = β_i k̂_i·k̂_j`` (i > j)
+    built from the same stored values, per 64-token chunk."""
     from openk3.ops.kda.triton.chunk_index import fixed_length_index
     from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
 

@@ -53,8 +53,9 @@ LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32, "bf16_operands": Tru
 
 ``bf16_operands`` (bf16/fp16 inputs with ``K ≥ BF16_MIN_KEY_DIM``; otherwise tf32, and tf32x3 for fp32
 inputs): the four loop-invariant ``[BT, BT]`` gradient tiles (``dAqk``, ``dL`` and their transposes) in bf16,
-half the registers and shared memory of tf32 ones, and each decay-weighted factor tile (``k 2^{a−Γ}``, ``q 2^{Γ−b}``, ``k 2^{Γ−b}``) as two bf16 pieces
-(:func:`~openk3.ops.kda.triton.kernel_math.split_bf16`), products accumulated in fp32. A single bf16 factor
+half the registers and shared memory of tf32 ones, and each decay-weighted factor tile (``k 2^{a−Γ}``,
+``q 2^{Γ−b}``, ``k 2^{Γ−b}``) as two bf16 pieces (:func:`~openk3.ops.kda.triton.kernel_math.split_bf16`),
+products accumulated in fp32. A single bf16 factor
 was measured too coarse: its rounding adds up coherently in ``dA_log`` (0.021 of the term size at
 B2 T65 H1 D64, over the 0.02 tolerance; 0.0022 with the two pieces, 0.0002 with exact fp32 products in
 Triton's interpreter). Measured 4.41 ms at B1 T8192 H96 on the H200 against 5.22 with tf32.
@@ -205,7 +206,7 @@ def chunk_grad_intra(
         scale, lower_bound, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NL=NL,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"],
-        **launch_options(LAUNCH),
+        BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM,
+        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], **launch_options(LAUNCH),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)

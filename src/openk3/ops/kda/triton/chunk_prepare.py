@@ -89,7 +89,7 @@ inverse, since replaced; not re-timed).
 
 ``cumsum_by_dot``: the gate's cumsum as tensor-core products
 (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); slower here (2.49 vs 2.11 ms, B1 T8192 H96, H200),
-faster in the backward kernels.
+faster in grad_intra (:data:`~openk3.ops.kda.triton.chunk_grad_intra.LAUNCH`).
 
 ``gate_once`` (forward, under ``fp16_inverse``'s conditions; not yet timed on a GPU, so off): pass 1 takes
 the row norms first and writes each slice's ``Q̃``, ``K̂``, ``D`` and ``Diag(β)K̃`` as it goes (the last to

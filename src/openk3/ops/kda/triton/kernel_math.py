@@ -42,8 +42,9 @@ def launch_options(launch: dict) -> dict:
 @triton.jit
 def split_bf16(x):
     """``x`` (fp32) as two bf16 pieces ``hi + lo``: ``hi`` its bf16 rounding and ``lo`` that of the rest, so
-    ``hi + lo`` carries ``x`` to ``2^-17`` relative (about 16 significant bits); ``a @ hi + a @ lo`` is a product
-    with ``x`` at two bf16 tensor-core passes (fla's ``bf16x3`` keeps a third, kda_kernels reference §1.6)."""
+    ``hi + lo`` carries ``x`` to ``2^-17`` relative (about 16 significant bits); ``a @ hi + a @ lo`` is a
+    product with ``x`` at two bf16 tensor-core passes (fla's ``bf16x3`` keeps a third, kda_kernels reference
+    §1.6)."""
     hi = x.to(tl.bfloat16)
     return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
