@@ -29,9 +29,10 @@ KERNELS = {
 
 
 def _has_nvidia_backend() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return importlib.util.find_spec("triton.backends.nvidia") is not None
+    """Whether triton and its NVIDIA backend are installed, found without importing triton here (importing it
+    before ``test_kda_triton.py`` sets ``TRITON_INTERPRET`` would keep the kernels out of interpreter mode)."""
+    spec = importlib.util.find_spec("triton")
+    return spec is not None and (Path(spec.origin).parent / "backends" / "nvidia").is_dir()
 
 
 @pytest.mark.skipif(
