@@ -222,12 +222,10 @@ def decode_roofline(B, H, D) -> dict:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 
-def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd=True, rows=None, save=None) -> list[dict]:
-    """Forward, then forward+backward rows of one shape, appended to ``rows`` (a new list if None);
-    ``save()`` runs after each row, so a run cut short keeps its forward row."""
+def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd, rows: list, save) -> None:
+    """Append the forward, then the forward+backward row of one shape to ``rows``, calling ``save()`` after
+    each, so a run cut short keeps its forward row."""
     x = chunk_inputs(B, T, H, D, lens)
-    rows = [] if rows is None else rows
-    save = save or (lambda: None)
     ops = {"ours": ours_chunk} | ({"fla": fla_chunk} if use_fla else {})
     with torch.no_grad():
         outs = {side: op(x) for side, op in ops.items()}
@@ -256,7 +254,6 @@ def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd=True, rows=None,
             n: rel_rmse(grads["fla"][n], grads["ours"][n]) for n in LEAVES
         }
     save()
-    return rows
 
 
 def _row(name, passes, times, roof) -> dict:
@@ -364,7 +361,7 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [{}, {"fp16_inverse": False}, {"gate_once": True}],
+    "chunk_prepare": [{}, {"fp16_inverse": False}, {"cumsum_by_dot": True}],
     "chunk_state": [{}, {"value_block": 32}],
     "chunk_grad_wy": [{}, {"cumsum_by_dot": True}],
     "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}],
@@ -541,7 +538,7 @@ def main() -> None:
         picked = [int(i) for i in args.shapes.split(",") if i] or range(1, len(CHUNK_SHAPES) + 1)
         for name, B, T, H, D, lens in (CHUNK_SHAPES[i - 1] for i in picked):
             fla_bwd = "fwd+bwd" in args.fla_passes.split(",")
-            bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd, rows=report["chunk"], save=save)
+            bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd, report["chunk"], save)
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:
         report["sweep"] = sweep([(1, 8192, 96, 128)])

@@ -17,7 +17,7 @@ triton 3.6 from PyPI): use it to check that kernels compile and to compare varia
     PYTHONPATH=/tmp/t36:src python benchmarks/kda_compile.py
 
 Usage: ``python benchmarks/kda_compile.py [--arch 90] [--set module:key=value ...]``; ``--set`` changes a
-kernel module's ``LAUNCH`` entry first (``--set chunk_prepare:gate_once=True``).
+kernel module's ``LAUNCH`` entry first (``--set chunk_grad_intra:bf16_operands=False``).
 """
 
 from __future__ import annotations

@@ -247,7 +247,6 @@ LAUNCH_OPTIONS = [
     "chunk_grad_wy:cumsum_by_dot",
     "chunk_prepare:cumsum_by_dot",
     "chunk_prepare:fp16_inverse",
-    "chunk_prepare:gate_once",
 ]
 """The kernels' on/off launch options (``module:key`` of a kernel module's ``LAUNCH``): operand precision for
 bf16 inputs, the cumsum's method. Both settings must meet the tolerances (the other tests cover the
@@ -532,7 +531,7 @@ def test_interpreter_chunk_launch_options_flipped(monkeypatch, option):
     """Each on/off launch option set against its default, at the same tolerances, at T = 300 (five chunks,
     the last partial). Measured (seed 31, default vs flipped): ``bf16_operands`` dq 0.0039 vs 0.0038 (exact
     fp32 products here), dg 0.0040 vs 0.0038; ``fp16_inverse`` every value within 0.0006 (``dA_log``, a single
-    sum per head, within 0.0010); ``cumsum_by_dot`` within 0.0002; ``gate_once`` identical."""
+    sum per head, within 0.0010); ``cumsum_by_dot`` within 0.0002."""
     flip(monkeypatch, option)
     inputs = make_inputs(1, 300, 2, 128, 128, seed=31)
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
@@ -559,23 +558,6 @@ def test_interpreter_cumsum_rows_by_dot(reverse):
     cumsum_rows_kernel[(1,)](changed, y2, 64, 32, reverse)
     kept = slice(20, None) if reverse else slice(None, 21)
     assert torch.equal(y[kept], y2[kept])
-
-
-@interpreter
-@pytest.mark.parametrize("gate", ["init", "lb"])
-def test_interpreter_prepare_gate_once_changes_no_bit(monkeypatch, gate):
-    """``chunk_prepare.LAUNCH["gate_once"]`` writes the gated tensors in pass 1 and keeps ``Diag(β)K̃`` in an
-    fp16 scratch, the precision ``W``'s fp16 product rounds it to anyway: every output and gradient is
-    bitwise the default's (T = 130: three chunks, the last partial)."""
-    from openk3.ops.kda.triton import chunk_prepare
-
-    inputs = make_inputs(1, 130, 2, 64, 32, gate=gate, seed=3)
-    runs = []
-    for once in (False, True):
-        monkeypatch.setitem(chunk_prepare.LAUNCH, "gate_once", once)
-        runs.append(run(triton_chunk, inputs))
-    for name in runs[0]:
-        assert torch.equal(runs[0][name], runs[1][name]), name
 
 
 @interpreter

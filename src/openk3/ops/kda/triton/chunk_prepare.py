@@ -63,11 +63,10 @@ LAUNCH = {
     "wy_block": 64,
     "fp16_inverse": True,
     "cumsum_by_dot": False,
-    "gate_once": False,
 }
 """Launch configuration (``benchmarks/kda.py --sweep`` times the alternatives): warps, stages, a register cap
 (0: none), the key slice ``BK`` of the ``Aqk``/``L`` pass, the key/value slice of the ``W``/``U`` pass
-(narrower slices hold fewer registers), and three switches.
+(narrower slices hold fewer registers), and two switches.
 
 ``fp16_inverse``: fp16 operands (fp32 accumulation, :func:`~openk3.ops.kda.triton.kernel_math.bounded_dot`)
 in the block-substitution products of ``T = (I + L)^{-1}`` and in ``W = T·Diag(β)K̃``, and ``T`` saved in
@@ -89,14 +88,7 @@ inverse, since replaced; not re-timed).
 
 ``cumsum_by_dot``: the gate's cumsum as tensor-core products
 (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); slower here (2.49 vs 2.11 ms, B1 T8192 H96, H200),
-faster in grad_intra (:data:`~openk3.ops.kda.triton.chunk_grad_intra.LAUNCH`).
-
-``gate_once`` (forward, under ``fp16_inverse``'s conditions; not yet timed on a GPU, so off): pass 1 takes
-the row norms first and writes each slice's ``Q̃``, ``K̂``, ``D`` and ``Diag(β)K̃`` as it goes (the last to
-an fp16 scratch: the precision ``W``'s product takes anyway), so pass 2 reloads ``Diag(β)K̃`` instead of
-recomputing the gate, its cumsum, ``Q̃`` and ``K̂`` (≈ 20% of prepare's stall samples on the H200). It costs a
-second read of q and k and the scratch's write and read (2 bytes per key channel and token). Its outputs are
-bitwise the default's in the interpreter."""
+faster in grad_intra (:data:`~openk3.ops.kda.triton.chunk_grad_intra.LAUNCH`)."""
 
 
 @triton.jit
@@ -167,50 +159,19 @@ def anchor_block_products(acc_A, acc_L, q_s, k_s, G_s, a_s, b_k, b_G,
 
 
 @triton.jit
-def row_norms(ss_q, ss_k, USE_L2NORM: tl.constexpr, BT: tl.constexpr):
-    """The L2-norm reciprocals ``1/√(Σ x² + 1e-6)`` of q's and k's rows from their sums of squares (ones
-    without the norm), fp32 ``[BT]`` each."""
-    if USE_L2NORM:
-        return tl.rsqrt(ss_q + 1e-6), tl.rsqrt(ss_k + 1e-6)
-    else:
-        return tl.full([BT], 1.0, tl.float32), tl.full([BT], 1.0, tl.float32)
-
-
-@triton.jit
-def store_gated_slice(qg, kg, gend, xk, b_q, b_k, b_G, b_GC, b_rq, b_rk, b_beta, t0, n_valid, i_c, i_h, k0,
-                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      STORE_X: tl.constexpr):  # fmt: skip
-    """One key slice's gated tensors from raw ``b_q``, ``b_k`` ``[BT, BK]``, Γ, Γ_C and the row factors
-    ``b_rq`` (scale included), ``b_rk``, ``b_beta``: stores ``Q̃ = rq·q·2^Γ``, ``K̂ = rk·k·2^{Γ_C−Γ}`` and
-    ``D = 2^{Γ_C}``, and returns ``Diag(β)K̃ = β·rk·k·2^Γ`` (≤ 1 in magnitude with unit keys), also stored
-    to the fp16 scratch ``xk`` when ``STORE_X``."""
-    b_eG = tl.exp2(b_G)
-    store_rows(qg, b_q * b_rq[:, None] * b_eG, t0, n_valid, i_h, k0, H, K, BT, BK)
-    b_kn = b_k * b_rk[:, None]
-    store_rows(kg, b_kn * tl.exp2(b_GC[None, :] - b_G), t0, n_valid, i_h, k0, H, K, BT, BK)
-    tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK), tl.exp2(b_GC))
-    b_x = b_kn * b_eG * b_beta[:, None]
-    if STORE_X:
-        store_rows(xk, b_x, t0, n_valid, i_h, k0, H, K, BT, BK)
-    return b_x
-
-
-@triton.jit
 def chunk_prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias,
-    w, u, qg, kg, Aqk, Akk, gend, q_rstd, k_rstd, xk,
+    w, u, qg, kg, Aqk, Akk, gend, q_rstd, k_rstd,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr, FP16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr, GATE_ONCE: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
     ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
-    ``PASS1`` it reads ``Akk``, ``q_rstd``, ``k_rstd`` instead and writes only ``w, u, qg, kg, gend``.
-    With ``GATE_ONCE`` (``PASS1`` only) the norms come first, pass 1 also writes ``Q̃``, ``K̂``, ``D`` and
-    ``Diag(β)K̃`` (fp16 scratch ``xk`` ``[tokens, H, K]``), and pass 2 reads ``xk`` instead of the gate."""
+    ``PASS1`` it reads ``Akk``, ``q_rstd``, ``k_rstd`` instead and writes only ``w, u, qg, kg, gend``."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
@@ -232,27 +193,15 @@ def chunk_prepare_kernel(
         ss_q = tl.zeros([BT], dtype=tl.float32)
         ss_k = tl.zeros([BT], dtype=tl.float32)
         a_0 = tl.zeros([BK], dtype=tl.float32)
-        b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
-        if GATE_ONCE:  # the row norms first, so that pass 1 can finish each slice's gated tensors
-            for i_k in range(0, K // BK):
-                b_q = load_rows(q, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-                b_k = load_rows(k, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-                ss_q += tl.sum(b_q * b_q, axis=1)
-                ss_k += tl.sum(b_k * b_k, axis=1)
-            b_rq, b_rk = row_norms(ss_q, ss_k, USE_L2NORM, BT)
         for i_k in range(0, K // BK):
             k0 = i_k * BK
-            b_G, b_GC = gate_cumsum_slice(
+            b_G, _ = gate_cumsum_slice(
                 g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS, SCAN_BY_DOT
             )
             b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
             b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32)
-            if GATE_ONCE:
-                store_gated_slice(qg, kg, gend, xk, b_q, b_k, b_G, b_GC, b_rq * scale, b_rk, b_beta,
-                                  t0, n_valid, i_c, i_h, k0, H, K, BT, BK, True)  # fmt: skip
-            else:
-                ss_q += tl.sum(b_q * b_q, axis=1)
-                ss_k += tl.sum(b_k * b_k, axis=1)
+            ss_q += tl.sum(b_q * b_q, axis=1)
+            ss_k += tl.sum(b_k * b_k, axis=1)
             G0, G1, G2, G3 = split4_rows(b_G, BT, BK)
             q0, q1, q2, q3 = split4_rows(b_q, BT, BK)
             k0_, k1_, k2_, k3_ = split4_rows(b_k, BT, BK)
@@ -267,10 +216,15 @@ def chunk_prepare_kernel(
         acc_L = cat4_rows(acc_L0, acc_L1, acc_L2, acc_L3, BC, BT)
 
         # ---- norms and β: Aqk_ij = scale·rq_i·rk_j·acc_ij (i ≥ j), L_ij = β_i·rk_i·rk_j·acc_ij (i > j)
-        if not GATE_ONCE:
-            b_rq, b_rk = row_norms(ss_q, ss_k, USE_L2NORM, BT)
+        if USE_L2NORM:
+            b_rq = tl.rsqrt(ss_q + 1e-6)
+            b_rk = tl.rsqrt(ss_k + 1e-6)
+        else:
+            b_rq = tl.full([BT], 1.0, tl.float32)
+            b_rk = tl.full([BT], 1.0, tl.float32)
         store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
         store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
+        b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
         b_A = tl.where(o_t[:, None] >= o_t[None, :], acc_A * (b_rq * scale)[:, None] * b_rk[None, :], 0.0)
         store_rows(Aqk, b_A, t0, n_valid, i_h, 0, H, BT, BT, BT)
         b_L = tl.where(o_t[:, None] > o_t[None, :], acc_L * (b_beta * b_rk)[:, None] * b_rk[None, :], 0.0)
@@ -283,19 +237,20 @@ def chunk_prepare_kernel(
         b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
 
     # ---- pass 2, by key / value slices: Γ from the chunk start (all factors ≤ 1), W, U, Q̃, K̂, D
+    b_rq = b_rq * scale
     for i_k in range(0, K // BK2):
         k0 = i_k * BK2
-        if GATE_ONCE and PASS1:  # Q̃, K̂, D and Diag(β)K̃ were written by pass 1
-            b_x = load_rows(xk, t0, n_valid, i_h, k0, H, K, BT, BK2)
-        else:
-            b_G, b_GC = gate_cumsum_slice(
-                g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK2, HAS_BIAS, SCAN_BY_DOT
-            )
-            b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32)
-            b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32)
-            b_x = store_gated_slice(qg, kg, gend, xk, b_q, b_k, b_G, b_GC, b_rq * scale, b_rk, b_beta,
-                                    t0, n_valid, i_c, i_h, k0, H, K, BT, BK2, False)  # fmt: skip
-        store_rows(w, bounded_dot(b_T, b_x, DOT, FP16), t0, n_valid, i_h, k0, H, K, BT, BK2)
+        b_G, b_GC = gate_cumsum_slice(
+            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK2, HAS_BIAS, SCAN_BY_DOT
+        )
+        b_eG = tl.exp2(b_G)
+        b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32)
+        store_rows(qg, b_q * b_rq[:, None] * b_eG, t0, n_valid, i_h, k0, H, K, BT, BK2)
+        b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK2).to(tl.float32) * b_rk[:, None]
+        store_rows(kg, b_k * tl.exp2(b_GC[None, :] - b_G), t0, n_valid, i_h, k0, H, K, BT, BK2)
+        b_w = bounded_dot(b_T, b_k * b_eG * b_beta[:, None], DOT, FP16)
+        store_rows(w, b_w, t0, n_valid, i_h, k0, H, K, BT, BK2)
+        tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK2), tl.exp2(b_GC))
     for i_v in range(0, V // BV2):
         b_v = load_rows(v, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2).to(tl.float32)
         b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT)
@@ -367,17 +322,15 @@ def chunk_prepare(
     )
     if P == 0:
         return out
-    gate_once = LAUNCH["gate_once"] and fp16 and saved is None
-    xk = q.new_empty(TT, H, K, dtype=torch.float16) if gate_once else None
     chunk_prepare_kernel[(P, H)](
         q, k, v, g, beta, A_log, dt_bias,
-        out.w, out.u, out.qg, out.kg, out.Aqk, out.Akk, out.gend, out.q_rstd, out.k_rstd, xk,
+        out.w, out.u, out.qg, out.kg, out.Aqk, out.Akk, out.gend, out.q_rstd, out.k_rstd,
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
-        FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], GATE_ONCE=gate_once,
+        FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"],
         **launch_options(LAUNCH),
     )  # fmt: skip
     return out

@@ -148,9 +148,7 @@ def cumsum_rows(x, R: tl.constexpr, REVERSE: tl.constexpr, BY_DOT: tl.constexpr)
         else:
             tri = tl.where(o[:, None] >= o[None, :], 1.0, 0.0).to(tl.bfloat16)
         hi = x.to(tl.bfloat16)
-        rest = x - hi.to(tl.float32)
-        mid = rest.to(tl.bfloat16)
-        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        mid, lo = split_bf16(x - hi.to(tl.float32))
         return tl.dot(tri, lo) + tl.dot(tri, mid) + tl.dot(tri, hi)
     else:
         return tl.cumsum(x, axis=0, reverse=REVERSE)
