@@ -166,13 +166,23 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability ×10 (default 90, the H200)")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE:KEY=VALUE")
     args = parser.parse_args()
+    if not 70 <= args.arch < 1000:
+        sys.exit(f"--arch {args.arch}: expected a CUDA compute capability ×10 such as 80, 90 or 100")
     for item in args.set:
         target, _, value = item.partition("=")
         module, _, key = target.partition(":")
-        launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
+        try:
+            launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
+        except (ModuleNotFoundError, AttributeError):
+            sys.exit(
+                f"--set {item}: expected MODULE:KEY=VALUE with MODULE a kernel module such as chunk_prepare"
+            )
         if key not in launch:
             sys.exit(f"--set {item}: {module}.LAUNCH has no key {key!r} (keys: {', '.join(launch)})")
-        launch[key] = ast.literal_eval(value)
+        try:
+            launch[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            sys.exit(f"--set {item}: the value {value!r} is not a Python literal (True, 32, ...)")
     import triton
 
     print(

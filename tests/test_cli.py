@@ -206,16 +206,29 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
     assert "--prompt is not valid UTF-8 text (byte 0xe9 at character 3)" in capsys.readouterr().err
 
 
-def test_out_of_memory_is_one_line(monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("argv", "handler", "advice"),
+    [
+        (["info"], "cmd_info", "a smaller --preset"),
+        (["train"], "cmd_train", "--batch-size"),
+        (["generate", "--ckpt", "x", "--prompt", "hi"], "cmd_generate", "a shorter --prompt"),
+        (["eval", "--ckpt", "x"], "cmd_eval", "--seq-len"),
+    ],
+)
+def test_out_of_memory_is_one_line_with_the_commands_own_advice(monkeypatch, capsys, argv, handler, advice):
     import openk3.cli as cli
 
     def boom(args):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory")
 
-    monkeypatch.setattr(cli, "cmd_info", boom)
-    assert main(["info"]) == 1
+    monkeypatch.setattr(cli, handler, boom)
+    assert main(argv) == 1
     err = capsys.readouterr().err
-    assert err.startswith("openk3: error: out of memory (") and "--batch-size" in err and err.count("\n") == 1
+    assert err.startswith("openk3: error: out of memory (") and advice in err and err.count("\n") == 1
+
+
+def test_a_runtime_bug_keeps_its_traceback(monkeypatch):
+    import openk3.cli as cli
 
     def bug(args):
         raise RuntimeError("a genuine bug")

@@ -391,9 +391,20 @@ def _silence_stdout() -> None:
         pass
 
 
-def _failure_line(e: BaseException) -> str | None:
+OOM_ADVICE = {
+    "train": "use a smaller --batch-size, a shorter --context-schedule, --grad-accum to split the batch, "
+    "or a smaller --preset",
+    "generate": "use a shorter --prompt (prefill memory grows with its length) or fewer --max-new-tokens",
+    "eval": "use a smaller --batch-size or --seq-len",
+    "serve": "use a smaller --pool-mib / --num-blocks or --max-model-len",
+}
+"""What to change when a command runs out of memory, by command (only flags that command has)."""
+
+
+def _failure_line(e: BaseException, command: str | None = None) -> str | None:
     """The one-line report of a failure that is not a bug: training diverged, or memory ran out (host or
-    GPU); ``None`` for any other error (its traceback is shown)."""
+    GPU; the advice is :data:`OOM_ADVICE`'s for ``command``); ``None`` for any other error (its traceback is
+    shown)."""
     from openk3.train.trainer import DivergenceError
 
     if isinstance(e, DivergenceError):
@@ -403,8 +414,7 @@ def _failure_line(e: BaseException) -> str | None:
     if not oom:
         return None
     return (
-        f"out of memory ({first[:200]}): use a smaller --batch-size, a shorter --seq-len / --context-schedule, "
-        "--grad-accum to split the batch, or a smaller --preset"
+        f"out of memory ({first[:200]}): {OOM_ADVICE.get(command, 'free memory or use a smaller --preset')}"
     )
 
 
@@ -413,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     stderr; argparse's own errors raise ``SystemExit(2)`` with one ``openk3 <command>: error:`` line), 1 for
     diverged training or memory exhausted (one such line), 130 for Ctrl-C (one line saying what was saved),
     141 when stdout was closed early (``openk3 info --json | head``; nothing printed)."""
+    args = None
     try:
         args = build_parser().parse_args(argv)
         code = args.func(args)
@@ -425,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openk3: error: {e}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:
-        why = _failure_line(e)
+        why = _failure_line(e, getattr(args, "command", None))
         if why is None:
             raise
         print(f"openk3: error: {why}", file=sys.stderr)
