@@ -7,9 +7,10 @@ Two modes, chosen when this module is imported:
   dq, dk, dv, dh0 0.008; dg, dβ and the gate parameters 0.02), causality is checked bitwise, and every
   ``torch.empty`` buffer is pre-filled with NaN once to prove each output element is written.
 * **Interpreter** (no CUDA, ``triton`` ≥ 3.9 installed): ``TRITON_INTERPRET=1`` runs the same kernels on CPU
-  tensors at tiny sizes. Two interpreter gaps are patched first so it matches the GPU: its bf16 ``tl.dot``
-  multiplies the raw uint16 bit patterns, and its fp32→bf16 cast truncates instead of rounding to nearest
-  even. fp32 inputs must then match to ~1e-6 (the interpreter's dots are exact fp32, not tf32).
+  tensors at tiny sizes. Three interpreter gaps are patched first so it matches the GPU: its bf16 ``tl.dot``
+  multiplies the raw uint16 bit patterns, its fp32→bf16 cast truncates instead of rounding to nearest even,
+  and its ``"tf32"`` dot is exact fp32 where Hopper's tensor cores drop an fp32 operand's low 13 bits (the
+  patched dot truncates them too). fp32 inputs (``"tf32x3"``, exact fp32 here) must match to ~1e-6.
 
 Without triton everything here skips, with the reason.
 
@@ -77,7 +78,8 @@ interpreter = pytest.mark.skipif(
 
 
 def _patch_interpreter() -> str | None:
-    """Make the interpreter's bf16 dot and fp32→bf16 cast behave as on the GPU; returns why not, or None."""
+    """Make the interpreter's bf16 and tf32 dots and its fp32→bf16 cast behave as on the GPU; returns why
+    not, or None."""
     try:
         import numpy as np
         import triton.language as tl
@@ -94,8 +96,15 @@ def _patch_interpreter() -> str | None:
             return (handle.data.astype(np.uint32) << 16).view(np.float32)
         return handle.data
 
+    def tensor_core_operand(handle, input_precision):
+        x = as_f32(handle)
+        if handle.dtype == tl.float32 and str(input_precision).endswith(".TF32"):
+            x = (np.ascontiguousarray(x).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+        return x
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        out = np.matmul(as_f32(a), as_f32(b), dtype=d.data.dtype) + d.data
+        a32, b32 = tensor_core_operand(a, input_precision), tensor_core_operand(b, input_precision)
+        out = np.matmul(a32, b32, dtype=d.data.dtype) + d.data
         return ti.TensorHandle(out, d.dtype.scalar)
 
     def cast_impl(self, src, dst_type):
@@ -264,7 +273,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from openk3.ops.kda.triton.kernel_math import cumsum_rows
+    from openk3.ops.kda.triton.kernel_math import cumsum_rows, dot
+
+    @triton.jit
+    def tf32_dot_kernel(a, b, c, R: tl.constexpr, ROUND: tl.constexpr):
+        """``c = a @ b`` of contiguous ``[R, R]`` fp32 at tf32: by :func:`~openk3.ops.kda.triton.kernel_math.dot`
+        (``ROUND``) or by a bare ``tl.dot``."""
+        offs = tl.arange(0, R)[:, None] * R + tl.arange(0, R)[None, :]
+        x, y = tl.load(a + offs), tl.load(b + offs)
+        tl.store(c + offs, dot(x, y, "tf32") if ROUND else tl.dot(x, y, input_precision="tf32"))
 
     @triton.jit
     def cumsum_rows_kernel(x, y, R: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr):
@@ -558,6 +575,33 @@ def test_interpreter_cumsum_rows_by_dot(reverse):
     cumsum_rows_kernel[(1,)](changed, y2, 64, 32, reverse)
     kept = slice(20, None) if reverse else slice(None, 21)
     assert torch.equal(y[kept], y2[kept])
+
+
+def tf32_dot_bias(device: str, round_operands: bool) -> float:
+    """Mean relative error of a tf32 ``[64, 64]`` product of positive fp32 matrices (entries in [1, 2]), where
+    truncated operands are all rounded down: the bias that coherent sums (``dA_log``) accumulate."""
+    gen = torch.Generator().manual_seed(41)
+    a, b = (1 + torch.rand(2, 64, 64, generator=gen)).to(device)
+    c = torch.empty_like(a)
+    tf32_dot_kernel[(1,)](a, b, c, 64, round_operands)
+    exact = a.double() @ b.double()
+    return ((c.double() - exact) / exact).mean().item()
+
+
+@interpreter
+def test_interpreter_tf32_dot_rounds_operands():
+    """``kernel_math.dot`` rounds fp32 operands to tf32 before the tensor cores, which truncate: its mean
+    error on positive products is ~0 (measured 1e-6) where a bare ``tl.dot`` is biased by about −2^-10."""
+    assert abs(tf32_dot_bias("cpu", True)) < 3e-5
+    assert tf32_dot_bias("cpu", False) < -5e-4  # the patched interpreter truncates as the GPU does
+
+
+@gpu
+def test_gpu_tf32_dot_rounds_operands():
+    """On the GPU: the tensor cores truncate tf32 operands (bias about −2^-10 for a bare ``tl.dot``), and
+    ``kernel_math.dot`` removes the bias."""
+    assert abs(tf32_dot_bias("cuda", True)) < 3e-5
+    assert tf32_dot_bias("cuda", False) < -5e-4
 
 
 @interpreter

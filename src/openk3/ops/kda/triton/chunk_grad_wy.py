@@ -34,6 +34,7 @@ from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
     chunk_rows,
+    dot,
     dot_precision,
     gate_cumsum_slice,
     launch_options,
@@ -65,15 +66,15 @@ def chunk_grad_wy_value_kernel(
     for i_v in range(0, V // BV):
         b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
-        acc_dA += tl.dot(b_do, tl.trans(b_e), input_precision=DOT)
+        acc_dA += dot(b_do, tl.trans(b_e), DOT)
         b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
-        b_dxv = tl.dot(tl.trans(b_T), b_de, input_precision=DOT)
+        b_dxv = dot(tl.trans(b_T), b_de, DOT)
         store_rows(dv, b_dxv * b_beta[:, None], t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         acc_db += tl.sum(
             b_dxv * load_rows(v, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32), axis=1
         )
         b_u = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
-        acc_dL -= tl.dot(b_dxv, tl.trans(b_u), input_precision=DOT)
+        acc_dL -= dot(b_dxv, tl.trans(b_u), DOT)
     store_rows(dA, tl.where(o_t[:, None] >= o_t[None, :], acc_dA, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_rows(dL, tl.where(o_t[:, None] > o_t[None, :], acc_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_row_vec(dbeta, acc_db, t0, n_valid, i_h, H, BT)
@@ -109,18 +110,18 @@ def chunk_grad_wy_key_kernel(
         b_h = tl.load(h + p_hv)
         b_dh = tl.load(dh + p_hv)
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
-        acc_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT)
+        acc_dqg += dot(b_do, tl.trans(b_h), DOT)
         b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
-        acc_dwn += tl.dot(b_de, tl.trans(b_h), input_precision=DOT)
+        acc_dwn += dot(b_de, tl.trans(b_h), DOT)
         b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
-        acc_dkg += tl.dot(b_e, tl.trans(b_dh), input_precision=DOT)
+        acc_dkg += dot(b_e, tl.trans(b_dh), DOT)
         acc_dD += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
 
     # WY: dXk = −Tᵀ dWn, and this key block's share of dL = −dXk Wᵀ
     b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
-    b_dxk = -tl.dot(tl.trans(b_T), acc_dwn, input_precision=DOT)
+    b_dxk = -dot(tl.trans(b_T), acc_dwn, DOT)
     b_w = load_rows(w, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-    b_dL = -tl.dot(b_dxk, tl.trans(b_w), input_precision=DOT)
+    b_dL = -dot(b_dxk, tl.trans(b_w), DOT)
     p_part = (1 + i_k) * part_stride
     store_rows(
         dL + p_part, tl.where(o_t[:, None] > o_t[None, :], b_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT

@@ -41,6 +41,7 @@ from openk3.ops.kda.triton.kernel_math import (
     cat4_cols,
     cat4_rows,
     chunk_rows,
+    dot,
     dot_precision,
     gate_cumsum_slice,
     launch_options,
@@ -51,6 +52,7 @@ from openk3.ops.kda.triton.kernel_math import (
     split4_rows,
     store_row_vec,
     store_rows,
+    tf32_operand,
 )
 
 SUB_CHUNK = 16
@@ -80,11 +82,11 @@ every operand is bounded, so none overflows:
 * ``|β k̃| ≤ 1``. ``U``'s factor ``V`` is unbounded, so ``U`` stays tf32.
 
 Bounded is not the same as accurate: the 16×16 diagonal blocks are inverted by fp32 substitution
-(:func:`unit_lower_inverse_block`), because the doubling product they replaced cancelled large terms. With
+(:func:`unit_lower_inverse_blocks`), because the doubling product they replaced cancelled large terms. With
 fp16 the errors stay those of tf32 operands (B1 T300 H2 in the interpreter: every output and gradient within
 0.0006 of exact fp32 products, ``dA_log``, one sum per head, within 0.0010). It took prepare from 2.32 to 2.14
-ms and its backward pass from 0.86 to 0.80 ms at B1 T8192 H96 on the H200 (with the doubling-product
-inverse, since replaced; not re-timed).
+ms and its backward pass from 0.86 to 0.80 ms at B1 T8192 H96 on the H200 (measured with the
+doubling-product inverse, since replaced; with the substitution prepare takes 2.5–2.7 ms).
 
 ``cumsum_by_dot``: the gate's cumsum as tensor-core products
 (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); slower here (2.49 vs 2.11 ms, B1 T8192 H96, H200),
@@ -92,22 +94,32 @@ faster in grad_intra (:data:`~openk3.ops.kda.triton.chunk_grad_intra.LAUNCH`).""
 
 
 @triton.jit
-def unit_lower_inverse_block(L, BC: tl.constexpr):
-    """``(I + L)^{-1}`` of a strictly lower-triangular ``[BC, BC]`` fp32 block by forward substitution in
-    fp32 on the CUDA cores: row ``i`` is ``e_i − Σ_{j<i} L_ij T_j`` (fla's ``solve_tril`` does the same for
-    its 16×16 blocks, kda_kernels reference §1.5).
+def unit_lower_inverse_blocks(L0, L1, L2, L3, BC: tl.constexpr):
+    """``(I + L_s)^{-1}`` of four strictly lower-triangular ``[BC, BC]`` fp32 blocks by forward substitution
+    in fp32 on the CUDA cores: row ``i`` is ``e_i − Σ_{j<i} L_ij T_j`` (fla's ``solve_tril`` does the same for
+    its 16×16 blocks, kda_kernels reference §1.5). The four blocks are stacked into one ``[4, BC, BC]`` tile,
+    so the ``BC − 1`` dependent steps (each a cross-thread row extraction and reduction) are paid once: prepare
+    took 2.52 ms this way against 3.08 ms block by block (B1 T8192 H96, H200).
 
     Every term is bounded (``|L_ij| ≤ 1``, ``|T_ij| ≤ 1``), so each row carries fp32 rounding only. The
     doubling product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` used before (FlashKDA's) is exact in exact
     arithmetic but its factors reach ``C(14, 7) ≈ 3·10³`` and cancel to entries ≤ 1: with nearly parallel
-    keys in a block (cosine ≳ 0.9, β ≳ 0.8, slow decay) its tf32/fp16 result was off by up to 1."""
+    keys in a block (cosine ≳ 0.9, β ≳ 0.8, slow decay) its tf32/fp16 result was off by up to 1. It was
+    faster (prepare 2.16 ms on the H200)."""
+    X = tl.join(tl.join(L0, L1), tl.join(L2, L3))  # [BC, BC, 2, 2]: [..., p, q] is block 2q + p
+    X = tl.permute(tl.reshape(X, [BC, BC, 4]), [2, 0, 1])  # [4, BC, BC]
     o_c = tl.arange(0, BC)
-    T = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    T = tl.zeros([4, BC, BC], dtype=tl.float32) + (o_c[:, None] == o_c[None, :]).to(tl.float32)[None, :, :]
     for i in tl.static_range(1, BC):
-        l_i = tl.sum(tl.where(o_c[:, None] == i, L, 0.0), axis=0)  # row i of L (zero from column i on)
-        t_i = tl.where(o_c == i, 1.0, 0.0) - tl.sum(l_i[:, None] * T, axis=0)
-        T = tl.where(o_c[:, None] == i, t_i[None, :], T)
-    return T
+        row_i = (o_c == i)[None, :, None]
+        l_i = tl.sum(tl.where(row_i, X, 0.0), axis=1)  # [4, BC]: row i of each block (zero from column i)
+        t_i = tl.where(o_c == i, 1.0, 0.0)[None, :] - tl.sum(l_i[:, :, None] * T, axis=1)
+        T = tl.where(row_i, t_i[:, None, :], T)
+    Y = tl.reshape(tl.permute(T, [1, 2, 0]), [BC, BC, 2, 2])
+    A, B = tl.split(Y)
+    D0, D1 = tl.split(A)
+    D2, D3 = tl.split(B)
+    return D0, D1, D2, D3
 
 
 @triton.jit
@@ -115,8 +127,8 @@ def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr,
     """``T = (I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``) by block
     forward substitution over its ``BC``-row blocks.
 
-    With ``D_s = (I + L_ss)^{-1}`` (:func:`unit_lower_inverse_block`), row block ``s`` of ``T`` is
-    ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e. ``D_s`` on the diagonal block
+    With ``D_s = (I + L_ss)^{-1}`` (the four at once, :func:`unit_lower_inverse_blocks`), row block ``s``
+    of ``T`` is ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e. ``D_s`` on the diagonal block
     plus ``−D_s Σ_{u<s} L_su T_u``: four 16-row fp32 substitutions and nine ``16×16×64`` tensor-core products
     (fp16 operands when ``FP16``; every factor is bounded by 1 and every sum has at most 48 terms).
     Row ``i`` of every factor reads only rows ``≤ i`` of ``L`` (causal).
@@ -128,10 +140,7 @@ def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr,
     L20, L21, L22, _ = split4_cols(L2, BC, BT)
     L30, L31, L32, L33 = split4_cols(L3, BC, BT)
     zero = tl.zeros([BC, BC], dtype=tl.float32)
-    D0 = unit_lower_inverse_block(L00, BC)
-    D1 = unit_lower_inverse_block(L11, BC)
-    D2 = unit_lower_inverse_block(L22, BC)
-    D3 = unit_lower_inverse_block(L33, BC)
+    D0, D1, D2, D3 = unit_lower_inverse_blocks(L00, L11, L22, L33, BC)
     T0 = cat4_cols(D0, zero, zero, zero, BC, BC)
     R1 = bounded_dot(L10, T0, DOT, FP16)
     T1 = cat4_cols(zero, D1, zero, zero, BC, BC) - bounded_dot(D1, R1, DOT, FP16)
@@ -153,8 +162,8 @@ def anchor_block_products(acc_A, acc_L, q_s, k_s, G_s, a_s, b_k, b_G,
     blk = tl.arange(0, BT) // BC
     b_rf = tl.exp2(G_s - a_s[None, :])
     b_col = tl.trans(b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf"))))
-    acc_A += tl.dot(q_s * b_rf, b_col, input_precision=DOT)
-    acc_L += tl.dot(k_s * b_rf, b_col, input_precision=DOT)
+    acc_A += dot(q_s * b_rf, b_col, DOT)
+    acc_L += dot(k_s * b_rf, b_col, DOT)
     return acc_A, acc_L
 
 
@@ -231,13 +240,17 @@ def chunk_prepare_kernel(
         b_T = unit_lower_inverse(b_L, BT, BC, DOT, FP16)
         store_rows(Akk, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
     else:  # the backward: T and the norms saved by the forward
-        b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
+        b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)  # fp16 T: tf32-exact
         b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
         b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
         b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
 
     # ---- pass 2, by key / value slices: Γ from the chunk start (all factors ≤ 1), W, U, Q̃, K̂, D
     b_rq = b_rq * scale
+    if PASS1 or not FP16:
+        b_Tu = tf32_operand(b_T, DOT)  # rounded once for U's products
+    else:
+        b_Tu = b_T
     for i_k in range(0, K // BK2):
         k0 = i_k * BK2
         b_G, b_GC = gate_cumsum_slice(
@@ -253,7 +266,7 @@ def chunk_prepare_kernel(
         tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK2), tl.exp2(b_GC))
     for i_v in range(0, V // BV2):
         b_v = load_rows(v, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2).to(tl.float32)
-        b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT)
+        b_u = tl.dot(b_Tu, tf32_operand(b_v * b_beta[:, None], DOT), input_precision=DOT)
         store_rows(u, b_u, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2)
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.kernel_math import dot_precision, launch_options, load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import dot, dot_precision, launch_options, load_rows, store_rows
 
 
 @triton.jit
@@ -59,20 +59,18 @@ def chunk_state_fwd_kernel(
             p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
             tl.store(h + p_h, b_Sd.to(h.dtype.element_ty))
         b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
-        b_e = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32) - tl.dot(
-            b_w, b_Sd, input_precision=DOT
-        )
+        b_e = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32) - dot(b_w, b_Sd, DOT)
         b_ed = b_e.to(dt)
         if STORE_H:
             store_rows(v_new, b_ed, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         if STORE_O:
             b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
             b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
-            b_o = tl.dot(b_qg, b_Sd, input_precision=DOT) + tl.dot(b_A, b_ed, input_precision=DOT)
+            b_o = dot(b_qg, b_Sd, DOT) + dot(b_A, b_ed, DOT)
             store_rows(o, b_o, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
         b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)
-        b_S = b_S * b_D[:, None] + tl.dot(tl.trans(b_kg), b_ed, input_precision=DOT)
+        b_S = b_S * b_D[:, None] + dot(tl.trans(b_kg), b_ed, DOT)
     if STORE_FINAL:
         tl.store(ht + p_state, b_S)
 

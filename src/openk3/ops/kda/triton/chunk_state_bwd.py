@@ -23,7 +23,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
-from openk3.ops.kda.triton.kernel_math import dot_precision, launch_options, load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import dot, dot_precision, launch_options, load_rows, store_rows
 
 
 @triton.jit
@@ -61,17 +61,13 @@ def chunk_state_bwd_kernel(
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
         b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
         b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
-        b_de = tl.dot(tl.trans(b_A), b_do, input_precision=DOT) + tl.dot(b_kg, b_dSd, input_precision=DOT)
+        b_de = dot(tl.trans(b_A), b_do, DOT) + dot(b_kg, b_dSd, DOT)
         b_ded = b_de.to(dt)
         store_rows(dv_new, b_ded, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
         b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
         b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)
-        b_dS = (
-            b_dS * b_D[:, None]
-            + tl.dot(tl.trans(b_qg), b_do, input_precision=DOT)
-            - tl.dot(tl.trans(b_w), b_ded, input_precision=DOT)
-        )
+        b_dS = b_dS * b_D[:, None] + dot(tl.trans(b_qg), b_do, DOT) - dot(tl.trans(b_w), b_ded, DOT)
     tl.store(dh0 + p_state, b_dS)
 
 
