@@ -41,14 +41,18 @@ def launch_options(launch: dict) -> dict:
 
 @triton.jit
 def round_tf32(x):
-    """``x`` (fp32) rounded to tf32's 10-bit stored significand, to nearest (ties away from zero), as fp32.
+    """``x`` (fp32) rounded to tf32's 10-bit stored significand, to nearest (ties away from zero), as fp32;
+    ±inf stay, NaN stays NaN (the bit trick alone would carry some NaN payloads, such as the GPU's canonical
+    ``0x7FFFFFFF``, into ±0 or inf), values within half a tf32 ulp of the fp32 maximum round to inf.
 
     Hopper's tensor cores read a tf32 operand from an fp32 register by dropping its low 13 bits, i.e. they
     **truncate** toward zero. Truncation is biased, so errors of many products add up instead of cancelling:
     with it, ``dA_log`` (one sum over a head's tokens and channels) missed its 0.02 tolerance at B2 T65 H1 D64
-    on the H200 (0.0208; 0.0193 with truncation emulated in Triton's interpreter, 0.0014 with rounding)."""
+    on the H200 (0.0208; in Triton's interpreter 0.0193 with truncation emulated, 0.0014 with rounding, both
+    with the bf16 operands grad_intra then used at D64)."""
     bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)
 
 
 @triton.jit
