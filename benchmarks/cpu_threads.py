@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--hog", action="store_true", help="keep one core busy during the measurement")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     print(f"load average before: {os.getloadavg()[0]:.2f}; hog: {args.hog}")
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.hog else None
     try:

@@ -37,7 +37,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--naive-repeats", type=int, default=2, help="timed runs of the slow reference")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    return parser.parse_args()
+    args = parser.parse_args()
+    for flag, value in (("--repeats", args.repeats), ("--naive-repeats", args.naive_repeats)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    return args
 
 
 def make_inputs(B: int, T: int, H: int, K: int, seed: int = 0) -> dict:

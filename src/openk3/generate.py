@@ -1,7 +1,9 @@
 """Token generation with the model caches (KDA states + MLA latents).
 
-:func:`stream` prefills the prompt once, then feeds one token at a time through the cache (equal to
-re-running the whole sequence; tested) and yields each new token as soon as it is chosen.
+:func:`stream` prefills the prompt through the cache in pieces of at most ``prefill_chunk`` tokens (so the
+activations and logits held at once stay bounded for long prompts; equal to one pass over the whole prompt,
+tested), then feeds one token at a time (equal to re-running the whole sequence; tested) and yields each new
+token as soon as it is chosen.
 Sampling: temperature 0 is greedy (argmax); otherwise softmax(logits / T), optionally restricted to the
 smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019).
 """
@@ -56,6 +58,11 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, gener
     return torch.multinomial(probs_BV, 1, generator=generator)
 
 
+PREFILL_CHUNK = 2048
+"""Prompt tokens per prefill forward in :func:`stream`: bounds the prefill's activations and its ``[B, chunk,
+vocab]`` logits (a 21k-token prompt in one pass took 18 GB on a CPU)."""
+
+
 @torch.no_grad()
 def stream(
     model: nn.Module,
@@ -66,12 +73,16 @@ def stream(
     seed: int | None = None,
     stop_ids: set[int] | None = None,
     vocab_size: int | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> Iterator[torch.Tensor]:
     """Yield new tokens ``[B, 1]`` one step at a time (stops early when every row hit ``stop_ids``).
 
     ``vocab_size``: only ids below it are chosen (a tokenizer smaller than the model's vocabulary has no
-    text for the others); ``None``: every id of the model."""
+    text for the others); ``None``: every id of the model. ``prefill_chunk``: most prompt tokens per forward
+    (default :data:`PREFILL_CHUNK`). Raises ``ValueError`` for a ``prefill_chunk`` below 1."""
     check_sampling(temperature, top_p, max_new_tokens, seed)
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
     if vocab_size is not None and (
         isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
     ):
@@ -80,7 +91,12 @@ def stream(
     if seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     cache = model.new_cache()
-    logits = _logits(model(input_ids, cache))[:, -1]
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[1] > 0:
+        pieces = input_ids.split(prefill_chunk, dim=1)
+    else:
+        pieces = (input_ids,)  # the model's input check names what is wrong
+    for piece in pieces:
+        logits = _logits(model(piece, cache))[:, -1]
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
         nxt = sample_next(
@@ -103,10 +119,14 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     vocab_size: int | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> torch.Tensor:
     """New tokens ``[B, max_new_tokens]`` (int64, prompt excluded). See :func:`stream`; pass the tokenizer's
     ``vocab_size`` when it is smaller than the model's vocabulary (a model trained on a small corpus)."""
-    tokens = stream(model, input_ids, max_new_tokens, temperature, top_p, seed, vocab_size=vocab_size)
+    tokens = stream(
+        model, input_ids, max_new_tokens, temperature, top_p, seed, vocab_size=vocab_size,
+        prefill_chunk=prefill_chunk,
+    )  # fmt: skip
     return torch.cat(list(tokens), dim=1)
 
 

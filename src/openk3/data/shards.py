@@ -573,7 +573,7 @@ class TokenDataset:
         if self.num_tokens < seq_len + 1:
             raise ValueError(
                 f"{self.path.name} holds {self.num_tokens} tokens, fewer than seq_len + 1 = "
-                f"{seq_len + 1}: use a shorter seq_len or a larger corpus"
+                f"{seq_len + 1}: use shorter windows (train: --context-schedule, eval: --seq-len) or a larger corpus"
             )
 
     def _windows(self, starts_B: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
