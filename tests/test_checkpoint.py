@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -307,6 +308,32 @@ def test_corrupt_files_are_named_in_one_line(saved, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"openk3: error: {ckpt2 / 'tokenizer.json'} is not a valid tokenizer.json")
     assert err.count("\n") == 1
+
+
+def test_non_finite_weights_are_refused_in_one_line(saved, tmp_path, capsys):
+    """A checkpoint whose tensors parse but hold a NaN (a run that diverged before its save) or an inf is not
+    loaded: one line names the tensor and its file, for the library and for ``openk3 generate`` (eval and serve
+    load through the same ``load_state``)."""
+    from safetensors.torch import load_file
+
+    from openk3.checkpoint import CorruptCheckpointError
+    from openk3.cli import main
+
+    _, path = saved
+    for bad in (float("nan"), float("-inf")):
+        ckpt = _with_tokenizer(path, tmp_path / f"ck-{bad}")
+        index = _names(ckpt)["weight_map"]
+        name = next(n for n in sorted(index) if n.endswith("mlp.up_proj.weight"))
+        shard = ckpt / index[name]
+        tensors = load_file(shard)
+        tensors[name].view(-1)[7] = bad
+        save_file(tensors, shard)
+        message = f"{name} in {shard} holds NaN or inf values"
+        with pytest.raises(CorruptCheckpointError, match=re.escape(message)):
+            openk3.from_pretrained(ckpt)
+        assert main(["generate", "--ckpt", str(ckpt), "--prompt", "to be"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"openk3: error: {message}") and err.count("\n") == 1
 
 
 def test_save_pretrained_carries_the_tokenizer(tmp_path):

@@ -327,6 +327,32 @@ def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsy
     assert _snapshot(run) == before  # no data rebuild, no train_config.json, no metrics truncation
 
 
+def test_sigterm_saves_like_ctrl_c(run1, tmp_path, capsys, monkeypatch):
+    """SIGTERM (``timeout``, a job scheduler) finishes the step, saves its checkpoint, says how to resume and
+    exits 130, as a first Ctrl-C does; both handlers are put back afterwards."""
+    import os
+    import shutil
+    import signal
+
+    run = tmp_path / "run"
+    shutil.copytree(run1[0], run)
+    one_step = Trainer.train_step
+
+    def step_then_sigterm(self):
+        row = one_step(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-sample"]) == 130  # as Ctrl-C
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    out, err = capsys.readouterr()
+    assert "SIGTERM: finishing this step and saving a checkpoint" in out
+    assert f"stopped at step 2; continue with: openk3 train --out {run} --resume" in out
+    assert (run / "checkpoints" / "step-000002").is_dir()
+
+
 def test_extending_a_run_then_a_double_ctrl_c(run1, tmp_path, capsys, monkeypatch):
     import os
     import shutil

@@ -33,6 +33,7 @@ def _checked(cast, what: str, ok):
 
 _positive_int = _checked(int, "an int >= 1", lambda v: v >= 1)
 _non_negative_int = _checked(int, "an int >= 0", lambda v: v >= 0)
+_steps = _checked(int, "an int in [1, 10^9]", lambda v: 1 <= v <= 10**9)  # 10^9 steps: past any real run
 _seed = _checked(int, "an int in [0, 2^63)", lambda v: 0 <= v < 2**63)
 _positive_float = _checked(float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
 _temperature = _checked(float, "a finite number >= 0 (0 = greedy)", lambda v: math.isfinite(v) and v >= 0)
@@ -300,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", help="text/JSONL file, folder or glob (default: Shakespeare's complete works)")
     tr.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: train a byte-level BPE)")
     tr.add_argument("--out", help="run folder (default runs/k3-tiny)")
-    tr.add_argument("--steps", type=_positive_int, help="optimizer steps")
+    tr.add_argument("--steps", type=_steps, help="optimizer steps (at most 10^9)")
     tr.add_argument("--batch-size", dest="batch_size", type=_positive_int, help="sequences per step")
     tr.add_argument("--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step")
     tr.add_argument(

@@ -317,7 +317,9 @@ def _expected_shape(model: nn.Module, shape: list[int], slot, target: torch.Tens
 
 def load_state(model: nn.Module, path: str | os.PathLike) -> None:
     """Copy the checkpoint in folder ``path`` into ``model`` (strict; raises CheckpointMismatchError, or
-    CorruptCheckpointError for a shard that cannot be parsed)."""
+    CorruptCheckpointError for a shard that cannot be parsed or a tensor holding NaN or inf, named in the
+    message: a run that diverged before its save, or a damaged file that still parses; the finiteness check
+    runs on the model's device, after each copy)."""
     path = os.fspath(path)
     files = _checkpoint_files(path)
     targets = _module_tensors(model)
@@ -393,13 +395,19 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
                     src = f.get_tensor(name)
                     dst = targets[slot.name]
                     if slot.index is not None:
-                        dst[slot.index].copy_(src)
+                        dst = dst[slot.index]
+                        dst.copy_(src)
                     elif name.endswith("self_attn.A_log"):
                         flat = src.reshape(-1)
                         dst.zero_()
                         dst[: flat.numel()].copy_(flat)
                     else:
                         dst.copy_(src)
+                    if dst.is_floating_point() and not bool(torch.isfinite(dst).all()):
+                        raise CorruptCheckpointError(
+                            f"{name} in {fname} holds NaN or inf values (a run that diverged before this save, "
+                            "or a damaged file): not loaded; use an earlier checkpoint"
+                        )
 
 
 def from_pretrained(

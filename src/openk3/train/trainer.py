@@ -6,7 +6,7 @@ One optimizer step (``Trainer.train_step``)::
     clip_grad_norm_(grad_clip);  qb.step()  (bias overwrite, one all-reduce);  optimizer.step()
 
 Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
-fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C) a checkpoint is
+fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C or SIGTERM) a checkpoint is
 written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest checkpoint with
 the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything in the run folder
 is written) a preset whose model differs from the checkpoint's, data inputs (``data``, ``tokenizer``,
@@ -736,14 +736,15 @@ class Trainer:
         return {"loss": loss, "ppl": math.exp(loss), "tokens": tokens}
 
     def _request_stop(self, signum, frame) -> None:
-        if self._stop:  # a second Ctrl-C stops at once
+        if self._stop:  # a second Ctrl-C (or SIGTERM) stops at once
             raise KeyboardInterrupt
         self._stop = True
-        tqdm.write("Ctrl-C: finishing this step and saving a checkpoint (press again to abort)")
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        tqdm.write(f"{what}: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
 
     def fit(self) -> dict:
         cfg = self.config
-        previous = signal.signal(signal.SIGINT, self._request_stop)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm(
             total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True
         )
@@ -755,7 +756,8 @@ class Trainer:
             raise TrainingAborted(self._abort_message()) from None
         finally:
             bar.close()
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         return {
             "checkpoint": str(ckpt),
