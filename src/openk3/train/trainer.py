@@ -6,8 +6,8 @@ One optimizer step (``Trainer.train_step``)::
     clip_grad_norm_(grad_clip);  qb.step()  (bias overwrite, one all-reduce);  optimizer.step()
 
 Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
-fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C or SIGTERM) a checkpoint is
-written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest checkpoint with
+fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C or SIGTERM) a
+checkpoint is written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest checkpoint with
 the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything in the run folder
 is written) a preset whose model differs from the checkpoint's, data inputs (``data``, ``tokenizer``,
 ``val_fraction``, ``seed``) other than the run's or input files changed since its shards were built
