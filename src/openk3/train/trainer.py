@@ -7,13 +7,13 @@ One optimizer step (``Trainer.train_step``)::
 
 Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
 fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C or SIGTERM) a
-checkpoint is written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest checkpoint with
-the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything in the run folder
-is written) a preset whose model differs from the checkpoint's, data inputs (``data``, ``tokenizer``,
-``val_fraction``, ``seed``) other than the run's or input files changed since its shards were built
-(:func:`check_resume_data`), and a ``steps`` the run has already reached. A larger ``steps`` extends the run;
-the LR schedule is then recomputed over the new total, which is printed. A second Ctrl-C stops at once with
-:class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run. A
+checkpoint is written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest
+checkpoint with the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything
+in the run folder is written) a preset whose model differs from the checkpoint's, data inputs (``data``,
+``tokenizer``, ``val_fraction``, ``seed``) other than the run's or input files changed since its shards were
+built (:func:`check_resume_data`), and a ``steps`` the run has already reached. A larger ``steps`` extends the
+run; the LR schedule is then recomputed over the new total, which is printed. A second Ctrl-C stops at once
+with :class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run. A
 non-finite loss or gradient norm, or a loss above :func:`blowup_loss` (``2·ln V + 5``), raises
 :class:`DivergenceError` before that step updates anything (no NaN or blown-up model is saved after it); its
 message names the latest checkpoint and its train loss.
