@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
         help="sweep first, then time everything with the fastest configurations",
     )
     parser.add_argument("--skip-fla", action="store_true", help="time our kernels only")
+    parser.add_argument(
+        "--tile-forward", action="store_true", help="also time the 16-token tile forward (row 'fwd, tiles')"
+    )
     parser.add_argument("--fla-passes", default="fwd,fwd+bwd", help="passes timed for fla (default both)")
     parser.add_argument(
         "--shapes", default="", help="comma list of chunk-shape numbers (1-4) to run; default all"
@@ -174,6 +177,12 @@ def ours_chunk(x):
     )[0]  # fmt: skip
 
 
+def ours_tiles(x):
+    """:func:`ours_chunk` with the 16-token tile forward switched on (it serves calls without autograd)."""
+    with launch_config("tile_forward", {"enabled": True}):
+        return ours_chunk(x)
+
+
 def fla_chunk(x):
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -222,17 +231,24 @@ def decode_roofline(B, H, D) -> dict:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 
-def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd, rows: list, save) -> None:
+def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd, rows: list, save, tiles=False) -> None:
     """Append the forward, then the forward+backward row of one shape to ``rows``, calling ``save()`` after
-    each, so a run cut short keeps its forward row."""
+    each, so a run cut short keeps its forward row. ``tiles``: also a forward row of the 16-token tile forward
+    (pass ``fwd, tiles``)."""
     x = chunk_inputs(B, T, H, D, lens)
     ops = {"ours": ours_chunk} | ({"fla": fla_chunk} if use_fla else {})
+    fwd_ops = ops | ({"tiles": ours_tiles} if tiles else {})
     with torch.no_grad():
-        outs = {side: op(x) for side, op in ops.items()}
-        times = {side: time_ms(lambda op=op: op(x), iters) for side, op in ops.items()}
+        outs = {side: op(x) for side, op in fwd_ops.items()}
+        times = {side: time_ms(lambda op=op: op(x), iters) for side, op in fwd_ops.items()}
     rows.append(_row(name, "fwd", times, roofline(B, T, H, D, "fwd")))
     if use_fla:
         rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["ours"])
+    if tiles:
+        rows.append(_row(name, "fwd, tiles", times | {"ours": times["tiles"]}, roofline(B, T, H, D, "fwd")))
+        rows[-1]["tiles_vs_chunks_o_rel_rmse"] = rel_rmse(outs["ours"], outs["tiles"])
+        if use_fla:
+            rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["tiles"])
     save()
     del outs
     if not fla_bwd:
@@ -538,7 +554,9 @@ def main() -> None:
         picked = [int(i) for i in args.shapes.split(",") if i] or range(1, len(CHUNK_SHAPES) + 1)
         for name, B, T, H, D, lens in (CHUNK_SHAPES[i - 1] for i in picked):
             fla_bwd = "fwd+bwd" in args.fla_passes.split(",")
-            bench_chunk(name, B, T, H, D, lens, args.iters, use_fla, fla_bwd, report["chunk"], save)
+            bench_chunk(
+                name, B, T, H, D, lens, args.iters, use_fla, fla_bwd, report["chunk"], save, args.tile_forward
+            )
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:
         report["sweep"] = sweep([(1, 8192, 96, 128)])

@@ -1,5 +1,6 @@
-"""Compile every Triton KDA launch of one chunked forward+backward and one decode step for a GPU target on a
-machine without a GPU, and report each kernel's registers and stack (spill) bytes.
+"""Compile every Triton KDA launch of one chunked forward+backward, one forward on 16-token tiles and one
+decode step for a GPU target on a machine without a GPU, and report each kernel's registers and stack
+(spill) bytes.
 
 The device is the scarce resource: this checks that changed kernels compile for the H200 (``sm_90``) and
 compares their register pressure before a device run. It records the launches by calling the real launchers
@@ -80,8 +81,10 @@ def recorded_launches():
 
 
 def record_kda_launches() -> list[Launch]:
-    """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, initial state) and
-    of one decode step on a state pool, in order."""
+    """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, initial state), of
+    the same forward without autograd on 16-token tiles (``tile_forward``, switched on for the call) and of one
+    decode step on a state pool, in order."""
+    from openk3.ops.kda.triton import tile_forward
     from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
     from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
 
@@ -98,6 +101,17 @@ def record_kda_launches() -> list[Launch]:
             cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
         )  # fmt: skip
         (o.float().sum() + ht.sum()).backward()
+        enabled = tile_forward.LAUNCH["enabled"]
+        tile_forward.LAUNCH["enabled"] = True
+        try:
+            with torch.no_grad():
+                chunk_kda_triton(
+                    q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True,
+                    seq_lens=None, cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log,
+                    dt_bias=dt_bias, lower_bound=-5.0,
+                )  # fmt: skip
+        finally:
+            tile_forward.LAUNCH["enabled"] = enabled
         pool = torch.zeros(4, H, D, D)
         fused_recurrent_kda_decode(
             q[:, :1].detach(), k[:, :1].detach(), v[:, :1].detach(), g[:, :1].detach(), beta[:, :1].detach(),
@@ -187,7 +201,7 @@ def main() -> None:
 
     print(
         f"triton {triton.__version__}, sm_{args.arch}; "
-        "launches of chunk fwd+bwd (B1 T128 H96 D128 bf16) + decode"
+        "launches of chunk fwd+bwd (B1 T128 H96 D128 bf16), tile fwd + decode"
     )
     print(f"{'kernel':34s} {'warps':>5s} {'regs':>5s} {'stack B':>8s} {'shared B':>9s}")
     for launch in record_kda_launches():

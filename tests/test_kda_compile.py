@@ -2,7 +2,7 @@
 
 Triton's CPU interpreter (``test_kda_triton.py``) runs the kernels' arithmetic but not the GPU compiler, so a
 kernel can pass there and still fail to compile on the device. ``benchmarks/kda_compile.py`` records the
-launches of a chunked forward+backward and a decode step and compiles each with ``triton.compile`` for
+launches of a chunked forward+backward, a tile forward and a decode step and compiles each with ``triton.compile`` for
 ``sm_90``; it runs in a subprocess because ``test_kda_triton.py`` puts the process in interpreter mode.
 """
 
@@ -24,6 +24,8 @@ KERNELS = {
     "chunk_grad_wy_value_kernel": 1,
     "chunk_grad_wy_key_kernel": 1,
     "chunk_grad_intra_kernel": 1,
+    "tile_prepare_kernel": 1,  # the forward without autograd on 16-token tiles
+    "tile_recurrence_kernel": 1,
     "kda_decode_kernel": 1,
 }
 

@@ -33,7 +33,7 @@ import sys
 import pytest
 import torch
 
-from kda_compare import assert_close, rel_rmse  # noqa: F401
+from kda_compare import assert_close, rel_rmse
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -212,6 +212,30 @@ def run(op, inputs: dict, *, cast=None, cu_seqlens=None, seed=7) -> dict:
     dht = torch.randn(ht.shape, generator=gen).to(ht.device, ht.dtype)
     ((o * do).sum() + (ht * dht).sum()).backward()
     return {"o": o, "ht": ht} | {f"d{n}": t.grad for n, t in leaves.items()}
+
+
+@torch.no_grad()
+def run_forward(op, inputs: dict, *, cast=None, cu_seqlens=None) -> dict:
+    """``op`` on ``inputs`` (cast to ``cast`` if given) without autograd: ``o`` and the final state."""
+    args = {n: t if cast is None else t.to(cast) for n, t in inputs.items()}
+    o, ht = op(
+        **args, output_final_state=True, use_qk_l2norm_in_kernel=True, lower_bound=LOWER_BOUND,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    return {"o": o, "ht": ht}
+
+
+def tile_forward_error(monkeypatch, inputs: dict, cu_seqlens=None) -> dict:
+    """Relative RMSE of ``o`` and the final state of the 16-token tile forward (``tile_forward``, switched on)
+    against the fp64 oracle of :func:`reference`, for a call without autograd through the chunk entry point."""
+    from openk3.ops.kda.triton import tile_forward
+
+    monkeypatch.setitem(tile_forward.LAUNCH, "enabled", True)
+    op = triton_chunk if inputs["q"].device.type == "cpu" else chunk_kda
+    out = run_forward(op, inputs, cu_seqlens=cu_seqlens)
+    oracle = naive_recurrent_kda if inputs["q"].shape[1] <= 128 else chunk_kda
+    ref = run_forward(oracle, inputs, cast=F64, cu_seqlens=cu_seqlens)
+    return {n: rel_rmse(ref[n], out[n]) for n in ("o", "ht")}
 
 
 def reference(inputs: dict, cu_seqlens=None) -> dict:
@@ -407,9 +431,14 @@ def test_gpu_chunk_near_parallel_keys():
 
 
 @gpu
+@pytest.mark.parametrize("tiles", [False, True], ids=["chunks", "tiles"])
 @pytest.mark.parametrize("t", [0, 37, 63, 100, 130])
-def test_gpu_chunk_causal_bitwise(t):
-    """Changing every input after position t changes no output at or before t, bit for bit."""
+def test_gpu_chunk_causal_bitwise(monkeypatch, t, tiles):
+    """Changing every input after position t changes no output at or before t, bit for bit (the chunk
+    forward, and the 16-token tile forward switched on)."""
+    from openk3.ops.kda.triton import tile_forward
+
+    monkeypatch.setitem(tile_forward.LAUNCH, "enabled", tiles)
     inputs = make_inputs(2, 200, 2, 128, 128, device="cuda", seed=9)
     changed = dict(inputs)
     for name in ("q", "k", "v", "g", "beta"):
@@ -595,6 +624,34 @@ def tf32_dot_bias(device: str, round_operands: bool) -> float:
 
 
 @interpreter
+@pytest.mark.parametrize("gate", ["init", "lb", "zero", "mixed"])
+@pytest.mark.parametrize("T", [1, 15, 17, 70])
+def test_interpreter_tile_forward(monkeypatch, gate, T):
+    """The 16-token tile forward (no autograd) against the fp64 recurrence: o and the final state within the
+    bf16 tolerances (B2 H2 D64, partial last tiles, every gate kind), and within 2e-5 with fp32 inputs."""
+    inputs = make_inputs(2, T, 2, 64, 64, gate=gate, seed=60 + T)
+    errs = tile_forward_error(monkeypatch, inputs)
+    assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
+    inputs32 = make_inputs(1, T, 1, 32, 32, gate=gate, dtype=torch.float32, seed=70 + T)
+    errs = tile_forward_error(monkeypatch, inputs32)
+    assert errs["o"] <= 2e-5 and errs["ht"] <= 2e-5, errs
+
+
+@interpreter
+def test_interpreter_tile_forward_varlen_and_near_parallel_keys(monkeypatch):
+    """Packed documents of 1, 16, 17 and 30 tokens, and nearly parallel keys (β = 0.95, no decay), through
+    the tile forward: within the bf16 tolerances of the fp64 recurrence."""
+    lens = [1, 16, 17, 30]
+    inputs = make_inputs(1, sum(lens), 2, 64, 64, N=len(lens), seed=80)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    errs = tile_forward_error(monkeypatch, inputs, cu_seqlens=cu)
+    assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
+    inputs = near_parallel_keys(make_inputs(1, 64, 2, 64, 64, gate="zero", seed=81))
+    errs = tile_forward_error(monkeypatch, inputs)
+    assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
+
+
+@interpreter
 def test_interpreter_round_tf32_values():
     """``round_tf32`` against fp64 rounding to 11 significant bits with ties away from zero, for random
     values over 2^-60..2^60, exact ties and carries into the next binade; ±inf stay, NaN payloads (the GPU's
@@ -622,6 +679,27 @@ def test_interpreter_tf32_dot_rounds_operands():
     error on positive products is ~0 (measured 1e-6) where a bare ``tl.dot`` is biased by about −2^-10."""
     assert abs(tf32_dot_bias("cpu", True)) < 3e-5
     assert tf32_dot_bias("cpu", False) < -5e-4  # the patched interpreter truncates as the GPU does
+
+
+@gpu
+@pytest.mark.parametrize(("T", "H"), [(1, 4), (15, 4), (65, 4), (1000, 4), (8192, 96)])
+def test_gpu_tile_forward(monkeypatch, T, H):
+    """The 16-token tile forward (no autograd) on the GPU: o and the final state within the bf16 tolerances
+    of the fp64 reference (D128); at T1000 also NaN-filled allocations (same bits) and packed documents of 1,
+    16, 17 and 1000 tokens."""
+    inputs = make_inputs(1, T, H, 128, 128, device="cuda", seed=T + 90)
+    errs = tile_forward_error(monkeypatch, inputs)
+    assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
+    if T == 1000:  # every output written: NaN-filled allocations give the same bits
+        clean = run_forward(chunk_kda, inputs)
+        nan_filled_allocations(monkeypatch)
+        poisoned = run_forward(chunk_kda, inputs)
+        assert all(torch.equal(clean[n], poisoned[n]) for n in clean)
+        lens = [1, 16, 17, 1000]
+        inputs = make_inputs(1, sum(lens), H, 128, 128, N=len(lens), device="cuda", seed=91)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+        errs = tile_forward_error(monkeypatch, inputs, cu_seqlens=cu)
+        assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
 
 
 @gpu
@@ -673,7 +751,13 @@ def test_interpreter_prepare_inverse_near_parallel_keys():
 
 
 @interpreter
-def test_interpreter_chunk_causal_bitwise():
+@pytest.mark.parametrize("tiles", [False, True], ids=["chunks", "tiles"])
+def test_interpreter_chunk_causal_bitwise(monkeypatch, tiles):
+    """Inputs after position 20 changed: no output at or before it changes, bit for bit (the chunk forward,
+    and the 16-token tile forward switched on; t = 20 lies inside the second tile)."""
+    from openk3.ops.kda.triton import tile_forward
+
+    monkeypatch.setitem(tile_forward.LAUNCH, "enabled", tiles)
     inputs = make_inputs(1, 70, 1, 32, 32, dtype=torch.float32, seed=23)
     t = 20
     changed = dict(inputs)

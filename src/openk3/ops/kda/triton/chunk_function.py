@@ -20,10 +20,12 @@ import torch
 
 from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
 from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
-from openk3.ops.kda.triton.chunk_index import ChunkIndex, fixed_length_index, varlen_index
+from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex, fixed_length_index, varlen_index
 from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare
 from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
+from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
+from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -91,18 +93,33 @@ def chunk_kda_triton(
         A_log: ``[H' ≥ H]`` (first H used); dt_bias ``[H*K]`` or None; lower_bound in ``[−5, 0)``.
 
     Returns:
-        ``(o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None)``; differentiable.
+        ``(o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None)``; differentiable. A call that
+        needs no gradient (grad mode off, or no input requiring grad) runs
+        :func:`~openk3.ops.kda.triton.tile_forward.tile_forward` instead when its ``LAUNCH["enabled"]``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
+    leaves = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    tiles = TILE_LAUNCH["enabled"] and not needs_grad  # no gradient wanted: the 16-token tile forward
+    size = TILE if tiles else CHUNK
     index: ChunkIndex = (
-        fixed_length_index(B, T, q.device) if seq_lens is None else varlen_index(cu_seqlens, seq_lens)
+        fixed_length_index(B, T, q.device, size)
+        if seq_lens is None
+        else varlen_index(cu_seqlens, seq_lens, size)
     )
     flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
-    o, ht = ChunkKDAFunction.apply(
+    args = (
         *flat, beta.reshape(B * T, H).contiguous(), A_log[:H].contiguous(),
         None if dt_bias is None else dt_bias.contiguous(),
         None if initial_state is None else initial_state.contiguous(),
-        index, scale, lower_bound, use_qk_l2norm_in_kernel, output_final_state,
+        index,
     )  # fmt: skip
+    if tiles:
+        o, ht = tile_forward(
+            *args, scale=scale, lower_bound=lower_bound, use_l2norm=use_qk_l2norm_in_kernel,
+            output_final_state=output_final_state,
+        )  # fmt: skip
+    else:
+        o, ht = ChunkKDAFunction.apply(*args, scale, lower_bound, use_qk_l2norm_in_kernel, output_final_state)
     return o.view(B, T, H, V), ht

@@ -33,9 +33,9 @@ class ChunkIndex:
     num_tokens: int
 
 
-def fixed_length_index(B: int, T: int, device: torch.device) -> ChunkIndex:
-    """``B`` sequences of ``T`` tokens (no host↔device sync)."""
-    nt = math.ceil(T / CHUNK)
+def fixed_length_index(B: int, T: int, device: torch.device, size: int = CHUNK) -> ChunkIndex:
+    """``B`` sequences of ``T`` tokens in chunks of ``size`` tokens (no host↔device sync)."""
+    nt = math.ceil(T / size)
     ids = torch.arange(B * nt, device=device, dtype=torch.int32)
     table = torch.stack([ids // nt, ids % nt], dim=1).contiguous()
     return ChunkIndex(
@@ -48,9 +48,10 @@ def fixed_length_index(B: int, T: int, device: torch.device) -> ChunkIndex:
     )
 
 
-def varlen_index(cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...]) -> ChunkIndex:
-    """Packed documents of the given lengths (``seq_lens`` already on the host, from validation)."""
-    counts = [math.ceil(n / CHUNK) for n in seq_lens]
+def varlen_index(cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...], size: int = CHUNK) -> ChunkIndex:
+    """Packed documents of the given lengths (``seq_lens`` already on the host, from validation), in chunks of
+    ``size`` tokens."""
+    counts = [math.ceil(n / size) for n in seq_lens]
     table = [(n, c) for n, count in enumerate(counts) for c in range(count)]
     offsets = [0]
     for count in counts:

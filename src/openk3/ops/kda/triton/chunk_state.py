@@ -23,7 +23,14 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.kernel_math import dot, dot_precision, launch_options, load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import (
+    dot,
+    dot_precision,
+    launch_options,
+    load_rows,
+    state_program,
+    store_rows,
+)
 
 
 @triton.jit
@@ -35,18 +42,9 @@ def chunk_state_fwd_kernel(
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``. ``h0``/``ht`` fp32 ``[N, H, K, V]``; ``h`` ``[P, H, K, V]``; ``o``/``v_new``
     ``[tokens, H, V]``."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_h, bos, eos, c0, v0, o_k, o_v, p_state = state_program(cu_seqlens, chunk_offsets, H, K, V, BV)
     n_chunks = tl.cdiv(eos - bos, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
     dt = w.dtype.element_ty
-    p_state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     if USE_H0:
         b_S = tl.load(h0 + p_state).to(tl.float32)
     else:
@@ -59,15 +57,15 @@ def chunk_state_fwd_kernel(
             p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
             tl.store(h + p_h, b_Sd.to(h.dtype.element_ty))
         b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
-        b_e = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32) - dot(b_w, b_Sd, DOT)
+        b_e = load_rows(u, t0, n_valid, i_h, v0, H, V, BT, BV).to(tl.float32) - dot(b_w, b_Sd, DOT)
         b_ed = b_e.to(dt)
         if STORE_H:
-            store_rows(v_new, b_ed, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+            store_rows(v_new, b_ed, t0, n_valid, i_h, v0, H, V, BT, BV)
         if STORE_O:
             b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
             b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
             b_o = dot(b_qg, b_Sd, DOT) + dot(b_A, b_ed, DOT)
-            store_rows(o, b_o, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+            store_rows(o, b_o, t0, n_valid, i_h, v0, H, V, BT, BV)
         b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
         b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)
         b_S = b_S * b_D[:, None] + dot(tl.trans(b_kg), b_ed, DOT)

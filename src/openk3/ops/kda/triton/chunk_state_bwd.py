@@ -23,7 +23,14 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
-from openk3.ops.kda.triton.kernel_math import dot, dot_precision, launch_options, load_rows, store_rows
+from openk3.ops.kda.triton.kernel_math import (
+    dot,
+    dot_precision,
+    launch_options,
+    load_rows,
+    state_program,
+    store_rows,
+)
 
 
 @triton.jit
@@ -35,18 +42,9 @@ def chunk_state_bwd_kernel(
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``. ``dht``/``dh0`` fp32 ``[N, H, K, V]``; ``dh`` ``[P, H, K, V]``; ``do``,
     ``dv_new`` ``[tokens, H, V]``."""
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    i_h, bos, eos, c0, v0, o_k, o_v, p_state = state_program(cu_seqlens, chunk_offsets, H, K, V, BV)
     n_chunks = tl.cdiv(eos - bos, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
     dt = w.dtype.element_ty
-    p_state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
     if USE_DHT:
         b_dS = tl.load(dht + p_state).to(tl.float32)
     else:
@@ -58,12 +56,12 @@ def chunk_state_bwd_kernel(
         b_dSd = b_dS.to(dt)
         p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(dh + p_h, b_dSd.to(dh.dtype.element_ty))
-        b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
+        b_do = load_rows(do, t0, n_valid, i_h, v0, H, V, BT, BV).to(dt)
         b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
         b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
         b_de = dot(tl.trans(b_A), b_do, DOT) + dot(b_kg, b_dSd, DOT)
         b_ded = b_de.to(dt)
-        store_rows(dv_new, b_ded, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
+        store_rows(dv_new, b_ded, t0, n_valid, i_h, v0, H, V, BT, BV)
         b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
         b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
         b_D = tl.load(gend + ((c0 + i_t) * H + i_h) * K + o_k)

@@ -122,6 +122,25 @@ def chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def state_program(cu_seqlens, chunk_offsets, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BV: tl.constexpr):  # fmt: skip
+    """Where a state-pass program works (grid ``(V/BV, N·H)``: value block, then sequence × head): its head,
+    its sequence's first and end token (int64), the index of its first chunk, its first value column, the key
+    and value indices of its ``[K, BV]`` state slice and their offsets in an ``[N, H, K, V]`` state tensor."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_state = (i_n.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    return i_h, bos, eos, c0, i_v * BV, o_k, o_v, p_state
+
+
+@triton.jit
 def load_rows(
     ptr, t_start, n_rows, i_h, col0, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr, C: tl.constexpr
 ):
