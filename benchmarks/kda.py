@@ -346,6 +346,7 @@ def our_launches(B, T, H, D) -> dict:
     from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
     from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
     from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
+    from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
     x = chunk_inputs(B, T, H, D, None)
     flat = {n: x[n].reshape(B * T, H, -1) if x[n].dim() == 4 else x[n] for n in LEAVES}
@@ -368,6 +369,9 @@ def our_launches(B, T, H, D) -> dict:
         "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
         "grad_wy": lambda: chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts),
         "grad_intra": lambda: chunk_grad_intra(*intra, **opts),
+        "tile forward": lambda: tile_forward(
+            *args, None, fixed_length_index(B, T, x["q"].device, TILE), **opts, output_final_state=False
+        ),
     }
 
 
@@ -381,6 +385,14 @@ SWEEP = {
     "chunk_state": [{}, {"value_block": 32}],
     "chunk_grad_wy": [{}, {"cumsum_by_dot": True}],
     "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}],
+    "tile_forward": [
+        {},
+        {"recurrence_stages": 2},
+        {"recurrence_stages": 3},
+        {"recurrence_warps": 8},
+        {"value_block": 32},
+        {"num_warps": 8},
+    ],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {
@@ -388,6 +400,7 @@ SWEEP_KERNELS = {
     "chunk_state": ["state_fwd (o)", "state_fwd (h, E)", "state_bwd"],
     "chunk_grad_wy": ["grad_wy"],
     "chunk_grad_intra": ["grad_intra"],
+    "tile_forward": ["tile forward"],
 }
 
 

@@ -46,10 +46,18 @@ from openk3.ops.kda.triton.kernel_math import (
 
 TILE = 16
 """Tokens per tile (FlashKDA's chunk; the bound ``16·|lb|·log2 e ≤ 115.4`` needs ``lb ≥ −5``)."""
-LAUNCH = {"enabled": False, "num_warps": 4, "num_stages": 1, "recurrence_warps": 4, "value_block": 64}
+LAUNCH = {
+    "enabled": False,
+    "num_warps": 4,
+    "num_stages": 1,
+    "recurrence_warps": 4,
+    "recurrence_stages": 1,
+    "value_block": 64,
+}
 """``enabled``: use this path for calls without a gradient (off until timed against the 64-token chunks on a
-GPU: ``benchmarks/kda.py --tile-forward``). Warps of the prepare and of the recurrence, pipeline stages, and
-the recurrence's value block (32 when that gives fewer than 256 programs)."""
+GPU: ``benchmarks/kda.py --tile-forward``; ``--sweep`` times the other entries). Warps and pipeline stages of
+the prepare and of the recurrence (its loads do not depend on the state, so stages can prefetch them), and the
+recurrence's value block (32 when that gives fewer than 256 programs)."""
 
 
 @triton.jit
@@ -199,6 +207,8 @@ def tile_forward(
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=DOT, K=K, V=V, BT=TILE, BV=BV,
         USE_H0=initial_state is not None, STORE_FINAL=output_final_state,
-        **launch_options(dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"])),
+        **launch_options(
+            dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"], num_stages=LAUNCH["recurrence_stages"])
+        ),
     )  # fmt: skip
     return o, ht
