@@ -391,6 +391,7 @@ SWEEP = {
         {"recurrence_stages": 3},
         {"recurrence_warps": 8},
         {"value_block": 32},
+        {"value_block": 64},
         {"num_warps": 8},
     ],
 }

@@ -79,11 +79,12 @@ value block is 64 wide (else 32), or a fixed value block (``value_block`` > 0); 
 --sweep`` times the alternatives."""
 
 
-def value_block(V: int, programs_per_block: int) -> int:
-    """Value-block width: ``LAUNCH["value_block"]`` if set, else 64, or 32 when fewer than
+def value_block(V: int, programs_per_block: int, fixed: int | None = None) -> int:
+    """Value-block width: ``fixed`` (default ``LAUNCH["value_block"]``) if set, else 64, or 32 when fewer than
     ``LAUNCH["min_programs"]`` programs would run (long single sequences with few heads); never above ``V``."""
-    if LAUNCH["value_block"]:
-        return min(LAUNCH["value_block"], V)
+    fixed = LAUNCH["value_block"] if fixed is None else fixed
+    if fixed:
+        return min(fixed, V)
     bv = 64 if programs_per_block * max(V // 64, 1) >= LAUNCH["min_programs"] else 32
     return min(bv, V)
 

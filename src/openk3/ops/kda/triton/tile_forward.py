@@ -7,7 +7,7 @@ last valid row; ``|Γ| ≤ 16·|lb|·log2 e = 115.4`` for ``lb = −5``, inside 
 
     Q̃ = scale·Q ⊙ 2^{Γ}      K̃ = K ⊙ 2^{Γ}      K̂ = K ⊙ 2^{Γ_C − Γ}      D = 2^{Γ_C}   (L2-normalised Q, K)
     M_ij = Σ_d Q̃_id K_jd 2^{−Γ_jd}  (i ≥ j)          L_ij = β_i Σ_d K̃_id K_jd 2^{−Γ_jd}  (i > j)
-    P  = (I + L)^{-1} Diag(β)                          (fp32 substitution, saved in fp16: |P_ij| ≤ 1)
+    P  = (I + L)^{-1} Diag(β)                          (fp32 substitution)
 
 and the recurrence, from the state ``S`` before the tile (§1.5 with ``W = P K̃``, ``U = P V``)::
 
@@ -16,8 +16,11 @@ and the recurrence, from the state ``S`` before the tile (§1.5 with ``W = P K̃
 ``M`` and ``L`` are single products: their factor ``2^{Γ_i − Γ_j}`` is ≤ 1 where kept (``i ≥ j``) and at most
 ``2^{115}`` where masked, so no anchor is needed (the 64-token chunks of
 :mod:`~openk3.ops.kda.triton.chunk_prepare` need four). The state, ``E`` and ``O`` are as in
-:mod:`~openk3.ops.kda.triton.chunk_state` (fp32 state, matmul operands in the storage dtype); ``E = P X`` is a
-tf32 product with ``X`` rounded (:func:`~openk3.ops.kda.triton.kernel_math.dot`), ``P`` exact in tf32.
+:mod:`~openk3.ops.kda.triton.chunk_state` (fp32 state, matmul operands in the storage dtype). ``P`` is saved in
+fp16 under the condition of ``chunk_prepare.LAUNCH["fp16_inverse"]`` (that switch on, bf16/fp16 inputs, the
+in-kernel L2 norm: unit keys and ``β ≤ 1`` bound it by 1), else in fp32; ``E = P X`` is a tf32 product with
+both operands rounded (:func:`~openk3.ops.kda.triton.kernel_math.dot`; an fp16 ``P`` is exact in tf32), tf32x3
+for fp32 inputs.
 
 Used by :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` when no gradient is needed and
 ``LAUNCH["enabled"]``. Legend: ``BT`` tile rows, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads,
@@ -31,6 +34,8 @@ import triton
 import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import ChunkIndex
+from openk3.ops.kda.triton.chunk_prepare import LAUNCH as PREPARE_LAUNCH
+from openk3.ops.kda.triton.chunk_state import value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
     chunk_rows,
@@ -52,12 +57,13 @@ LAUNCH = {
     "num_stages": 1,
     "recurrence_warps": 4,
     "recurrence_stages": 1,
-    "value_block": 64,
+    "value_block": 0,
 }
 """``enabled``: use this path for calls without a gradient (off until timed against the 64-token chunks on a
 GPU: ``benchmarks/kda.py --tile-forward``; ``--sweep`` times the other entries). Warps and pipeline stages of
 the prepare and of the recurrence (its loads do not depend on the state, so stages can prefetch them), and the
-recurrence's value block (32 when that gives fewer than 256 programs)."""
+recurrence's value block (0: as the chunk state pass, :func:`~openk3.ops.kda.triton.chunk_state.value_block`
+with its ``min_programs``; > 0: that width)."""
 
 
 @triton.jit
@@ -187,7 +193,9 @@ def tile_forward(
         return o, ht
     qg, kt, kh = (q.new_empty(TT, H, K, dtype=dt) for _ in range(3))
     M = q.new_empty(TT, H, TILE, dtype=dt)
-    fp16 = use_l2norm and dt != torch.float32  # unit keys and β ≤ 1 bound P by 1 (chunk_prepare.LAUNCH)
+    fp16 = (
+        PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
+    )  # |P_ij| ≤ 1: module docstring
     Pb = q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16 else torch.float32)
     gend = q.new_empty(P, H, K, dtype=torch.float32)
     DOT = dot_precision(dt)
@@ -199,9 +207,7 @@ def tile_forward(
         H=H, DOT=DOT, K=K, BT=TILE, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         **launch_options(LAUNCH),
     )  # fmt: skip
-    BV = min(LAUNCH["value_block"], V)
-    if triton.cdiv(V, BV) * N * H < 256:
-        BV = min(32, V)
+    BV = value_block(V, N * H, LAUNCH["value_block"])
     tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
         qg, kt, kh, M, Pb, gend, v, initial_state, o, ht,
         index.cu_seqlens, index.chunk_offsets,
