@@ -255,6 +255,23 @@ def test_async_engine_shutdown_aborts_requests_and_refuses_new_ones(model):
         eng.stop()
 
 
+def test_pool_larger_than_free_memory_is_refused(model, monkeypatch):
+    """A pool that does not fit the device's free memory is refused before it is allocated, naming the flags;
+    the free memory read on this machine is positive and the default pool fits it."""
+    from openk3.serve import engine as engine_module
+
+    free = engine_module.free_memory_bytes(torch.device("cpu"))
+    assert free is None or free > 0
+    LLMEngine(model, EngineConfig())  # the default 256 MiB pool
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: 2**20)
+    with pytest.raises(
+        ValueError,
+        match=r"the cache pool needs .* GiB .* but only 0\.00 GiB is free on cpu: lower "
+        r"--pool-mib or --num-blocks",
+    ):
+        LLMEngine(model, EngineConfig())
+
+
 def test_engine_samples_only_ids_of_the_tokenizer(model):
     """``sample_vocab_size`` (the server passes its tokenizer's size) keeps every sampled id below it."""
     eng = LLMEngine(model, EngineConfig(), sample_vocab_size=20)

@@ -21,6 +21,22 @@ from openk3.serve.request import Request, RequestOutput
 from openk3.serve.scheduler import Scheduler
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for a new allocation on ``device`` in bytes: ``torch.cuda.mem_get_info`` on CUDA,
+    ``MemAvailable`` of ``/proc/meminfo`` on a CPU; ``None`` where it cannot be read (no check)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -56,6 +72,12 @@ class LLMEngine:
         cc = self.config.cache
         layout = PageLayout.for_config(lm.config, cc.block_size, dtype)
         num_blocks = cc.num_blocks or max(2, int(cc.pool_mib * 2**20 // layout.page_bytes))
+        need, free = num_blocks * layout.page_bytes, free_memory_bytes(device)
+        if free is not None and need > free:
+            raise ValueError(
+                f"the cache pool needs {need / 2**30:.2f} GiB ({num_blocks} pages of {layout.page_bytes} B) but "
+                f"only {free / 2**30:.2f} GiB is free on {device}: lower --pool-mib or --num-blocks"
+            )
         self.pool = BlockPool(num_blocks)
         self.storage = CacheStorage(layout, num_blocks, device)
         self.kv = KVCacheManager(self.pool, self.storage, cc)
