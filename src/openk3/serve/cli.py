@@ -79,7 +79,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="tokens per MLA latent block / prefix-hash unit (16 on CPU; 512 for large models)",
     )
     g.add_argument("--num-blocks", dest="num_blocks", type=int, help="pool pages (default: from --pool-mib)")
-    g.add_argument("--pool-mib", dest="pool_mib", type=float, default=d_cache.pool_mib)
+    g.add_argument(
+        "--pool-mib",
+        dest="pool_mib",
+        type=float,
+        default=d_cache.pool_mib,
+        help=f"cache pool size in MiB (default {d_cache.pool_mib:g}); more than the device's free memory is refused",
+    )
     g.add_argument(
         "--checkpoint-interval",
         dest="checkpoint_interval",
