@@ -14,9 +14,9 @@ clocks alone with ``--clock-control none``)::
         python benchmarks/kda_profile.py --launch prepare
 
 ``--launch`` names one of ``benchmarks/kda.py``'s launches (``prepare``, ``prepare (bwd)``, ``state_fwd (o)``,
-``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``; default all). ``--fla`` instead lists the
-CUDA kernels of one flash-linear-attention ``chunk_kda`` forward and forward+backward on the same inputs, with
-each kernel's time from ``torch.profiler`` (the peer's split, to compare launch by launch).
+``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``, ``tile forward``; default all). ``--fla``
+instead lists the CUDA kernels of one flash-linear-attention ``chunk_kda`` forward and forward+backward on the
+same inputs, with each kernel's time from ``torch.profiler`` (the peer's split, to compare launch by launch).
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim.
 """
@@ -39,6 +39,7 @@ KERNELS = {
     "openk3.ops.kda.triton.chunk_state_bwd": ["chunk_state_bwd_kernel"],
     "openk3.ops.kda.triton.chunk_grad_wy": ["chunk_grad_wy_value_kernel", "chunk_grad_wy_key_kernel"],
     "openk3.ops.kda.triton.chunk_grad_intra": ["chunk_grad_intra_kernel"],
+    "openk3.ops.kda.triton.tile_forward": ["tile_prepare_kernel", "tile_recurrence_kernel"],
 }
 """Modules and the ``@triton.jit`` kernels whose compiled variants are reported."""
 
