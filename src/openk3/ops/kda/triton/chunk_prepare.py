@@ -53,6 +53,7 @@ from openk3.ops.kda.triton.kernel_math import (
     store_row_vec,
     store_rows,
     tf32_operand,
+    unit_lower_inverse_stacked,
 )
 
 SUB_CHUNK = 16
@@ -95,26 +96,16 @@ faster in grad_intra (:data:`~openk3.ops.kda.triton.chunk_grad_intra.LAUNCH`).""
 
 @triton.jit
 def unit_lower_inverse_blocks(L0, L1, L2, L3, BC: tl.constexpr):
-    """``(I + L_s)^{-1}`` of four strictly lower-triangular ``[BC, BC]`` fp32 blocks by forward substitution
-    in fp32 on the CUDA cores: row ``i`` is ``e_i − Σ_{j<i} L_ij T_j`` (fla's ``solve_tril`` does the same for
-    its 16×16 blocks, kda_kernels reference §1.5). The four blocks are stacked into one ``[4, BC, BC]`` tile,
-    so the ``BC − 1`` dependent steps (each a cross-thread row extraction and reduction) are paid once: prepare
-    took 2.52 ms this way against 3.08 ms block by block (B1 T8192 H96, H200).
+    """``(I + L_s)^{-1}`` of four strictly lower-triangular ``[BC, BC]`` fp32 blocks, stacked into one
+    ``[4, BC, BC]`` tile for :func:`~openk3.ops.kda.triton.kernel_math.unit_lower_inverse_stacked` (fp32
+    forward substitution): prepare took 2.52 ms this way against 3.08 ms block by block (B1 T8192 H96, H200).
 
-    Every term is bounded (``|L_ij| ≤ 1``, ``|T_ij| ≤ 1``), so each row carries fp32 rounding only. The
-    doubling product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` used before (FlashKDA's) is exact in exact
+    The doubling product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` used before (FlashKDA's) is exact in exact
     arithmetic but its factors reach ``C(14, 7) ≈ 3·10³`` and cancel to entries ≤ 1: with nearly parallel
     keys in a block (cosine ≳ 0.9, β ≳ 0.8, slow decay) its tf32/fp16 result was off by O(1) (the saved
     ``T`` by 8.0 in one interpreter test). It was faster (prepare 2.16 ms on the H200)."""
     X = tl.join(tl.join(L0, L1), tl.join(L2, L3))  # [BC, BC, 2, 2]: [..., p, q] is block 2q + p
-    X = tl.permute(tl.reshape(X, [BC, BC, 4]), [2, 0, 1])  # [4, BC, BC]
-    o_c = tl.arange(0, BC)
-    T = tl.zeros([4, BC, BC], dtype=tl.float32) + (o_c[:, None] == o_c[None, :]).to(tl.float32)[None, :, :]
-    for i in tl.static_range(1, BC):
-        row_i = (o_c == i)[None, :, None]
-        l_i = tl.sum(tl.where(row_i, X, 0.0), axis=1)  # [4, BC]: row i of each block (zero from column i)
-        t_i = tl.where(o_c == i, 1.0, 0.0)[None, :] - tl.sum(l_i[:, :, None] * T, axis=1)
-        T = tl.where(row_i, t_i[:, None, :], T)
+    T = unit_lower_inverse_stacked(tl.permute(tl.reshape(X, [BC, BC, 4]), [2, 0, 1]), 4, BC)
     Y = tl.reshape(tl.permute(T, [1, 2, 0]), [BC, BC, 2, 2])
     A, B = tl.split(Y)
     D0, D1 = tl.split(A)
@@ -247,8 +238,10 @@ def chunk_prepare_kernel(
 
     # ---- pass 2, by key / value slices: Γ from the chunk start (all factors ≤ 1), W, U, Q̃, K̂, D
     b_rq = b_rq * scale
-    if FP16:  # T as the backward reads it back (fp16, exact in tf32), so both passes compute the same U
+    if FP16 and PASS1:  # T as the backward reads it back (fp16, exact in tf32): both passes compute one U
         b_Tu = b_T.to(tl.float16).to(tl.float32)
+    elif FP16:  # loaded from fp16 already
+        b_Tu = b_T
     else:
         b_Tu = tf32_operand(b_T, DOT)  # rounded once for U's products
     for i_k in range(0, K // BK2):

@@ -122,6 +122,23 @@ def chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def unit_lower_inverse_stacked(X, NB: tl.constexpr, BC: tl.constexpr):
+    """``(I + X_b)^{-1}`` of ``NB`` strictly lower-triangular ``[BC, BC]`` fp32 blocks stacked as ``X``
+    ``[NB, BC, BC]``, by fp32 forward substitution on the CUDA cores: row ``i`` is ``e_i − Σ_{j<i} X_ij T_j``
+    (fla's ``solve_tril`` does the same for its 16×16 blocks, kda_kernels reference §1.5). The ``BC − 1``
+    dependent steps (each a cross-thread row extraction and reduction) are paid once for all the blocks. With
+    ``|X_ij| ≤ 1`` and ``|T_ij| ≤ 1`` every row carries fp32 rounding only. Row ``i`` reads rows ``≤ i``."""
+    o_c = tl.arange(0, BC)
+    T = tl.zeros([NB, BC, BC], dtype=tl.float32) + (o_c[:, None] == o_c[None, :]).to(tl.float32)[None, :, :]
+    for i in tl.static_range(1, BC):
+        row_i = (o_c == i)[None, :, None]
+        l_i = tl.sum(tl.where(row_i, X, 0.0), axis=1)  # [NB, BC]: row i of each block (zero from column i)
+        t_i = tl.where(o_c == i, 1.0, 0.0)[None, :] - tl.sum(l_i[:, :, None] * T, axis=1)
+        T = tl.where(row_i, t_i[:, None, :], T)
+    return T
+
+
+@triton.jit
 def state_program(cu_seqlens, chunk_offsets, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BV: tl.constexpr):  # fmt: skip
     """Where a state-pass program works (grid ``(V/BV, N·H)``: value block, then sequence × head): its head,

@@ -47,6 +47,8 @@ from openk3.ops.kda.triton.kernel_math import (
     load_rows,
     state_program,
     store_rows,
+    tf32_operand,
+    unit_lower_inverse_stacked,
 )
 
 TILE = 16
@@ -64,20 +66,6 @@ GPU: ``benchmarks/kda.py --tile-forward``; ``--sweep`` times the other entries).
 the prepare and of the recurrence (its loads do not depend on the state, so stages can prefetch them), and the
 recurrence's value block (0: as the chunk state pass, :func:`~openk3.ops.kda.triton.chunk_state.value_block`
 with its ``min_programs``; > 0: that width)."""
-
-
-@triton.jit
-def unit_lower_inverse_tile(L, BT: tl.constexpr):
-    """``(I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile by fp32 forward substitution:
-    row ``i`` is ``e_i − Σ_{j<i} L_ij T_j`` (as :func:`~openk3.ops.kda.triton.chunk_prepare.
-    unit_lower_inverse_blocks`, one tile)."""
-    o = tl.arange(0, BT)
-    T = (o[:, None] == o[None, :]).to(tl.float32)
-    for i in tl.static_range(1, BT):
-        l_i = tl.sum(tl.where(o[:, None] == i, L, 0.0), axis=0)  # row i of L (zero from column i on)
-        t_i = tl.where(o == i, 1.0, 0.0) - tl.sum(l_i[:, None] * T, axis=0)
-        T = tl.where(o[:, None] == i, t_i[None, :], T)
-    return T
 
 
 @triton.jit
@@ -104,19 +92,21 @@ def tile_prepare_kernel(
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
     b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
-    b_qg = b_q * scale * tl.exp2(b_G)
-    b_kt = b_k * tl.exp2(b_G)
-    b_kinv = tl.trans(b_k * tl.exp2(-b_G))  # [K, BT], ≤ 2^115
+    b_eG = tl.exp2(b_G)
+    b_kinv = b_k * tl.exp2(-b_G)  # ≤ 2^115
+    b_qg = b_q * scale * b_eG
+    b_kt = b_k * b_eG
     o = tl.arange(0, BT)
-    b_M = tl.where(o[:, None] >= o[None, :], dot(b_qg, b_kinv, DOT), 0.0)
-    b_L = tl.where(o[:, None] > o[None, :], dot(b_kt, b_kinv, DOT) * b_beta[:, None], 0.0)
-    b_P = unit_lower_inverse_tile(b_L, BT) * b_beta[None, :]
+    b_M = tl.where(o[:, None] >= o[None, :], dot(b_qg, tl.trans(b_kinv), DOT), 0.0)
+    b_L = tl.where(o[:, None] > o[None, :], dot(b_kt, tl.trans(b_kinv), DOT) * b_beta[:, None], 0.0)
+    b_T = tl.reshape(unit_lower_inverse_stacked(tl.reshape(b_L, [1, BT, BT]), 1, BT), [BT, BT])
+    b_GCe = tl.exp2(b_GC)
     store_rows(qg, b_qg, t0, n_valid, i_h, 0, H, K, BT, K)
     store_rows(kt, b_kt, t0, n_valid, i_h, 0, H, K, BT, K)
-    store_rows(kh, b_k * tl.exp2(b_GC[None, :] - b_G), t0, n_valid, i_h, 0, H, K, BT, K)
+    store_rows(kh, b_kinv * b_GCe[None, :], t0, n_valid, i_h, 0, H, K, BT, K)
     store_rows(M, b_M, t0, n_valid, i_h, 0, H, BT, BT, BT)
-    store_rows(Pb, b_P, t0, n_valid, i_h, 0, H, BT, BT, BT)
-    tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + tl.arange(0, K), tl.exp2(b_GC))
+    store_rows(Pb, b_T * b_beta[None, :], t0, n_valid, i_h, 0, H, BT, BT, BT)
+    tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + tl.arange(0, K), b_GCe)
 
 
 @triton.jit
@@ -141,8 +131,12 @@ def tile_recurrence_kernel(
         b_x = load_rows(v, t0, n_valid, i_h, v0, H, V, BT, BV).to(tl.float32) - dot(
             load_rows(kt, t0, n_valid, i_h, 0, H, K, BT, K), b_Sd, DOT
         )
-        b_P = load_rows(Pb, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)  # fp16 is exact in tf32
-        b_ed = dot(b_P, b_x, DOT).to(dt)
+        b_P = load_rows(Pb, t0, n_valid, i_h, 0, H, BT, BT, BT)
+        if Pb.dtype.element_ty == tl.float16:  # exact in tf32: no rounding
+            b_P = b_P.to(tl.float32)
+        else:
+            b_P = tf32_operand(b_P, DOT)
+        b_ed = tl.dot(b_P, tf32_operand(b_x, DOT), input_precision=DOT).to(dt)
         b_o = dot(load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K), b_Sd, DOT)
         b_o += dot(load_rows(M, t0, n_valid, i_h, 0, H, BT, BT, BT), b_ed, DOT)
         store_rows(o, b_o, t0, n_valid, i_h, v0, H, V, BT, BV)
@@ -174,7 +168,8 @@ def tile_forward(
     Args:
         q, k, g: ``[tokens, H, K]`` (g raw). v: ``[tokens, H, V]``. beta: ``[tokens, H]`` in ``[0, 1]``.
         A_log: ``[H]``; dt_bias: ``[H*K]`` or None. initial_state: fp32 ``[N, H, K, V]`` or None.
-        index: tiles of :data:`TILE` tokens (``chunk_index`` with ``size=TILE``).
+        index: tiles of :data:`TILE` tokens (``chunk_index`` with ``size=TILE``), at least one token (the
+            public op refuses empty inputs).
         scale, lower_bound (in ``[−5, 0)``), use_l2norm: as in :func:`~openk3.ops.kda.chunk.chunk_kda`.
         output_final_state: also return the fp32 ``[N, H, K, V]`` state after each sequence.
 
@@ -187,15 +182,10 @@ def tile_forward(
     dt = q.dtype
     o = v.new_empty(TT, H, V)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    if P == 0:
-        if ht is not None:
-            ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
-        return o, ht
     qg, kt, kh = (q.new_empty(TT, H, K, dtype=dt) for _ in range(3))
     M = q.new_empty(TT, H, TILE, dtype=dt)
-    fp16 = (
-        PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
-    )  # |P_ij| ≤ 1: module docstring
+    # |P_ij| ≤ 1 under chunk_prepare's fp16 condition (module docstring)
+    fp16 = PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
     Pb = q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16 else torch.float32)
     gend = q.new_empty(P, H, K, dtype=torch.float32)
     DOT = dot_precision(dt)
