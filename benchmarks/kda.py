@@ -69,6 +69,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sections", default="decode,chunk,breakdown", help="comma list of decode, chunk, breakdown, sweep"
     )
+    parser.add_argument(
+        "--sweep-modules", default="", help="comma list of SWEEP modules for --sections sweep; default all"
+    )
     return parser.parse_args()
 
 
@@ -346,7 +349,7 @@ def our_launches(B, T, H, D) -> dict:
     from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
     from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
     from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
-    from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
+    from openk3.ops.kda.triton.tile_forward import TILE, tile_prepare, tile_recurrence
 
     x = chunk_inputs(B, T, H, D, None)
     flat = {n: x[n].reshape(B * T, H, -1) if x[n].dim() == 4 else x[n] for n in LEAVES}
@@ -361,6 +364,9 @@ def our_launches(B, T, H, D) -> dict:
     dh, dv_new, _ = chunk_state_bwd(pre, do, None, index)
     wy = chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts)
     intra = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], pre, wy, index)
+    tiles = fixed_length_index(B, T, x["q"].device, TILE)
+    tile_args = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], tiles)
+    tile_pre = tile_prepare(*tile_args, **opts)
     return {
         "prepare": lambda: chunk_prepare(*args, index, **opts),
         "prepare (bwd)": lambda: chunk_prepare(*args, index, saved=pre, **opts),
@@ -369,8 +375,9 @@ def our_launches(B, T, H, D) -> dict:
         "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
         "grad_wy": lambda: chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts),
         "grad_intra": lambda: chunk_grad_intra(*intra, **opts),
-        "tile forward": lambda: tile_forward(
-            *args, None, fixed_length_index(B, T, x["q"].device, TILE), **opts, output_final_state=False
+        "tile prepare": lambda: tile_prepare(*tile_args, **opts),
+        "tile recurrence": lambda: tile_recurrence(
+            tile_pre, flat["v"], None, tiles, output_final_state=False
         ),
     }
 
@@ -387,12 +394,11 @@ SWEEP = {
     "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}],
     "tile_forward": [
         {},
-        {"recurrence_stages": 2},
-        {"recurrence_stages": 3},
-        {"recurrence_warps": 8},
-        {"value_block": 32},
+        {"num_stages": 2},
+        {"num_warps": 1, "key_block": 32},
+        {"num_warps": 2, "key_block": 32},
+        {"recurrence_stages": 4},
         {"value_block": 64},
-        {"num_warps": 8},
     ],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
@@ -401,7 +407,7 @@ SWEEP_KERNELS = {
     "chunk_state": ["state_fwd (o)", "state_fwd (h, E)", "state_bwd"],
     "chunk_grad_wy": ["grad_wy"],
     "chunk_grad_intra": ["grad_intra"],
-    "tile_forward": ["tile forward"],
+    "tile_forward": ["tile prepare", "tile recurrence"],
 }
 
 
@@ -419,12 +425,18 @@ def launch_config(module_name: str, config: dict):
         launch.update(saved)
 
 
-def sweep(shapes) -> list[dict]:
-    """Time the launches of each kernel module under each of its configurations in ``SWEEP``."""
+def sweep(shapes, modules: list[str] | None = None) -> list[dict]:
+    """Time the launches of each kernel module (all of ``SWEEP`` or ``modules``) under each of its
+    configurations in ``SWEEP``."""
+    unknown = sorted(set(modules or []) - set(SWEEP))
+    if unknown:
+        raise SystemExit(f"--sweep-modules: unknown {unknown}; choose from {sorted(SWEEP)}")
     rows = []
     for B, T, H, D in shapes:
         launches = our_launches(B, T, H, D)
         for module, configs in SWEEP.items():
+            if modules and module not in modules:
+                continue
             for config in configs:
                 with launch_config(module, config):
                     try:
@@ -573,7 +585,7 @@ def main() -> None:
             )
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:
-        report["sweep"] = sweep([(1, 8192, 96, 128)])
+        report["sweep"] = sweep([(1, 8192, 96, 128)], [m for m in args.sweep_modules.split(",") if m])
         save()
     print(markdown(report))
 

@@ -14,9 +14,11 @@ clocks alone with ``--clock-control none``)::
         python benchmarks/kda_profile.py --launch prepare
 
 ``--launch`` names one of ``benchmarks/kda.py``'s launches (``prepare``, ``prepare (bwd)``, ``state_fwd (o)``,
-``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``, ``tile forward``; default all). ``--fla``
-instead lists the CUDA kernels of one flash-linear-attention ``chunk_kda`` forward and forward+backward on the
-same inputs, with each kernel's time from ``torch.profiler`` (the peer's split, to compare launch by launch).
+``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``, ``tile prepare``, ``tile recurrence``;
+default all). ``--kernels-of fla`` instead lists the CUDA kernels of one flash-linear-attention ``chunk_kda``
+forward and forward+backward on the same inputs, with each kernel's time from ``torch.profiler`` (the peer's
+split, to compare launch by launch) and the wall time per call; ``--kernels-of ours`` / ``tiles`` does the
+same for our public ``chunk_kda`` (64-token chunks / the forward on 16-token tiles).
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim.
 """
@@ -31,7 +33,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the benchmark's own inputs and launches
-from kda import LEAVES, chunk_inputs, fla_chunk, fwd_bwd, our_launches, time_ms  # noqa: E402
+from kda import (  # noqa: E402
+    LEAVES,
+    chunk_inputs,
+    fla_chunk,
+    fwd_bwd,
+    our_launches,
+    ours_chunk,
+    ours_tiles,
+    time_ms,
+)
 
 KERNELS = {
     "openk3.ops.kda.triton.chunk_prepare": ["chunk_prepare_kernel"],
@@ -82,18 +93,28 @@ def kernel_resources() -> list[dict]:
     return rows
 
 
-def fla_kernels(B: int, T: int, H: int, D: int, repeats: int = 3) -> None:
-    """Print each CUDA kernel of fla's ``chunk_kda`` forward and forward+backward with its mean time (ms per
-    call, from ``torch.profiler`` over ``repeats`` calls after one warm-up)."""
+def op_kernels(op_name: str, B: int, T: int, H: int, D: int, repeats: int = 3) -> None:
+    """Print each CUDA kernel of one public ``chunk_kda`` forward (without autograd, as ``benchmarks/kda.py``
+    times it) and forward+backward with its mean time (ms per call, from ``torch.profiler`` over ``repeats``
+    calls after one warm-up), and the wall time per call (CUDA events), whose excess over the kernels is launch
+    gaps. ``op_name``: ``fla``, ``ours`` (64-token chunks) or ``tiles`` (our forward on 16-token tiles)."""
     from torch.profiler import ProfilerActivity, profile
 
+    op = {"fla": fla_chunk, "ours": ours_chunk, "tiles": ours_tiles}[op_name]
     x = chunk_inputs(B, T, H, D, None)
     for name in LEAVES:
         x[name].requires_grad_(True)
     do = torch.randn_like(x["v"])
-    for label, fn in (("fwd", lambda: fla_chunk(x)), ("fwd+bwd", lambda: fwd_bwd(fla_chunk, x, do))):
+
+    def forward():
+        with torch.no_grad():
+            op(x)
+
+    passes = [("fwd", forward)] + ([] if op_name == "tiles" else [("fwd+bwd", lambda: fwd_bwd(op, x, do))])
+    for label, fn in passes:
         fn()
         torch.cuda.synchronize()
+        wall = time_ms(fn, repeats, warmup=1)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
                 fn()
@@ -101,7 +122,7 @@ def fla_kernels(B: int, T: int, H: int, D: int, repeats: int = 3) -> None:
         rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         rows.sort(key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in rows) / repeats / 1e3
-        print(f"fla chunk_kda {label}: {total:.3f} ms of kernels per call")
+        print(f"{op_name} chunk_kda {label}: {total:.3f} ms of kernels, {wall:.3f} ms wall per call")
         for e in rows:
             print(f"  {e.device_time_total / repeats / 1e3:8.3f} ms  x{e.count // repeats:<3} {e.key[:90]}")
 
@@ -110,13 +131,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", default=None, help="one launch name (default: all)")
     parser.add_argument("--shape", default="1,8192,96,128", help="B,T,H,D (default 1,8192,96,128)")
-    parser.add_argument("--fla", action="store_true", help="list fla chunk_kda's kernels and times instead")
+    parser.add_argument(
+        "--kernels-of",
+        choices=["fla", "ours", "tiles"],
+        help="instead list the CUDA kernels and times of one public chunk_kda call: fla's, ours, or ours on tiles",
+    )
+    parser.add_argument(
+        "--fla", dest="kernels_of", action="store_const", const="fla", help="same as --kernels-of fla"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kda_profile.py needs a CUDA GPU")
     B, T, H, D = (int(x) for x in args.shape.split(","))
-    if args.fla:
-        fla_kernels(B, T, H, D)
+    if args.kernels_of:
+        op_kernels(args.kernels_of, B, T, H, D)
         return
     launches = our_launches(B, T, H, D)
     if args.launch is not None and args.launch not in launches:
