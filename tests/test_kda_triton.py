@@ -640,7 +640,11 @@ def test_interpreter_tile_forward(monkeypatch, gate, T):
 @interpreter
 def test_interpreter_tile_forward_varlen_and_near_parallel_keys(monkeypatch):
     """Packed documents of 1, 16, 17 and 30 tokens, and nearly parallel keys (β = 0.95, no decay), through
-    the tile forward: within the bf16 tolerances of the fp64 recurrence."""
+    the tile forward with its prepare in four 16-channel key slices: within the bf16 tolerances of the fp64
+    recurrence."""
+    from openk3.ops.kda.triton import tile_forward
+
+    monkeypatch.setitem(tile_forward.LAUNCH, "key_block", 16)
     lens = [1, 16, 17, 30]
     inputs = make_inputs(1, sum(lens), 2, 64, 64, N=len(lens), seed=80)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
@@ -798,3 +802,20 @@ def test_interpreter_decode_state_pool(lower_bound):
     assert_close("state", h_ref[live], new_pool[slots[live]], 1e-5)
     assert (o[~live] == 0).all()
     assert torch.equal(new_pool[[1, 2, 4]], pool[[1, 2, 4]])
+
+
+@interpreter
+def test_fixed_length_index_cached():
+    """Fixed-length chunk tables are built once per (B, T, device, size) and reused, with at most
+    ``FIXED_LENGTH_CACHE_SIZE`` kept; a rebuilt one has the same tables."""
+    from openk3.ops.kda.triton import chunk_index
+
+    first = chunk_index.fixed_length_index(2, 130, torch.device("cpu"), 64)
+    assert chunk_index.fixed_length_index(2, 130, torch.device("cpu"), 64) is first
+    assert first.chunk_table.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    assert first.cu_seqlens.tolist() == [0, 130, 260] and first.chunk_offsets.tolist() == [0, 3, 6]
+    for T in range(1, chunk_index.FIXED_LENGTH_CACHE_SIZE + 2):
+        chunk_index.fixed_length_index(1, T, torch.device("cpu"), 16)
+    assert len(chunk_index.FIXED_LENGTH_CACHE) == chunk_index.FIXED_LENGTH_CACHE_SIZE
+    rebuilt = chunk_index.fixed_length_index(2, 130, torch.device("cpu"), 64)
+    assert rebuilt is not first and torch.equal(rebuilt.chunk_table, first.chunk_table)

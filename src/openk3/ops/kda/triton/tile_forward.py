@@ -22,12 +22,20 @@ in-kernel L2 norm: unit keys and ``β ≤ 1`` bound it by 1), else in fp32; ``E 
 both operands rounded (:func:`~openk3.ops.kda.triton.kernel_math.dot`; an fp16 ``P`` is exact in tf32), tf32x3
 for fp32 inputs.
 
+The prepare is one warp per tile and head (:data:`LAUNCH`): it walks the key in slices of ``BK`` channels,
+the row norms first, then the gate, the gated copies and ``M``, ``L`` accumulated slice by slice, so every row
+reduction of the 16×16 substitution stays inside the warp.
+
 Used by :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` when no gradient is needed and
-``LAUNCH["enabled"]``. Legend: ``BT`` tile rows, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads,
-``N`` sequences, ``P16`` tiles of all sequences.
+``LAUNCH["enabled"]`` (the default: the B1 T8192 H96 D128 forward took 1.75 ms on the H200, against 4.2–4.5
+ms on 64-token chunks and fla's 2.86 ms, ``benchmarks/results/kda_h200.md``). Legend: ``BT`` tile rows,
+``BK`` key slice, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads, ``N`` sequences, ``P16`` tiles
+of all sequences.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,18 +62,22 @@ from openk3.ops.kda.triton.kernel_math import (
 TILE = 16
 """Tokens per tile (FlashKDA's chunk; the bound ``16·|lb|·log2 e ≤ 115.4`` needs ``lb ≥ −5``)."""
 LAUNCH = {
-    "enabled": False,
-    "num_warps": 4,
+    "enabled": True,
+    "num_warps": 1,
     "num_stages": 1,
+    "key_block": 64,
     "recurrence_warps": 4,
-    "recurrence_stages": 1,
+    "recurrence_stages": 3,
     "value_block": 0,
 }
-"""``enabled``: use this path for calls without a gradient (off until timed against the 64-token chunks on a
-GPU: ``benchmarks/kda.py --tile-forward``; ``--sweep`` times the other entries). Warps and pipeline stages of
-the prepare and of the recurrence (its loads do not depend on the state, so stages can prefetch them), and the
-recurrence's value block (0: as the chunk state pass, :func:`~openk3.ops.kda.triton.chunk_state.value_block`
-with its ``min_programs``; > 0: that width)."""
+"""``enabled``: use this path for calls without a gradient. Warps, pipeline stages and key slice ``BK`` of
+the prepare; warps and stages of the recurrence (its loads do not depend on the state, so stages prefetch
+them) and its value block (0: as the chunk state pass, :func:`~openk3.ops.kda.triton.chunk_state.value_block`
+with its ``min_programs``; > 0: that width). Chosen by ``benchmarks/kda.py --sections sweep`` at B1 T8192 H96
+D128 on the H200 (``benchmarks/results/kda_h200.md``): the prepare took 0.93 ms with one warp and 64-channel
+slices against 1.25 with two warps and 1.99 with four (whole key, 252 registers: two programs per
+multiprocessor, and the substitution's row reductions crossed warps); the recurrence 0.95–0.98 ms with three
+stages against 1.93 with one."""
 
 
 @triton.jit
@@ -74,7 +86,7 @@ def tile_prepare_kernel(
     qg, kt, kh, M, Pb, gend,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
-    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P16, H)``. Writes ``qg`` = Q̃, ``kt`` = K̃, ``kh`` = K̂ ``[tokens, H, K]``, ``M`` and ``Pb`` = P
@@ -83,30 +95,49 @@ def tile_prepare_kernel(
     i_h = tl.program_id(1)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    b_G, b_GC = gate_cumsum_slice(
-        g, t0, n_valid, i_h, A_h, dt_bias, 0, lower_bound_log2, H, K, BT, K, HAS_BIAS, False
-    )
-    b_q = load_rows(q, t0, n_valid, i_h, 0, H, K, BT, K).to(tl.float32)
-    b_k = load_rows(k, t0, n_valid, i_h, 0, H, K, BT, K).to(tl.float32)
+    # the row norms first (a per-row factor of every later product), then the gated copies and the two
+    # intra-tile products accumulated over key slices of BK channels (the gate is per channel)
     if USE_L2NORM:
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        ss_q = tl.zeros([BT], dtype=tl.float32)
+        ss_k = tl.zeros([BT], dtype=tl.float32)
+        for i_k in range(0, K // BK):
+            b_q = load_rows(q, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
+            b_k = load_rows(k, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
+            ss_q += tl.sum(b_q * b_q, axis=1)
+            ss_k += tl.sum(b_k * b_k, axis=1)
+        b_rq = tl.rsqrt(ss_q + 1e-6) * scale
+        b_rk = tl.rsqrt(ss_k + 1e-6)
+    else:
+        b_rq = tl.full([BT], scale, tl.float32)
+        b_rk = tl.full([BT], 1.0, tl.float32)
+    acc_M = tl.zeros([BT, BT], dtype=tl.float32)
+    acc_L = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        k0 = i_k * BK
+        b_G, b_GC = gate_cumsum_slice(
+            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS, False
+        )
+        b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rq[:, None]
+        b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rk[:, None]
+        b_eG = tl.exp2(b_G)
+        b_kinv = b_k * tl.exp2(-b_G)  # ≤ 2^115
+        b_qg = b_q * b_eG
+        b_kt = b_k * b_eG
+        b_kinvT = tf32_operand(tl.trans(b_kinv), DOT)  # rounded once for both products
+        acc_M = tl.dot(tf32_operand(b_qg, DOT), b_kinvT, acc_M, input_precision=DOT)
+        acc_L = tl.dot(tf32_operand(b_kt, DOT), b_kinvT, acc_L, input_precision=DOT)
+        b_GCe = tl.exp2(b_GC)
+        store_rows(qg, b_qg, t0, n_valid, i_h, k0, H, K, BT, BK)
+        store_rows(kt, b_kt, t0, n_valid, i_h, k0, H, K, BT, BK)
+        store_rows(kh, b_kinv * b_GCe[None, :], t0, n_valid, i_h, k0, H, K, BT, BK)
+        tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK), b_GCe)
     b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
-    b_eG = tl.exp2(b_G)
-    b_kinv = b_k * tl.exp2(-b_G)  # ≤ 2^115
-    b_qg = b_q * scale * b_eG
-    b_kt = b_k * b_eG
     o = tl.arange(0, BT)
-    b_M = tl.where(o[:, None] >= o[None, :], dot(b_qg, tl.trans(b_kinv), DOT), 0.0)
-    b_L = tl.where(o[:, None] > o[None, :], dot(b_kt, tl.trans(b_kinv), DOT) * b_beta[:, None], 0.0)
+    b_M = tl.where(o[:, None] >= o[None, :], acc_M, 0.0)
+    b_L = tl.where(o[:, None] > o[None, :], acc_L * b_beta[:, None], 0.0)
     b_T = tl.reshape(unit_lower_inverse_stacked(tl.reshape(b_L, [1, BT, BT]), 1, BT), [BT, BT])
-    b_GCe = tl.exp2(b_GC)
-    store_rows(qg, b_qg, t0, n_valid, i_h, 0, H, K, BT, K)
-    store_rows(kt, b_kt, t0, n_valid, i_h, 0, H, K, BT, K)
-    store_rows(kh, b_kinv * b_GCe[None, :], t0, n_valid, i_h, 0, H, K, BT, K)
     store_rows(M, b_M, t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_rows(Pb, b_T * b_beta[None, :], t0, n_valid, i_h, 0, H, BT, BT, BT)
-    tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + tl.arange(0, K), b_GCe)
 
 
 @triton.jit
@@ -147,6 +178,81 @@ def tile_recurrence_kernel(
         tl.store(ht + p_state, b_S)
 
 
+class TilePrepared(NamedTuple):
+    """Outputs of :func:`tile_prepare`: ``qg, kt, kh`` ``[tokens, H, K]`` and ``M`` ``[tokens, H, TILE]`` in
+    the storage dtype, ``P`` ``[tokens, H, TILE]`` fp16 or fp32, ``gend`` fp32 ``[P16, H, K]``."""
+
+    qg: torch.Tensor
+    kt: torch.Tensor
+    kh: torch.Tensor
+    M: torch.Tensor
+    P: torch.Tensor
+    gend: torch.Tensor
+
+
+def tile_prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    index: ChunkIndex,
+    *,
+    scale: float,
+    lower_bound: float,
+    use_l2norm: bool,
+) -> TilePrepared:
+    """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`)."""
+    TT, H, K = q.shape
+    dt = q.dtype
+    # |P_ij| ≤ 1 under chunk_prepare's fp16 condition (module docstring)
+    fp16 = PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
+    out = TilePrepared(
+        *(q.new_empty(TT, H, K, dtype=dt) for _ in range(3)),
+        M=q.new_empty(TT, H, TILE, dtype=dt),
+        P=q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16 else torch.float32),
+        gend=q.new_empty(index.num_chunks, H, K, dtype=torch.float32),
+    )
+    tile_prepare_kernel[(index.num_chunks, H)](
+        q, k, g, beta, A_log, dt_bias,
+        *out,
+        index.cu_seqlens, index.chunk_table,
+        scale, lower_bound * LOG2E,
+        H=H, DOT=dot_precision(dt), K=K, BT=TILE, BK=min(K, LAUNCH["key_block"]), USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        **launch_options(LAUNCH),
+    )  # fmt: skip
+    return out
+
+
+def tile_recurrence(
+    pre: TilePrepared,
+    v: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    index: ChunkIndex,
+    *,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors (arguments and result as in
+    :func:`tile_forward`)."""
+    TT, H, K = pre.qg.shape
+    V = v.shape[-1]
+    N = index.num_seqs
+    o = v.new_empty(TT, H, V)
+    ht = v.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    BV = value_block(V, N * H, LAUNCH["value_block"])
+    tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
+        *pre, v, initial_state, o, ht,
+        index.cu_seqlens, index.chunk_offsets,
+        H=H, DOT=dot_precision(pre.qg.dtype), K=K, V=V, BT=TILE, BV=BV,
+        USE_H0=initial_state is not None, STORE_FINAL=output_final_state,
+        **launch_options(
+            dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"], num_stages=LAUNCH["recurrence_stages"])
+        ),
+    )  # fmt: skip
+    return o, ht
+
+
 def tile_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,7 +269,8 @@ def tile_forward(
     use_l2norm: bool,
     output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward of the chunked KDA on 16-token tiles (no autograd).
+    """Forward of the chunked KDA on 16-token tiles (no autograd): :func:`tile_prepare` then
+    :func:`tile_recurrence`.
 
     Args:
         q, k, g: ``[tokens, H, K]`` (g raw). v: ``[tokens, H, V]``. beta: ``[tokens, H]`` in ``[0, 1]``.
@@ -176,35 +283,7 @@ def tile_forward(
     Returns:
         ``(o [tokens, H, V] in v.dtype, final_state or None)``.
     """
-    TT, H, K = q.shape
-    V = v.shape[-1]
-    N, P = index.num_seqs, index.num_chunks
-    dt = q.dtype
-    o = v.new_empty(TT, H, V)
-    ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    qg, kt, kh = (q.new_empty(TT, H, K, dtype=dt) for _ in range(3))
-    M = q.new_empty(TT, H, TILE, dtype=dt)
-    # |P_ij| ≤ 1 under chunk_prepare's fp16 condition (module docstring)
-    fp16 = PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
-    Pb = q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16 else torch.float32)
-    gend = q.new_empty(P, H, K, dtype=torch.float32)
-    DOT = dot_precision(dt)
-    tile_prepare_kernel[(P, H)](
-        q, k, g, beta, A_log, dt_bias,
-        qg, kt, kh, M, Pb, gend,
-        index.cu_seqlens, index.chunk_table,
-        scale, lower_bound * LOG2E,
-        H=H, DOT=DOT, K=K, BT=TILE, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        **launch_options(LAUNCH),
-    )  # fmt: skip
-    BV = value_block(V, N * H, LAUNCH["value_block"])
-    tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
-        qg, kt, kh, M, Pb, gend, v, initial_state, o, ht,
-        index.cu_seqlens, index.chunk_offsets,
-        H=H, DOT=DOT, K=K, V=V, BT=TILE, BV=BV,
-        USE_H0=initial_state is not None, STORE_FINAL=output_final_state,
-        **launch_options(
-            dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"], num_stages=LAUNCH["recurrence_stages"])
-        ),
-    )  # fmt: skip
-    return o, ht
+    pre = tile_prepare(
+        q, k, g, beta, A_log, dt_bias, index, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm
+    )
+    return tile_recurrence(pre, v, initial_state, index, output_final_state=output_final_state)
