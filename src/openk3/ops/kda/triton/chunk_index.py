@@ -10,6 +10,7 @@ Legend: ``N`` sequences, ``P`` chunks over all sequences.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -39,18 +40,24 @@ FIXED_LENGTH_CACHE: OrderedDict[tuple, ChunkIndex] = OrderedDict()
 the op with the same shape in every layer, and building one costs six small launches (about 0.1 ms of host
 time before the first kernel of a call, measured on the H200). The kernels only read them."""
 FIXED_LENGTH_CACHE_SIZE = 32
+_CACHE_LOCK = threading.Lock()
 
 
 def fixed_length_index(B: int, T: int, device: torch.device, size: int = CHUNK) -> ChunkIndex:
     """``B`` sequences of ``T`` tokens in chunks of ``size`` tokens (no host↔device sync; reused from
-    :data:`FIXED_LENGTH_CACHE` when built before)."""
-    key = (B, T, torch.device(device), size)
-    index = FIXED_LENGTH_CACHE.get(key)
-    if index is None:
-        index = FIXED_LENGTH_CACHE[key] = _build_fixed_length_index(B, T, key[2], size)
-        while len(FIXED_LENGTH_CACHE) > FIXED_LENGTH_CACHE_SIZE:
-            FIXED_LENGTH_CACHE.popitem(last=False)
-    FIXED_LENGTH_CACHE.move_to_end(key)
+    :data:`FIXED_LENGTH_CACHE` when built before). During CUDA-graph capture a fresh index is built and not
+    kept: its tables are filled only when the graph replays."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _build_fixed_length_index(B, T, device, size)
+    key = (B, T, device, size)
+    with _CACHE_LOCK:
+        index = FIXED_LENGTH_CACHE.get(key)
+        if index is None:
+            index = FIXED_LENGTH_CACHE[key] = _build_fixed_length_index(B, T, device, size)
+            while len(FIXED_LENGTH_CACHE) > FIXED_LENGTH_CACHE_SIZE:
+                FIXED_LENGTH_CACHE.popitem(last=False)
+        FIXED_LENGTH_CACHE.move_to_end(key)
     return index
 
 
