@@ -45,6 +45,7 @@ CHUNK_SHAPES = [
     ("B1 T32768 H32 D128", 1, 32768, 32, 128, None),
     ("B8 T4096 H32 D128", 8, 4096, 32, 128, None),
 ]
+SECTIONS = ("decode", "chunk", "breakdown", "sweep")
 DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64, 96, 128)]
 
 
@@ -52,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="directory for kda_h200.json and kda_h200.md")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per forward measurement")
-    parser.add_argument("--sweep", action="store_true", help="also time launch configurations per kernel")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time launch configurations per kernel (adds section sweep)"
+    )
     parser.add_argument(
         "--tune",
         action="store_true",
@@ -60,7 +63,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--skip-fla", action="store_true", help="time our kernels only")
     parser.add_argument(
-        "--tile-forward", action="store_true", help="also time the 16-token tile forward (row 'fwd, tiles')"
+        "--chunk-forward",
+        action="store_true",
+        help="also time the forward on 64-token chunks without autograd (row 'fwd, chunks'; the default "
+        "forward without autograd runs on 16-token tiles)",
     )
     parser.add_argument("--fla-passes", default="fwd,fwd+bwd", help="passes timed for fla (default both)")
     parser.add_argument(
@@ -72,7 +78,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sweep-modules", default="", help="comma list of SWEEP modules for --sections sweep; default all"
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.iters < 1:
+        parser.error(f"--iters must be >= 1; got {args.iters}")
+    checks = (
+        ("--sections", args.sections, set(SECTIONS)),
+        ("--shapes", args.shapes, {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),
+        ("--fla-passes", args.fla_passes, {"fwd", "fwd+bwd"}),
+        ("--sweep-modules", args.sweep_modules, set(SWEEP)),
+    )
+    for flag, value, allowed in checks:
+        unknown = [x for x in value.split(",") if x and x not in allowed]
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; choose from {sorted(allowed)}")
+    if args.sweep:
+        args.sections += ",sweep"
+    if args.sweep_modules and "sweep" not in args.sections.split(",") and not args.tune:
+        parser.error("--sweep-modules needs --sweep, --sections ...,sweep or --tune")
+    return args
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -180,9 +203,10 @@ def ours_chunk(x):
     )[0]  # fmt: skip
 
 
-def ours_tiles(x):
-    """:func:`ours_chunk` with the 16-token tile forward switched on (it serves calls without autograd)."""
-    with launch_config("tile_forward", {"enabled": True}):
+def ours_chunks(x):
+    """:func:`ours_chunk` with the 16-token tile forward switched off: without autograd it then runs the
+    64-token chunk forward that training uses."""
+    with launch_config("tile_forward", {"enabled": False}):
         return ours_chunk(x)
 
 
@@ -234,24 +258,24 @@ def decode_roofline(B, H, D) -> dict:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 
-def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd, rows: list, save, tiles=False) -> None:
+def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd, rows: list, save, chunks=False) -> None:
     """Append the forward, then the forward+backward row of one shape to ``rows``, calling ``save()`` after
-    each, so a run cut short keeps its forward row. ``tiles``: also a forward row of the 16-token tile forward
-    (pass ``fwd, tiles``)."""
+    each, so a run cut short keeps its forward row. ``chunks``: also a forward row of the 64-token chunk
+    forward (pass ``fwd, chunks``; the ``fwd`` row, without autograd, is the 16-token tile forward)."""
     x = chunk_inputs(B, T, H, D, lens)
     ops = {"ours": ours_chunk} | ({"fla": fla_chunk} if use_fla else {})
-    fwd_ops = ops | ({"tiles": ours_tiles} if tiles else {})
+    fwd_ops = ops | ({"chunks": ours_chunks} if chunks else {})
     with torch.no_grad():
         outs = {side: op(x) for side, op in fwd_ops.items()}
         times = {side: time_ms(lambda op=op: op(x), iters) for side, op in fwd_ops.items()}
     rows.append(_row(name, "fwd", times, roofline(B, T, H, D, "fwd")))
     if use_fla:
         rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["ours"])
-    if tiles:
-        rows.append(_row(name, "fwd, tiles", times | {"ours": times["tiles"]}, roofline(B, T, H, D, "fwd")))
-        rows[-1]["tiles_vs_chunks_o_rel_rmse"] = rel_rmse(outs["ours"], outs["tiles"])
+    if chunks:
+        rows.append(_row(name, "fwd, chunks", times | {"ours": times["chunks"]}, roofline(B, T, H, D, "fwd")))
+        rows[-1]["tiles_vs_chunks_o_rel_rmse"] = rel_rmse(outs["ours"], outs["chunks"])
         if use_fla:
-            rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["tiles"])
+            rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["chunks"])
     save()
     del outs
     if not fla_bwd:
@@ -339,6 +363,20 @@ def bench_decode(name, B, H, D, use_fla) -> dict:
 
 
 # -------------------------------------------------------------------------------- per-kernel breakdown
+
+
+LAUNCH_NAMES = (
+    "prepare",
+    "prepare (bwd)",
+    "state_fwd (o)",
+    "state_fwd (h, E)",
+    "state_bwd",
+    "grad_wy",
+    "grad_intra",
+    "tile prepare",
+    "tile recurrence",
+)
+"""The keys of :func:`our_launches`, in its order."""
 
 
 def our_launches(B, T, H, D) -> dict:
@@ -565,7 +603,7 @@ def main() -> None:
 
     sections = args.sections.split(",")
     if args.tune:
-        report["sweep"] = sweep([(1, 8192, 96, 128)])
+        report["sweep"] = sweep([(1, 8192, 96, 128)], [m for m in args.sweep_modules.split(",") if m])
         report["tuned"] = tune(report["sweep"])
         save()
     if "breakdown" in sections:
@@ -581,7 +619,18 @@ def main() -> None:
         for name, B, T, H, D, lens in (CHUNK_SHAPES[i - 1] for i in picked):
             fla_bwd = "fwd+bwd" in args.fla_passes.split(",")
             bench_chunk(
-                name, B, T, H, D, lens, args.iters, use_fla, fla_bwd, report["chunk"], save, args.tile_forward
+                name,
+                B,
+                T,
+                H,
+                D,
+                lens,
+                args.iters,
+                use_fla,
+                fla_bwd,
+                report["chunk"],
+                save,
+                args.chunk_forward,
             )
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:

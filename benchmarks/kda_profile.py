@@ -17,8 +17,9 @@ clocks alone with ``--clock-control none``)::
 ``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``, ``tile prepare``, ``tile recurrence``;
 default all). ``--kernels-of fla`` instead lists the CUDA kernels of one flash-linear-attention ``chunk_kda``
 forward and forward+backward on the same inputs, with each kernel's time from ``torch.profiler`` (the peer's
-split, to compare launch by launch) and the wall time per call; ``--kernels-of ours`` / ``tiles`` does the
-same for our public ``chunk_kda`` (64-token chunks / the forward on 16-token tiles).
+split, to compare launch by launch) and the wall time per call; ``--kernels-of ours`` does the same for our
+public ``chunk_kda`` (its forward without autograd runs on 16-token tiles), ``--kernels-of chunks`` for our
+forward on 64-token chunks (as training runs it).
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim.
 """
@@ -34,13 +35,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the benchmark's own inputs and launches
 from kda import (  # noqa: E402
+    LAUNCH_NAMES,
     LEAVES,
     chunk_inputs,
     fla_chunk,
     fwd_bwd,
     our_launches,
     ours_chunk,
-    ours_tiles,
+    ours_chunks,
     time_ms,
 )
 
@@ -97,10 +99,11 @@ def op_kernels(op_name: str, B: int, T: int, H: int, D: int, repeats: int = 3) -
     """Print each CUDA kernel of one public ``chunk_kda`` forward (without autograd, as ``benchmarks/kda.py``
     times it) and forward+backward with its mean time (ms per call, from ``torch.profiler`` over ``repeats``
     calls after one warm-up), and the wall time per call (CUDA events), whose excess over the kernels is launch
-    gaps. ``op_name``: ``fla``, ``ours`` (64-token chunks) or ``tiles`` (our forward on 16-token tiles)."""
+    gaps. ``op_name``: ``fla``, ``ours`` (as called: the forward on 16-token tiles, forward+backward on
+    64-token chunks) or ``chunks`` (the forward on 64-token chunks, as training runs it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    op = {"fla": fla_chunk, "ours": ours_chunk, "tiles": ours_tiles}[op_name]
+    op = {"fla": fla_chunk, "ours": ours_chunk, "chunks": ours_chunks}[op_name]
     x = chunk_inputs(B, T, H, D, None)
     for name in LEAVES:
         x[name].requires_grad_(True)
@@ -110,7 +113,7 @@ def op_kernels(op_name: str, B: int, T: int, H: int, D: int, repeats: int = 3) -
         with torch.no_grad():
             op(x)
 
-    passes = [("fwd", forward)] + ([] if op_name == "tiles" else [("fwd+bwd", lambda: fwd_bwd(op, x, do))])
+    passes = [("fwd", forward)] + ([] if op_name == "chunks" else [("fwd+bwd", lambda: fwd_bwd(op, x, do))])
     for label, fn in passes:
         fn()
         torch.cuda.synchronize()
@@ -131,24 +134,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", default=None, help="one launch name (default: all)")
     parser.add_argument("--shape", default="1,8192,96,128", help="B,T,H,D (default 1,8192,96,128)")
-    parser.add_argument(
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
         "--kernels-of",
-        choices=["fla", "ours", "tiles"],
-        help="instead list the CUDA kernels and times of one public chunk_kda call: fla's, ours, or ours on tiles",
+        choices=["fla", "ours", "chunks"],
+        help="instead list the CUDA kernels and times of one public chunk_kda call: fla's, ours, or ours with the "
+        "forward on 64-token chunks",
     )
-    parser.add_argument(
+    which.add_argument(
         "--fla", dest="kernels_of", action="store_const", const="fla", help="same as --kernels-of fla"
     )
     args = parser.parse_args()
+    if args.launch is not None and args.launch not in LAUNCH_NAMES:
+        parser.error(f"--launch must be one of {list(LAUNCH_NAMES)}; got {args.launch!r}")
+    if args.launch is not None and args.kernels_of:
+        parser.error("--launch times one of our launches; --kernels-of/--fla lists a whole call: give one")
+    try:
+        B, T, H, D = (int(x) for x in args.shape.split(","))
+    except ValueError:
+        parser.error(f"--shape must be four integers B,T,H,D; got {args.shape!r}")
+    if min(B, T, H, D) < 1:
+        parser.error(f"--shape needs positive sizes; got {args.shape!r}")
     if not torch.cuda.is_available():
         sys.exit("kda_profile.py needs a CUDA GPU")
-    B, T, H, D = (int(x) for x in args.shape.split(","))
     if args.kernels_of:
         op_kernels(args.kernels_of, B, T, H, D)
         return
     launches = our_launches(B, T, H, D)
-    if args.launch is not None and args.launch not in launches:
-        sys.exit(f"--launch must be one of {sorted(launches)}, got {args.launch!r}")
     names = [args.launch] if args.launch else list(launches)
     for name in names:
         launches[name]()  # compile (the profiled launch is the second)

@@ -624,6 +624,7 @@ def tf32_dot_bias(device: str, round_operands: bool) -> float:
 
 
 @interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # σ of a saturated gate: exp(−z) = inf
 @pytest.mark.parametrize("gate", ["init", "lb", "zero", "mixed"])
 @pytest.mark.parametrize("T", [1, 15, 17, 70])
 def test_interpreter_tile_forward(monkeypatch, gate, T):
@@ -638,6 +639,7 @@ def test_interpreter_tile_forward(monkeypatch, gate, T):
 
 
 @interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # σ of a saturated gate: exp(−z) = inf
 def test_interpreter_tile_forward_varlen_and_near_parallel_keys(monkeypatch):
     """Packed documents of 1, 16, 17 and 30 tokens, and nearly parallel keys (β = 0.95, no decay), through
     the tile forward with its prepare in four 16-channel key slices: within the bf16 tolerances of the fp64
@@ -802,6 +804,17 @@ def test_interpreter_decode_state_pool(lower_bound):
     assert_close("state", h_ref[live], new_pool[slots[live]], 1e-5)
     assert (o[~live] == 0).all()
     assert torch.equal(new_pool[[1, 2, 4]], pool[[1, 2, 4]])
+
+
+@interpreter
+@pytest.mark.parametrize("key_block", [0, 8, 48])
+def test_interpreter_tile_forward_refuses_bad_key_block(monkeypatch, key_block):
+    """A key slice that is no tensor-core operand (not a power of two >= 16) is refused before the launch."""
+    from openk3.ops.kda.triton import tile_forward
+
+    monkeypatch.setitem(tile_forward.LAUNCH, "key_block", key_block)
+    with pytest.raises(ValueError, match="key_block"):
+        tile_forward_error(monkeypatch, make_inputs(1, 20, 1, 64, 64, seed=3))
 
 
 @interpreter

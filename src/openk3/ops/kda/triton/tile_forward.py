@@ -206,6 +206,12 @@ def tile_prepare(
     """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`)."""
     TT, H, K = q.shape
     dt = q.dtype
+    BK = min(K, LAUNCH["key_block"])
+    if BK < 16 or BK & (BK - 1):
+        raise ValueError(
+            f"tile_forward.LAUNCH['key_block'] must be a power of two >= 16 (a tensor-core operand); "
+            f"got {LAUNCH['key_block']}"
+        )
     # |P_ij| ≤ 1 under chunk_prepare's fp16 condition (module docstring)
     fp16 = PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
     out = TilePrepared(
@@ -219,7 +225,7 @@ def tile_prepare(
         *out,
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
-        H=H, DOT=dot_precision(dt), K=K, BT=TILE, BK=min(K, LAUNCH["key_block"]), USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        H=H, DOT=dot_precision(dt), K=K, BT=TILE, BK=BK, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         **launch_options(LAUNCH),
     )  # fmt: skip
     return out
