@@ -378,3 +378,29 @@ def test_bad_cu_seqlens_raise(cu_seqlens, match):
 def test_bad_chunk_size_raises(chunk_size):
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(**_good_args(), chunk_size=chunk_size)
+
+
+def test_triton_chunk_dispatch_rule(monkeypatch):
+    """Which calls the Triton chunk path takes, given CUDA (faked here): the K3 gate with a bound in [−5, 0),
+    chunk size 64, and K ≥ 32 when a gradient is needed (K = 16 under autograd was over the bf16 tolerance in
+    the interpreter: ``dispatch.CHUNK_GRAD_MIN_KEY_DIM``); without a gradient every supported K."""
+    from openk3.ops.kda.triton import dispatch
+
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda *tensors: True)
+
+    def takes_triton(K, grad, lower_bound=-5.0, chunk_size=64, A_log=True):
+        q, k, g = (torch.randn(1, 8, 2, K, requires_grad=grad) for _ in range(3))
+        v, beta = torch.randn(1, 8, 2, 32), torch.rand(1, 8, 2)
+        return dispatch.use_triton_chunk(
+            q, k, v, g, beta, A_log=torch.zeros(2) if A_log else None, lower_bound=lower_bound,
+            chunk_size=chunk_size,
+        )  # fmt: skip
+
+    assert takes_triton(16, grad=False) and not takes_triton(16, grad=True)
+    assert takes_triton(32, grad=True) and takes_triton(128, grad=True)
+    with torch.no_grad():
+        assert takes_triton(16, grad=True)
+    assert not takes_triton(64, grad=False, lower_bound=-6.0)
+    assert not takes_triton(64, grad=False, chunk_size=32)
+    assert not takes_triton(64, grad=False, A_log=False)
+    assert not takes_triton(48, grad=False)

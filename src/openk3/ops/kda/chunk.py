@@ -84,7 +84,10 @@ def chunk_kda(
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % SUB_CHUNK:
         raise ValueError(f"chunk_size must be a positive multiple of {SUB_CHUNK}; got {chunk_size}")
-    if use_triton_chunk(q, k, v, g, beta, A_log=A_log, lower_bound=lower_bound, chunk_size=chunk_size):
+    if use_triton_chunk(
+        q, k, v, g, beta, A_log=A_log, lower_bound=lower_bound, chunk_size=chunk_size, dt_bias=dt_bias,
+        initial_state=initial_state,
+    ):  # fmt: skip
         seq_lens = check_kda_args(
             q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound,

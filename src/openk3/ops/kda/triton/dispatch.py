@@ -3,7 +3,8 @@
 The chunked path is built on the K3 lower-bounded gate applied in the kernel (``A_log`` given and
 ``−5 ≤ lower_bound < 0``): its 16-token diagonal tiles are factorised with one causal anchor, which the bound
 keeps inside fp32 (kda_kernels reference §1.7, §2.2). Other gates (Kimi-Linear's softplus, a precomputed
-log-decay), float64, other head dims or chunk sizes take the torch path. The decode path takes any gate.
+log-decay), float64, other head dims or chunk sizes, and K = 16 when a gradient is needed
+(:data:`CHUNK_GRAD_MIN_KEY_DIM`) take the torch path. The decode path takes any gate.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import torch
 
 SUPPORTED_DIMS = (16, 32, 64, 128)
 """Head dims K and V of the Triton kernels (whole-dim register tiles, powers of two)."""
+CHUNK_GRAD_MIN_KEY_DIM = 32
+"""Smallest key dim K for which the chunked Triton path runs when a gradient is needed (calls without one take
+the 16-token tile forward at every K). At K = 16 the 64-token chunks' bf16 output is 4.9–5.4e-3 from the fp64
+reference, over the 5e-3 tolerance in 3 of 4 seeds, where the tile forward stays at 4.0–4.3e-3 and K = 32 at
+4.4–4.7e-3 (Triton's interpreter, B1 T200 H2 V64 bf16); K = 16 with a gradient takes the torch path."""
 SAFE_LOWER_BOUND = -5.0
 """Most negative gate bound of the chunked Triton path (16 steps × 5 nats × log2 e = 115 bits < 127)."""
 
@@ -40,10 +46,15 @@ def _half_or_single(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float16, torch.bfloat16, torch.float32) for t in tensors)
 
 
-def use_triton_chunk(q, k, v, g, beta, *, A_log, lower_bound, chunk_size) -> bool:
+def use_triton_chunk(
+    q, k, v, g, beta, *, A_log, lower_bound, chunk_size, dt_bias=None, initial_state=None
+) -> bool:
     """Whether :func:`~openk3.ops.kda.chunk.chunk_kda` runs the Triton kernels."""
+    leaves = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     return (
         _on_gpu(q, k, v, g, beta)
+        and (q.shape[-1] >= CHUNK_GRAD_MIN_KEY_DIM or not needs_grad)
         and A_log is not None
         and lower_bound is not None
         and SAFE_LOWER_BOUND <= lower_bound < 0
