@@ -426,10 +426,16 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [{}, {"fp16_inverse": False}, {"cumsum_by_dot": True}],
-    "chunk_state": [{}, {"value_block": 32}],
-    "chunk_grad_wy": [{}, {"cumsum_by_dot": True}],
-    "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}],
+    "chunk_prepare": [
+        {},
+        {"fp16_inverse": False},
+        {"cumsum_by_dot": True},
+        {"num_warps": 2},
+        {"num_warps": 8},
+    ],
+    "chunk_state": [{}, {"value_block": 32}, {"num_stages": 2}, {"num_stages": 3}],
+    "chunk_grad_wy": [{}, {"cumsum_by_dot": True}, {"num_warps": 8}],
+    "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}, {"num_warps": 8}],
     "tile_forward": [
         {},
         {"num_stages": 2},
