@@ -405,7 +405,7 @@ def our_launches(B, T, H, D) -> dict:
     tiles = fixed_length_index(B, T, x["q"].device, TILE)
     tile_args = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], tiles)
     tile_pre = tile_prepare(*tile_args, **opts)
-    return {
+    launches = {
         "prepare": lambda: chunk_prepare(*args, index, **opts),
         "prepare (bwd)": lambda: chunk_prepare(*args, index, saved=pre, **opts),
         "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, **state),
@@ -418,6 +418,8 @@ def our_launches(B, T, H, D) -> dict:
             tile_pre, flat["v"], None, tiles, output_final_state=False
         ),
     }
+    assert tuple(launches) == LAUNCH_NAMES, "keep LAUNCH_NAMES in step with our_launches"
+    return launches
 
 
 def kernel_breakdown(B, T, H, D, iters=5) -> dict:

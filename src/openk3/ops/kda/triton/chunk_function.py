@@ -24,6 +24,7 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex, fixed_length_in
 from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare
 from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
+from openk3.ops.kda.triton.dispatch import needs_grad
 from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
 from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
@@ -99,9 +100,8 @@ def chunk_kda_triton(
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    leaves = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
-    tiles = TILE_LAUNCH["enabled"] and not needs_grad  # no gradient wanted: the 16-token tile forward
+    # no gradient wanted: the 16-token tile forward
+    tiles = TILE_LAUNCH["enabled"] and not needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
     size = TILE if tiles else CHUNK
     index: ChunkIndex = (
         fixed_length_index(B, T, q.device, size)

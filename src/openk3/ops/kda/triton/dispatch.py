@@ -42,6 +42,12 @@ def _dims_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.shape[-1] in SUPPORTED_DIMS and v.shape[-1] in SUPPORTED_DIMS
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record a call on ``tensors`` (grad mode on and one of them, None skipped,
+    requires grad): such a call needs the chunked path's backward."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _half_or_single(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float16, torch.bfloat16, torch.float32) for t in tensors)
 
@@ -50,11 +56,12 @@ def use_triton_chunk(
     q, k, v, g, beta, *, A_log, lower_bound, chunk_size, dt_bias=None, initial_state=None
 ) -> bool:
     """Whether :func:`~openk3.ops.kda.chunk.chunk_kda` runs the Triton kernels."""
-    leaves = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     return (
         _on_gpu(q, k, v, g, beta)
-        and (q.shape[-1] >= CHUNK_GRAD_MIN_KEY_DIM or not needs_grad)
+        and (
+            q.shape[-1] >= CHUNK_GRAD_MIN_KEY_DIM
+            or not needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        )
         and A_log is not None
         and lower_bound is not None
         and SAFE_LOWER_BOUND <= lower_bound < 0
@@ -68,8 +75,9 @@ def use_triton_chunk(
 def use_triton_recurrent(q, k, v, g, beta, *, initial_state) -> bool:
     """Whether :func:`~openk3.ops.kda.fused_recurrent.fused_recurrent_kda` runs the Triton decode kernel:
     also needs no gradient (the kernel has no backward)."""
-    tensors = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return (
-        _on_gpu(q, k, v, g, beta) and not needs_grad and _dims_ok(q, v) and _half_or_single(q, k, v, g, beta)
+        _on_gpu(q, k, v, g, beta)
+        and not needs_grad(q, k, v, g, beta, initial_state)
+        and _dims_ok(q, v)
+        and _half_or_single(q, k, v, g, beta)
     )

@@ -203,7 +203,14 @@ def tile_prepare(
     lower_bound: float,
     use_l2norm: bool,
 ) -> TilePrepared:
-    """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`)."""
+    """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`).
+
+    Returns:
+        :class:`TilePrepared`.
+
+    Raises:
+        ValueError: ``LAUNCH["key_block"]`` is not a power of two ≥ 16 (the key slice is a tensor-core operand).
+    """
     TT, H, K = q.shape
     dt = q.dtype
     BK = min(K, LAUNCH["key_block"])
