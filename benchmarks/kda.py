@@ -12,6 +12,7 @@ graph (device time only). fla is optional: without it only our numbers are print
     python benchmarks/kda.py                               # table on stdout
     python benchmarks/kda.py --out benchmarks/results      # also kda_h200.json and kda_h200.md there
     python benchmarks/kda.py --sweep                       # also time launch configurations per kernel
+    python benchmarks/kda.py --sweep --sweep-shapes 1,3    # ... at B1 T8192 H96 and B1 T32768 H32
 
 The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
 pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
@@ -78,6 +79,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sweep-modules", default="", help="comma list of SWEEP modules for --sections sweep; default all"
     )
+    parser.add_argument(
+        "--sweep-shapes",
+        default="1",
+        help="comma list of fixed-length chunk-shape numbers (1, 3, 4) the sweep runs at; default 1",
+    )
     args = parser.parse_args()
     if args.iters < 1:
         parser.error(f"--iters must be >= 1; got {args.iters}")
@@ -86,6 +92,11 @@ def parse_args() -> argparse.Namespace:
         ("--shapes", args.shapes, {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),
         ("--fla-passes", args.fla_passes, {"fwd", "fwd+bwd"}),
         ("--sweep-modules", args.sweep_modules, set(SWEEP)),
+        (
+            "--sweep-shapes",
+            args.sweep_shapes,
+            {str(i) for i, s in enumerate(CHUNK_SHAPES, 1) if s[5] is None},
+        ),
     )
     for flag, value, allowed in checks:
         unknown = [x for x in value.split(",") if x and x not in allowed]
@@ -93,8 +104,12 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{flag}: unknown {unknown}; choose from {sorted(allowed)}")
     if args.sweep:
         args.sections += ",sweep"
-    if args.sweep_modules and "sweep" not in args.sections.split(",") and not args.tune:
-        parser.error("--sweep-modules needs --sweep, --sections ...,sweep or --tune")
+    for flag, value, default in (
+        ("--sweep-modules", args.sweep_modules, ""),
+        ("--sweep-shapes", args.sweep_shapes, "1"),
+    ):
+        if value != default and "sweep" not in args.sections.split(",") and not args.tune:
+            parser.error(f"{flag} needs --sweep, --sections ...,sweep or --tune")
     return args
 
 
@@ -431,20 +446,38 @@ SWEEP = {
     "chunk_prepare": [
         {},
         {"fp16_inverse": False},
-        {"cumsum_by_dot": True},
-        {"num_warps": 2},
+        {"key_block": 32},
+        {"key_block": 32, "wy_block": 32},
+        {"key_block": 32, "num_warps": 8},
         {"num_warps": 8},
     ],
     "chunk_state": [{}, {"value_block": 32}, {"num_stages": 2}, {"num_stages": 3}],
-    "chunk_grad_wy": [{}, {"cumsum_by_dot": True}, {"num_warps": 8}],
-    "chunk_grad_intra": [{}, {"bf16_operands": False}, {"cumsum_by_dot": False}, {"num_warps": 8}],
+    "chunk_grad_wy": [
+        {},
+        {"key_block": 32},
+        {"key_block": 32, "value_block": 32},
+        {"key_block": 16, "value_block": 32},
+        {"key_block": 32, "value_block": 32, "num_warps": 8},
+    ],
+    "chunk_grad_intra": [
+        {},
+        {"row_blocks": False},
+        {"key_block": 16},
+        {"num_warps": 8},
+        {"row_blocks": False, "key_block": 16},
+    ],
     "tile_forward": [
         {},
+        {"recurrence_stages": 2},
         {"num_stages": 2},
         {"num_warps": 1, "key_block": 32},
         {"num_warps": 2, "key_block": 32},
         {"recurrence_stages": 4},
         {"value_block": 64},
+        {"value_block": 16},
+        {"recurrence_warps": 2},
+        {"recurrence_warps": 8},
+        {"value_block": 16, "recurrence_warps": 2},
     ],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
@@ -501,17 +534,29 @@ def sweep(shapes, modules: list[str] | None = None) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- report
 
 
+def sweep_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
+    """``(B, T, H, D)`` of the chunk shapes named by ``--sweep-shapes``."""
+    return [CHUNK_SHAPES[int(i) - 1][1:5] for i in args.sweep_shapes.split(",") if i]
+
+
 def tune(rows: list[dict]) -> dict:
-    """Set each module's ``LAUNCH`` to its fastest swept configuration (sum over its kernels); returns them."""
+    """Set each module's ``LAUNCH`` to its fastest swept configuration (its kernels' times summed over the swept
+    shapes; a configuration that failed at any shape is out); returns them."""
     import importlib
 
     best = {}
     for module in SWEEP:
-        timed = [r for r in rows if r["module"] == module and "error" not in r["ms"]]
+        totals: dict[str, float] = {}
+        for r in rows:
+            if r["module"] == module:
+                key = json.dumps(r["config"], sort_keys=True)
+                failed = "error" in r["ms"] or totals.get(key) == float("inf")
+                totals[key] = float("inf") if failed else totals.get(key, 0.0) + sum(r["ms"].values())
+        timed = {k: v for k, v in totals.items() if v < float("inf")}
         if timed:
-            pick = min(timed, key=lambda r: sum(r["ms"].values()))
-            importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH.update(pick["config"])
-            best[module] = pick["config"]
+            pick = json.loads(min(timed, key=timed.get))
+            importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH.update(pick)
+            best[module] = pick
     print("tuned launch configurations:", best, flush=True)
     return best
 
@@ -611,7 +656,7 @@ def main() -> None:
 
     sections = args.sections.split(",")
     if args.tune:
-        report["sweep"] = sweep([(1, 8192, 96, 128)], [m for m in args.sweep_modules.split(",") if m])
+        report["sweep"] = sweep(sweep_shapes(args), [m for m in args.sweep_modules.split(",") if m])
         report["tuned"] = tune(report["sweep"])
         save()
     if "breakdown" in sections:
@@ -642,7 +687,7 @@ def main() -> None:
             )
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:
-        report["sweep"] = sweep([(1, 8192, 96, 128)], [m for m in args.sweep_modules.split(",") if m])
+        report["sweep"] = sweep(sweep_shapes(args), [m for m in args.sweep_modules.split(",") if m])
         save()
     print(markdown(report))
 

@@ -31,6 +31,8 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--fla-passes", "bwd"], "--fla-passes: unknown ['bwd']"),
         (["--sweep", "--sweep-modules", "tile"], "--sweep-modules: unknown ['tile']"),
         (["--sweep-modules", "tile_forward"], "--sweep-modules needs --sweep"),
+        (["--sweep", "--sweep-shapes", "2"], "--sweep-shapes: unknown ['2']"),
+        (["--sweep-shapes", "3"], "--sweep-shapes needs --sweep"),
         (["--iters", "0"], "--iters must be >= 1"),
     ],
 )
@@ -52,3 +54,31 @@ def test_kda_benchmark_refuses_bad_arguments(args, message):
 def test_kda_profile_refuses_bad_arguments(args, message):
     result = run_script("kda_profile.py", *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
+    """``--tune`` picks per module the configuration with the least time summed over every swept shape, and
+    drops one that failed at any shape."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kda
+
+    from openk3.ops.kda.triton import chunk_state, tile_forward
+
+    saved = {m: dict(m.LAUNCH) for m in (chunk_state, tile_forward)}
+    rows = [
+        {"module": "chunk_state", "config": {}, "shape": "a", "ms": {"x": 1.0, "y": 1.0}},
+        {"module": "chunk_state", "config": {}, "shape": "b", "ms": {"x": 5.0, "y": 1.0}},
+        {"module": "chunk_state", "config": {"num_stages": 2}, "shape": "a", "ms": {"x": 1.5, "y": 1.0}},
+        {"module": "chunk_state", "config": {"num_stages": 2}, "shape": "b", "ms": {"x": 3.0, "y": 1.0}},
+        {"module": "tile_forward", "config": {}, "shape": "a", "ms": {"x": 2.0}},
+        {"module": "tile_forward", "config": {"value_block": 16}, "shape": "a", "ms": {"x": 1.0}},
+        {"module": "tile_forward", "config": {"value_block": 16}, "shape": "b", "ms": {"error": "boom"}},
+        {"module": "tile_forward", "config": {}, "shape": "b", "ms": {"x": 2.0}},
+    ]
+    try:
+        assert kda.tune(rows) == {"chunk_state": {"num_stages": 2}, "tile_forward": {}}
+        assert chunk_state.LAUNCH["num_stages"] == 2
+    finally:
+        for module, launch in saved.items():
+            module.LAUNCH.clear()
+            module.LAUNCH.update(launch)
