@@ -452,19 +452,13 @@ SWEEP = {
         {"num_warps": 8},
     ],
     "chunk_state": [{}, {"value_block": 32}, {"num_stages": 2}, {"num_stages": 3}],
-    "chunk_grad_wy": [
-        {},
-        {"key_block": 32},
-        {"key_block": 32, "value_block": 32},
-        {"key_block": 16, "value_block": 32},
-        {"key_block": 32, "value_block": 32, "num_warps": 8},
-    ],
+    "chunk_grad_wy": [{}, {"cumsum_by_dot": True}, {"num_warps": 8}],
     "chunk_grad_intra": [
         {},
-        {"row_blocks": False},
+        {"bf16_operands": False},
+        {"cumsum_by_dot": False},
         {"key_block": 16},
         {"num_warps": 8},
-        {"row_blocks": False, "key_block": 16},
     ],
     "tile_forward": [
         {},
@@ -495,6 +489,9 @@ def launch_config(module_name: str, config: dict):
     import importlib
 
     launch = importlib.import_module(f"openk3.ops.kda.triton.{module_name}").LAUNCH
+    unknown = sorted(set(config) - set(launch))
+    if unknown:  # a misspelt or removed key would otherwise time the defaults under another name
+        raise KeyError(f"{module_name}.LAUNCH has no {unknown}; its keys: {sorted(launch)}")
     saved = dict(launch)
     launch.update(config)
     try:

@@ -82,3 +82,20 @@ def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
         for module, launch in saved.items():
             module.LAUNCH.clear()
             module.LAUNCH.update(launch)
+
+
+def test_every_swept_configuration_names_real_launch_keys(monkeypatch):
+    """Each ``SWEEP`` configuration only sets keys its kernel module's ``LAUNCH`` has (a stale key would
+    time the defaults under another name), and ``launch_config`` refuses one that does not."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import importlib
+
+    import kda
+
+    for module, configs in kda.SWEEP.items():
+        launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
+        for config in configs:
+            assert set(config) <= set(launch), (module, config)
+    with pytest.raises(KeyError, match="no \\['row_blocks'\\]"):
+        with kda.launch_config("chunk_grad_intra", {"row_blocks": False}):
+            pass
