@@ -81,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--sweep-shapes",
-        default="1",
+        default=None,
         help="comma list of fixed-length chunk-shape numbers (1, 3, 4) the sweep runs at; default 1",
     )
     args = parser.parse_args()
@@ -94,7 +94,7 @@ def parse_args() -> argparse.Namespace:
         ("--sweep-modules", args.sweep_modules, set(SWEEP)),
         (
             "--sweep-shapes",
-            args.sweep_shapes,
+            args.sweep_shapes or "",
             {str(i) for i, s in enumerate(CHUNK_SHAPES, 1) if s[5] is None},
         ),
     )
@@ -104,12 +104,14 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{flag}: unknown {unknown}; choose from {sorted(allowed)}")
     if args.sweep:
         args.sections += ",sweep"
-    for flag, value, default in (
-        ("--sweep-modules", args.sweep_modules, ""),
-        ("--sweep-shapes", args.sweep_shapes, "1"),
+    for flag, given in (
+        ("--sweep-modules", args.sweep_modules),
+        ("--sweep-shapes", args.sweep_shapes is not None),
     ):
-        if value != default and "sweep" not in args.sections.split(",") and not args.tune:
+        if given and "sweep" not in args.sections.split(",") and not args.tune:
             parser.error(f"{flag} needs --sweep, --sections ...,sweep or --tune")
+    if args.sweep_shapes is not None and not [i for i in args.sweep_shapes.split(",") if i]:
+        parser.error("--sweep-shapes: give at least one shape number (1, 3, 4)")
     return args
 
 
@@ -446,6 +448,8 @@ SWEEP = {
     "chunk_prepare": [
         {},
         {"fp16_inverse": False},
+        {"cumsum_by_dot": True},
+        {"num_warps": 2},
         {"key_block": 32},
         {"key_block": 32, "wy_block": 32},
         {"key_block": 32, "num_warps": 8},
@@ -533,7 +537,7 @@ def sweep(shapes, modules: list[str] | None = None) -> list[dict]:
 
 def sweep_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
     """``(B, T, H, D)`` of the chunk shapes named by ``--sweep-shapes``."""
-    return [CHUNK_SHAPES[int(i) - 1][1:5] for i in args.sweep_shapes.split(",") if i]
+    return [CHUNK_SHAPES[int(i) - 1][1:5] for i in (args.sweep_shapes or "1").split(",") if i]
 
 
 def tune(rows: list[dict]) -> dict:

@@ -33,6 +33,8 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--sweep-modules", "tile_forward"], "--sweep-modules needs --sweep"),
         (["--sweep", "--sweep-shapes", "2"], "--sweep-shapes: unknown ['2']"),
         (["--sweep-shapes", "3"], "--sweep-shapes needs --sweep"),
+        (["--sweep-shapes", "1"], "--sweep-shapes needs --sweep"),
+        (["--sweep", "--sweep-shapes", ","], "--sweep-shapes: give at least one shape"),
         (["--iters", "0"], "--iters must be >= 1"),
     ],
 )
