@@ -69,7 +69,11 @@ def parse_args() -> argparse.Namespace:
         help="also time the forward on 64-token chunks without autograd (row 'fwd, chunks'; the default "
         "forward without autograd runs on 16-token tiles)",
     )
-    parser.add_argument("--fla-passes", default="fwd,fwd+bwd", help="passes timed for fla (default both)")
+    parser.add_argument(
+        "--fla-passes",
+        default="fwd,fwd+bwd",
+        help="passes timed for fla (default both); its forward is always timed, fwd+bwd adds forward+backward",
+    )
     parser.add_argument(
         "--shapes", default="", help="comma list of chunk-shape numbers (1-4) to run; default all"
     )
@@ -85,8 +89,10 @@ def parse_args() -> argparse.Namespace:
         help="comma list of fixed-length chunk-shape numbers (1, 3, 4) the sweep runs at; default 1",
     )
     args = parser.parse_args()
-    if args.iters < 1:
-        parser.error(f"--iters must be >= 1; got {args.iters}")
+    if not 1 <= args.iters <= 1000:
+        parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
     checks = (
         ("--sections", args.sections, set(SECTIONS)),
         ("--shapes", args.shapes, {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),
@@ -99,9 +105,14 @@ def parse_args() -> argparse.Namespace:
         ),
     )
     for flag, value, allowed in checks:
-        unknown = [x for x in value.split(",") if x and x not in allowed]
+        items = [x for x in value.split(",") if x]
+        unknown = [x for x in items if x not in allowed]
         if unknown:
             parser.error(f"{flag}: unknown {unknown}; choose from {sorted(allowed)}")
+        if len(set(items)) < len(items):
+            parser.error(f"{flag}: {value!r} names one twice")
+    if not [x for x in args.sections.split(",") if x] and not args.sweep and not args.tune:
+        parser.error("--sections: give at least one of " + ", ".join(SECTIONS))
     if args.sweep:
         args.sections += ",sweep"
     for flag, given in (
@@ -488,14 +499,22 @@ SWEEP_KERNELS = {
 }
 
 
-@contextlib.contextmanager
-def launch_config(module_name: str, config: dict):
+def module_launch(module_name: str, config: dict) -> dict:
+    """The ``LAUNCH`` dict of kernel module ``module_name``, after checking that ``config`` names only its keys
+    (a misspelt or removed key would otherwise time the defaults under another name)."""
     import importlib
 
     launch = importlib.import_module(f"openk3.ops.kda.triton.{module_name}").LAUNCH
     unknown = sorted(set(config) - set(launch))
-    if unknown:  # a misspelt or removed key would otherwise time the defaults under another name
+    if unknown:
         raise KeyError(f"{module_name}.LAUNCH has no {unknown}; its keys: {sorted(launch)}")
+    return launch
+
+
+@contextlib.contextmanager
+def launch_config(module_name: str, config: dict):
+    """``config`` applied to ``module_name``'s ``LAUNCH`` inside the block, restored after."""
+    launch = module_launch(module_name, config)
     saved = dict(launch)
     launch.update(config)
     try:
@@ -541,22 +560,24 @@ def sweep_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
 
 
 def tune(rows: list[dict]) -> dict:
-    """Set each module's ``LAUNCH`` to its fastest swept configuration (its kernels' times summed over the swept
-    shapes; a configuration that failed at any shape is out); returns them."""
-    import importlib
-
+    """Set each module's ``LAUNCH`` to its fastest swept configuration and return them. A configuration's time
+    is its kernels' times summed over the swept shapes; one that failed, timed nothing, or lacks a shape the
+    module was swept at is out. ``{}`` (the defaults) leaves ``LAUNCH`` as it is."""
     best = {}
     for module in SWEEP:
+        mine = [r for r in rows if r["module"] == module]
+        shapes = {r["shape"] for r in mine}
         totals: dict[str, float] = {}
-        for r in rows:
-            if r["module"] == module:
-                key = json.dumps(r["config"], sort_keys=True)
-                failed = "error" in r["ms"] or totals.get(key) == float("inf")
-                totals[key] = float("inf") if failed else totals.get(key, 0.0) + sum(r["ms"].values())
-        timed = {k: v for k, v in totals.items() if v < float("inf")}
+        seen: dict[str, set] = {}
+        for r in mine:
+            key = json.dumps(r["config"], sort_keys=True)
+            failed = not r["ms"] or "error" in r["ms"] or totals.get(key) == float("inf")
+            totals[key] = float("inf") if failed else totals.get(key, 0.0) + sum(r["ms"].values())
+            seen.setdefault(key, set()).add(r["shape"])
+        timed = {k: v for k, v in totals.items() if v < float("inf") and seen[k] == shapes}
         if timed:
             pick = json.loads(min(timed, key=timed.get))
-            importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH.update(pick)
+            module_launch(module, pick).update(pick)
             best[module] = pick
     print("tuned launch configurations:", best, flush=True)
     return best

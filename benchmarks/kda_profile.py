@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from openk3.ops.kda.triton.dispatch import SUPPORTED_DIMS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the benchmark's own inputs and launches
 from kda import (  # noqa: E402
@@ -155,6 +157,8 @@ def main() -> None:
         parser.error(f"--shape must be four integers B,T,H,D; got {args.shape!r}")
     if min(B, T, H, D) < 1:
         parser.error(f"--shape needs positive sizes; got {args.shape!r}")
+    if D not in SUPPORTED_DIMS:
+        parser.error(f"--shape: the head dim D must be one of {SUPPORTED_DIMS} (the kernels' tiles); got {D}")
     if not torch.cuda.is_available():
         sys.exit("kda_profile.py needs a CUDA GPU")
     if args.kernels_of:

@@ -35,7 +35,12 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--sweep-shapes", "3"], "--sweep-shapes needs --sweep"),
         (["--sweep-shapes", "1"], "--sweep-shapes needs --sweep"),
         (["--sweep", "--sweep-shapes", ","], "--sweep-shapes: give at least one shape"),
-        (["--iters", "0"], "--iters must be >= 1"),
+        (["--iters", "0"], "--iters must be in [1, 1000]"),
+        (["--iters", "100000"], "--iters must be in [1, 1000]"),
+        (["--shapes", "1,1"], "--shapes: '1,1' names one twice"),
+        (["--sweep", "--sweep-shapes", "3,3"], "--sweep-shapes: '3,3' names one twice"),
+        (["--sections", ","], "--sections: give at least one"),
+        (["--out", str(ROOT / "pyproject.toml")], "exists and is not a directory"),
     ],
 )
 def test_kda_benchmark_refuses_bad_arguments(args, message):
@@ -51,6 +56,7 @@ def test_kda_benchmark_refuses_bad_arguments(args, message):
         (["--launch", "prepare", "--kernels-of", "fla"], "give one"),
         (["--shape", "1,2"], "--shape must be four integers"),
         (["--shape", "1,0,4,64"], "--shape needs positive sizes"),
+        (["--shape", "1,64,2,100"], "the head dim D must be one of"),
     ],
 )
 def test_kda_profile_refuses_bad_arguments(args, message):
@@ -60,7 +66,7 @@ def test_kda_profile_refuses_bad_arguments(args, message):
 
 def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
     """``--tune`` picks per module the configuration with the least time summed over every swept shape, and
-    drops one that failed at any shape."""
+    drops one that failed at any shape, timed nothing or misses a shape; it refuses a key LAUNCH lacks."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import kda
 
@@ -76,10 +82,16 @@ def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
         {"module": "tile_forward", "config": {"value_block": 16}, "shape": "a", "ms": {"x": 1.0}},
         {"module": "tile_forward", "config": {"value_block": 16}, "shape": "b", "ms": {"error": "boom"}},
         {"module": "tile_forward", "config": {}, "shape": "b", "ms": {"x": 2.0}},
+        {"module": "tile_forward", "config": {"value_block": 64}, "shape": "a", "ms": {"x": 0.5}},  # no "b"
+        {"module": "tile_forward", "config": {"value_block": 32}, "shape": "a", "ms": {}},  # timed nothing
+        {"module": "tile_forward", "config": {"value_block": 32}, "shape": "b", "ms": {}},
     ]
     try:
         assert kda.tune(rows) == {"chunk_state": {"num_stages": 2}, "tile_forward": {}}
         assert chunk_state.LAUNCH["num_stages"] == 2
+        with pytest.raises(KeyError, match="no \\['bogus'\\]"):
+            kda.tune([{"module": "chunk_state", "config": {"bogus": 1}, "shape": "a", "ms": {"x": 1.0}}])
+        assert "bogus" not in chunk_state.LAUNCH
     finally:
         for module, launch in saved.items():
             module.LAUNCH.clear()
