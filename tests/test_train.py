@@ -71,9 +71,14 @@ def test_resume_is_exact(corpus, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_run_folder_contents(corpus, tmp_path):
-    summary = train(small(corpus, tmp_path / "run", steps=3, context_schedule=[(0, 32)]), progress=False)
+def test_run_folder_contents(corpus, tmp_path, capsys):
+    summary = train(small(corpus, tmp_path / "run", steps=3, context_schedule=[(0, 32)]), progress=True)
     run = tmp_path / "run"
+    # the run folder is named before any work starts
+    assert (
+        capsys.readouterr().out.splitlines()[0]
+        == f"training in {run} (metrics.jsonl, loss.png, checkpoints/)"
+    )
     rows = read_metrics(run / "metrics.jsonl")
     for row in rows:
         assert {"step", "loss", "lr", "tokens_per_s", "maxvio"} <= row.keys()

@@ -541,6 +541,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except (OSError, UnicodeError) as e:
             raise ValueError(f"cannot create the run folder --out {self.run_dir}: {_os_reason(e)}") from None
+        if progress:
+            action = "resuming the run" if resume else "training"
+            print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
         try:
             self._setup(config, resume, progress)
         except BaseException:
