@@ -655,6 +655,13 @@ def test_interpreter_tile_forward_varlen_and_near_parallel_keys(monkeypatch):
     inputs = near_parallel_keys(make_inputs(1, 64, 2, 64, 64, gate="zero", seed=81))
     errs = tile_forward_error(monkeypatch, inputs)
     assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
+    # the known limit (Triton README, Precision): tighter keys at K = 32 go past the tolerances through the
+    # 16-bit gated keys (o 5.7e-3, final state 6.7e-3); held to twice them, as the GPU chunk test is
+    inputs = near_parallel_keys(
+        make_inputs(1, 64, 2, 32, 32, gate="zero", seed=58), beta=1.0, noise=0.01, seed=108
+    )
+    errs = tile_forward_error(monkeypatch, inputs)
+    assert errs["o"] <= 2 * TOL_BF16["o"] and errs["ht"] <= 2 * TOL_BF16["ht"], errs
 
 
 @interpreter
