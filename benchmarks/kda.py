@@ -487,6 +487,7 @@ SWEEP = {
         {"recurrence_warps": 2},
         {"recurrence_warps": 8},
         {"value_block": 16, "recurrence_warps": 2},
+        {"fp32_gated_keys": True},
     ],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""

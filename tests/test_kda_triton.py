@@ -662,6 +662,12 @@ def test_interpreter_tile_forward_varlen_and_near_parallel_keys(monkeypatch):
     )
     errs = tile_forward_error(monkeypatch, inputs)
     assert errs["o"] <= 2 * TOL_BF16["o"] and errs["ht"] <= 2 * TOL_BF16["ht"], errs
+    # ... and within them with the gated keys in fp32 (LAUNCH["fp32_gated_keys"]: 2.8e-3 / 0.9e-3 here)
+    monkeypatch.setitem(tile_forward.LAUNCH, "fp32_gated_keys", True)
+    errs = tile_forward_error(monkeypatch, inputs)
+    assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= 0.2 * TOL_BF16["ht"], errs
+    errs = tile_forward_error(monkeypatch, make_inputs(2, 70, 2, 64, 64, gate="mixed", seed=83))
+    assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
 
 
 @interpreter
@@ -712,6 +718,22 @@ def test_gpu_tile_forward(monkeypatch, T, H):
         inputs = make_inputs(1, sum(lens), H, 128, 128, N=len(lens), device="cuda", seed=91)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
         errs = tile_forward_error(monkeypatch, inputs, cu_seqlens=cu)
+        assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
+
+
+@gpu
+def test_gpu_tile_forward_fp32_gated_keys(monkeypatch):
+    """``tile_forward.LAUNCH["fp32_gated_keys"]`` on the GPU: nearly parallel keys (β = 1, noise 0.01, no
+    decay, B1 T200 H2 D128, where the 16-bit gated keys go past the tolerances) and random inputs (T1000 H4)
+    within the bf16 tolerances of the fp64 reference."""
+    from openk3.ops.kda.triton import tile_forward
+
+    monkeypatch.setitem(tile_forward.LAUNCH, "fp32_gated_keys", True)
+    inputs = near_parallel_keys(
+        make_inputs(1, 200, 2, 128, 128, gate="zero", device="cuda", seed=52), beta=1.0, noise=0.01
+    )
+    for x in (inputs, make_inputs(1, 1000, 4, 128, 128, device="cuda", seed=93)):
+        errs = tile_forward_error(monkeypatch, x)
         assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
 
 

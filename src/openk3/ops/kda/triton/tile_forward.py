@@ -69,6 +69,7 @@ LAUNCH = {
     "recurrence_warps": 4,
     "recurrence_stages": 3,
     "value_block": 0,
+    "fp32_gated_keys": False,
 }
 """``enabled``: use this path for calls without a gradient. Warps, pipeline stages and key slice ``BK`` of
 the prepare; warps and stages of the recurrence (its loads do not depend on the state, so stages prefetch
@@ -77,7 +78,14 @@ with its ``min_programs``; > 0: that width). Chosen by ``benchmarks/kda.py --sec
 D128 on the H200 (``benchmarks/results/kda_h200.md``): the prepare took 0.93 ms with one warp and 64-channel
 slices against 1.25 with two warps and 1.99 with four (whole key, 252 registers: two programs per
 multiprocessor, and the substitution's row reductions crossed warps); the recurrence 0.95–0.98 ms with three
-stages against 1.93 with one."""
+stages against 1.93 with one.
+
+``fp32_gated_keys``: store ``Q̃``, ``K̃``, ``K̂`` in fp32 for bf16/fp16 inputs too, so that the recurrence's
+products take tf32 operands (the state and ``E`` included) instead of 16-bit ones. It is for the delta rule's
+worst conditioning, nearly parallel keys (a repeated token, β ≈ 1, little decay), where the residual
+``E = V − K̃S`` cancels and the 16-bit gated keys put o and the final state past 5e-3 of the fp64 reference
+(Triton README, Precision; interpreter, K = 32: 5.7e-3 / 6.7e-3 with 16 bits, 2.8e-3 / 0.9e-3 with this on).
+Off by default: it doubles those three tensors' bytes and its speed is not yet measured."""
 
 
 @triton.jit
@@ -179,7 +187,7 @@ def tile_recurrence_kernel(
             b_P = tf32_operand(b_P, DOT)
         b_ed = tl.dot(b_P, tf32_operand(b_x, DOT), input_precision=DOT).to(dt)
         b_o = dot(load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K), b_Sd, DOT)
-        b_o += dot(b_M, b_ed, DOT)
+        b_o += dot(b_M.to(dt), b_ed, DOT)
         store_rows(o, b_o, t0, n_valid, i_h, v0, H, V, BT, BV)
         b_kh = load_rows(kh, t0, n_valid, i_h, 0, H, K, BT, K)
         b_S = b_S * b_D[:, None] + dot(tl.trans(b_kh), b_ed, DOT)
@@ -188,8 +196,9 @@ def tile_recurrence_kernel(
 
 
 class TilePrepared(NamedTuple):
-    """Outputs of :func:`tile_prepare`: ``qg, kt, kh`` ``[tokens, H, K]`` and ``M`` ``[tokens, H, TILE]`` in
-    the storage dtype, ``P`` ``[tokens, H, TILE]`` fp16 or fp32, ``gend`` fp32 ``[P16, H, K]``."""
+    """Outputs of :func:`tile_prepare`: ``qg, kt, kh`` ``[tokens, H, K]`` in the storage dtype (fp32 with
+    ``LAUNCH["fp32_gated_keys"]``), ``M`` ``[tokens, H, TILE]`` in the storage dtype, ``P``
+    ``[tokens, H, TILE]`` fp16 or fp32, ``gend`` fp32 ``[P16, H, K]``."""
 
     qg: torch.Tensor
     kt: torch.Tensor
@@ -230,8 +239,9 @@ def tile_prepare(
         )
     # |P_ij| ≤ 1 under chunk_prepare's fp16 condition (module docstring)
     fp16 = PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
+    keys_dt = torch.float32 if LAUNCH["fp32_gated_keys"] else dt
     out = TilePrepared(
-        *(q.new_empty(TT, H, K, dtype=dt) for _ in range(3)),
+        *(q.new_empty(TT, H, K, dtype=keys_dt) for _ in range(3)),
         M=q.new_empty(TT, H, TILE, dtype=dt),
         P=q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16 else torch.float32),
         gend=q.new_empty(index.num_chunks, H, K, dtype=torch.float32),
@@ -266,7 +276,7 @@ def tile_recurrence(
     tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
         *pre, v, initial_state, o, ht,
         index.cu_seqlens, index.chunk_offsets,
-        H=H, DOT=dot_precision(pre.qg.dtype), K=K, V=V, BT=TILE, BV=BV,
+        H=H, DOT=dot_precision(pre.M.dtype), K=K, V=V, BT=TILE, BV=BV,
         USE_H0=initial_state is not None, STORE_FINAL=output_final_state,
         **launch_options(
             dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"], num_stages=LAUNCH["recurrence_stages"])
