@@ -66,8 +66,9 @@ BF16_MIN_KEY_DIM = 128
 """Smallest key dim given ``bf16_operands`` (smaller ones take tf32). ``dA_log``, one sum per head, is the
 measure: over 20 seeds of B2 T64 H1 D64 in the interpreter (tf32 operands rounded as on the GPU), bf16 put it
 over its 0.02 tolerance in 2 (0.0205, 0.026; the H200 failed this shape at the test's seed 65, value not
-reported, 0.023 in the interpreter) against none with tf32 (max 0.0187); at D128 none of 12 seeds was over (max 0.015). Earlier, over 10 seeds of B1 T64 H3: K = 16 over in 6
-(median 0.025) against 1 with exact fp32 products, K = 32 raised the median from 0.010 to 0.015."""
+reported, 0.023 in the interpreter) against none with tf32 (max 0.0187); at D128 none of 12 seeds was over
+(max 0.015). Earlier, over 10 seeds of B1 T64 H3: K = 16 over in 6 (median 0.025) against 1 with exact fp32
+products, K = 32 raised the median from 0.010 to 0.015."""
 
 
 @triton.jit

@@ -27,8 +27,8 @@ the row norms first, then the gate, the gated copies and ``M``, ``L`` accumulate
 reduction of the 16×16 substitution stays inside the warp.
 
 Used by :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` when no gradient is needed and
-``LAUNCH["enabled"]`` (the default: the B1 T8192 H96 D128 forward took 1.75 ms on the H200, against 4.2–4.5
-ms on 64-token chunks and fla's 2.86 ms, ``benchmarks/results/kda_h200.md``). Legend: ``BT`` tile rows,
+``LAUNCH["enabled"]`` (the default: the B1 T8192 H96 D128 forward took 1.69 ms on the H200 against fla's 2.88
+ms in the same run, and 4.2–4.5 ms on 64-token chunks, ``benchmarks/results/kda_h200.md``). Legend: ``BT`` tile rows,
 ``BK`` key slice, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads, ``N`` sequences, ``P16`` tiles
 of all sequences.
 """
@@ -276,6 +276,7 @@ def tile_recurrence(
     tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
         *pre, v, initial_state, o, ht,
         index.cu_seqlens, index.chunk_offsets,
+        # precision from the inputs' storage dtype (M's), not qg's: fp32 gated keys still take tf32 products
         H=H, DOT=dot_precision(pre.M.dtype), K=K, V=V, BT=TILE, BV=BV,
         USE_H0=initial_state is not None, STORE_FINAL=output_final_state,
         **launch_options(
