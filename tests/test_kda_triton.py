@@ -465,6 +465,47 @@ def test_gpu_chunk_writes_every_output(monkeypatch):
         assert torch.equal(value, poisoned[name]), name
 
 
+def check_non_finite_input_reaches_outputs(monkeypatch, device: str, T: int, K: int) -> None:
+    """A NaN or an inf at token ``t`` of one input makes ``o`` non-finite at ``t`` (and the final state for
+    every input but q), while ``o`` before ``t``'s 64-token chunk stays finite (inside a chunk the masked
+    products give 0·NaN); for the training path (64-token chunks, with autograd) and the tile forward (an infinite raw gate is a gate at its bound, not tested). An inf in k or q becomes NaN in the L2 norm (inf·0); the GPU writes such
+    a NaN as ``0x7FFFFFFF``, whose tf32 rounding without the NaN select (``round_tf32_finite``, used where
+    the NaN reaches the outputs by another path) would be −0."""
+    from openk3.ops.kda.triton import tile_forward
+
+    op = triton_chunk if device == "cpu" else chunk_kda
+    t = T - 10
+    first = t // 64 * 64
+    for tiles in (False, True):
+        monkeypatch.setitem(tile_forward.LAUNCH, "enabled", tiles)
+        for name in ("q", "k", "v", "g", "beta"):
+            bads = (float("nan"),) if name == "g" else (float("nan"), float("inf"))  # g = ±inf: the bounds
+            for bad in bads:
+                inputs = make_inputs(1, T, 2, K, K, device=device, seed=5)
+                inputs[name][0, t] = bad
+                if tiles:
+                    out = run_forward(op, inputs)
+                else:
+                    out = run(op, inputs)
+                case = f"{name}={bad} tiles={tiles}"
+                assert torch.isfinite(out["o"][:, :first]).all(), case
+                assert not torch.isfinite(out["o"][:, t]).all(), case
+                assert name == "q" or not torch.isfinite(out["ht"]).all(), case
+
+
+@interpreter
+def test_interpreter_non_finite_input_reaches_outputs(monkeypatch):
+    """:func:`check_non_finite_input_reaches_outputs` in the interpreter (T 80, D 32)."""
+    check_non_finite_input_reaches_outputs(monkeypatch, "cpu", 80, 32)
+
+
+@gpu
+def test_gpu_non_finite_input_reaches_outputs(monkeypatch):
+    """:func:`check_non_finite_input_reaches_outputs` on the GPU (T 150, D 128), where generated NaNs are
+    ``0x7FFFFFFF``."""
+    check_non_finite_input_reaches_outputs(monkeypatch, "cuda", 150, 128)
+
+
 @gpu
 def test_gpu_k3_small_training_step_uses_triton(monkeypatch):
     """A k3-small training step on CUDA runs the Triton chunk kernels and matches the CPU (torch) step."""
@@ -670,11 +711,10 @@ def test_interpreter_tile_forward_varlen_and_near_parallel_keys(monkeypatch):
     assert errs["o"] <= TOL_BF16["o"] and errs["ht"] <= TOL_BF16["ht"], errs
 
 
-@interpreter
-def test_interpreter_round_tf32_values():
-    """``round_tf32`` against fp64 rounding to 11 significant bits with ties away from zero, for random
-    values over 2^-60..2^60, exact ties and carries into the next binade; ±inf stay, NaN payloads (the GPU's
-    canonical ``0x7FFFFFFF`` among them) stay NaN."""
+def check_round_tf32(device: str) -> None:
+    """``round_tf32`` on ``device`` against fp64 rounding to 11 significant bits with ties away from zero, for
+    random values over 2^-60..2^60, exact ties and carries into the next binade; ±inf stay, NaN payloads (the
+    GPU's canonical ``0x7FFFFFFF`` among them) stay NaN."""
     gen = torch.Generator().manual_seed(42)
     x = torch.randn(1024, generator=gen) * torch.exp2(torch.randint(-60, 61, (1024,), generator=gen).float())
     bits = x.view(torch.int32)
@@ -682,14 +722,28 @@ def test_interpreter_round_tf32_values():
     x[64:80] = (bits[64:80] | 0x7FFFFF).view(torch.float32)  # all-ones significands carry into the exponent
     x[80:84] = torch.tensor([0.0, -0.0, float("inf"), float("-inf")])
     x[84:88] = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    x = x.to(device)
     y = torch.empty_like(x)
     round_tf32_kernel[(1,)](x, y, 1024)
+    x, y = x.cpu(), y.cpu()
     finite = torch.isfinite(x)
     m, e = torch.frexp(x[finite].double())  # x = m·2^e, 0.5 ≤ |m| < 1: keep 11 bits of m
     expected = torch.sign(m) * torch.floor(m.abs() * 2048 + 0.5) / 2048 * torch.exp2(e.double())
     assert torch.equal(y[finite].double(), expected)
     assert torch.equal(y[82:84], x[82:84])
     assert torch.isnan(y[84:88]).all()
+
+
+@interpreter
+def test_interpreter_round_tf32_values():
+    """The interpreter's form of ``round_tf32`` (on the bits): :func:`check_round_tf32`."""
+    check_round_tf32("cpu")
+
+
+@gpu
+def test_gpu_round_tf32_values():
+    """The GPU's form of ``round_tf32`` (``cvt.rna.tf32.f32``) rounds as the interpreter's: :func:`check_round_tf32`."""
+    check_round_tf32("cuda")
 
 
 @interpreter

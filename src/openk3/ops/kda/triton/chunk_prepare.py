@@ -153,8 +153,8 @@ def anchor_block_products(acc_A, acc_L, q_s, k_s, G_s, a_s, b_k, b_G,
     blk = tl.arange(0, BT) // BC
     b_rf = tl.exp2(G_s - a_s[None, :])
     b_col = tl.trans(b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf"))))
-    acc_A += dot(q_s * b_rf, b_col, DOT)
-    acc_L += dot(k_s * b_rf, b_col, DOT)
+    acc_A += dot(q_s * b_rf, b_col, DOT, FINITE=True)  # NaN also reaches o through Q̃, W (round_tf32_finite)
+    acc_L += dot(k_s * b_rf, b_col, DOT, FINITE=True)
     return acc_A, acc_L
 
 

@@ -50,27 +50,42 @@ def round_tf32(x):
     with it, ``dA_log`` (one sum over a head's tokens and channels) missed its 0.02 tolerance at B2 T65 H1 D64
     on the H200 (0.0208; in Triton's interpreter 0.0193 with truncation emulated, 0.0014 with rounding, both
     with the bf16 operands grad_intra then used at D64)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return tl.where(x == x, rounded, x)
+    return tl.where(x == x, round_tf32_finite(x), x)
 
 
 @triton.jit
-def tf32_operand(x, DOT: tl.constexpr):
+def round_tf32_finite(x):
+    """:func:`round_tf32` without its NaN select: finite values and ±inf round alike, but a NaN whose
+    significand carries (the GPU's canonical ``0x7FFFFFFF``) becomes ±0 or inf. Only for operands whose NaN
+    reaches every output by another path as well: the prepares' products of gated ``q``/``k`` (a NaN in
+    ``q``, ``k``, ``g`` or ``β`` also lands in the stored ``Q̃``, ``K̃``, ``K̂``, ``W``, which the state pass
+    multiplies). The select keeps ``x`` and its rounding live together: in the 64-token prepare's ``Aqk``/``L``
+    products it cost 0.7 ms of 3.3 (B1 T8192 H96, H200; a ``cvt.rna.tf32.f32`` instruction instead measured
+    the same 3.3)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tf32_operand(x, DOT: tl.constexpr, FINITE: tl.constexpr = False):
     """``x`` as :func:`dot` hands it to the tensor cores: rounded to tf32 when ``DOT`` is ``"tf32"`` and ``x``
-    is fp32, else unchanged. Lets a loop round a loop-invariant operand once and pass it to ``tl.dot``."""
+    is fp32, else unchanged. Lets a loop round a loop-invariant operand once and pass it to ``tl.dot``.
+    ``FINITE``: by :func:`round_tf32_finite` (read its condition first)."""
     if DOT == "tf32" and x.dtype == tl.float32:
-        return round_tf32(x)
+        if FINITE:
+            return round_tf32_finite(x)
+        else:
+            return round_tf32(x)
     else:
         return x
 
 
 @triton.jit
-def dot(a, b, DOT: tl.constexpr, acc=None):
+def dot(a, b, DOT: tl.constexpr, acc=None, FINITE: tl.constexpr = False):
     """``a @ b (+ acc)`` at input precision ``DOT`` (:func:`dot_precision`); for ``"tf32"`` fp32 operands are
-    first rounded to nearest (:func:`round_tf32`) instead of truncated by the tensor cores. 16-bit operands
-    are exact in the products and go as they are."""
-    return tl.dot(tf32_operand(a, DOT), tf32_operand(b, DOT), acc, input_precision=DOT)
+    first rounded to nearest (:func:`round_tf32`, or :func:`round_tf32_finite` when ``FINITE``) instead of
+    truncated by the tensor cores. 16-bit operands are exact in the products and go as they are."""
+    return tl.dot(tf32_operand(a, DOT, FINITE), tf32_operand(b, DOT, FINITE), acc, input_precision=DOT)
 
 
 @triton.jit
