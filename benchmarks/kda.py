@@ -13,6 +13,7 @@ graph (device time only). fla is optional: without it only our numbers are print
     python benchmarks/kda.py --out benchmarks/results      # also kda_h200.json and kda_h200.md there
     python benchmarks/kda.py --sweep                       # also time launch configurations per kernel
     python benchmarks/kda.py --sweep --sweep-shapes 1,3    # ... at B1 T8192 H96 and B1 T32768 H32
+    python benchmarks/kda.py --sections breakdown --breakdown-shapes 1,3   # per-launch times at both
 
 The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
 pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
@@ -46,6 +47,8 @@ CHUNK_SHAPES = [
     ("B1 T32768 H32 D128", 1, 32768, 32, 128, None),
     ("B8 T4096 H32 D128", 8, 4096, 32, 128, None),
 ]
+FIXED_SHAPE_NUMBERS = {str(i) for i, shape in enumerate(CHUNK_SHAPES, 1) if shape[5] is None}
+"""Numbers of the fixed-length chunk shapes (no packed documents): where the sweep and breakdown can run."""
 SECTIONS = ("decode", "chunk", "breakdown", "sweep")
 DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64, 96, 128)]
 
@@ -88,6 +91,11 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="comma list of fixed-length chunk-shape numbers (1, 3, 4) the sweep runs at; default 1",
     )
+    parser.add_argument(
+        "--breakdown-shapes",
+        default=None,
+        help="comma list of fixed-length chunk-shape numbers (1, 3, 4) the breakdown runs at; default 1",
+    )
     args = parser.parse_args()
     if not 1 <= args.iters <= 1000:
         parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
@@ -98,11 +106,8 @@ def parse_args() -> argparse.Namespace:
         ("--shapes", args.shapes, {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),
         ("--fla-passes", args.fla_passes, {"fwd", "fwd+bwd"}),
         ("--sweep-modules", args.sweep_modules, set(SWEEP)),
-        (
-            "--sweep-shapes",
-            args.sweep_shapes or "",
-            {str(i) for i, s in enumerate(CHUNK_SHAPES, 1) if s[5] is None},
-        ),
+        ("--sweep-shapes", args.sweep_shapes or "", FIXED_SHAPE_NUMBERS),
+        ("--breakdown-shapes", args.breakdown_shapes or "", FIXED_SHAPE_NUMBERS),
     )
     for flag, value, allowed in checks:
         items = [x for x in value.split(",") if x]
@@ -121,8 +126,11 @@ def parse_args() -> argparse.Namespace:
     ):
         if given and "sweep" not in args.sections.split(",") and not args.tune:
             parser.error(f"{flag} needs --sweep, --sections ...,sweep or --tune")
-    if args.sweep_shapes is not None and not [i for i in args.sweep_shapes.split(",") if i]:
-        parser.error("--sweep-shapes: give at least one shape number (1, 3, 4)")
+    if args.breakdown_shapes is not None and "breakdown" not in args.sections.split(","):
+        parser.error("--breakdown-shapes needs --sections ...,breakdown")
+    for flag, value in (("--sweep-shapes", args.sweep_shapes), ("--breakdown-shapes", args.breakdown_shapes)):
+        if value is not None and not [i for i in value.split(",") if i]:
+            parser.error(f"{flag}: give at least one shape number (1, 3, 4)")
     return args
 
 
@@ -555,9 +563,10 @@ def sweep(shapes, modules: list[str] | None = None) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- report
 
 
-def sweep_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
-    """``(B, T, H, D)`` of the chunk shapes named by ``--sweep-shapes``."""
-    return [CHUNK_SHAPES[int(i) - 1][1:5] for i in (args.sweep_shapes or "1").split(",") if i]
+def fixed_shapes(numbers: str | None) -> list[tuple[int, int, int, int]]:
+    """``(B, T, H, D)`` of the fixed-length chunk shapes named by ``--sweep-shapes``/``--breakdown-shapes``
+    (a comma list of :data:`CHUNK_SHAPES` numbers; None: shape 1)."""
+    return [CHUNK_SHAPES[int(i) - 1][1:5] for i in (numbers or "1").split(",") if i]
 
 
 def tune(rows: list[dict]) -> dict:
@@ -652,9 +661,8 @@ def markdown(report: dict) -> str:
         )
         lines.append(f"| {r['shape']} | {fmt(r.get('fla_public'))} | {fmt(r.get('fla_pool'))} | {fmt(r['ours'])} | "
                      f"{sp} | {r['roofline']['floor_us']:.1f} |")  # fmt: skip
-    if report.get("breakdown"):
-        lines += ["", "Our launches, B1 T8192 H96 D128 (ms): " + ", ".join(
-            f"{k} {v:.3f}" for k, v in report["breakdown"].items())]  # fmt: skip
+    for shape, times in report.get("breakdown", {}).items():
+        lines += ["", f"Our launches, {shape} (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in times.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -679,12 +687,17 @@ def main() -> None:
 
     sections = args.sections.split(",")
     if args.tune:
-        report["sweep"] = sweep(sweep_shapes(args), [m for m in args.sweep_modules.split(",") if m])
+        report["sweep"] = sweep(
+            fixed_shapes(args.sweep_shapes), [m for m in args.sweep_modules.split(",") if m]
+        )
         report["tuned"] = tune(report["sweep"])
         save()
     if "breakdown" in sections:
-        report["breakdown"] = kernel_breakdown(1, 8192, 96, 128)
-        print("breakdown", report["breakdown"], flush=True)
+        report["breakdown"] = {}
+        for B, T, H, D in fixed_shapes(args.breakdown_shapes):
+            shape = f"B{B} T{T} H{H} D{D}"
+            report["breakdown"][shape] = kernel_breakdown(B, T, H, D)
+            print(f"breakdown {shape}", report["breakdown"][shape], flush=True)
         save()
     if "decode" in sections:
         for name, B, H, D in DECODE_SHAPES:
@@ -710,7 +723,9 @@ def main() -> None:
             )
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:
-        report["sweep"] = sweep(sweep_shapes(args), [m for m in args.sweep_modules.split(",") if m])
+        report["sweep"] = sweep(
+            fixed_shapes(args.sweep_shapes), [m for m in args.sweep_modules.split(",") if m]
+        )
         save()
     print(markdown(report))
 
