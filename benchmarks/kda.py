@@ -53,6 +53,19 @@ SECTIONS = ("decode", "chunk", "breakdown", "sweep")
 DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64, 96, 128)]
 
 
+def out_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot become the results directory (it, or the nearest part of it that exists, is not a
+    directory; or the OS refuses the name), or None. Checked before any GPU work, since the results are only
+    saved after the first section."""
+    try:
+        for part in (path, *path.parents):
+            if part.exists():
+                return None if part.is_dir() else f"--out {path}: {part} exists and is not a directory"
+    except OSError as err:
+        return f"--out {path}: {err.strerror}"
+    return None
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="directory for kda_h200.json and kda_h200.md")
@@ -99,8 +112,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if not 1 <= args.iters <= 1000:
         parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a directory")
+    if args.out is not None and (problem := out_dir_problem(args.out)):
+        parser.error(problem)
     checks = (
         ("--sections", args.sections, set(SECTIONS)),
         ("--shapes", args.shapes, {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),

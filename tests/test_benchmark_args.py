@@ -44,6 +44,8 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--sweep", "--sweep-shapes", "3,3"], "--sweep-shapes: '3,3' names one twice"),
         (["--sections", ","], "--sections: give at least one"),
         (["--out", str(ROOT / "pyproject.toml")], "exists and is not a directory"),
+        (["--out", str(ROOT / "pyproject.toml" / "sub")], "pyproject.toml exists and is not a directory"),
+        (["--out", "a" * 300], "File name too long"),
     ],
 )
 def test_kda_benchmark_refuses_bad_arguments(args, message):
