@@ -466,11 +466,12 @@ def test_gpu_chunk_writes_every_output(monkeypatch):
 
 
 def check_non_finite_input_reaches_outputs(monkeypatch, device: str, T: int, K: int) -> None:
-    """A NaN or an inf at token ``t`` of one input makes ``o`` non-finite at ``t`` (and the final state for
-    every input but q), while ``o`` before ``t``'s 64-token chunk stays finite (inside a chunk the masked
-    products give 0·NaN); for the training path (64-token chunks, with autograd) and the tile forward (an infinite raw gate is a gate at its bound, not tested). An inf in k or q becomes NaN in the L2 norm (inf·0); the GPU writes such
-    a NaN as ``0x7FFFFFFF``, whose tf32 rounding without the NaN select (``round_tf32_finite``, used where
-    the NaN reaches the outputs by another path) would be −0."""
+    """A NaN, +inf or −inf at token ``t`` of one input makes ``o`` non-finite at ``t`` (and the final state
+    for every input but q), while ``o`` before ``t``'s 64-token chunk stays finite (inside a chunk the masked
+    products give 0·NaN); for the training path (64-token chunks, with autograd) and the tile forward. The raw
+    gate gets NaN only: ±inf there is a gate at its bounds. An inf in k or q becomes NaN in the L2 norm
+    (inf·0); the GPU writes such a NaN as ``0x7FFFFFFF``, whose tf32 rounding without the NaN select
+    (``round_tf32_finite``, used where the NaN reaches the outputs by another path) would be −0."""
     from openk3.ops.kda.triton import tile_forward
 
     op = triton_chunk if device == "cpu" else chunk_kda
@@ -479,7 +480,7 @@ def check_non_finite_input_reaches_outputs(monkeypatch, device: str, T: int, K: 
     for tiles in (False, True):
         monkeypatch.setitem(tile_forward.LAUNCH, "enabled", tiles)
         for name in ("q", "k", "v", "g", "beta"):
-            bads = (float("nan"),) if name == "g" else (float("nan"), float("inf"))  # g = ±inf: the bounds
+            bads = [float("nan")] + ([] if name == "g" else [float("inf"), float("-inf")])  # g = ±inf: bounds
             for bad in bads:
                 inputs = make_inputs(1, T, 2, K, K, device=device, seed=5)
                 inputs[name][0, t] = bad
@@ -736,13 +737,13 @@ def check_round_tf32(device: str) -> None:
 
 @interpreter
 def test_interpreter_round_tf32_values():
-    """The interpreter's form of ``round_tf32`` (on the bits): :func:`check_round_tf32`."""
+    """:func:`check_round_tf32` in the interpreter."""
     check_round_tf32("cpu")
 
 
 @gpu
 def test_gpu_round_tf32_values():
-    """The GPU's form of ``round_tf32`` (``cvt.rna.tf32.f32``) rounds as the interpreter's: :func:`check_round_tf32`."""
+    """:func:`check_round_tf32` compiled for the GPU (whose generated NaNs are ``0x7FFFFFFF``)."""
     check_round_tf32("cuda")
 
 

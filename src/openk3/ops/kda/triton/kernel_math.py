@@ -59,9 +59,10 @@ def round_tf32_finite(x):
     significand carries (the GPU's canonical ``0x7FFFFFFF``) becomes ±0 or inf. Only for operands whose NaN
     reaches every output by another path as well: the prepares' products of gated ``q``/``k`` (a NaN in
     ``q``, ``k``, ``g`` or ``β`` also lands in the stored ``Q̃``, ``K̃``, ``K̂``, ``W``, which the state pass
-    multiplies). The select keeps ``x`` and its rounding live together (the prepare's stack in an offline sm_90
-    compile: 728 bytes with it, 560 without): in the 64-token prepare's ``Aqk``/``L`` products it cost 0.7 ms
-    of 3.3 (B1 T8192 H96, H200; ``round_tf32`` as the ``cvt.rna.tf32.f32`` instruction measured 3.3 too)."""
+    multiplies). The select keeps ``x`` and its rounding live together (the prepare's stack in an offline
+    sm_90 compile: 728 bytes with it, 560 without): in the 64-token prepare's ``Aqk``/``L`` products it cost
+    0.7 ms of 3.3 (B1 T8192 H96, H200; ``round_tf32`` as the ``cvt.rna.tf32.f32`` instruction measured 3.3
+    too)."""
     bits = x.to(tl.uint32, bitcast=True)
     return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
