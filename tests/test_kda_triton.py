@@ -619,6 +619,33 @@ def test_interpreter_chunk_bf16_tolerances():
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
 
 
+def check_keep_intermediates(monkeypatch, device: str, T: int, K: int) -> None:
+    """``chunk_function.LAUNCH["keep_intermediates"]`` on gives the bits of the default (off): ``o``, the final
+    state and every gradient, for two packed documents (the second starting mid-chunk)."""
+    from openk3.ops.kda.triton import chunk_function
+
+    op = triton_chunk if device == "cpu" else chunk_kda
+    inputs = make_inputs(1, T, 2, K, K, N=2, device=device, seed=17)
+    cu_seqlens = torch.tensor([0, T // 2 + 3, T], device=device)
+    default = run(op, inputs, cu_seqlens=cu_seqlens)
+    monkeypatch.setitem(chunk_function.LAUNCH, "keep_intermediates", True)
+    kept = run(op, inputs, cu_seqlens=cu_seqlens)
+    for name, value in default.items():
+        assert torch.equal(value, kept[name]), name
+
+
+@interpreter
+def test_interpreter_chunk_keep_intermediates(monkeypatch):
+    """:func:`check_keep_intermediates` in the interpreter (T 150, D 64)."""
+    check_keep_intermediates(monkeypatch, "cpu", 150, 64)
+
+
+@gpu
+def test_gpu_chunk_keep_intermediates(monkeypatch):
+    """:func:`check_keep_intermediates` on the GPU (T 1000, D 128)."""
+    check_keep_intermediates(monkeypatch, "cuda", 1000, 128)
+
+
 @interpreter
 @pytest.mark.parametrize("option", LAUNCH_OPTIONS)
 def test_interpreter_chunk_launch_options_flipped(monkeypatch, option):

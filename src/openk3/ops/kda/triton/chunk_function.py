@@ -11,6 +11,9 @@ the state pass keeping the per-chunk states ``h`` and the residuals ``E``, the r
 per-chunk WY and intra-chunk gradient kernels.
 The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the initial state.
 
+With :data:`LAUNCH` ``["keep_intermediates"]`` the forward's state pass also writes ``h`` and ``E`` and the
+forward keeps them with ``W``, ``U``, ``Q̃``, ``K̂`` and ``D``, so the backward starts at the reverse state pass.
+
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`` sequences.
 """
 
@@ -29,6 +32,16 @@ from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
 from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
 
+LAUNCH = {"keep_intermediates": False}
+"""``keep_intermediates``: trade memory for the backward's first two launches. The forward keeps what the
+backward would recompute (``W``, ``U``, ``Q̃``, ``K̂`` and ``E`` in the input dtype, ``D``, and ``h``, the state
+at each chunk start): ``(3K + 2V)·2 + K·V·2/64`` bytes per token and head more, 1.8 KB at K = V = 128 and
+bf16 (1.4 GB per layer at B1 T8192 H96), against 392 B saved otherwise. The backward's prepare pass and
+forward state pass took 0.77 and 0.53 of 13.2 ms at B1 T8192 H96 on the H200 (per-launch times); the
+option itself is not yet timed. Outputs and gradients are bitwise those of the default (both passes compute
+one ``U`` from the fp16 ``T``; tested). Off by default: activation memory is what bounds training sizes."""
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`."""
 
@@ -37,23 +50,29 @@ class ChunkKDAFunction(torch.autograd.Function):
                 output_final_state):  # fmt: skip
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm)
         pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
-        o, ht, _, _ = chunk_state_fwd(
+        keep = LAUNCH["keep_intermediates"]
+        o, ht, h, v_new = chunk_state_fwd(
             pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=output_final_state,
-            store_h=False,
+            store_h=keep, store_o=True,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
-        ctx.index, ctx.opts = index, opts
+        kept = (*pre, h, v_new) if keep else (pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *kept)
+        ctx.index, ctx.opts, ctx.keep = index, opts, keep
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0, Aqk, Akk, q_rstd, k_rstd = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, *kept = ctx.saved_tensors
         index, opts = ctx.index, ctx.opts
-        saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
-        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
-        _, _, h, v_new = chunk_state_fwd(
-            pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True
-        )
+        if ctx.keep:
+            pre, h, v_new = Prepared(*kept[:-2]), kept[-2], kept[-1]
+        else:
+            Aqk, Akk, q_rstd, k_rstd = kept
+            saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
+            pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
+            _, _, h, v_new = chunk_state_fwd(
+                pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True
+            )
         do = do.contiguous()
         dh, dv_new, dh0 = chunk_state_bwd(pre, do, None if dht is None else dht.contiguous(), index)
         wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)

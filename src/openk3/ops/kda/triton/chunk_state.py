@@ -98,6 +98,7 @@ def chunk_state_fwd(
     out_dtype: torch.dtype,
     output_final_state: bool,
     store_h: bool,
+    store_o: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the state pass.
 
@@ -105,15 +106,17 @@ def chunk_state_fwd(
         pre: the prepared chunk tensors. initial_state: fp32 ``[N, H, K, V]`` or None (zeros).
         index: chunk tables. V: value dim. out_dtype: dtype of ``o``.
         output_final_state: return the fp32 ``[N, H, K, V]`` state after each sequence.
-        store_h: backward mode: return ``h`` ``[P, H, K, V]`` and ``v_new`` ``[tokens, H, V]`` (storage
-            dtype) instead of ``o``.
+        store_h: return ``h`` ``[P, H, K, V]`` (the state at each chunk start) and ``v_new`` = ``E``
+            ``[tokens, H, V]``, both in the storage dtype.
+        store_o: return ``o``; default ``not store_h`` (the backward's pass needs no ``o``).
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.
     """
     TT, H, K = pre.w.shape
     N, P = index.num_seqs, index.num_chunks
-    o = None if store_h else pre.w.new_empty(TT, H, V, dtype=out_dtype)
+    store_o = not store_h if store_o is None else store_o
+    o = pre.w.new_empty(TT, H, V, dtype=out_dtype) if store_o else None
     ht = pre.w.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     h = pre.w.new_empty(P, H, K, V) if store_h else None
     v_new = pre.w.new_empty(TT, H, V) if store_h else None
@@ -122,7 +125,7 @@ def chunk_state_fwd(
         pre.w, pre.u, pre.qg, pre.kg, pre.Aqk, pre.gend, initial_state, o, ht, h, v_new,
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV,
-        USE_H0=initial_state is not None, STORE_O=not store_h, STORE_FINAL=output_final_state,
+        USE_H0=initial_state is not None, STORE_O=store_o, STORE_FINAL=output_final_state,
         STORE_H=store_h, **launch_options(LAUNCH),
     )  # fmt: skip
     return o, ht, h, v_new
