@@ -14,6 +14,7 @@ graph (device time only). fla is optional: without it only our numbers are print
     python benchmarks/kda.py --sweep                       # also time launch configurations per kernel
     python benchmarks/kda.py --sweep --sweep-shapes 1,3    # ... at B1 T8192 H96 and B1 T32768 H32
     python benchmarks/kda.py --sections breakdown --breakdown-shapes 1,3   # per-launch times at both
+    python benchmarks/kda.py --set chunk_function:keep_intermediates=True  # a LAUNCH entry for the whole run
 
 The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
 pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
@@ -25,6 +26,7 @@ Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim (K = V = D), ``C`
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import datetime
 import json
@@ -64,6 +66,31 @@ def out_dir_problem(path: Path) -> str | None:
     except OSError as err:
         return f"--out {path}: {err.strerror}"
     return None
+
+
+def parse_launch_setting(item: str) -> tuple[str, dict]:
+    """``MODULE:KEY=VALUE`` as ``(MODULE, {KEY: VALUE})`` for :func:`launch_config`, VALUE a Python literal.
+
+    Raises:
+        ValueError: not of that form, no such kernel module, no such key in its ``LAUNCH``, or the value is
+            not a literal."""
+    target, sep, text = item.partition("=")
+    module, _, key = target.partition(":")
+    if not sep or not module or not key:
+        raise ValueError("expected MODULE:KEY=VALUE, e.g. chunk_function:keep_intermediates=True")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"the value {text!r} is not a Python literal (True, 32, ...)") from None
+    try:
+        module_launch(module, {key: value})
+    except ModuleNotFoundError:
+        raise ValueError(f"no module openk3.ops.kda.triton.{module}") from None
+    except (AttributeError, KeyError) as err:
+        raise ValueError(
+            str(err).strip('"') if isinstance(err, KeyError) else f"{module} has no LAUNCH"
+        ) from None
+    return module, {key: value}
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,7 +136,20 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="comma list of fixed-length chunk-shape numbers (1, 3, 4) the breakdown runs at; default 1",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE:KEY=VALUE",
+        help="set a LAUNCH entry of a Triton KDA module for the whole run (repeatable; recorded in the results)",
+    )
     args = parser.parse_args()
+    args.launch_settings = []
+    for item in args.set:
+        try:
+            args.launch_settings.append(parse_launch_setting(item))
+        except ValueError as err:
+            parser.error(f"--set {item}: {err}")
     if not 1 <= args.iters <= 1000:
         parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
     if args.out is not None and (problem := out_dir_problem(args.out)):
@@ -691,6 +731,11 @@ def main() -> None:
             print(f"fla not importable ({err}); timing ours only", flush=True)
             use_fla = False
     report = {"environment": environment(use_fla), "chunk": [], "decode": []}
+    if args.set:
+        report["environment"]["launch_settings"] = args.set
+    settings = contextlib.ExitStack()
+    for module, config in args.launch_settings:
+        settings.enter_context(launch_config(module, config))
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
         if args.out:
@@ -740,6 +785,7 @@ def main() -> None:
             fixed_shapes(args.sweep_shapes), [m for m in args.sweep_modules.split(",") if m]
         )
         save()
+    settings.close()
     print(markdown(report))
 
 
