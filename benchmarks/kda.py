@@ -69,27 +69,39 @@ def out_dir_problem(path: Path) -> str | None:
 
 
 def parse_launch_setting(item: str) -> tuple[str, dict]:
-    """``MODULE:KEY=VALUE`` as ``(MODULE, {KEY: VALUE})`` for :func:`launch_config`, VALUE a Python literal.
+    """``MODULE:KEY=VALUE`` as ``(MODULE, {KEY: VALUE})`` for :func:`launch_config`: VALUE a Python literal of
+    the type of the entry's default (``True``, ``32``), so that a quoted ``'False'`` cannot pass as true.
 
     Raises:
-        ValueError: not of that form, no such kernel module, no such key in its ``LAUNCH``, or the value is
-            not a literal."""
+        ValueError: not of that form, no such kernel module (or it fails to import), no such key in its
+            ``LAUNCH``, or a value that is not a literal of the default's type."""
     target, sep, text = item.partition("=")
     module, _, key = target.partition(":")
     if not sep or not module or not key:
         raise ValueError("expected MODULE:KEY=VALUE, e.g. chunk_function:keep_intermediates=True")
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        raise ValueError(f"the value {text!r} is not a Python literal (True, 32, ...)") from None
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as err:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"the value {shown!r} is not a Python literal such as True or 32 ({err})") from None
+    name = f"openk3.ops.kda.triton.{module}"
     try:
-        module_launch(module, {key: value})
-    except ModuleNotFoundError:
-        raise ValueError(f"no module openk3.ops.kda.triton.{module}") from None
-    except (AttributeError, KeyError) as err:
+        launch = module_launch(module, {key: value})
+    except ModuleNotFoundError as err:
         raise ValueError(
-            str(err).strip('"') if isinstance(err, KeyError) else f"{module} has no LAUNCH"
+            f"no module {name!r}" if err.name == name else f"importing {name!r}: {err}"
         ) from None
+    except ImportError as err:
+        raise ValueError(f"importing {name!r}: {err}") from None
+    except AttributeError:
+        raise ValueError(f"{name!r} has no LAUNCH") from None
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
+    default = launch[key]
+    if type(value) is not type(default):
+        raise ValueError(
+            f"{module}.LAUNCH[{key!r}] takes type {type(default).__name__} (default {default!r})"
+        )
     return module, {key: value}
 
 
@@ -147,9 +159,14 @@ def parse_args() -> argparse.Namespace:
     args.launch_settings = []
     for item in args.set:
         try:
-            args.launch_settings.append(parse_launch_setting(item))
+            module, config = parse_launch_setting(item)
         except ValueError as err:
             parser.error(f"--set {item}: {err}")
+        if any(m == module and set(c) == set(config) for m, c in args.launch_settings):
+            parser.error(f"--set: {module}:{next(iter(config))} is named twice")
+        args.launch_settings.append((module, config))
+    if args.set and (args.sweep or args.tune or "sweep" in args.sections.split(",")):
+        parser.error("--set cannot be combined with the sweep or --tune, which set LAUNCH entries themselves")
     if not 1 <= args.iters <= 1000:
         parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
     if args.out is not None and (problem := out_dir_problem(args.out)):
