@@ -9,4 +9,5 @@ if [ -z "${OMP_WAIT_POLICY:-}" ] && awk '{ exit !($1 >= 1.0) }' /proc/loadavg 2>
 fi
 bash scripts/install.sh
 openk3 train "$@"
+echo "--- sample: openk3 generate --ckpt runs/k3-tiny ---"
 openk3 generate --ckpt runs/k3-tiny --prompt "KING HENRY:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
