@@ -68,9 +68,9 @@ def out_dir_problem(path: Path) -> str | None:
     return None
 
 
-def parse_launch_setting(item: str) -> tuple[str, dict]:
-    """``MODULE:KEY=VALUE`` as ``(MODULE, {KEY: VALUE})`` for :func:`launch_config`: VALUE a Python literal of
-    the type of the entry's default (``True``, ``32``), so that a quoted ``'False'`` cannot pass as true.
+def parse_launch_setting(item: str) -> tuple[str, str, object]:
+    """``MODULE:KEY=VALUE`` as ``(MODULE, KEY, VALUE)``: VALUE a Python literal of the type of the entry's
+    default (``True``, ``32``), so that a quoted ``'False'`` cannot pass as true.
 
     Raises:
         ValueError: not of that form, no such kernel module (or it fails to import), no such key in its
@@ -102,7 +102,7 @@ def parse_launch_setting(item: str) -> tuple[str, dict]:
         raise ValueError(
             f"{module}.LAUNCH[{key!r}] takes type {type(default).__name__} (default {default!r})"
         )
-    return module, {key: value}
+    return module, key, value
 
 
 def parse_args() -> argparse.Namespace:
@@ -156,15 +156,15 @@ def parse_args() -> argparse.Namespace:
         help="set a LAUNCH entry of a Triton KDA module for the whole run (repeatable; recorded in the results)",
     )
     args = parser.parse_args()
-    args.launch_settings = []
+    args.launch_settings = {}
     for item in args.set:
         try:
-            module, config = parse_launch_setting(item)
+            module, key, value = parse_launch_setting(item)
         except ValueError as err:
             parser.error(f"--set {item}: {err}")
-        if any(m == module and set(c) == set(config) for m, c in args.launch_settings):
-            parser.error(f"--set: {module}:{next(iter(config))} is named twice")
-        args.launch_settings.append((module, config))
+        if (module, key) in args.launch_settings:
+            parser.error(f"--set: {module}:{key} is named twice")
+        args.launch_settings[module, key] = value
     if args.set and (args.sweep or args.tune or "sweep" in args.sections.split(",")):
         parser.error("--set cannot be combined with the sweep or --tune, which set LAUNCH entries themselves")
     if not 1 <= args.iters <= 1000:
@@ -647,14 +647,14 @@ def tune(rows: list[dict]) -> dict:
     for module in SWEEP:
         mine = [r for r in rows if r["module"] == module]
         shapes = {r["shape"] for r in mine}
-        totals: dict[str, float] = {}
-        seen: dict[str, set] = {}
+        by_config: dict[str, list[dict]] = {}
         for r in mine:
-            key = json.dumps(r["config"], sort_keys=True)
-            failed = not r["ms"] or "error" in r["ms"] or totals.get(key) == float("inf")
-            totals[key] = float("inf") if failed else totals.get(key, 0.0) + sum(r["ms"].values())
-            seen.setdefault(key, set()).add(r["shape"])
-        timed = {k: v for k, v in totals.items() if v < float("inf") and seen[k] == shapes}
+            by_config.setdefault(json.dumps(r["config"], sort_keys=True), []).append(r)
+        timed = {
+            key: sum(sum(r["ms"].values()) for r in runs)
+            for key, runs in by_config.items()
+            if {r["shape"] for r in runs} == shapes and all(r["ms"] and "error" not in r["ms"] for r in runs)
+        }
         if timed:
             pick = json.loads(min(timed, key=timed.get))
             module_launch(module, pick).update(pick)
@@ -748,11 +748,10 @@ def main() -> None:
             print(f"fla not importable ({err}); timing ours only", flush=True)
             use_fla = False
     report = {"environment": environment(use_fla), "chunk": [], "decode": []}
-    if args.set:
+    if args.set:  # for the whole run (parse_args refused them beside the sweep and --tune)
         report["environment"]["launch_settings"] = args.set
-    settings = contextlib.ExitStack()
-    for module, config in args.launch_settings:
-        settings.enter_context(launch_config(module, config))
+        for (module, key), value in args.launch_settings.items():
+            module_launch(module, {key: value})[key] = value
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
         if args.out:
@@ -761,10 +760,14 @@ def main() -> None:
             (args.out / "kda_h200.md").write_text(markdown(report))
 
     sections = args.sections.split(",")
-    if args.tune:
+
+    def run_sweep() -> None:
         report["sweep"] = sweep(
             fixed_shapes(args.sweep_shapes), [m for m in args.sweep_modules.split(",") if m]
         )
+
+    if args.tune:
+        run_sweep()
         report["tuned"] = tune(report["sweep"])
         save()
     if "breakdown" in sections:
@@ -798,11 +801,8 @@ def main() -> None:
             )
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:
-        report["sweep"] = sweep(
-            fixed_shapes(args.sweep_shapes), [m for m in args.sweep_modules.split(",") if m]
-        )
+        run_sweep()
         save()
-    settings.close()
     print(markdown(report))
 
 

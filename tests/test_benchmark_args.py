@@ -92,6 +92,17 @@ def test_kda_profile_refuses_bad_arguments(args, message):
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
+def test_launch_setting_parsed_to_module_key_value(monkeypatch):
+    """``--set MODULE:KEY=VALUE`` reads VALUE as a literal of the default's type; main applies the triple."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kda
+
+    assert kda.parse_launch_setting("chunk_function:keep_intermediates=True") == (
+        "chunk_function", "keep_intermediates", True,
+    )  # fmt: skip
+    assert kda.parse_launch_setting("chunk_state:num_warps=8") == ("chunk_state", "num_warps", 8)
+
+
 def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
     """``--tune`` picks per module the configuration with the least time summed over every swept shape, and
     drops one that failed at any shape, timed nothing or misses a shape; it refuses a key LAUNCH lacks."""
