@@ -20,8 +20,8 @@ Then ``dg = reverse cumsum of dΓ`` within the chunk, the K3 gate backward (``dx
 e^{A_log}``, ``dA_log = Σ dx·(x + dt_bias)``, ``ddt_bias = Σ_t dx``, §1.3) and, after all slices (the totals
 are parked in the fp32 ``dqn``/``dkn`` buffers), the L2-norm backward ``dq = (dq̂ − q̂ (q̂·dq̂)) / ‖q‖``.
 
-Legend: ``H`` heads, ``K`` key dim, ``BK`` key slice, ``BT`` chunk rows, ``BC`` anchor-block rows, ``NL``
-partials of dL and dβ, ``P`` chunks.
+Legend: ``H`` heads, ``K`` key dim, ``BK`` key slice, ``BT`` chunk rows, ``BC`` anchor-block rows, ``NB``
+partials of dβ, ``P`` chunks.
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ def chunk_grad_intra_kernel(
     q, k, g, beta, A_log, dt_bias, q_rstd, k_rstd,
     dA, dL, dqn, dkn, dG, dbeta_part,
     dq, dk, dg, dbeta, dA_log_part, ddt_part,
-    cu_seqlens, chunk_table, part_stride, part_stride_b,
+    cu_seqlens, chunk_table, part_stride_b,
     scale, lower_bound, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    NL: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+    NB: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
     SCAN_BY_DOT: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the per-chunk
@@ -94,9 +94,7 @@ def chunk_grad_intra_kernel(
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
 
     b_dA = load_rows(dA, t0, n_valid, i_h, 0, H, BT, BT, BT) * scale
-    b_dL = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_p in tl.static_range(NL):
-        b_dL += load_rows(dL + i_p * part_stride, t0, n_valid, i_h, 0, H, BT, BT, BT)
+    b_dL = load_rows(dL, t0, n_valid, i_h, 0, H, BT, BT, BT)
     b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
     b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
     b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
@@ -179,7 +177,7 @@ def chunk_grad_intra_kernel(
             b_dkn = (b_dkn - b_k * c_k[:, None]) * b_rk[:, None]
         store_rows(dq, b_dqn, t0, n_valid, i_h, k0, H, K, BT, BK)
         store_rows(dk, b_dkn, t0, n_valid, i_h, k0, H, K, BT, BK)
-    for i_p in tl.static_range(NL):
+    for i_p in tl.static_range(NB):
         b_db += load_row_vec(dbeta_part + i_p * part_stride_b, t0, n_valid, i_h, H, BT)
     store_row_vec(dbeta, b_db, t0, n_valid, i_h, H, BT)
     tl.store(dA_log_part + i_c.to(tl.int64) * H + i_h, tl.sum(acc_dA_log, axis=0))
@@ -196,7 +194,7 @@ def chunk_grad_intra(
         dbeta in beta's dtype, all flat ``[tokens, H, ·]``.
     """
     TT, H, K = q.shape
-    NL = wy.dL.shape[0]
+    NB = wy.dbeta.shape[0]
     P = index.num_chunks
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     dbeta = torch.empty_like(beta)
@@ -206,9 +204,9 @@ def chunk_grad_intra(
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         wy.dA, wy.dL, wy.dqn, wy.dkn, wy.dG, wy.dbeta,
         dq, dk, dg, dbeta, dA_log_part, ddt_part,
-        index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
+        index.cu_seqlens, index.chunk_table, TT * H,
         scale, lower_bound, lower_bound * LOG2E,
-        H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NL=NL,
+        H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM,
         SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], **launch_options(LAUNCH),

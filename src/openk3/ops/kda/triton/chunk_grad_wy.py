@@ -6,16 +6,21 @@ of the state at the chunk end), ``E = v_new`` and ``dE = dv_new`` from the two s
     dQ̃ = dO S₀ᵀ      dK̂ = E dS₁ᵀ      dW = −dE S₀ᵀ      dD = Σ_v S₀ ⊙ dS₁      dAqk = tril(dO Eᵀ)
     WY backward, W = T Xk, U = T Xv with Xk = Diag(β) K̃, Xv = Diag(β) V, T = (I + L)^{-1}:
         dXk = Tᵀ dW       dXv = Tᵀ dE       dL = −strict_lower(dXk Wᵀ + dXv Uᵀ)   (= −Tᵀ dT Tᵀ)
+    and since dW = −dE S₀ᵀ and E = U − W S₀, the two terms of dL collapse to one:
+        dXk Wᵀ + dXv Uᵀ = Tᵀ dE (U − W S₀)ᵀ = dXv Eᵀ,   so   dL = −strict_lower(dXv Eᵀ)
     dv = β ⊙ dXv          dβ ← Σ_v V ⊙ dXv + Σ_d K̃ ⊙ dXk
     through Q̃ = scale·Q ⊙ e^{Γ}, K̃ = K ⊙ e^{Γ}, K̂ = K ⊙ e^{Γ_C − Γ}, D = e^{Γ_C}:
         dq += scale·dQ̃ ⊙ e^{Γ}         dk += β dXk ⊙ e^{Γ} + dK̂ ⊙ e^{Γ_C − Γ}
         dΓ += dQ̃ ⊙ Q̃ + β dXk ⊙ K̃ − dK̂ ⊙ K̂      dΓ_C += Σ_rows dK̂ ⊙ K̂ + D ⊙ dD   (Γ_C is the last row)
 
-Two kernels: the value side (``dAqk``, ``dXv``, ``dv``, the ``dXv`` terms of ``dβ`` and ``dL``) once per
-chunk, and the key side per key block of ``BK`` (``dQ̃``, ``dK̂``, ``dW``, the ``dXk`` terms), so neither holds
-more than a few 64×64 fp32 tiles. They write the partial ``dq, dk, dΓ`` (fp32, w.r.t. the normalised q, k
-and the cumulative gate), ``dAqk``, and ``1 + NK``
-partials of ``dL`` and ``dβ`` that the intra kernel sums.
+The one-term ``dL`` is exact algebra, needs neither ``W`` nor ``U`` and takes no difference of the two large
+products whose difference is the small ``E`` (nearly parallel keys); it made the key side's share of ``dL``
+and its partial tensors unnecessary.
+
+Two kernels: the value side (``dAqk``, ``dXv``, ``dv``, ``dL``, the ``dXv`` term of ``dβ``) once per chunk,
+and the key side per key block of ``BK`` (``dQ̃``, ``dK̂``, ``dW``, the ``dXk`` terms), so neither holds more
+than a few 64×64 fp32 tiles. They write the partial ``dq, dk, dΓ`` (fp32, w.r.t. the normalised q, k and the
+cumulative gate), ``dAqk``, ``dL``, and ``1 + NK`` partials of ``dβ`` that the intra kernel sums.
 
 Legend: ``H`` heads, ``K``/``V`` key/value dims, ``BK``/``BV`` key/value blocks, ``BT`` chunk rows,
 ``P`` chunks.
@@ -47,12 +52,12 @@ from openk3.ops.kda.triton.kernel_math import (
 
 @triton.jit
 def chunk_grad_wy_value_kernel(
-    v, beta, u, Akk, v_new, dv_new, do, dv, dA, dL, dbeta,
+    v, beta, Akk, v_new, dv_new, do, dv, dA, dL, dbeta,
     cu_seqlens, chunk_table,
     H: tl.constexpr, DOT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``: the value-side terms ``dAqk = tril(dO Eᵀ)``, ``dXv = Tᵀ dE``, ``dv = β dXv``,
-    ``dβ ← Σ_v V dXv`` and ``dL ← −dXv Uᵀ`` (partial 0 of ``dL`` and ``dβ``)."""
+    ``dL = −strict_lower(dXv Eᵀ)`` and ``dβ ← Σ_v V dXv`` (partial 0 of ``dβ``)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
@@ -67,14 +72,14 @@ def chunk_grad_wy_value_kernel(
         b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
         acc_dA += dot(b_do, tl.trans(b_e), DOT)
+        b_ef = b_e.to(tl.float32)
         b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
         b_dxv = dot(tl.trans(b_T), b_de, DOT)
         store_rows(dv, b_dxv * b_beta[:, None], t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         acc_db += tl.sum(
             b_dxv * load_rows(v, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32), axis=1
         )
-        b_u = load_rows(u, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(tl.float32)
-        acc_dL -= dot(b_dxv, tl.trans(b_u), DOT)
+        acc_dL -= dot(b_dxv, tl.trans(b_ef), DOT)
     store_rows(dA, tl.where(o_t[:, None] >= o_t[None, :], acc_dA, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_rows(dL, tl.where(o_t[:, None] > o_t[None, :], acc_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_row_vec(dbeta, acc_db, t0, n_valid, i_h, H, BT)
@@ -83,21 +88,21 @@ def chunk_grad_wy_value_kernel(
 @triton.jit
 def chunk_grad_wy_key_kernel(
     q, k, g, beta, A_log, dt_bias, q_rstd, k_rstd,
-    w, Akk, h, dh, v_new, dv_new, do,
-    dqn, dkn, dG, dL, dbeta,
-    cu_seqlens, chunk_table, part_stride, part_stride_b,
+    Akk, h, dh, v_new, dv_new, do,
+    dqn, dkn, dG, dbeta,
+    cu_seqlens, chunk_table, part_stride_b,
     scale, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SCAN_BY_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of ``dL``, ``dβ``)."""
+    """Grid ``(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of ``dβ``)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_k = tl.program_id(2)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
-    dt = w.dtype.element_ty
+    dt = v_new.dtype.element_ty
 
     acc_dqg = tl.zeros([BT, BK], dtype=tl.float32)
     acc_dkg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -117,15 +122,9 @@ def chunk_grad_wy_key_kernel(
         acc_dkg += dot(b_e, tl.trans(b_dh), DOT)
         acc_dD += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
 
-    # WY: dXk = −Tᵀ dWn, and this key block's share of dL = −dXk Wᵀ
+    # WY: dXk = −Tᵀ dWn (its share of dL is in the value side's dXv Eᵀ)
     b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
     b_dxk = -dot(tl.trans(b_T), acc_dwn, DOT)
-    b_w = load_rows(w, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
-    b_dL = -dot(b_dxk, tl.trans(b_w), DOT)
-    p_part = (1 + i_k) * part_stride
-    store_rows(
-        dL + p_part, tl.where(o_t[:, None] > o_t[None, :], b_dL, 0.0), t0, n_valid, i_h, 0, H, BT, BT, BT
-    )
 
     # the gate and the normalised q, k of this key block
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
@@ -170,9 +169,9 @@ class WYGrads(NamedTuple):
     dA: torch.Tensor
     """``[tokens, H, BT]`` ``dAqk`` (lower, diagonal included)."""
     dL: torch.Tensor
-    """``[1 + NK, tokens, H, BT]`` partials of ``dL`` (strictly lower): value side, then each key block."""
+    """``[tokens, H, BT]`` ``dL`` (strictly lower)."""
     dbeta: torch.Tensor
-    """``[1 + NK, tokens, H]`` partials of ``dβ``, in the same order."""
+    """``[1 + NK, tokens, H]`` partials of ``dβ``: value side, then each key block."""
 
 
 LAUNCH = {"num_warps": 4, "num_stages": 2, "cumsum_by_dot": False}
@@ -204,21 +203,21 @@ def chunk_grad_wy(
         dkn=q.new_empty(TT, H, K, dtype=f32),
         dG=q.new_empty(TT, H, K, dtype=f32),
         dA=q.new_empty(TT, H, CHUNK, dtype=f32),
-        dL=q.new_empty(1 + NK, TT, H, CHUNK, dtype=f32),
+        dL=q.new_empty(TT, H, CHUNK, dtype=f32),
         dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
     )
     P = index.num_chunks
     BV = min(V, 64)
     chunk_grad_wy_value_kernel[(P, H)](
-        v, beta, pre.u, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
+        v, beta, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,
         H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, **launch_options(LAUNCH),
     )  # fmt: skip
     chunk_grad_wy_key_kernel[(P, H, NK)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
-        pre.w, pre.Akk, h, dh, v_new, dv_new, do,
-        out.dqn, out.dkn, out.dG, out.dL, out.dbeta,
-        index.cu_seqlens, index.chunk_table, TT * H * CHUNK, TT * H,
+        pre.Akk, h, dh, v_new, dv_new, do,
+        out.dqn, out.dkn, out.dG, out.dbeta,
+        index.cu_seqlens, index.chunk_table, TT * H,
         scale, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         SCAN_BY_DOT=LAUNCH["cumsum_by_dot"],
