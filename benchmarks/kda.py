@@ -545,7 +545,15 @@ SWEEP = {
         {"num_warps": 8},
     ],
     "chunk_state": [{}, {"value_block": 32}, {"num_stages": 2}, {"num_stages": 3}],
-    "chunk_grad_wy": [{}, {"cumsum_by_dot": True}, {"num_warps": 8}],
+    "chunk_grad_wy": [
+        {},
+        {"num_warps": 8},
+        {"key_block": 32},
+        {"value_block": 32},
+        {"value_block": 32, "num_stages": 1},
+        {"key_block": 32, "value_block": 32},
+        {"num_warps": 8, "value_block": 32},
+    ],
     "chunk_grad_intra": [
         {},
         {"bf16_operands": False},

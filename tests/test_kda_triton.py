@@ -620,6 +620,18 @@ def test_interpreter_chunk_bf16_tolerances():
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
 
 
+@interpreter
+@pytest.mark.parametrize("key", ["key_block", "value_block"])
+def test_interpreter_chunk_grad_wy_blocks(monkeypatch, key):
+    """grad_wy's key or value block at 32 instead of 64 (more programs, or more steps over the values)
+    meets the tolerances as the default does (K = V = 128, bf16)."""
+    from openk3.ops.kda.triton import chunk_grad_wy
+
+    monkeypatch.setitem(chunk_grad_wy.LAUNCH, key, 32)
+    inputs = make_inputs(1, 80, 2, 128, 128, seed=22)
+    assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
+
+
 def check_keep_intermediates(monkeypatch, device: str, T: int, K: int) -> None:
     """``chunk_function.LAUNCH["keep_intermediates"]`` on gives the bits of the default (off): ``o``, the final
     state and every gradient, for two packed documents (the second starting mid-chunk)."""

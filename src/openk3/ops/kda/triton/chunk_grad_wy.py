@@ -174,16 +174,15 @@ class WYGrads(NamedTuple):
     """``[1 + NK, tokens, H]`` partials of ``dβ``: value side, then each key block."""
 
 
-LAUNCH = {"num_warps": 4, "num_stages": 2, "cumsum_by_dot": False}
-"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives. ``cumsum_by_dot``: the gate's
+LAUNCH = {"num_warps": 4, "num_stages": 2, "cumsum_by_dot": False, "key_block": 64, "value_block": 64}
+"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives. ``key_block``: the key side's
+``BK`` (``K/BK`` programs per chunk and head); ``value_block``: the ``BV`` both kernels step over the values
+by (narrower blocks hold fewer registers). At B1 T8192 H96 / B1 T32768 H32 on the H200 (one sweep run,
+``benchmarks/results/kda_h200_dl_runs.txt``) the defaults took 3.11 / 3.99 ms; ``key_block`` 32 3.24 / 4.38,
+``value_block`` 32 3.66 / 4.70, both 3.82 / 5.18, 8 warps 3.60 / 4.89. ``cumsum_by_dot``: the gate's
 cumsum as tensor-core products (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); within noise of
 ``tl.cumsum``'s scan at B1 T8192 H96 on the H200 (3.46 vs 3.54 ms in one run, 3.48 vs 3.42 in the next), so
 off."""
-
-
-def key_block(K: int) -> int:
-    """Key-block width ``BK``: 64 (two programs per chunk at K = 128)."""
-    return min(K, 64)
 
 
 def chunk_grad_wy(
@@ -194,7 +193,7 @@ def chunk_grad_wy(
     state passes, flat ``[tokens, H, ·]``)."""
     TT, H, K = q.shape
     V = v.shape[-1]
-    BK = key_block(K)
+    BK = min(K, LAUNCH["key_block"])
     NK = K // BK
     f32 = torch.float32
     out = WYGrads(
@@ -207,7 +206,7 @@ def chunk_grad_wy(
         dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
     )
     P = index.num_chunks
-    BV = min(V, 64)
+    BV = min(V, LAUNCH["value_block"])
     chunk_grad_wy_value_kernel[(P, H)](
         v, beta, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,
