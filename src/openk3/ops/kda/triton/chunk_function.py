@@ -12,7 +12,7 @@ per-chunk WY and intra-chunk gradient kernels.
 The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the initial state.
 
 With :data:`LAUNCH` ``["keep_intermediates"]`` the forward's state pass also writes ``h`` and ``E`` and the
-forward keeps them with ``W``, ``U``, ``Q̃``, ``K̂`` and ``D``, so the backward starts at the reverse state pass.
+forward keeps them with ``W``, ``Q̃``, ``K̂`` and ``D``, so the backward starts at the reverse state pass.
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`` sequences.
 """
@@ -31,15 +31,17 @@ from openk3.ops.kda.triton.dispatch import needs_grad
 from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
 from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
-
 LAUNCH = {"keep_intermediates": False}
 """``keep_intermediates``: trade memory for the backward's first two launches. The forward keeps what the
-backward would recompute (``W``, ``U``, ``Q̃``, ``K̂`` and ``E`` in the input dtype, ``D``, and ``h``, the state
-at each chunk start): ``(3K + 2V)·2 + K·V·2/64`` bytes per token and head more, 1.8 KB at K = V = 128 and
-bf16 (1.4 GB per layer at B1 T8192 H96), against 392 B saved otherwise. The backward's prepare pass and
-forward state pass took 0.77 and 0.53 of 13.2 ms at B1 T8192 H96 on the H200 (per-launch times); the
-option itself is not yet timed. Outputs and gradients are bitwise those of the default (both passes compute
-one ``U`` from the fp16 ``T``; tested). Off by default: activation memory is what bounds training sizes."""
+backward would recompute (``W``, ``Q̃``, ``K̂`` and ``E`` in the input dtype, ``D``, and ``h``, the state at
+each chunk start; not ``U``, which the backward no longer reads): ``(3K + V)·2 + K·V·2/64`` bytes per token
+and head more, 1.5 KB at K = V = 128 and bf16. At B1 T8192 H96 D128 bf16 on the H200 (``benchmarks/results/
+kda_h200_dl_runs.txt``, run 5) one call held 1.22 GB between forward and backward against 0.21 GB, its peak
+was 4.47 GB against 4.67–4.87 (the backward allocates no recomputed tensors), and forward+backward took
+11.75 / 11.87 / 17.79 / 15.32 ms at the four benchmark shapes, against 12.73 and 19.29 ms by default at the
+first and third (run 2; 12.97 at the first in run 5, where fla took 13.67). Outputs and gradients are bitwise those of the default (both passes
+compute one ``U`` from the fp16 ``T``; tested on the GPU and in the interpreter). Off by default: with many
+layers the 1 GB per layer and sequence of saved activations, not one layer's peak, bounds training sizes."""
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -55,7 +57,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=output_final_state,
             store_h=keep, store_o=True,
         )  # fmt: skip
-        kept = (*pre, h, v_new) if keep else (pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
+        # U is not kept: the backward reads E instead (chunk_grad_wy's dL = −dXv Eᵀ)
+        kept = (*pre._replace(u=None), h, v_new) if keep else (pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *kept)
         ctx.index, ctx.opts, ctx.keep = index, opts, keep
         return o, ht
