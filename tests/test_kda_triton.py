@@ -632,6 +632,18 @@ def test_interpreter_chunk_grad_wy_blocks(monkeypatch, key):
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
 
 
+@interpreter
+@pytest.mark.parametrize(("key", "size"), [("key_block", 48), ("value_block", 8), ("key_block", 32.0)])
+def test_interpreter_chunk_grad_wy_refuses_bad_block(monkeypatch, key, size):
+    """A grad_wy block that is not a power of two ≥ 16 fails at the forward, before any output exists."""
+    from openk3.ops.kda.triton import chunk_grad_wy
+
+    monkeypatch.setitem(chunk_grad_wy.LAUNCH, key, size)
+    inputs = make_inputs(1, 20, 1, 32, 32, seed=3)
+    with pytest.raises(ValueError, match=key):
+        run(triton_chunk, inputs)
+
+
 def check_keep_intermediates(monkeypatch, device: str, T: int, K: int) -> None:
     """``chunk_function.LAUNCH["keep_intermediates"]`` on gives the bits of the default (off): ``o``, the final
     state and every gradient, for two packed documents (the second starting mid-chunk)."""

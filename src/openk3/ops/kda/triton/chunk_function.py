@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
+from openk3.ops.kda.triton.chunk_grad_wy import check_launch as check_grad_wy_launch
 from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex, fixed_length_index, varlen_index
 from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare
@@ -50,6 +51,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
                 output_final_state):  # fmt: skip
+        check_grad_wy_launch()  # before any work, not in the backward
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm)
         pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
         keep = LAUNCH["keep_intermediates"]

@@ -185,12 +185,29 @@ cumsum as tensor-core products (:func:`~openk3.ops.kda.triton.kernel_math.cumsum
 off."""
 
 
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH`'s ``key_block`` and ``value_block`` are powers of two ≥ 16
+    (tensor-core operands); :class:`~openk3.ops.kda.triton.chunk_function.ChunkKDAFunction` calls it before
+    its forward, so a bad setting fails before any work rather than in the backward."""
+    for key in ("key_block", "value_block"):
+        size = LAUNCH[key]
+        if not isinstance(size, int) or size < 16 or size & (size - 1):
+            raise ValueError(
+                f"chunk_grad_wy.LAUNCH[{key!r}] must be a power of two >= 16 (a tensor-core operand); got {size!r}"
+            )
+
+
 def chunk_grad_wy(
     q, k, v, g, beta, A_log, dt_bias, pre: Prepared, h, dh, v_new, dv_new, do, index: ChunkIndex,
     *, scale: float, lower_bound: float, use_l2norm: bool,
 ) -> WYGrads:  # fmt: skip
     """Launch the value-side and key-side kernels (arguments as the tensors of the forward and the two
-    state passes, flat ``[tokens, H, ·]``)."""
+    state passes, flat ``[tokens, H, ·]``).
+
+    Raises:
+        ValueError: from :func:`check_launch`.
+    """
+    check_launch()
     TT, H, K = q.shape
     V = v.shape[-1]
     BK = min(K, LAUNCH["key_block"])
