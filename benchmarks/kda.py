@@ -547,6 +547,7 @@ SWEEP = {
     "chunk_state": [{}, {"value_block": 32}, {"num_stages": 2}, {"num_stages": 3}],
     "chunk_grad_wy": [
         {},
+        {"cumsum_by_dot": True},
         {"num_warps": 8},
         {"key_block": 32},
         {"value_block": 32},

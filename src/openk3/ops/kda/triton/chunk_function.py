@@ -40,9 +40,10 @@ and head more, 1.5 KB at K = V = 128 and bf16. At B1 T8192 H96 D128 bf16 on the 
 kda_h200_dl_runs.txt``, run 5) one call held 1.22 GB between forward and backward against 0.21 GB, its peak
 was 4.47 GB against 4.67–4.87 (the backward allocates no recomputed tensors), and forward+backward took
 11.75 / 11.87 / 17.79 / 15.32 ms at the four benchmark shapes, against 12.73 and 19.29 ms by default at the
-first and third (run 2; 12.97 at the first in run 5, where fla took 13.67). Outputs and gradients are bitwise those of the default (both passes
-compute one ``U`` from the fp16 ``T``; tested on the GPU and in the interpreter). Off by default: with many
-layers the 1 GB per layer and sequence of saved activations, not one layer's peak, bounds training sizes."""
+first and third (run 2; 12.97 at the first in run 5, where fla took 13.67). Outputs and gradients are
+bitwise those of the default (both passes compute one ``U`` from the fp16 ``T``; tested on the GPU and in the
+interpreter). Off by default: with many layers the 1 GB per layer and sequence of saved activations, not one
+layer's peak, bounds training sizes."""
 
 
 class ChunkKDAFunction(torch.autograd.Function):
