@@ -10,7 +10,7 @@ is given eagerly (a loop of launches between two events, host overhead included)
 graph (device time only). fla is optional: without it only our numbers are printed.
 
     python benchmarks/kda.py                               # table on stdout
-    python benchmarks/kda.py --out benchmarks/results      # also kda_h200.json and kda_h200.md there
+    python benchmarks/kda.py --out runs/kda                # also kda_h200.json and kda_h200.md there
     python benchmarks/kda.py --sweep                       # also time launch configurations per kernel
     python benchmarks/kda.py --sweep --sweep-shapes 1,3    # ... at B1 T8192 H96 and B1 T32768 H32
     python benchmarks/kda.py --sections breakdown --breakdown-shapes 1,3   # per-launch times at both
@@ -186,6 +186,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{flag}: unknown {unknown}; choose from {sorted(allowed)}")
         if len(set(items)) < len(items):
             parser.error(f"{flag}: {value!r} names one twice")
+    if args.shapes and not [x for x in args.shapes.split(",") if x]:
+        parser.error("--shapes: give at least one shape number (1-4), or leave it out for all")
     if not [x for x in args.sections.split(",") if x] and not args.sweep and not args.tune:
         parser.error("--sections: give at least one of " + ", ".join(SECTIONS))
     if args.sweep:

@@ -43,6 +43,10 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{flag} must be >= 1, got {value}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    for shape in args.shapes:
+        dims = shape.lower().split("x")
+        if len(dims) != 4 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            parser.error(f"--shapes: {shape!r} is not BxTxHxK with four positive integers (e.g. 1x1024x4x64)")
     return args
 
 

@@ -1,4 +1,4 @@
-"""The GPU benchmark scripts refuse bad arguments on any machine, before they ask for a GPU or time anything.
+"""The benchmark scripts refuse bad arguments on any machine, before they ask for a GPU or time anything.
 
 ``benchmarks/kda.py`` and ``benchmarks/kda_profile.py`` need CUDA to measure; their argument checks run first,
 so a typo costs no device time. Each case runs the script as a user would and reads argparse's exit status (2)
@@ -64,6 +64,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--iters", "0"], "--iters must be in [1, 1000]"),
         (["--iters", "100000"], "--iters must be in [1, 1000]"),
         (["--shapes", "1,1"], "--shapes: '1,1' names one twice"),
+        (["--shapes", ",,"], "--shapes: give at least one shape number"),
         (["--sweep", "--sweep-shapes", "3,3"], "--sweep-shapes: '3,3' names one twice"),
         (["--sections", ","], "--sections: give at least one"),
         (["--out", str(ROOT / "pyproject.toml")], "exists and is not a directory"),
@@ -152,3 +153,10 @@ def test_every_swept_configuration_names_real_launch_keys(monkeypatch):
     with pytest.raises(KeyError, match="no \\['row_blocks'\\]"):
         with kda.launch_config("chunk_grad_intra", {"row_blocks": False}):
             pass
+
+
+@pytest.mark.parametrize("shape", ["1x10", "1x0x4x64", "axbxcxd"])
+def test_kda_cpu_benchmark_refuses_malformed_shapes(shape):
+    """``benchmarks/kda_cpu.py --shapes`` wants ``BxTxHxK`` with four positive integers."""
+    result = run_script("kda_cpu.py", "--shapes", shape)
+    assert result.returncode == 2 and f"--shapes: {shape!r} is not BxTxHxK" in result.stderr, result.stderr
