@@ -130,7 +130,7 @@ def parse_args() -> argparse.Namespace:
         help="passes timed for fla (default both); its forward is always timed, fwd+bwd adds forward+backward",
     )
     parser.add_argument(
-        "--shapes", default="", help="comma list of chunk-shape numbers (1-4) to run; default all"
+        "--shapes", default=None, help="comma list of chunk-shape numbers (1-4) to run; default all"
     )
     parser.add_argument(
         "--sections", default="decode,chunk,breakdown", help="comma list of decode, chunk, breakdown, sweep"
@@ -173,7 +173,7 @@ def parse_args() -> argparse.Namespace:
         parser.error(problem)
     checks = (
         ("--sections", args.sections, set(SECTIONS)),
-        ("--shapes", args.shapes, {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),
+        ("--shapes", args.shapes or "", {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),
         ("--fla-passes", args.fla_passes, {"fwd", "fwd+bwd"}),
         ("--sweep-modules", args.sweep_modules, set(SWEEP)),
         ("--sweep-shapes", args.sweep_shapes or "", FIXED_SHAPE_NUMBERS),
@@ -186,8 +186,6 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{flag}: unknown {unknown}; choose from {sorted(allowed)}")
         if len(set(items)) < len(items):
             parser.error(f"{flag}: {value!r} names one twice")
-    if args.shapes and not [x for x in args.shapes.split(",") if x]:
-        parser.error("--shapes: give at least one shape number (1-4), or leave it out for all")
     if not [x for x in args.sections.split(",") if x] and not args.sweep and not args.tune:
         parser.error("--sections: give at least one of " + ", ".join(SECTIONS))
     if args.sweep:
@@ -200,9 +198,13 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"{flag} needs --sweep, --sections ...,sweep or --tune")
     if args.breakdown_shapes is not None and "breakdown" not in args.sections.split(","):
         parser.error("--breakdown-shapes needs --sections ...,breakdown")
-    for flag, value in (("--sweep-shapes", args.sweep_shapes), ("--breakdown-shapes", args.breakdown_shapes)):
+    for flag, value, numbers in (
+        ("--shapes", args.shapes, "1-4"),
+        ("--sweep-shapes", args.sweep_shapes, "1, 3, 4"),
+        ("--breakdown-shapes", args.breakdown_shapes, "1, 3, 4"),
+    ):
         if value is not None and not [i for i in value.split(",") if i]:
-            parser.error(f"{flag}: give at least one shape number (1, 3, 4)")
+            parser.error(f"{flag}: give at least one shape number ({numbers})")
     return args
 
 
@@ -506,7 +508,7 @@ def our_launches(B, T, H, D) -> dict:
     do = torch.randn_like(flat["v"])
     state = dict(V=D, out_dtype=torch.bfloat16, output_final_state=False)
     pre = chunk_prepare(*args, index, **opts)
-    _, _, h, v_new = chunk_state_fwd(pre, None, index, store_h=True, **state)
+    _, _, h, v_new = chunk_state_fwd(pre, None, index, store_h=True, store_o=False, **state)
     dh, dv_new, _ = chunk_state_bwd(pre, do, None, index)
     wy = chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts)
     intra = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], pre, wy, index)
@@ -516,8 +518,8 @@ def our_launches(B, T, H, D) -> dict:
     launches = {
         "prepare": lambda: chunk_prepare(*args, index, **opts),
         "prepare (bwd)": lambda: chunk_prepare(*args, index, saved=pre, **opts),
-        "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, **state),
-        "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, store_h=True, **state),
+        "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, store_o=True, **state),
+        "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, store_h=True, store_o=False, **state),
         "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
         "grad_wy": lambda: chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts),
         "grad_intra": lambda: chunk_grad_intra(*intra, **opts),
@@ -793,7 +795,7 @@ def main() -> None:
             report["decode"].append(bench_decode(name, B, H, D, use_fla))
         save()
     if "chunk" in sections:
-        picked = [int(i) for i in args.shapes.split(",") if i] or range(1, len(CHUNK_SHAPES) + 1)
+        picked = [int(i) for i in (args.shapes or "").split(",") if i] or range(1, len(CHUNK_SHAPES) + 1)
         for name, B, T, H, D, lens in (CHUNK_SHAPES[i - 1] for i in picked):
             fla_bwd = "fwd+bwd" in args.fla_passes.split(",")
             bench_chunk(

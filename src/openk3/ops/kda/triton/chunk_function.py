@@ -77,8 +77,9 @@ class ChunkKDAFunction(torch.autograd.Function):
             saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
             pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
             _, _, h, v_new = chunk_state_fwd(
-                pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True
-            )
+                pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True,
+                store_o=False,
+            )  # fmt: skip
         do = do.contiguous()
         dh, dv_new, dh0 = chunk_state_bwd(pre, do, None if dht is None else dht.contiguous(), index)
         wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)

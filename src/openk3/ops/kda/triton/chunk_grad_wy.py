@@ -40,6 +40,7 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    check_block,
     chunk_rows,
     dot,
     dot_precision,
@@ -192,11 +193,7 @@ def check_launch() -> None:
     (tensor-core operands); :class:`~openk3.ops.kda.triton.chunk_function.ChunkKDAFunction` calls it before
     its forward, so a bad setting fails before any work rather than in the backward."""
     for key in ("key_block", "value_block"):
-        size = LAUNCH[key]
-        if not isinstance(size, int) or size < 16 or size & (size - 1):
-            raise ValueError(
-                f"chunk_grad_wy.LAUNCH[{key!r}] must be a power of two >= 16 (a tensor-core operand); got {size!r}"
-            )
+        check_block("chunk_grad_wy", key, LAUNCH[key])
 
 
 def chunk_grad_wy(

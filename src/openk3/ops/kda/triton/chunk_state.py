@@ -98,7 +98,7 @@ def chunk_state_fwd(
     out_dtype: torch.dtype,
     output_final_state: bool,
     store_h: bool,
-    store_o: bool | None = None,
+    store_o: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the state pass.
 
@@ -108,14 +108,13 @@ def chunk_state_fwd(
         output_final_state: return the fp32 ``[N, H, K, V]`` state after each sequence.
         store_h: return ``h`` ``[P, H, K, V]`` (the state at each chunk start) and ``v_new`` = ``E``
             ``[tokens, H, V]``, both in the storage dtype.
-        store_o: return ``o``; default ``not store_h`` (the backward's pass needs no ``o``).
+        store_o: return ``o`` (the backward's pass needs none).
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.
     """
     TT, H, K = pre.w.shape
     N, P = index.num_seqs, index.num_chunks
-    store_o = not store_h if store_o is None else store_o
     o = pre.w.new_empty(TT, H, V, dtype=out_dtype) if store_o else None
     ht = pre.w.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     h = pre.w.new_empty(P, H, K, V) if store_h else None

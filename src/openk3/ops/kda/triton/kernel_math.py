@@ -39,6 +39,15 @@ def launch_options(launch: dict) -> dict:
     return options
 
 
+def check_block(module: str, key: str, size) -> None:
+    """Raise ``ValueError`` unless ``size``, the launch setting ``module.LAUNCH[key]`` that becomes a tile's
+    side (``min(dim, size)``), is an ``int`` power of two ≥ 16: a tensor-core operand."""
+    if not isinstance(size, int) or size < 16 or size & (size - 1):
+        raise ValueError(
+            f"{module}.LAUNCH[{key!r}] must be a power of two >= 16 (a tensor-core operand); got {size!r}"
+        )
+
+
 @triton.jit
 def round_tf32(x):
     """``x`` (fp32) rounded to tf32's 10-bit stored significand, to nearest (ties away from zero), as fp32;

@@ -46,6 +46,7 @@ from openk3.ops.kda.triton.chunk_prepare import LAUNCH as PREPARE_LAUNCH
 from openk3.ops.kda.triton.chunk_state import value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    check_block,
     chunk_rows,
     dot,
     dot_precision,
@@ -234,12 +235,8 @@ def tile_prepare(
     """
     TT, H, K = q.shape
     dt = q.dtype
+    check_block("tile_forward", "key_block", LAUNCH["key_block"])
     BK = min(K, LAUNCH["key_block"])
-    if BK < 16 or BK & (BK - 1):
-        raise ValueError(
-            f"tile_forward.LAUNCH['key_block'] must be a power of two >= 16 (a tensor-core operand); "
-            f"got {LAUNCH['key_block']}"
-        )
     # |P_ij| ≤ 1 under chunk_prepare's fp16 condition (module docstring)
     fp16 = PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
     keys_dt = torch.float32 if LAUNCH["fp32_gated_keys"] else dt
