@@ -481,6 +481,7 @@ LAUNCH_NAMES = (
     "state_fwd (o)",
     "state_fwd (h, E)",
     "state_bwd",
+    "state passes (bwd, overlapped)",
     "grad_wy",
     "grad_intra",
     "tile prepare",
@@ -491,6 +492,7 @@ LAUNCH_NAMES = (
 
 def our_launches(B, T, H, D) -> dict:
     """Each launch of our forward and backward as a callable, its inputs prepared once (default configs)."""
+    from openk3.ops.kda.triton.chunk_function import backward_state_passes
     from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
     from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
     from openk3.ops.kda.triton.chunk_index import fixed_length_index
@@ -521,6 +523,7 @@ def our_launches(B, T, H, D) -> dict:
         "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, store_o=True, **state),
         "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, store_h=True, store_o=False, **state),
         "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
+        "state passes (bwd, overlapped)": lambda: backward_state_passes(pre, None, do, None, index),
         "grad_wy": lambda: chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts),
         "grad_intra": lambda: chunk_grad_intra(*intra, **opts),
         "tile prepare": lambda: tile_prepare(*tile_args, **opts),

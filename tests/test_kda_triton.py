@@ -644,31 +644,42 @@ def test_interpreter_chunk_grad_wy_refuses_bad_block(monkeypatch, key, size):
         run(triton_chunk, inputs)
 
 
-def check_keep_intermediates(monkeypatch, device: str, T: int, K: int) -> None:
-    """``chunk_function.LAUNCH["keep_intermediates"]`` on gives the bits of the default (off): ``o``, the final
-    state and every gradient, for two packed documents (the second starting mid-chunk)."""
+def check_same_bits(monkeypatch, device: str, T: int, H: int, K: int, key: str, value: bool) -> None:
+    """``chunk_function.LAUNCH[key]`` set to ``value`` gives the bits of the default: ``o``, the final state and
+    every gradient, for two packed documents (the second starting mid-chunk)."""
     from openk3.ops.kda.triton import chunk_function
 
     op = triton_chunk if device == "cpu" else chunk_kda
-    inputs = make_inputs(1, T, 2, K, K, N=2, device=device, seed=17)
+    inputs = make_inputs(1, T, H, K, K, N=2, device=device, seed=17)
     cu_seqlens = torch.tensor([0, T // 2 + 3, T], device=device)
     default = run(op, inputs, cu_seqlens=cu_seqlens)
-    monkeypatch.setitem(chunk_function.LAUNCH, "keep_intermediates", True)
-    kept = run(op, inputs, cu_seqlens=cu_seqlens)
-    for name, value in default.items():
-        assert torch.equal(value, kept[name]), name
+    monkeypatch.setitem(chunk_function.LAUNCH, key, value)
+    changed = run(op, inputs, cu_seqlens=cu_seqlens)
+    for name, out in default.items():
+        assert torch.equal(out, changed[name]), name
 
 
 @interpreter
 def test_interpreter_chunk_keep_intermediates(monkeypatch):
-    """:func:`check_keep_intermediates` in the interpreter (T 150, D 64)."""
-    check_keep_intermediates(monkeypatch, "cpu", 150, 64)
+    """``keep_intermediates`` on gives the default's bits in the interpreter (T 150, D 64)."""
+    check_same_bits(monkeypatch, "cpu", 150, 2, 64, "keep_intermediates", True)
 
 
 @gpu
 def test_gpu_chunk_keep_intermediates(monkeypatch):
-    """:func:`check_keep_intermediates` on the GPU (T 1000, D 128)."""
-    check_keep_intermediates(monkeypatch, "cuda", 1000, 128)
+    """``keep_intermediates`` on gives the default's bits on the GPU (T 1000, D 128)."""
+    check_same_bits(monkeypatch, "cuda", 1000, 2, 128, "keep_intermediates", True)
+
+
+@gpu
+@pytest.mark.parametrize(("T", "H"), [(1000, 2), (8192, 32)])
+def test_gpu_chunk_overlap_state_passes(monkeypatch, T, H):
+    """The backward's two state passes one after the other (``overlap_state_passes`` off) give the bits of
+    the default, where they run at once on two streams (B1, two packed documents, D 128)."""
+    from openk3.ops.kda.triton import chunk_function
+
+    assert chunk_function.LAUNCH["overlap_state_passes"]
+    check_same_bits(monkeypatch, "cuda", T, H, 128, "overlap_state_passes", False)
 
 
 @interpreter

@@ -13,6 +13,8 @@ The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the in
 
 With :data:`LAUNCH` ``["keep_intermediates"]`` the forward's state pass also writes ``h`` and ``E`` and the
 forward keeps them with ``W``, ``Q̃``, ``K̂`` and ``D``, so the backward starts at the reverse state pass.
+Otherwise, with ``LAUNCH["overlap_state_passes"]`` on CUDA, the backward runs its two state passes at once
+(:func:`backward_state_passes`).
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`` sequences.
 """
@@ -32,7 +34,7 @@ from openk3.ops.kda.triton.dispatch import needs_grad
 from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
 from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
-LAUNCH = {"keep_intermediates": False}
+LAUNCH = {"keep_intermediates": False, "overlap_state_passes": True}
 """``keep_intermediates``: trade memory for the backward's first two launches. The forward keeps what the
 backward would recompute (``W``, ``Q̃``, ``K̂`` and ``E`` in the input dtype, ``D``, and ``h``, the state at
 each chunk start; not ``U``, which the backward no longer reads): ``(3K + V)·2 + K·V·2/64`` bytes per token
@@ -43,7 +45,58 @@ was 4.47 GB against 4.67–4.87 (the backward allocates no recomputed tensors), 
 first and third (run 2; 12.97 at the first in run 5, where fla took 13.67). Outputs and gradients are
 bitwise those of the default (both passes compute one ``U`` from the fp16 ``T``; tested on the GPU and in the
 interpreter). Off by default: with many layers the 1 GB per layer and sequence of saved activations, not one
-layer's peak, bounds training sizes."""
+layer's peak, bounds training sizes.
+
+``overlap_state_passes``: see :func:`backward_state_passes`."""
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra CUDA stream per device, created on first use and reused (streams are not freed)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def backward_state_passes(
+    pre: Prepared, h0: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None, index: ChunkIndex
+) -> tuple[torch.Tensor, ...]:
+    """The backward's two state passes: the forward-direction pass keeping ``h`` and ``E``
+    (:func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`) and the reverse pass
+    (:func:`~openk3.ops.kda.triton.chunk_state_bwd.chunk_state_bwd`).
+
+    The reverse pass reads ``Q̃``, ``K̂``, ``W``, ``D``, ``Aqk`` and ``dO``, not ``h`` or ``E``, so the two are
+    independent. With ``LAUNCH["overlap_state_passes"]`` and CUDA tensors the forward-direction pass runs on a
+    side stream (:func:`side_stream`) while the reverse pass runs on the current one, which then waits for
+    it: each pass has one program per (value block, sequence, head), 128 at B1 T32768 H32 D128, one per
+    multiprocessor, so two passes can share the GPU. The results are the same bits either way.
+
+    Returns:
+        ``(h [P, H, K, V], v_new [tokens, H, V], dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32
+        [N, H, K, V])``.
+    """
+
+    def forward_pass() -> tuple[torch.Tensor, torch.Tensor]:
+        _, _, h, v_new = chunk_state_fwd(
+            pre, h0, index, V=do.shape[-1], out_dtype=do.dtype, output_final_state=False, store_h=True,
+            store_o=False,
+        )  # fmt: skip
+        return h, v_new
+
+    if not (LAUNCH["overlap_state_passes"] and do.is_cuda):
+        return (*forward_pass(), *chunk_state_bwd(pre, do, dht, index))
+    main = torch.cuda.current_stream(do.device)
+    side = side_stream(do.device)
+    side.wait_stream(main)  # the side pass reads what the current stream wrote
+    with torch.cuda.stream(side):
+        h, v_new = forward_pass()
+    reverse = chunk_state_bwd(pre, do, dht, index)
+    main.wait_stream(side)
+    for t in (h, v_new):  # allocated on the side stream, used and freed on the current one
+        t.record_stream(main)
+    return (h, v_new, *reverse)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -70,18 +123,16 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, h0, *kept = ctx.saved_tensors
         index, opts = ctx.index, ctx.opts
+        do = do.contiguous()
+        dht = None if dht is None else dht.contiguous()
         if ctx.keep:
             pre, h, v_new = Prepared(*kept[:-2]), kept[-2], kept[-1]
+            dh, dv_new, dh0 = chunk_state_bwd(pre, do, dht, index)
         else:
             Aqk, Akk, q_rstd, k_rstd = kept
             saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
             pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
-            _, _, h, v_new = chunk_state_fwd(
-                pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=False, store_h=True,
-                store_o=False,
-            )  # fmt: skip
-        do = do.contiguous()
-        dh, dv_new, dh0 = chunk_state_bwd(pre, do, None if dht is None else dht.contiguous(), index)
+            h, v_new, dh, dv_new, dh0 = backward_state_passes(pre, h0, do, dht, index)
         wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)
         dq, dk, dg, dbeta, dA_log, ddt = chunk_grad_intra(
             q, k, g, beta, A_log, dt_bias, pre, wy, index, **opts
