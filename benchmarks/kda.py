@@ -1,8 +1,9 @@
 """GPU speed of the Triton KDA kernels against flash-linear-attention (fla) 0.6.0, measured in one run.
 
 Both sides get the same bf16 inputs and the K3 flags: gate in the kernel with ``lower_bound = −5`` (fla:
-``safe_gate=True``), q/k L2 norm in the kernel, β from logits (fla: ``use_beta_sigmoid_in_kernel``; ours:
-``torch.sigmoid`` inside the timed region, as our op takes post-sigmoid β). Times are CUDA-event medians.
+``safe_gate=True``), q/k L2 norm in the kernel, β from logits (``use_beta_sigmoid_in_kernel`` on both
+sides; before 2026-11-30 ours took ``torch.sigmoid`` inside the timed region instead). Times are CUDA-event
+medians.
 Decode is one token per sequence on H = 96, D = 128: ours updates a fp32 state pool in place
 (``fused_recurrent_kda_decode``); fla is timed both through its public ``fused_recurrent_kda`` (new final
 state, the PRODUCT.md anchor) and through ``fused_recurrent_kda_fwd`` in place on the pool. Each decode time
@@ -308,8 +309,9 @@ def chunk_inputs(B, T, H, D, lens, seed=0) -> dict:
 
 def ours_chunk(x):
     return chunk_kda(
-        x["q"], x["k"], x["v"], x["g"], torch.sigmoid(x["beta"]), A_log=x["A_log"], dt_bias=x["dt_bias"],
-        lower_bound=LOWER_BOUND, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"],
+        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+        lower_bound=LOWER_BOUND, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        cu_seqlens=x["cu_seqlens"],
     )[0]  # fmt: skip
 
 
@@ -503,9 +505,9 @@ def our_launches(B, T, H, D) -> dict:
 
     x = chunk_inputs(B, T, H, D, None)
     flat = {n: x[n].reshape(B * T, H, -1) if x[n].dim() == 4 else x[n] for n in LEAVES}
-    beta = torch.sigmoid(x["beta"]).reshape(B * T, H)
+    beta = x["beta"].reshape(B * T, H)  # logits, σ in the kernels
     index = fixed_length_index(B, T, x["q"].device)
-    opts = dict(scale=D**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True)
+    opts = dict(scale=D**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True, beta_sigmoid=True)
     args = (flat["q"], flat["k"], flat["v"], flat["g"], beta, x["A_log"], x["dt_bias"])
     do = torch.randn_like(flat["v"])
     state = dict(V=D, out_dtype=torch.bfloat16, output_final_state=False)

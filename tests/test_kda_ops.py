@@ -252,6 +252,22 @@ def test_fused_recurrent_matches_naive(lower_bound):
     assert_all_close(ref, run(fused_recurrent_kda, inputs, F64), 1e-13)
 
 
+@pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "fused_recurrent"])
+def test_beta_sigmoid_in_op_matches_sigmoid_outside(op):
+    """``use_beta_sigmoid_in_kernel``: β given as logits gives the naive fp64 result on ``σ(logits)``, the
+    gradient taken w.r.t. the logits (through ``torch.sigmoid`` outside the reference)."""
+    inputs = case_inputs(2, 40, "raw", -5.0, in_op_gate=True)
+    inputs["beta"] = 3.0 * torch.logit(inputs["beta"])  # logits spanning σ ≈ 0.0003 .. 0.9997
+
+    def naive_on_logits(beta, **kw):
+        return naive_recurrent_kda(beta=torch.sigmoid(beta), **kw)
+
+    ref = run(naive_on_logits, inputs, F64)
+    out = run(op, inputs, F64, use_beta_sigmoid_in_kernel=True)
+    assert_all_close(ref, out, 1e-10)
+    assert ref["dbeta"].abs().max() > 1e-3  # the logits' gradient is not trivially 0
+
+
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["fp64", "fp32"])
 def test_prefill_then_decode_equals_one_pass(dtype):
     """chunk_kda over the first T0 tokens, then fused_recurrent_kda token by token from its state."""

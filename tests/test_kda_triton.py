@@ -334,7 +334,7 @@ def triton_chunk(**kw):
         q, kw["k"], kw["v"], kw["g"], kw["beta"], scale=q.shape[-1] ** -0.5, initial_state=kw["initial_state"],
         output_final_state=kw["output_final_state"], seq_lens=seq_lens, cu_seqlens=kw["cu_seqlens"],
         use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], A_log=kw["A_log"], dt_bias=kw["dt_bias"],
-        lower_bound=kw["lower_bound"],
+        lower_bound=kw["lower_bound"], use_beta_sigmoid_in_kernel=kw.get("use_beta_sigmoid_in_kernel", False),
     )  # fmt: skip
 
 
@@ -589,7 +589,42 @@ def test_gpu_fused_recurrent_dispatch():
     assert_close("ht", ht_ref, ht, 1e-5)
 
 
+def check_beta_sigmoid_in_kernel(monkeypatch, device: str, T: int, H: int, K: int) -> None:
+    """``use_beta_sigmoid_in_kernel`` with β given as logits: o, the final state and every gradient (the
+    logits' included) against the fp64 op applied to ``σ(logits)`` (``torch.sigmoid`` outside, so the
+    reference does not use the flag), at the bf16 tolerances; then the forward without autograd (the
+    16-token tiles) on the same inputs."""
+    from openk3.ops.kda.triton import tile_forward
+
+    inputs = make_inputs(1, T, H, K, K, device=device, seed=23)
+    gen = torch.Generator().manual_seed(24)
+    inputs["beta"] = (3.0 * torch.randn(1, T, H, generator=gen)).to(device, BF16)  # σ from 0.0001 to 0.9999
+    op = functools.partial(triton_chunk if device == "cpu" else chunk_kda, use_beta_sigmoid_in_kernel=True)
+
+    def on_sigmoid(beta, **kw):
+        return (naive_recurrent_kda if T <= 128 else chunk_kda)(beta=torch.sigmoid(beta), **kw)
+
+    ref = run(on_sigmoid, inputs, cast=F64)
+    assert_grads_close(ref, run(op, inputs), TOL_BF16, inputs)
+    monkeypatch.setitem(tile_forward.LAUNCH, "enabled", True)
+    out = run_forward(op, inputs)
+    for name in ("o", "ht"):
+        assert_close(name, ref[name], out[name], TOL_BF16[name])
+
+
+@gpu
+def test_gpu_chunk_beta_sigmoid_in_kernel(monkeypatch):
+    """:func:`check_beta_sigmoid_in_kernel` on the GPU (T 1000, H 4, D 128)."""
+    check_beta_sigmoid_in_kernel(monkeypatch, "cuda", 1000, 4, 128)
+
+
 # ------------------------------------------------------------------------------ interpreter (CPU, tiny)
+
+
+@interpreter
+def test_interpreter_chunk_beta_sigmoid_in_kernel(monkeypatch):
+    """:func:`check_beta_sigmoid_in_kernel` in the interpreter (T 150, H 2, D 128)."""
+    check_beta_sigmoid_in_kernel(monkeypatch, "cpu", 150, 2, 128)
 
 
 @interpreter

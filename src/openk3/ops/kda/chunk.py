@@ -42,6 +42,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA by chunks (§1.5); equals :func:`~openk3.ops.kda.naive.naive_recurrent_kda` up to rounding.
 
@@ -58,7 +59,8 @@ def chunk_kda(
         v: ``[B, T, H, V]``.
         g: ``[B, T, H, K]`` log-decay (natural log, ≤ 0); with ``A_log`` given, the raw gate pre-activation
             that :func:`~openk3.ops.kda.gate.kda_gate` turns into the log-decay inside the op.
-        beta: ``[B, T, H]`` post-sigmoid delta-rule strength, in ``[0, 1]``. Not checked (a check would
+        beta: ``[B, T, H]`` post-sigmoid delta-rule strength, in ``[0, 1]`` (logits with
+            ``use_beta_sigmoid_in_kernel``). Not checked (a check would
             sync with the device); the CUDA path's fp16 operand bounds assume it (see
             :data:`openk3.ops.kda.triton.chunk_prepare.LAUNCH`; at β = 1.9 with repeated keys the results
             stay finite but are 2% off in Triton's interpreter).
@@ -73,6 +75,9 @@ def chunk_kda(
         dt_bias: ``[H*K]`` gate bias (needs ``A_log``).
         lower_bound: ``lb < 0`` selects the K3 gate ``lb·σ(...)``; None the Kimi-Linear softplus gate.
         chunk_size: tokens per chunk ``C``, a positive multiple of 16 (default 64). T need not be a multiple.
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits and the op uses ``σ(beta)``, computed in fp32 (the
+            compute dtype) inside the kernels rather than rounded to ``beta``'s dtype first (fla's flag of
+            that name); the gradient is w.r.t. the logits. Default False.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``final_state`` ``[N, H, K, V]`` in the
@@ -98,12 +103,12 @@ def chunk_kda(
             q, k, v, g, beta, scale=q.shape[-1] ** -0.5 if scale is None else scale,
             initial_state=initial_state, output_final_state=output_final_state, seq_lens=seq_lens,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
-            dt_bias=dt_bias, lower_bound=lower_bound,
+            dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         )  # fmt: skip
     x = prepare_kda_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     B, T = x.q.shape[:2]
     layout = ChunkLayout(B, T, x.seq_lens, chunk_size, x.q.device)

@@ -34,6 +34,7 @@ def fused_recurrent_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA by the recurrence, for decoding (fla ``fused_recurrent_kda``, kda_kernels reference §1.9).
 
@@ -41,7 +42,8 @@ def fused_recurrent_kda(
     q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; ``initial_state`` and the returned
     ``final_state`` ``[N, H, K, V]`` in the compute dtype (float32, or float64 for float64 inputs); ``o``
     ``[B, T, H, V]`` in ``v.dtype``. No gradient is needed at decode time, but the result is the same (and
-    differentiable) with grad enabled.
+    differentiable) with grad enabled. ``use_beta_sigmoid_in_kernel``: ``beta`` holds logits and the op uses
+    ``σ(beta)`` in the compute dtype, as :func:`~openk3.ops.kda.chunk.chunk_kda` (default False).
 
     On CUDA tensors with Triton installed and no gradient needed, the Triton decode kernel
     (:mod:`openk3.ops.kda.triton.decode`, any gate, K and V in {16, 32, 64, 128}) runs instead, on a copy of
@@ -64,12 +66,12 @@ def fused_recurrent_kda(
             cu_seqlens=None if seq_lens is None else cu_seqlens.to(torch.int64),
             num_seqs=q.shape[0] if seq_lens is None else len(seq_lens),
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=lower_bound,
+            lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         )  # fmt: skip
     x = prepare_kda_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     B, T = x.q.shape[:2]
     longest = T if x.seq_lens is None else max(x.seq_lens)

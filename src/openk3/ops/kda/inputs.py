@@ -73,8 +73,10 @@ def prepare_kda_inputs(
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     lower_bound: float | None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> KDAInputs:
-    """Check the arguments of a KDA op and prepare them (see the op docstrings for their meaning).
+    """Check the arguments of a KDA op and prepare them (see the op docstrings for their meaning; with
+    ``use_beta_sigmoid_in_kernel`` ``beta`` holds logits and becomes ``σ(beta)`` in the compute dtype).
 
     Raises:
         ValueError: on any shape, dtype or ``cu_seqlens`` problem; the message names the argument.
@@ -94,7 +96,7 @@ def prepare_kda_inputs(
         k=k,
         v=v.to(dtype),
         g=g,
-        beta=beta.to(dtype),
+        beta=torch.sigmoid(beta.to(dtype)) if use_beta_sigmoid_in_kernel else beta.to(dtype),
         h0=initial_state,
         seq_lens=seq_lens,
         out_dtype=v.dtype,

@@ -104,9 +104,9 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
-                output_final_state):  # fmt: skip
+                output_final_state, beta_sigmoid):  # fmt: skip
         check_grad_wy_launch()  # before any work, not in the backward
-        opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm)
+        opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
         pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
         keep = LAUNCH["keep_intermediates"]
         o, ht, h, v_new = chunk_state_fwd(
@@ -141,7 +141,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             dq, dk, wy.dv, dg, dbeta, dA_log.to(A_log.dtype),
             None if dt_bias is None else ddt.to(dt_bias.dtype),
             None if h0 is None else dh0,
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -161,11 +161,14 @@ def chunk_kda_triton(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor | None,
     lower_bound: float,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`~openk3.ops.kda.chunk.chunk_kda` with the K3 gate in the kernel (arguments checked there).
 
     Args:
-        q, k, g: ``[B, T, H, K]`` (g raw). v: ``[B, T, H, V]``. beta: ``[B, T, H]`` post-sigmoid.
+        q, k, g: ``[B, T, H, K]`` (g raw). v: ``[B, T, H, V]``. beta: ``[B, T, H]`` post-sigmoid, or logits
+            with ``use_beta_sigmoid_in_kernel`` (the kernels apply ``σ`` in fp32; its gradient is w.r.t.
+            the logits).
         scale: multiplies q. initial_state: fp32 ``[N, H, K, V]`` or None.
         seq_lens, cu_seqlens: the documents of a packed row (``B = 1``), or None for ``B`` rows.
         A_log: ``[H' ≥ H]`` (first H used); dt_bias ``[H*K]`` or None; lower_bound in ``[−5, 0)``.
@@ -195,8 +198,10 @@ def chunk_kda_triton(
     if tiles:
         o, ht = tile_forward(
             *args, scale=scale, lower_bound=lower_bound, use_l2norm=use_qk_l2norm_in_kernel,
-            output_final_state=output_final_state,
+            output_final_state=output_final_state, beta_sigmoid=use_beta_sigmoid_in_kernel,
         )  # fmt: skip
     else:
-        o, ht = ChunkKDAFunction.apply(*args, scale, lower_bound, use_qk_l2norm_in_kernel, output_final_state)
+        o, ht = ChunkKDAFunction.apply(
+            *args, scale, lower_bound, use_qk_l2norm_in_kernel, output_final_state, use_beta_sigmoid_in_kernel
+        )
     return o.view(B, T, H, V), ht

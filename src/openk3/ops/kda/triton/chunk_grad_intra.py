@@ -41,6 +41,7 @@ from openk3.ops.kda.triton.kernel_math import (
     dot_precision,
     gate_cumsum_slice,
     launch_options,
+    load_beta,
     load_row_vec,
     load_rows,
     row_at,
@@ -80,7 +81,7 @@ def chunk_grad_intra_kernel(
     scale, lower_bound, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     NB: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the per-chunk
     partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites ``dqn``/``dkn``
@@ -95,7 +96,7 @@ def chunk_grad_intra_kernel(
 
     b_dA = load_rows(dA, t0, n_valid, i_h, 0, H, BT, BT, BT) * scale
     b_dL = load_rows(dL, t0, n_valid, i_h, 0, H, BT, BT, BT)
-    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+    b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
     b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
     b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
     b_dAt = tl.trans(b_dA)
@@ -179,13 +180,15 @@ def chunk_grad_intra_kernel(
         store_rows(dk, b_dkn, t0, n_valid, i_h, k0, H, K, BT, BK)
     for i_p in tl.static_range(NB):
         b_db += load_row_vec(dbeta_part + i_p * part_stride_b, t0, n_valid, i_h, H, BT)
+    if BETA_SIGMOID:  # to the logits: dσ/dx = σ(1 − σ)
+        b_db = b_db * b_beta * (1.0 - b_beta)
     store_row_vec(dbeta, b_db, t0, n_valid, i_h, H, BT)
     tl.store(dA_log_part + i_c.to(tl.int64) * H + i_h, tl.sum(acc_dA_log, axis=0))
 
 
 def chunk_grad_intra(
     q, k, g, beta, A_log, dt_bias, pre: Prepared, wy: WYGrads, index: ChunkIndex,
-    *, scale: float, lower_bound: float, use_l2norm: bool,
+    *, scale: float, lower_bound: float, use_l2norm: bool, beta_sigmoid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch :func:`chunk_grad_intra_kernel` (``wy.dqn``/``wy.dkn`` are overwritten).
 
@@ -209,6 +212,6 @@ def chunk_grad_intra(
         H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM,
-        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], **launch_options(LAUNCH),
+        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, **launch_options(LAUNCH),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)

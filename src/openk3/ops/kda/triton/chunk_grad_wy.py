@@ -46,6 +46,7 @@ from openk3.ops.kda.triton.kernel_math import (
     dot_precision,
     gate_cumsum_slice,
     launch_options,
+    load_beta,
     load_row_vec,
     load_rows,
     store_row_vec,
@@ -58,6 +59,7 @@ def chunk_grad_wy_value_kernel(
     v, beta, Akk, v_new, dv_new, do, dv, dA, dL, dbeta,
     cu_seqlens, chunk_table,
     H: tl.constexpr, DOT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``: the value-side terms ``dAqk = tril(dO Eᵀ)``, ``dXv = Tᵀ dE``, ``dv = β dXv``,
     ``dL = −strict_lower(dXv Eᵀ)`` and ``dβ ← Σ_v V dXv`` (partial 0 of ``dβ``)."""
@@ -67,7 +69,7 @@ def chunk_grad_wy_value_kernel(
     o_t = tl.arange(0, BT)
     dt = v_new.dtype.element_ty
     b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)
-    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+    b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
     acc_dA = tl.zeros([BT, BT], dtype=tl.float32)
     acc_dL = tl.zeros([BT, BT], dtype=tl.float32)
     acc_db = tl.zeros([BT], dtype=tl.float32)
@@ -97,6 +99,7 @@ def chunk_grad_wy_key_kernel(
     scale, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SCAN_BY_DOT: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of ``dβ``)."""
     i_c = tl.program_id(0)
@@ -135,7 +138,7 @@ def chunk_grad_wy_key_kernel(
         g, t0, n_valid, i_h, A_h, dt_bias, i_k * BK, lower_bound_log2, H, K, BT, BK, HAS_BIAS, SCAN_BY_DOT
     )
     b_eG = tl.exp2(b_G)
-    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+    b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
 
     b_q = load_rows(q, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
@@ -198,7 +201,7 @@ def check_launch() -> None:
 
 def chunk_grad_wy(
     q, k, v, g, beta, A_log, dt_bias, pre: Prepared, h, dh, v_new, dv_new, do, index: ChunkIndex,
-    *, scale: float, lower_bound: float, use_l2norm: bool,
+    *, scale: float, lower_bound: float, use_l2norm: bool, beta_sigmoid: bool = False,
 ) -> WYGrads:  # fmt: skip
     """Launch the value-side and key-side kernels (arguments as the tensors of the forward and the two
     state passes, flat ``[tokens, H, ·]``).
@@ -226,7 +229,8 @@ def chunk_grad_wy(
     chunk_grad_wy_value_kernel[(P, H)](
         v, beta, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,
-        H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, **launch_options(LAUNCH),
+        H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, BETA_SIGMOID=beta_sigmoid,
+        **launch_options(LAUNCH),
     )  # fmt: skip
     chunk_grad_wy_key_kernel[(P, H, NK)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
@@ -235,7 +239,7 @@ def chunk_grad_wy(
         index.cu_seqlens, index.chunk_table, TT * H,
         scale, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"],
+        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid,
         **launch_options(LAUNCH),
     )  # fmt: skip
     return out

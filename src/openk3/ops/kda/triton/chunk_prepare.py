@@ -45,6 +45,7 @@ from openk3.ops.kda.triton.kernel_math import (
     dot_precision,
     gate_cumsum_slice,
     launch_options,
+    load_beta,
     load_row_vec,
     load_rows,
     row_at,
@@ -167,7 +168,7 @@ def chunk_prepare_kernel(
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr, FP16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
     ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
@@ -224,7 +225,7 @@ def chunk_prepare_kernel(
             b_rk = tl.full([BT], 1.0, tl.float32)
         store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
         store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
-        b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+        b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
         b_A = tl.where(o_t[:, None] >= o_t[None, :], acc_A * (b_rq * scale)[:, None] * b_rk[None, :], 0.0)
         store_rows(Aqk, b_A, t0, n_valid, i_h, 0, H, BT, BT, BT)
         b_L = tl.where(o_t[:, None] > o_t[None, :], acc_L * (b_beta * b_rk)[:, None] * b_rk[None, :], 0.0)
@@ -234,7 +235,7 @@ def chunk_prepare_kernel(
         b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)  # fp16 T: tf32-exact
         b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
         b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
-        b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+        b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
 
     # ---- pass 2, by key / value slices: Γ from the chunk start (all factors ≤ 1), W, U, Q̃, K̂, D
     b_rq = b_rq * scale
@@ -290,6 +291,7 @@ def chunk_prepare(
     scale: float,
     lower_bound: float,
     use_l2norm: bool,
+    beta_sigmoid: bool = False,
     saved: Prepared | None = None,
 ) -> Prepared:
     """Launch :func:`chunk_prepare_kernel`.
@@ -298,6 +300,8 @@ def chunk_prepare(
         q, k, g: ``[tokens, H, K]`` (g is the raw gate). v: ``[tokens, H, V]``. beta: ``[tokens, H]``.
         A_log: ``[H]``; dt_bias: ``[H*K]`` or None. index: the chunk tables.
         scale, lower_bound, use_l2norm: as in :func:`~openk3.ops.kda.chunk.chunk_kda`.
+        beta_sigmoid: ``beta`` holds logits and the kernels use ``σ(beta)``
+            (``use_beta_sigmoid_in_kernel``).
         saved: the forward's result; its ``Aqk``, ``Akk`` and norms are reused and only ``W``, ``U``, ``Q̃``,
             ``K̂``, ``D`` are recomputed (the backward's cheaper second pass).
 
@@ -336,7 +340,7 @@ def chunk_prepare(
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
-        FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"],
+        FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid,
         **launch_options(LAUNCH),
     )  # fmt: skip
     return out

@@ -211,6 +211,7 @@ def fused_recurrent_kda_triton(
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     lower_bound: float | None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`~openk3.ops.kda.fused_recurrent.fused_recurrent_kda` on the GPU (arguments already checked
     there): the decode kernel on a copy of the initial states, out of place."""
@@ -226,6 +227,6 @@ def fused_recurrent_kda_triton(
     launch_decode(
         *flat, state, None, cu_seqlens, o, num_seqs=num_seqs, tokens_per_seq=T, scale=scale,
         A_log=None if A_log is None else A_log[:H], dt_bias=dt_bias, lower_bound=lower_bound,
-        use_l2norm=use_qk_l2norm_in_kernel,
+        use_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     return o, (state if output_final_state else None)

@@ -220,6 +220,16 @@ def load_row_vec(ptr, t_start, n_rows, i_h, H: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def load_beta(beta, t_start, n_rows, i_h, H: tl.constexpr, R: tl.constexpr, SIGMOID: tl.constexpr):
+    """Load β ``[R]`` from a ``[tokens, H]`` tensor as fp32 (rows past ``n_rows`` 0): the stored values, or
+    with ``SIGMOID`` their sigmoid (``beta`` then holds logits, fla's ``use_beta_sigmoid_in_kernel``)."""
+    b = load_row_vec(beta, t_start, n_rows, i_h, H, R)
+    if SIGMOID:
+        b = tl.where(tl.arange(0, R) < n_rows, tl.sigmoid(b), 0.0)
+    return b
+
+
+@triton.jit
 def store_row_vec(ptr, value, t_start, n_rows, i_h, H: tl.constexpr, R: tl.constexpr):
     """Store ``[R]`` into rows ``t_start + r < t_start + n_rows`` of a ``[tokens, H]`` tensor."""
     o_r = tl.arange(0, R)

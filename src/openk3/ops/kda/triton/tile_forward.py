@@ -52,7 +52,7 @@ from openk3.ops.kda.triton.kernel_math import (
     dot_precision,
     gate_cumsum_slice,
     launch_options,
-    load_row_vec,
+    load_beta,
     load_rows,
     state_program,
     store_rows,
@@ -98,7 +98,7 @@ def tile_prepare_kernel(
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P16, H)``. Writes ``qg`` = Q̃, ``kt`` = K̃, ``kh`` = K̂ ``[tokens, H, K]``, ``M`` and ``Pb`` = P
     ``[tokens, H, BT]``, ``gend`` = D ``[P16, H, K]``."""
@@ -143,7 +143,7 @@ def tile_prepare_kernel(
         store_rows(kt, b_kt, t0, n_valid, i_h, k0, H, K, BT, BK)
         store_rows(kh, b_kinv * b_GCe[None, :], t0, n_valid, i_h, k0, H, K, BT, BK)
         tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK), b_GCe)
-    b_beta = load_row_vec(beta, t0, n_valid, i_h, H, BT)
+    b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
     o = tl.arange(0, BT)
     b_M = tl.where(o[:, None] >= o[None, :], acc_M, 0.0)
     b_L = tl.where(o[:, None] > o[None, :], acc_L * b_beta[:, None], 0.0)
@@ -224,6 +224,7 @@ def tile_prepare(
     scale: float,
     lower_bound: float,
     use_l2norm: bool,
+    beta_sigmoid: bool = False,
 ) -> TilePrepared:
     """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`).
 
@@ -252,7 +253,7 @@ def tile_prepare(
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
         H=H, DOT=dot_precision(dt), K=K, BT=TILE, BK=BK, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        **launch_options(LAUNCH),
+        BETA_SIGMOID=beta_sigmoid, **launch_options(LAUNCH),
     )  # fmt: skip
     return out
 
@@ -301,22 +302,27 @@ def tile_forward(
     lower_bound: float,
     use_l2norm: bool,
     output_final_state: bool,
+    beta_sigmoid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward of the chunked KDA on 16-token tiles (no autograd): :func:`tile_prepare` then
     :func:`tile_recurrence`.
 
     Args:
-        q, k, g: ``[tokens, H, K]`` (g raw). v: ``[tokens, H, V]``. beta: ``[tokens, H]`` in ``[0, 1]``.
+        q, k, g: ``[tokens, H, K]`` (g raw). v: ``[tokens, H, V]``. beta: ``[tokens, H]`` in ``[0, 1]``
+            (logits with ``beta_sigmoid``).
         A_log: ``[H]``; dt_bias: ``[H*K]`` or None. initial_state: fp32 ``[N, H, K, V]`` or None.
         index: tiles of :data:`TILE` tokens (``chunk_index`` with ``size=TILE``), at least one token (the
             public op refuses empty inputs).
         scale, lower_bound (in ``[−5, 0)``), use_l2norm: as in :func:`~openk3.ops.kda.chunk.chunk_kda`.
         output_final_state: also return the fp32 ``[N, H, K, V]`` state after each sequence.
+        beta_sigmoid: ``beta`` holds logits and the kernel uses ``σ(beta)``
+            (``use_beta_sigmoid_in_kernel``).
 
     Returns:
         ``(o [tokens, H, V] in v.dtype, final_state or None)``.
     """
     pre = tile_prepare(
-        q, k, g, beta, A_log, dt_bias, index, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm
-    )
+        q, k, g, beta, A_log, dt_bias, index, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm,
+        beta_sigmoid=beta_sigmoid,
+    )  # fmt: skip
     return tile_recurrence(pre, v, initial_state, index, output_final_state=output_final_state)
