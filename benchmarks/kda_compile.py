@@ -81,9 +81,9 @@ def recorded_launches():
 
 
 def record_kda_launches() -> list[Launch]:
-    """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, initial state), of
-    the same forward without autograd on 16-token tiles (``tile_forward``, switched on for the call) and of one
-    decode step on a state pool, in order."""
+    """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, β as logits as the
+    K3 layer passes it, initial state), of the same forward without autograd on 16-token tiles
+    (``tile_forward``, switched on for the call) and of one decode step on a state pool, in order."""
     from openk3.ops.kda.triton import tile_forward
     from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
     from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
@@ -91,7 +91,7 @@ def record_kda_launches() -> list[Launch]:
     B, T, H, D = 1, 128, 96, 128
     bf = torch.bfloat16
     q, k, v, g = (torch.randn(B, T, H, D, dtype=bf, requires_grad=True) for _ in range(4))
-    beta = torch.rand(B, T, H, dtype=bf, requires_grad=True)
+    beta = torch.randn(B, T, H, dtype=bf, requires_grad=True)  # logits
     A_log = torch.zeros(H, requires_grad=True)
     dt_bias = torch.zeros(H * D, requires_grad=True)
     h0 = torch.zeros(B, H, D, D, requires_grad=True)
@@ -99,6 +99,7 @@ def record_kda_launches() -> list[Launch]:
         o, ht = chunk_kda_triton(
             q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True, seq_lens=None,
             cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+            use_beta_sigmoid_in_kernel=True,
         )  # fmt: skip
         (o.float().sum() + ht.sum()).backward()
         enabled = tile_forward.LAUNCH["enabled"]
@@ -108,7 +109,7 @@ def record_kda_launches() -> list[Launch]:
                 chunk_kda_triton(
                     q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True,
                     seq_lens=None, cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log,
-                    dt_bias=dt_bias, lower_bound=-5.0,
+                    dt_bias=dt_bias, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True,
                 )  # fmt: skip
         finally:
             tile_forward.LAUNCH["enabled"] = enabled
