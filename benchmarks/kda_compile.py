@@ -81,9 +81,10 @@ def recorded_launches():
 
 
 def record_kda_launches() -> list[Launch]:
-    """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, β as logits as the
-    K3 layer passes it, initial state), of the same forward without autograd on 16-token tiles
-    (``tile_forward``, switched on for the call) and of one decode step on a state pool, in order."""
+    """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, β as logits with
+    ``use_beta_sigmoid_in_kernel``, the variant whose GPU test has not run yet; initial state), of the same
+    forward without autograd on 16-token tiles (``tile_forward``, switched on for the call) and of one decode
+    step on a state pool, in order."""
     from openk3.ops.kda.triton import tile_forward
     from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
     from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
