@@ -679,6 +679,19 @@ def test_interpreter_chunk_grad_wy_refuses_bad_block(monkeypatch, key, size):
         run(triton_chunk, inputs)
 
 
+@interpreter
+@pytest.mark.parametrize(("key", "value"), [("overlap_state_passes", "False"), ("keep_intermediates", 0)])
+def test_interpreter_chunk_function_refuses_non_bool_launch(monkeypatch, key, value):
+    """``chunk_function.LAUNCH`` entries must be bools (``"False"`` would read as true): a ValueError naming the
+    entry before any work."""
+    from openk3.ops.kda.triton import chunk_function
+
+    monkeypatch.setitem(chunk_function.LAUNCH, key, value)
+    inputs = make_inputs(1, 20, 1, 32, 32, seed=3)
+    with pytest.raises(ValueError, match=key):
+        run(triton_chunk, inputs)
+
+
 def check_same_bits(monkeypatch, device: str, T: int, H: int, K: int, key: str, value: bool) -> None:
     """``chunk_function.LAUNCH[key]`` set to ``value`` gives the bits of the default: ``o``, the final state and
     every gradient, for two packed documents (the second starting mid-chunk)."""

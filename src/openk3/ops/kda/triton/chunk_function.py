@@ -21,6 +21,8 @@ Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
@@ -47,17 +49,28 @@ bitwise those of the default (both passes compute one ``U`` from the fp16 ``T``;
 interpreter). Off by default: with many layers the 1 GB per layer and sequence of saved activations, not one
 layer's peak, bounds training sizes.
 
-``overlap_state_passes``: see :func:`backward_state_passes`."""
+``overlap_state_passes``: see :func:`backward_state_passes`. Both entries must be ``True`` or ``False``
+(:func:`check_launch`)."""
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH`'s entries are bools (a string such as ``"False"`` would
+    otherwise read as true); :class:`ChunkKDAFunction` calls it before its forward does any work."""
+    for key, value in LAUNCH.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"chunk_function.LAUNCH[{key!r}] must be True or False; got {value!r}")
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One extra CUDA stream per device, created on first use and reused (streams are not freed)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    with _SIDE_STREAMS_LOCK:
+        if index not in _SIDE_STREAMS:
+            _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        return _SIDE_STREAMS[index]
 
 
 def backward_state_passes(
@@ -71,31 +84,36 @@ def backward_state_passes(
     independent. With ``LAUNCH["overlap_state_passes"]`` and CUDA tensors the forward-direction pass runs on a
     side stream (:func:`side_stream`) while the reverse pass runs on the current one, which then waits for
     it: each pass has one program per (value block, sequence, head), 128 at B1 T32768 H32 D128, one per
-    multiprocessor, so two passes can share the GPU. The results are the same bits either way.
+    multiprocessor, so two passes can share the GPU. The results are the same bits either way. ``h`` and
+    ``E`` are allocated on the current stream before the side pass writes them, so the caching allocator
+    reuses their memory there as usual (no ``record_stream``, which would hold it until the end of a CUDA
+    graph capture); the work runs on ``do``'s device whatever the current device is.
 
     Returns:
         ``(h [P, H, K, V], v_new [tokens, H, V], dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32
         [N, H, K, V])``.
     """
+    TT, H, K = pre.w.shape
+    h = pre.w.new_empty(index.num_chunks, H, K, do.shape[-1])
+    v_new = pre.w.new_empty(TT, H, do.shape[-1])
 
-    def forward_pass() -> tuple[torch.Tensor, torch.Tensor]:
-        _, _, h, v_new = chunk_state_fwd(
+    def forward_pass() -> None:
+        chunk_state_fwd(
             pre, h0, index, V=do.shape[-1], out_dtype=do.dtype, output_final_state=False, store_h=True,
-            store_o=False,
+            store_o=False, h_out=(h, v_new),
         )  # fmt: skip
-        return h, v_new
 
     if not (LAUNCH["overlap_state_passes"] and do.is_cuda):
-        return (*forward_pass(), *chunk_state_bwd(pre, do, dht, index))
-    main = torch.cuda.current_stream(do.device)
-    side = side_stream(do.device)
-    side.wait_stream(main)  # the side pass reads what the current stream wrote
-    with torch.cuda.stream(side):
-        h, v_new = forward_pass()
-    reverse = chunk_state_bwd(pre, do, dht, index)
-    main.wait_stream(side)
-    for t in (h, v_new):  # allocated on the side stream, used and freed on the current one
-        t.record_stream(main)
+        forward_pass()
+        return (h, v_new, *chunk_state_bwd(pre, do, dht, index))
+    with torch.cuda.device(do.device):
+        main = torch.cuda.current_stream()
+        side = side_stream(do.device)
+        side.wait_stream(main)  # the side pass reads what the current stream wrote, and writes h, E
+        with torch.cuda.stream(side):
+            forward_pass()
+        reverse = chunk_state_bwd(pre, do, dht, index)
+        main.wait_stream(side)
     return (h, v_new, *reverse)
 
 
@@ -105,7 +123,8 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
                 output_final_state, beta_sigmoid):  # fmt: skip
-        check_grad_wy_launch()  # before any work, not in the backward
+        check_launch()  # before any work, not in the backward
+        check_grad_wy_launch()
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
         pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
         keep = LAUNCH["keep_intermediates"]

@@ -99,6 +99,7 @@ def chunk_state_fwd(
     output_final_state: bool,
     store_h: bool,
     store_o: bool,
+    h_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the state pass.
 
@@ -109,6 +110,8 @@ def chunk_state_fwd(
         store_h: return ``h`` ``[P, H, K, V]`` (the state at each chunk start) and ``v_new`` = ``E``
             ``[tokens, H, V]``, both in the storage dtype.
         store_o: return ``o`` (the backward's pass needs none).
+        h_out: with ``store_h``, the ``(h, v_new)`` tensors to write (allocated by the caller, e.g. on the
+            stream that will use them when this pass runs on another); None allocates them here.
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.
@@ -117,8 +120,11 @@ def chunk_state_fwd(
     N, P = index.num_seqs, index.num_chunks
     o = pre.w.new_empty(TT, H, V, dtype=out_dtype) if store_o else None
     ht = pre.w.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    h = pre.w.new_empty(P, H, K, V) if store_h else None
-    v_new = pre.w.new_empty(TT, H, V) if store_h else None
+    if h_out is not None:
+        h, v_new = h_out
+    else:
+        h = pre.w.new_empty(P, H, K, V) if store_h else None
+        v_new = pre.w.new_empty(TT, H, V) if store_h else None
     BV = value_block(V, N * H)
     chunk_state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
         pre.w, pre.u, pre.qg, pre.kg, pre.Aqk, pre.gend, initial_state, o, ht, h, v_new,
