@@ -75,9 +75,10 @@ def chunk_kda(
         dt_bias: ``[H*K]`` gate bias (needs ``A_log``).
         lower_bound: ``lb < 0`` selects the K3 gate ``lb·σ(...)``; None the Kimi-Linear softplus gate.
         chunk_size: tokens per chunk ``C``, a positive multiple of 16 (default 64). T need not be a multiple.
-        use_beta_sigmoid_in_kernel: ``beta`` holds logits and the op uses ``σ(beta)``, computed in fp32 (the
-            compute dtype) inside the kernels rather than rounded to ``beta``'s dtype first (fla's flag of
-            that name); the gradient is w.r.t. the logits. Default False.
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits and the op uses ``σ(beta)``, computed in the compute
+            dtype (fp32, fp64 for fp64 inputs; inside the kernels on the GPU) rather than rounded to
+            ``beta``'s dtype first (fla's flag of that name); the gradient is w.r.t. the logits. Default
+            False.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``final_state`` ``[N, H, K, V]`` in the
