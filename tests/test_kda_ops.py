@@ -252,7 +252,9 @@ def test_fused_recurrent_matches_naive(lower_bound):
     assert_all_close(ref, run(fused_recurrent_kda, inputs, F64), 1e-13)
 
 
-@pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "fused_recurrent"])
+@pytest.mark.parametrize(
+    "op", [chunk_kda, fused_recurrent_kda, naive_recurrent_kda], ids=["chunk", "fused_recurrent", "naive"]
+)
 def test_beta_sigmoid_in_op_matches_sigmoid_outside(op):
     """``use_beta_sigmoid_in_kernel``: β given as logits gives the naive fp64 result on ``σ(logits)``, the
     gradient taken w.r.t. the logits (through ``torch.sigmoid`` outside the reference)."""

@@ -82,7 +82,10 @@ def chunk_kda(
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``final_state`` ``[N, H, K, V]`` in the
-        compute dtype (float64 when any input is float64, else float32 — also for fp16/bf16), or None.
+        compute dtype (float64 when any input is float64, else float32 — also for fp16/bf16), or None. A NaN
+        or inf in one token's inputs makes ``o`` non-finite from the start of that token's chunk on (16
+        tokens in the GPU's tile forward; the chunk's matrix products give 0·NaN = NaN for its earlier rows
+        too); earlier chunks stay finite.
 
     Raises:
         ValueError: on bad shapes, ``cu_seqlens`` (or ``B != 1`` with it), ``initial_state`` shape/dtype, gate

@@ -78,6 +78,7 @@ def naive_recurrent_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA by the per-token recurrence (§1.2): the exact, slow reference; differentiable by autograd.
 
@@ -86,7 +87,7 @@ def naive_recurrent_kda(
         v: ``[B, T, H, V]``.
         g: ``[B, T, H, K]`` log-decay (natural log, ≤ 0); with ``A_log`` given, the raw gate pre-activation
             that :func:`~openk3.ops.kda.gate.kda_gate` turns into the log-decay inside the op.
-        beta: ``[B, T, H]`` post-sigmoid delta-rule strength.
+        beta: ``[B, T, H]`` post-sigmoid delta-rule strength (logits with ``use_beta_sigmoid_in_kernel``).
         scale: multiplies q; default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` (K first) in the compute dtype, or None for zeros; ``N = B``, or the
             number of documents with ``cu_seqlens``.
@@ -97,6 +98,8 @@ def naive_recurrent_kda(
         A_log: ``[H' ≥ H]`` gate parameter; when given the gate is applied in the op.
         dt_bias: ``[H*K]`` gate bias (needs ``A_log``).
         lower_bound: ``lb < 0`` selects the K3 gate ``lb·σ(...)``; None the Kimi-Linear softplus gate.
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits and the op uses ``σ(beta)`` in the compute dtype
+            (the flag of :func:`~openk3.ops.kda.chunk.chunk_kda`; default False).
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``final_state`` ``[N, H, K, V]`` in the
@@ -108,7 +111,7 @@ def naive_recurrent_kda(
     x = prepare_kda_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     o_BTHV, final_NHKV = _run_per_sequence(x)
     return o_BTHV.to(x.out_dtype), (final_NHKV if output_final_state else None)
