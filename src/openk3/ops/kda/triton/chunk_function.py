@@ -21,7 +21,7 @@ Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`
 
 from __future__ import annotations
 
-import threading
+import functools
 
 import torch
 
@@ -52,9 +52,6 @@ layer's peak, bounds training sizes.
 ``overlap_state_passes``: see :func:`backward_state_passes`. Both entries must be ``True`` or ``False``
 (:func:`check_launch`)."""
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-_SIDE_STREAMS_LOCK = threading.Lock()
-
 
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH`'s entries are bools (a string such as ``"False"`` would
@@ -66,11 +63,12 @@ def check_launch() -> None:
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One extra CUDA stream per device, created on first use and reused (streams are not freed)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _SIDE_STREAMS_LOCK:
-        if index not in _SIDE_STREAMS:
-            _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-        return _SIDE_STREAMS[index]
+    return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
 
 
 def backward_state_passes(
