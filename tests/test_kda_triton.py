@@ -47,6 +47,7 @@ if INTERPRET and "openk3.ops.kda.triton.chunk_prepare" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. imported below
 
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
+from openk3.ops.kda.triton.chunk_index import fixed_length_index  # noqa: E402
 
 F64 = torch.float64
 BF16 = torch.bfloat16
@@ -728,6 +729,86 @@ def test_gpu_chunk_overlap_state_passes(monkeypatch, T, H):
 
     assert chunk_function.LAUNCH["overlap_state_passes"]
     check_same_bits(monkeypatch, "cuda", T, H, 128, "overlap_state_passes", False)
+
+
+def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, segments: int) -> None:
+    """A single sequence cut into ``segments`` pieces (``pipeline.LAUNCH``; on the GPU each piece's prepare runs
+    on a side stream beside the state pass over the piece before) gives the bits of the uncut call: ``o``,
+    the final state and every gradient on the training path (64-token chunks), ``o`` and the final state on
+    the tile forward (no autograd); B1 with and without ``keep_intermediates``, and one document in
+    ``cu_seqlens``."""
+    from openk3.ops.kda.triton import chunk_function, pipeline
+
+    op = triton_chunk if device == "cpu" else chunk_kda
+    inputs = make_inputs(1, T, H, K, K, device=device, seed=19)
+    for cu_seqlens, keep in ((None, False), (torch.tensor([0, T], device=device), False), (None, True)):
+        monkeypatch.setitem(chunk_function.LAUNCH, "keep_intermediates", keep)
+        monkeypatch.setitem(pipeline.LAUNCH, "segments", 0)
+        whole = run(op, inputs, cu_seqlens=cu_seqlens) | {
+            f"tile_{n}": t for n, t in run_forward(op, inputs, cu_seqlens=cu_seqlens).items()
+        }
+        monkeypatch.setitem(pipeline.LAUNCH, "segments", segments)
+        monkeypatch.setitem(pipeline.LAUNCH, "min_tokens", 0)
+        assert pipeline.segments(fixed_length_index(1, T, device, 64), 64, device, 1) is not None
+        cut = run(op, inputs, cu_seqlens=cu_seqlens) | {
+            f"tile_{n}": t for n, t in run_forward(op, inputs, cu_seqlens=cu_seqlens).items()
+        }
+        for name, out in whole.items():
+            assert torch.equal(out, cut[name]), (name, cu_seqlens, keep)
+
+
+@interpreter
+def test_interpreter_pipeline_segments_same_bits(monkeypatch):
+    """The segment logic in the interpreter (no streams: the same launches one after another): T 200 cut
+    into 3 pieces (four chunks in two pieces of two, thirteen tiles in 5 + 5 + 3, the last partial)."""
+    from openk3.ops.kda.triton import pipeline
+
+    monkeypatch.setattr(pipeline, "overlaps", lambda device, programs: True)
+    check_segments_same_bits(monkeypatch, "cpu", 200, 2, 32, 3)
+
+
+@gpu
+@pytest.mark.parametrize(("T", "segments"), [(20000, 4), (20000, 7)])
+def test_gpu_pipeline_segments_same_bits(monkeypatch, T, segments):
+    """On the GPU, with the side streams: T 20000 (the last chunk partial), H 4, D 128; a pass with more
+    programs than multiprocessors is not cut."""
+    from openk3.ops.kda.triton import pipeline
+
+    check_segments_same_bits(monkeypatch, "cuda", T, 4, 128, segments)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert pipeline.overlaps(torch.device("cuda"), sms) and not pipeline.overlaps(
+        torch.device("cuda"), sms + 1
+    )
+
+
+def test_pipeline_segments_cover_the_sequence(monkeypatch):
+    """``segments`` cuts one sequence into whole chunks that cover it in order (the last one partial), fewer
+    pieces when the chunks run out, and cuts nothing for several sequences, short sequences, a device
+    without streams or ``segments < 2``; bad ``LAUNCH`` values are refused."""
+    from openk3.ops.kda.triton import pipeline
+
+    monkeypatch.setattr(pipeline, "overlaps", lambda device, programs: True)
+    monkeypatch.setitem(pipeline.LAUNCH, "min_tokens", 100)
+    monkeypatch.setitem(pipeline.LAUNCH, "segments", 4)
+    segs = pipeline.segments(fixed_length_index(1, 1000, "cpu", 64), 64, "cpu", 1)
+    assert [(s.start, s.stop, s.chunk_start, s.chunk_stop) for s in segs] == [
+        (0, 256, 0, 4), (256, 512, 4, 8), (512, 768, 8, 12), (768, 1000, 12, 16)
+    ]  # fmt: skip
+    assert [s.index.num_tokens for s in segs] == [256, 256, 256, 232]
+    assert [s.index.num_chunks for s in segs] == [4, 4, 4, 4]
+    monkeypatch.setitem(pipeline.LAUNCH, "segments", 40)
+    assert len(pipeline.segments(fixed_length_index(1, 200, "cpu", 64), 64, "cpu", 1)) == 4
+    assert pipeline.segments(fixed_length_index(2, 1000, "cpu", 64), 64, "cpu", 1) is None
+    assert pipeline.segments(fixed_length_index(1, 99, "cpu", 16), 16, "cpu", 1) is None
+    monkeypatch.setitem(pipeline.LAUNCH, "segments", 1)
+    assert pipeline.segments(fixed_length_index(1, 1000, "cpu", 64), 64, "cpu", 1) is None
+    monkeypatch.undo()
+    monkeypatch.setitem(pipeline.LAUNCH, "min_tokens", 0)
+    assert pipeline.segments(fixed_length_index(1, 1000, "cpu", 64), 64, "cpu", 1) is None  # no streams
+    for bad in (-1, 2.0, True, "4"):
+        monkeypatch.setitem(pipeline.LAUNCH, "segments", bad)
+        with pytest.raises(ValueError, match="segments"):
+            pipeline.segments(fixed_length_index(1, 1000, "cpu", 64), 64, "cpu", 1)
 
 
 @interpreter

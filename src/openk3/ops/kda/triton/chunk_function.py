@@ -16,12 +16,14 @@ forward keeps them with ``W``, ``Q̃``, ``K̂`` and ``D``, so the backward start
 Otherwise, with ``LAUNCH["overlap_state_passes"]`` on CUDA, the backward runs its two state passes at once
 (:func:`backward_state_passes`).
 
+A single long sequence whose state passes have at most one program per multiprocessor is cut into segments
+(:mod:`~openk3.ops.kda.triton.pipeline`; :func:`forward_passes`, :func:`backward_passes`): each segment's
+prepare on a side stream beside the state pass over the segment before, the same bits as uncut.
+
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K``/``V`` key/value dims, ``N`` sequences.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -29,10 +31,11 @@ from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
 from openk3.ops.kda.triton.chunk_grad_wy import check_launch as check_grad_wy_launch
 from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex, fixed_length_index, varlen_index
-from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare
-from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
+from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare, empty_prepared
+from openk3.ops.kda.triton.chunk_state import chunk_state_fwd, state_programs
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
 from openk3.ops.kda.triton.dispatch import needs_grad
+from openk3.ops.kda.triton.pipeline import carried_states, pipelined, segment_of, segments, side_stream
 from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
 from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
@@ -59,16 +62,6 @@ def check_launch() -> None:
     for key, value in LAUNCH.items():
         if not isinstance(value, bool):
             raise ValueError(f"chunk_function.LAUNCH[{key!r}] must be True or False; got {value!r}")
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One extra CUDA stream per device, created on first use and reused (streams are not freed)."""
-    return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _side_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=index)
 
 
 def backward_state_passes(
@@ -115,6 +108,104 @@ def backward_state_passes(
     return (h, v_new, *reverse)
 
 
+def forward_passes(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    h0,
+    index: ChunkIndex,
+    *,
+    keep: bool,
+    output_final_state: bool,
+    opts: dict,
+) -> tuple[Prepared, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The forward's prepare and state pass (``h`` and ``E`` kept with ``keep``). A long single sequence
+    (:func:`~openk3.ops.kda.triton.pipeline.segments`) is cut into segments, each one's prepare on a side
+    stream beside the state pass over the one before (same bits).
+
+    Returns:
+        ``(pre, o, final_state or None, h or None, v_new or None)`` as :func:`chunk_prepare` and
+        :func:`chunk_state_fwd` return them.
+    """
+    H, K, V = q.shape[1], q.shape[2], v.shape[-1]
+    fwd = dict(V=V, out_dtype=v.dtype, store_h=keep, store_o=True)
+    segs = segments(index, CHUNK, q.device, state_programs(V, H, index))
+    if segs is None:
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
+        return (pre, *chunk_state_fwd(pre, h0, index, output_final_state=output_final_state, **fwd))
+    pre = empty_prepared(q, v, index, use_l2norm=opts["use_l2norm"])
+    o = v.new_empty(v.shape)
+    h = pre.w.new_empty(index.num_chunks, H, K, V) if keep else None
+    v_new = pre.w.new_empty(v.shape) if keep else None
+    states = carried_states(h0, len(segs), output_final_state, (1, H, K, V), q.device)
+
+    def produce(j: int) -> None:
+        s = segs[j]
+        cut = (t[s.start : s.stop] for t in (q, k, v, g, beta))
+        chunk_prepare(*cut, A_log, dt_bias, s.index, out=segment_of(pre, s), **opts)
+
+    def consume(j: int) -> None:
+        s = segs[j]
+        kept = (h[s.chunk_start : s.chunk_stop], v_new[s.start : s.stop]) if keep else None
+        chunk_state_fwd(
+            segment_of(pre, s), states[j], s.index, output_final_state=states[j + 1] is not None, h_out=kept,
+            o_out=o[s.start : s.stop], ht_out=states[j + 1], **fwd,
+        )  # fmt: skip
+
+    pipelined(q.device, len(segs), produce, consume)
+    return pre, o, states[-1], h, v_new
+
+
+def backward_passes(
+    q, k, v, g, beta, A_log, dt_bias, h0, saved: Prepared, do, dht, index: ChunkIndex, opts: dict
+) -> tuple[Prepared, torch.Tensor, ...]:
+    """The backward's prepare (second pass only, from ``saved``'s ``Aqk``, ``T`` and norms) and its two state
+    passes (:func:`backward_state_passes`). A long single sequence
+    (:func:`~openk3.ops.kda.triton.pipeline.segments`) is prepared segment by segment from its end on a side
+    stream, the reverse pass following segment by segment on the current stream, and the forward-direction
+    pass runs on the side stream once all is prepared, beside the rest of the reverse pass (same bits).
+
+    Returns:
+        ``(pre, h, v_new, dh, dv_new, dh0)``.
+    """
+    segs = segments(index, CHUNK, do.device, state_programs(do.shape[-1], q.shape[1], index))
+    if segs is None:
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
+        return (pre, *backward_state_passes(pre, h0, do, dht, index))
+    pre = empty_prepared(q, v, index, use_l2norm=opts["use_l2norm"], saved=saved)
+    TT, H, K = q.shape
+    V = do.shape[-1]
+    h, dh = (pre.w.new_empty(index.num_chunks, H, K, V) for _ in range(2))
+    v_new, dv_new = (pre.w.new_empty(TT, H, V) for _ in range(2))
+    grads = carried_states(dht, len(segs), True, (1, H, K, V), do.device)  # from the end: dht, ..., dh0
+    last = len(segs) - 1
+
+    def produce(j: int) -> None:
+        s = segs[last - j]
+        cut = (t[s.start : s.stop] for t in (q, k, v, g, beta))
+        chunk_prepare(
+            *cut, A_log, dt_bias, s.index, saved=segment_of(saved, s), out=segment_of(pre, s), **opts
+        )
+
+    def forward_pass() -> None:
+        chunk_state_fwd(
+            pre, h0, index, V=V, out_dtype=do.dtype, output_final_state=False, store_h=True, store_o=False,
+            h_out=(h, v_new),
+        )  # fmt: skip
+
+    def consume(j: int) -> None:
+        s = segs[last - j]
+        out = (dh[s.chunk_start : s.chunk_stop], dv_new[s.start : s.stop], grads[j + 1])
+        chunk_state_bwd(segment_of(pre, s), do[s.start : s.stop], grads[j], s.index, out=out)
+
+    pipelined(do.device, len(segs), produce, consume, side_tail=forward_pass)
+    return pre, h, v_new, dh, dv_new, grads[-1]
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`."""
 
@@ -124,11 +215,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         check_launch()  # before any work, not in the backward
         check_grad_wy_launch()
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
-        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
         keep = LAUNCH["keep_intermediates"]
-        o, ht, h, v_new = chunk_state_fwd(
-            pre, h0, index, V=v.shape[-1], out_dtype=v.dtype, output_final_state=output_final_state,
-            store_h=keep, store_o=True,
+        pre, o, ht, h, v_new = forward_passes(
+            q, k, v, g, beta, A_log, dt_bias, h0, index, keep=keep, output_final_state=output_final_state, opts=opts
         )  # fmt: skip
         # U is not kept: the backward reads E instead (chunk_grad_wy's dL = −dXv Eᵀ)
         kept = (*pre._replace(u=None), h, v_new) if keep else (pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
@@ -148,8 +237,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         else:
             Aqk, Akk, q_rstd, k_rstd = kept
             saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
-            pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
-            h, v_new, dh, dv_new, dh0 = backward_state_passes(pre, h0, do, dht, index)
+            pre, h, v_new, dh, dv_new, dh0 = backward_passes(
+                q, k, v, g, beta, A_log, dt_bias, h0, saved, do, dht, index, opts
+            )
         wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)
         dq, dk, dg, dbeta, dA_log, ddt = chunk_grad_intra(
             q, k, g, beta, A_log, dt_bias, pre, wy, index, **opts

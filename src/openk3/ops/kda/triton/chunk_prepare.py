@@ -278,6 +278,35 @@ class Prepared(NamedTuple):
     k_rstd: torch.Tensor
 
 
+def fp16_inverse(dtype: torch.dtype, use_l2norm: bool) -> bool:
+    """Whether ``T`` is computed and saved in fp16 (:data:`LAUNCH` ``["fp16_inverse"]``, bf16/fp16 inputs, the
+    in-kernel L2 norm)."""
+    return LAUNCH["fp16_inverse"] and use_l2norm and dtype != torch.float32
+
+
+def empty_prepared(
+    q: torch.Tensor, v: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, saved: Prepared | None = None
+) -> Prepared:
+    """Uninitialised :class:`Prepared` tensors for ``q`` ``[tokens, H, K]`` and ``v`` ``[tokens, H, V]`` in
+    chunks ``index`` (dtypes as :func:`chunk_prepare` returns them); ``saved``'s ``Aqk``, ``Akk`` and norms
+    are used as they are."""
+    TT, H, K = q.shape
+    dt = q.dtype
+    return Prepared(
+        w=q.new_empty(TT, H, K, dtype=dt),
+        u=q.new_empty(TT, H, v.shape[-1], dtype=dt),
+        qg=q.new_empty(TT, H, K, dtype=dt),
+        kg=q.new_empty(TT, H, K, dtype=dt),
+        Aqk=q.new_empty(TT, H, CHUNK, dtype=dt) if saved is None else saved.Aqk,
+        Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float16 if fp16_inverse(dt, use_l2norm) else torch.float32)
+        if saved is None
+        else saved.Akk,
+        gend=q.new_empty(index.num_chunks, H, K, dtype=torch.float32),
+        q_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.q_rstd,
+        k_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.k_rstd,
+    )
+
+
 def chunk_prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -293,6 +322,7 @@ def chunk_prepare(
     use_l2norm: bool,
     beta_sigmoid: bool = False,
     saved: Prepared | None = None,
+    out: Prepared | None = None,
 ) -> Prepared:
     """Launch :func:`chunk_prepare_kernel`.
 
@@ -304,6 +334,8 @@ def chunk_prepare(
             (``use_beta_sigmoid_in_kernel``).
         saved: the forward's result; its ``Aqk``, ``Akk`` and norms are reused and only ``W``, ``U``, ``Q̃``,
             ``K̂``, ``D`` are recomputed (the backward's cheaper second pass).
+        out: the tensors to write (from :func:`empty_prepared`, with ``saved``'s own where given), or None to
+            allocate them.
 
     Returns:
         :class:`Prepared`: ``w, qg, kg`` ``[tokens, H, K]`` and ``u`` ``[tokens, H, V]`` in the storage dtype
@@ -314,22 +346,10 @@ def chunk_prepare(
     """
     TT, H, K = q.shape
     V = v.shape[-1]
-    dt = q.dtype
     P = index.num_chunks
-    fp16 = LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
-    out = Prepared(
-        w=q.new_empty(TT, H, K, dtype=dt),
-        u=q.new_empty(TT, H, V, dtype=dt),
-        qg=q.new_empty(TT, H, K, dtype=dt),
-        kg=q.new_empty(TT, H, K, dtype=dt),
-        Aqk=q.new_empty(TT, H, CHUNK, dtype=dt) if saved is None else saved.Aqk,
-        Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float16 if fp16 else torch.float32)
-        if saved is None
-        else saved.Akk,
-        gend=q.new_empty(P, H, K, dtype=torch.float32),
-        q_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.q_rstd,
-        k_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.k_rstd,
-    )
+    fp16 = fp16_inverse(q.dtype, use_l2norm)
+    if out is None:
+        out = empty_prepared(q, v, index, use_l2norm=use_l2norm, saved=saved)
     if P == 0:
         return out
     chunk_prepare_kernel[(P, H)](

@@ -89,6 +89,13 @@ def value_block(V: int, programs_per_block: int, fixed: int | None = None) -> in
     return min(bv, V)
 
 
+def state_programs(V: int, H: int, index: ChunkIndex, fixed: int | None = None) -> int:
+    """How many programs a state pass over ``index`` runs: one per (value block of :func:`value_block`,
+    sequence, head)."""
+    N = index.num_seqs
+    return triton.cdiv(V, value_block(V, N * H, fixed)) * N * H
+
+
 def chunk_state_fwd(
     pre: Prepared,
     initial_state: torch.Tensor | None,
@@ -100,6 +107,8 @@ def chunk_state_fwd(
     store_h: bool,
     store_o: bool,
     h_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    o_out: torch.Tensor | None = None,
+    ht_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the state pass.
 
@@ -112,14 +121,18 @@ def chunk_state_fwd(
         store_o: return ``o`` (the backward's pass needs none).
         h_out: with ``store_h``, the ``(h, v_new)`` tensors to write (allocated by the caller, e.g. on the
             stream that will use them when this pass runs on another); None allocates them here.
+        o_out, ht_out: with ``store_o`` / ``output_final_state``, the ``o`` / final-state tensor to write; None
+            allocates it here.
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.
     """
     TT, H, K = pre.w.shape
     N, P = index.num_seqs, index.num_chunks
-    o = pre.w.new_empty(TT, H, V, dtype=out_dtype) if store_o else None
-    ht = pre.w.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    o = (pre.w.new_empty(TT, H, V, dtype=out_dtype) if o_out is None else o_out) if store_o else None
+    ht = None
+    if output_final_state:
+        ht = pre.w.new_empty(N, H, K, V, dtype=torch.float32) if ht_out is None else ht_out
     if h_out is not None:
         h, v_new = h_out
     else:

@@ -70,13 +70,18 @@ def chunk_state_bwd_kernel(
 
 
 def chunk_state_bwd(
-    pre: Prepared, do: torch.Tensor, dht: torch.Tensor | None, index: ChunkIndex
+    pre: Prepared,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    index: ChunkIndex,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the reverse pass.
 
     Args:
         pre: the prepared chunk tensors. do: ``[tokens, H, V]`` gradient of ``o``. dht: fp32
             ``[N, H, K, V]`` gradient of the final state, or None. index: chunk tables.
+        out: the ``(dh, dv_new, dh0)`` tensors to write, or None to allocate them.
 
     Returns:
         ``(dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32 [N, H, K, V])``; dh and dv_new in the storage
@@ -85,9 +90,13 @@ def chunk_state_bwd(
     TT, H, K = pre.w.shape
     V = do.shape[-1]
     N, P = index.num_seqs, index.num_chunks
-    dh = pre.w.new_empty(P, H, K, V)
-    dv_new = pre.w.new_empty(TT, H, V)
-    dh0 = pre.w.new_empty(N, H, K, V, dtype=torch.float32)
+    if out is None:
+        out = (
+            pre.w.new_empty(P, H, K, V),
+            pre.w.new_empty(TT, H, V),
+            pre.w.new_empty(N, H, K, V, dtype=torch.float32),
+        )
+    dh, dv_new, dh0 = out
     BV = value_block(V, N * H)
     chunk_state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
         pre.qg, pre.kg, pre.w, pre.Aqk, pre.gend, do, dht, dh, dv_new, dh0,

@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import ChunkIndex
-from openk3.ops.kda.triton.chunk_prepare import LAUNCH as PREPARE_LAUNCH
-from openk3.ops.kda.triton.chunk_state import value_block
+from openk3.ops.kda.triton.chunk_prepare import fp16_inverse
+from openk3.ops.kda.triton.chunk_state import state_programs, value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
     check_block,
@@ -59,6 +59,7 @@ from openk3.ops.kda.triton.kernel_math import (
     tf32_operand,
     unit_lower_inverse_stacked,
 )
+from openk3.ops.kda.triton.pipeline import carried_states, pipelined, segment_of, segments
 
 TILE = 16
 """Tokens per tile (FlashKDA's chunk; the bound ``16·|lb|·log2 e ≤ 115.4`` needs ``lb ≥ −5``)."""
@@ -212,6 +213,21 @@ class TilePrepared(NamedTuple):
     gend: torch.Tensor
 
 
+def empty_tile_prepared(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
+    """Uninitialised :class:`TilePrepared` tensors for ``q`` ``[tokens, H, K]`` in tiles ``index``: ``P`` in
+    fp16 under :mod:`~openk3.ops.kda.triton.chunk_prepare`'s fp16 condition (its ``LAUNCH["fp16_inverse"]``,
+    bf16/fp16 inputs, the in-kernel L2 norm; then ``|P_ij| ≤ 1``), else fp32."""
+    TT, H, K = q.shape
+    dt = q.dtype
+    keys_dt = torch.float32 if LAUNCH["fp32_gated_keys"] else dt
+    return TilePrepared(
+        *(q.new_empty(TT, H, K, dtype=keys_dt) for _ in range(3)),
+        M=q.new_empty(TT, H, TILE, dtype=dt),
+        P=q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16_inverse(dt, use_l2norm) else torch.float32),
+        gend=q.new_empty(index.num_chunks, H, K, dtype=torch.float32),
+    )
+
+
 def tile_prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -225,11 +241,13 @@ def tile_prepare(
     lower_bound: float,
     use_l2norm: bool,
     beta_sigmoid: bool = False,
+    out: TilePrepared | None = None,
 ) -> TilePrepared:
-    """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`).
+    """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`; ``out``: the tensors to
+    write, from :func:`empty_tile_prepared`, or None to allocate them).
 
     Returns:
-        :class:`TilePrepared`.
+        :class:`TilePrepared` (``out`` when given).
 
     Raises:
         ValueError: ``LAUNCH["key_block"]`` is not a power of two ≥ 16 (the key slice is a tensor-core operand).
@@ -238,15 +256,8 @@ def tile_prepare(
     dt = q.dtype
     check_block("tile_forward", "key_block", LAUNCH["key_block"])
     BK = min(K, LAUNCH["key_block"])
-    # |P_ij| ≤ 1 under chunk_prepare's fp16 condition (module docstring)
-    fp16 = PREPARE_LAUNCH["fp16_inverse"] and use_l2norm and dt != torch.float32
-    keys_dt = torch.float32 if LAUNCH["fp32_gated_keys"] else dt
-    out = TilePrepared(
-        *(q.new_empty(TT, H, K, dtype=keys_dt) for _ in range(3)),
-        M=q.new_empty(TT, H, TILE, dtype=dt),
-        P=q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16 else torch.float32),
-        gend=q.new_empty(index.num_chunks, H, K, dtype=torch.float32),
-    )
+    if out is None:
+        out = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
     tile_prepare_kernel[(index.num_chunks, H)](
         q, k, g, beta, A_log, dt_bias,
         *out,
@@ -265,14 +276,19 @@ def tile_recurrence(
     index: ChunkIndex,
     *,
     output_final_state: bool,
+    o_out: torch.Tensor | None = None,
+    ht_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors (arguments and result as in
-    :func:`tile_forward`)."""
+    :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
+    to allocate them)."""
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
-    o = v.new_empty(TT, H, V)
-    ht = v.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    o = v.new_empty(TT, H, V) if o_out is None else o_out
+    ht = None
+    if output_final_state:
+        ht = v.new_empty(N, H, K, V, dtype=torch.float32) if ht_out is None else ht_out
     BV = value_block(V, N * H, LAUNCH["value_block"])
     tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
         *pre, v, initial_state, o, ht,
@@ -321,8 +337,29 @@ def tile_forward(
     Returns:
         ``(o [tokens, H, V] in v.dtype, final_state or None)``.
     """
-    pre = tile_prepare(
-        q, k, g, beta, A_log, dt_bias, index, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm,
-        beta_sigmoid=beta_sigmoid,
-    )  # fmt: skip
-    return tile_recurrence(pre, v, initial_state, index, output_final_state=output_final_state)
+    opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
+    programs = state_programs(v.shape[-1], v.shape[1], index, LAUNCH["value_block"])
+    segs = segments(index, TILE, q.device, programs)
+    if segs is None:
+        pre = tile_prepare(q, k, g, beta, A_log, dt_bias, index, **opts)
+        return tile_recurrence(pre, v, initial_state, index, output_final_state=output_final_state)
+    # one long sequence: segment j+1's prepare beside segment j's recurrence (pipeline module)
+    pre = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
+    o = v.new_empty(v.shape)
+    shape = (1, v.shape[1], q.shape[-1], v.shape[-1])
+    states = carried_states(initial_state, len(segs), output_final_state, shape, v.device)
+
+    def produce(j: int) -> None:
+        s = segs[j]
+        cut = (t[s.start : s.stop] for t in (q, k, g, beta))
+        tile_prepare(*cut, A_log, dt_bias, s.index, out=segment_of(pre, s), **opts)
+
+    def consume(j: int) -> None:
+        s = segs[j]
+        tile_recurrence(
+            segment_of(pre, s), v[s.start : s.stop], states[j], s.index,
+            output_final_state=states[j + 1] is not None, o_out=o[s.start : s.stop], ht_out=states[j + 1],
+        )  # fmt: skip
+
+    pipelined(q.device, len(segs), produce, consume)
+    return o, states[-1]
