@@ -79,7 +79,8 @@ class KimiDeltaAttention(nn.Module):
         k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
         v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
         g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32)))
+        # β's logits in fp32: the op applies σ (in its Triton kernels on CUDA, fla's use_beta_sigmoid_in_kernel)
+        beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
         o_BTHK, state = kda(
@@ -87,7 +88,7 @@ class KimiDeltaAttention(nn.Module):
             k_BTP.view(B, T, H, K),
             v_BTP.view(B, T, H, K),
             g_raw_BTHK,
-            beta_BTH,
+            beta_logits_BTH,
             initial_state=cache.recurrent_state if keep else None,
             output_final_state=keep,
             cu_seqlens=cu_seqlens,
@@ -95,6 +96,7 @@ class KimiDeltaAttention(nn.Module):
             A_log=self.A_log[:H],
             dt_bias=self.dt_bias,
             lower_bound=self.lower_bound,
+            use_beta_sigmoid_in_kernel=True,
         )
         if keep:
             cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
