@@ -732,11 +732,11 @@ def test_gpu_chunk_overlap_state_passes(monkeypatch, T, H):
 
 
 def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, segments: int) -> None:
-    """A single sequence cut into ``segments`` pieces (``pipeline.LAUNCH``; on the GPU each piece's prepare runs
-    on a side stream beside the state pass over the piece before) gives the bits of the uncut call: ``o``,
-    the final state and every gradient on the training path (64-token chunks), ``o`` and the final state on
-    the tile forward (no autograd); B1 with and without ``keep_intermediates``, and one document in
-    ``cu_seqlens``."""
+    """A single sequence cut into pieces (``pipeline.LAUNCH``: ``segments`` on the training path, one more on
+    the tile forward; on the GPU each piece's prepare runs on a side stream beside the state pass over the
+    piece before) gives the bits of the uncut call: ``o``, the final state and every gradient on the training
+    path (64-token chunks), ``o`` and the final state on the tile forward (no autograd); B1 with and without
+    ``keep_intermediates``, and one document in ``cu_seqlens``."""
     from openk3.ops.kda.triton import chunk_function, pipeline
 
     op = triton_chunk if device == "cpu" else chunk_kda
@@ -744,12 +744,18 @@ def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, s
     for cu_seqlens, keep in ((None, False), (torch.tensor([0, T], device=device), False), (None, True)):
         monkeypatch.setitem(chunk_function.LAUNCH, "keep_intermediates", keep)
         monkeypatch.setitem(pipeline.LAUNCH, "segments", 0)
+        monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", 0)
         whole = run(op, inputs, cu_seqlens=cu_seqlens) | {
             f"tile_{n}": t for n, t in run_forward(op, inputs, cu_seqlens=cu_seqlens).items()
         }
         monkeypatch.setitem(pipeline.LAUNCH, "segments", segments)
+        monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", segments + 1)
         monkeypatch.setitem(pipeline.LAUNCH, "min_tokens", 0)
         assert pipeline.segments(fixed_length_index(1, T, device, 64), 64, device, 1) is not None
+        assert (
+            pipeline.segments(fixed_length_index(1, T, device, 16), 16, device, 1, "tile_segments")
+            is not None
+        )
         cut = run(op, inputs, cu_seqlens=cu_seqlens) | {
             f"tile_{n}": t for n, t in run_forward(op, inputs, cu_seqlens=cu_seqlens).items()
         }
@@ -759,8 +765,8 @@ def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, s
 
 @interpreter
 def test_interpreter_pipeline_segments_same_bits(monkeypatch):
-    """The segment logic in the interpreter (no streams: the same launches one after another): T 200 cut
-    into 3 pieces (four chunks in two pieces of two, thirteen tiles in 5 + 5 + 3, the last partial)."""
+    """The segment logic in the interpreter (no streams: the same launches one after another): T 200, the
+    four chunks cut in two pieces of two (3 asked), the thirteen tiles in 4 + 4 + 4 + 1 (the last partial)."""
     from openk3.ops.kda.triton import pipeline
 
     monkeypatch.setattr(pipeline, "overlaps", lambda device, programs: True)

@@ -23,10 +23,19 @@ import torch
 
 from openk3.ops.kda.triton.chunk_index import ChunkIndex, fixed_length_index
 
-LAUNCH = {"segments": 4, "min_tokens": 16384}
-"""``segments``: how many pieces a long single sequence is cut into (``< 2``: never cut); ``min_tokens``: the
-shortest sequence that is cut. Only calls with one sequence (``B = 1``, or one document in ``cu_seqlens``)
-on CUDA are cut; several sequences give the state pass one program per sequence and head already."""
+LAUNCH = {"segments": 4, "tile_segments": 0, "min_tokens": 16384}
+"""``segments``: how many pieces a long single sequence is cut into on the training path (64-token chunks,
+forward and backward; ``< 2``: never cut); ``tile_segments``: the same for the 16-token tile forward (calls
+without a gradient); ``min_tokens``: the shortest sequence that is cut. Only calls with one sequence
+(``B = 1``, or one document in ``cu_seqlens``) on CUDA are cut; several sequences give the state pass one
+program per sequence and head already.
+
+Measured at B1 T32768 H32 D128 on the H200 (``benchmarks/results/kda_h200_pipeline_runs.txt``): forward+
+backward 17.97–18.01 ms cut in 4 against 18.46–18.61 uncut (run 9, interleaved in one process after fla's
+forward, as ``benchmarks/kda.py`` runs). The tile forward is not cut by default: in that setting it took
+3.32–3.38 ms cut in 4 and 3.12–3.27 in 2 against 2.97–3.09 uncut (run 8), although without fla in the
+process the cut measured 0.1–0.2 ms faster (runs 3 and 4); its pieces are short, each adds about 0.15 ms
+of host time, and under a CUDA graph the cut saved at most 0.28 of 2.77 ms."""
 
 
 def check_launch() -> None:
@@ -77,21 +86,25 @@ class Segment(NamedTuple):
     index: ChunkIndex
 
 
-def segments(index: ChunkIndex, size: int, device: torch.device, programs: int) -> list[Segment] | None:
+def segments(
+    index: ChunkIndex, size: int, device: torch.device, programs: int, key: str = "segments"
+) -> list[Segment] | None:
     """The segments of a call's single sequence, or None when the call is not cut (:data:`LAUNCH`).
 
     Args:
         index: the call's chunk tables, in chunks of ``size`` tokens. device: the tensors' device.
         programs: how many programs the state pass runs (one per value block and head).
+        key: the :data:`LAUNCH` entry that gives the number of pieces (``"segments"`` or
+            ``"tile_segments"``).
 
     Returns:
-        ``LAUNCH["segments"]`` segments (fewer when the chunks run out), each a whole number of chunks, the
+        ``LAUNCH[key]`` segments (fewer when the chunks run out), each a whole number of chunks, the
         last possibly ending in a partial chunk; None for several sequences, devices without streams or passes
         with more programs than multiprocessors (:func:`overlaps`), a sequence shorter than
-        ``LAUNCH["min_tokens"]``, or ``LAUNCH["segments"] < 2``.
+        ``LAUNCH["min_tokens"]``, or ``LAUNCH[key] < 2``.
     """
     check_launch()
-    n, T = LAUNCH["segments"], index.num_tokens
+    n, T = LAUNCH[key], index.num_tokens
     if (
         n < 2
         or index.num_seqs != 1
