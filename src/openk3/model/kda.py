@@ -79,7 +79,7 @@ class KimiDeltaAttention(nn.Module):
         k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
         v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
         g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)
-        # β's logits in fp32: the op applies σ (in its Triton kernels on CUDA, fla's use_beta_sigmoid_in_kernel)
+        # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda

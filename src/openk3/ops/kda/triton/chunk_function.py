@@ -217,7 +217,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
         keep = LAUNCH["keep_intermediates"]
         pre, o, ht, h, v_new = forward_passes(
-            q, k, v, g, beta, A_log, dt_bias, h0, index, keep=keep, output_final_state=output_final_state, opts=opts
+            q, k, v, g, beta, A_log, dt_bias, h0, index,
+            keep=keep, output_final_state=output_final_state, opts=opts,
         )  # fmt: skip
         # U is not kept: the backward reads E instead (chunk_grad_wy's dL = −dXv Eᵀ)
         kept = (*pre._replace(u=None), h, v_new) if keep else (pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)

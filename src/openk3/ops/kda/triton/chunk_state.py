@@ -121,8 +121,8 @@ def chunk_state_fwd(
         store_o: return ``o`` (the backward's pass needs none).
         h_out: with ``store_h``, the ``(h, v_new)`` tensors to write (allocated by the caller, e.g. on the
             stream that will use them when this pass runs on another); None allocates them here.
-        o_out, ht_out: with ``store_o`` / ``output_final_state``, the ``o`` / final-state tensor to write; None
-            allocates it here.
+        o_out, ht_out: with ``store_o`` / ``output_final_state``, the ``o`` / final-state tensor to write;
+            None allocates it here.
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.

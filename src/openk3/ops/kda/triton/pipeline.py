@@ -1,13 +1,14 @@
-"""One long sequence on two streams: the token-parallel prepare of the next segment beside the sequential state
-pass over the current one.
+"""One long sequence on two streams: the token-parallel prepare of the next segment beside the sequential
+state pass over the current one.
 
 With a single sequence the state passes have one program per (value block, head): 128 at B1 T32768 H32 D128
-on the H200's 132 multiprocessors, each walking 2048 tiles one after another, so the pass is bound by the
-latency of its dependency chain and leaves most of each multiprocessor idle, while the prepare before it
-needs nothing from it. :func:`segments` cuts the sequence on the chunk (or tile) grid and :func:`pipelined`
-launches segment ``j + 1``'s prepare on a side stream while the current stream runs the pass over segment
-``j``, carrying the fp32 state from one segment's launch to the next (the pass's own carry, so outputs and
-states are the same bits as in one launch; tested).
+on the H200's 132 multiprocessors, each walking 512 chunks (2048 tiles) one after another, so the pass is
+bound by the latency of its dependency chain and leaves most of each multiprocessor idle, while the prepare
+before it needs nothing from it. :func:`segments` cuts the sequence on the chunk (or tile) grid and
+:func:`pipelined` launches segment ``j + 1``'s prepare on a side stream while a high-priority stream runs the
+pass over segment ``j``, carrying the fp32 state from one segment's launch to the next (the pass's own
+carry, so outputs and states are the same bits as in one launch; tested). By default only the training path
+(64-token chunks, forward and backward) is cut (:data:`LAUNCH`).
 
 Legend: ``T`` tokens of the sequence, ``size`` tokens per chunk or tile, ``n`` segments.
 """
@@ -125,10 +126,13 @@ def segments(
 def segment_of(tensors: NamedTuple, seg: Segment, per_chunk: tuple[str, ...] = ("gend",)) -> NamedTuple:
     """``tensors`` (a NamedTuple of ``[tokens, ...]`` tensors and, for the fields named in ``per_chunk``,
     ``[chunks, ...]`` ones; None fields stay None) restricted to ``seg``: views, no copies."""
-    return tensors._replace(**{
-        name: None if t is None else (t[seg.chunk_start : seg.chunk_stop] if name in per_chunk else t[seg.start : seg.stop])
-        for name, t in tensors._asdict().items()
-    })  # fmt: skip
+
+    def cut(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t[seg.chunk_start : seg.chunk_stop] if name in per_chunk else t[seg.start : seg.stop]
+
+    return tensors._replace(**{name: cut(name, t) for name, t in tensors._asdict().items()})
 
 
 def carried_states(
@@ -148,9 +152,10 @@ def pipelined(
     consume: Callable[[int], None],
     side_tail: Callable[[], None] | None = None,
 ) -> None:
-    """Run ``produce(0..count-1)`` in order on :func:`side_stream` and ``consume(0..count-1)`` in order on the
-    high-priority one, ``consume(j)`` after ``produce(j)``, so that ``produce(j + 1)`` overlaps ``consume(j)``;
-    then ``side_tail()``, if given, after the last ``produce``, beside the remaining ``consume`` calls.
+    """Run ``produce(0..count-1)`` in order on :func:`side_stream` and ``consume(0..count-1)`` in order on
+    the high-priority one, ``consume(j)`` after ``produce(j)``, so that ``produce(j + 1)`` overlaps
+    ``consume(j)``; then ``side_tail()``, if given, after the last ``produce``, beside the remaining
+    ``consume`` calls.
 
     The priority matters: ``produce(j + 1)`` (a prepare of thousands of programs) is queued before
     ``consume(j)`` can start, and the block scheduler would otherwise hand the multiprocessors to its
