@@ -790,7 +790,7 @@ def test_gpu_pipeline_segments_same_bits(monkeypatch, T, segments):
 def test_pipeline_segments_cover_the_sequence(monkeypatch):
     """``segments`` cuts one sequence into whole chunks that cover it in order (the last one partial), fewer
     pieces when the chunks run out, and cuts nothing for several sequences, short sequences, a device
-    without streams or ``segments < 2``; bad ``LAUNCH`` values are refused."""
+    without streams or ``segments < 2``; bad ``LAUNCH`` values and misspelt keys are refused."""
     from openk3.ops.kda.triton import pipeline
 
     monkeypatch.setattr(pipeline, "overlaps", lambda device, programs: True)
@@ -815,6 +815,55 @@ def test_pipeline_segments_cover_the_sequence(monkeypatch):
         monkeypatch.setitem(pipeline.LAUNCH, "segments", bad)
         with pytest.raises(ValueError, match="segments"):
             pipeline.segments(fixed_length_index(1, 1000, "cpu", 64), 64, "cpu", 1)
+    monkeypatch.setitem(pipeline.LAUNCH, "segments", 4)
+    monkeypatch.setitem(pipeline.LAUNCH, "segmnets", 3)  # a misspelt key is refused, not ignored
+    with pytest.raises(ValueError, match="exactly the keys"):
+        pipeline.segments(fixed_length_index(1, 1000, "cpu", 64), 64, "cpu", 1)
+
+
+@interpreter
+def test_interpreter_out_arguments_checked():
+    """The launchers' ``out=`` tensors (what the segment pipeline writes into) must have the shape and dtype
+    the kernels write and be contiguous: a ValueError naming the argument, before any launch (a short or
+    strided one would otherwise be written out of bounds or in the wrong places)."""
+    from openk3.ops.kda.triton.chunk_prepare import chunk_prepare, empty_prepared
+    from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
+    from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
+    from openk3.ops.kda.triton.tile_forward import TILE, empty_tile_prepared, tile_prepare, tile_recurrence
+
+    x = make_inputs(1, 40, 2, 32, 32, seed=5)
+    q, k, v, g = (x[n][0] for n in ("q", "k", "v", "g"))
+    beta, A_log, dt_bias = x["beta"][0], x["A_log"], x["dt_bias"]
+    opts = dict(scale=32**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True)
+    tiles, chunks = fixed_length_index(1, 40, "cpu", TILE), fixed_length_index(1, 40, "cpu", 64)
+    pre = tile_prepare(q, k, g, beta, A_log, dt_bias, tiles, **opts)
+    bad_outputs = {
+        "o_out": [torch.empty(32, 2, 40, dtype=BF16).permute(2, 1, 0), torch.empty(32, 2, 32, dtype=BF16)],
+        "ht_out": [torch.empty(1, 2, 32, 32, dtype=BF16)],
+    }
+    for name, bads in bad_outputs.items():
+        for bad in bads:
+            with pytest.raises(ValueError, match=name):
+                tile_recurrence(pre, v, None, tiles, output_final_state=True, **{name: bad})
+    wrong = empty_tile_prepared(q, tiles, use_l2norm=True)._replace(M=torch.empty(40, 2, TILE))
+    with pytest.raises(ValueError, match="M"):
+        tile_prepare(q, k, g, beta, A_log, dt_bias, tiles, out=wrong, **opts)
+    wrong = empty_prepared(q, v, chunks, use_l2norm=True)
+    with pytest.raises(ValueError, match="gend"):
+        chunk_prepare(
+            q, k, v, g, beta, A_log, dt_bias, chunks, out=wrong._replace(gend=wrong.gend[:, :1]), **opts
+        )
+    cpre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, chunks, **opts)
+    state = dict(V=32, out_dtype=BF16, output_final_state=True, store_h=False, store_o=True)
+    with pytest.raises(ValueError, match="o_out"):
+        chunk_state_fwd(cpre, None, chunks, o_out=torch.empty(40, 2, 32), **state)
+    dh, dv_new, dh0 = (
+        torch.empty(1, 2, 32, 32, dtype=BF16),
+        torch.empty(40, 2, 32, dtype=BF16),
+        torch.empty(1, 2, 32, 32),
+    )
+    with pytest.raises(ValueError, match="dh0"):
+        chunk_state_bwd(cpre, v, None, chunks, out=(dh, dv_new, dh0.double()))
 
 
 @interpreter

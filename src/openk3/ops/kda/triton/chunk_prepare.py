@@ -40,6 +40,7 @@ from openk3.ops.kda.triton.kernel_math import (
     bounded_dot,
     cat4_cols,
     cat4_rows,
+    check_outs,
     chunk_rows,
     dot,
     dot_precision,
@@ -337,6 +338,10 @@ def chunk_prepare(
         out: the tensors to write (from :func:`empty_prepared`, with ``saved``'s own where given), or None to
             allocate them.
 
+    Raises:
+        ValueError: a tensor of ``out`` of another shape or dtype, or not contiguous
+            (:func:`~openk3.ops.kda.triton.kernel_math.check_outs`).
+
     Returns:
         :class:`Prepared`: ``w, qg, kg`` ``[tokens, H, K]`` and ``u`` ``[tokens, H, V]`` in the storage dtype
         (q's dtype, fp32 for fp32 inputs), ``Aqk`` in the storage dtype and ``Akk`` = T in fp32 (fp16 with
@@ -350,6 +355,9 @@ def chunk_prepare(
     fp16 = fp16_inverse(q.dtype, use_l2norm)
     if out is None:
         out = empty_prepared(q, v, index, use_l2norm=use_l2norm, saved=saved)
+    else:
+        expected = empty_prepared(q.to("meta"), v.to("meta"), index, use_l2norm=use_l2norm, saved=saved)
+        check_outs("chunk_prepare out", out, expected, q.device)
     if P == 0:
         return out
     chunk_prepare_kernel[(P, H)](

@@ -24,6 +24,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
+    check_out,
     dot,
     dot_precision,
     launch_options,
@@ -126,9 +127,22 @@ def chunk_state_fwd(
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.
+
+    Raises:
+        ValueError: ``h_out``, ``o_out`` or ``ht_out`` of another shape or dtype than the pass writes, or not
+            contiguous (:func:`~openk3.ops.kda.triton.kernel_math.check_out`).
     """
     TT, H, K = pre.w.shape
     N, P = index.num_seqs, index.num_chunks
+    dev = pre.w.device
+    for name, t, shape, dtype in (
+        ("o_out", o_out, (TT, H, V), out_dtype),
+        ("ht_out", ht_out, (N, H, K, V), torch.float32),
+        ("h_out[0]", None if h_out is None else h_out[0], (P, H, K, V), pre.w.dtype),
+        ("h_out[1]", None if h_out is None else h_out[1], (TT, H, V), pre.w.dtype),
+    ):
+        if t is not None:
+            check_out(name, t, shape, dtype, dev)
     o = (pre.w.new_empty(TT, H, V, dtype=out_dtype) if o_out is None else o_out) if store_o else None
     ht = None
     if output_final_state:

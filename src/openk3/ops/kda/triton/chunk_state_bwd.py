@@ -24,6 +24,7 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
 from openk3.ops.kda.triton.kernel_math import (
+    check_out,
     dot,
     dot_precision,
     launch_options,
@@ -83,6 +84,9 @@ def chunk_state_bwd(
             ``[N, H, K, V]`` gradient of the final state, or None. index: chunk tables.
         out: the ``(dh, dv_new, dh0)`` tensors to write, or None to allocate them.
 
+    Raises:
+        ValueError: a tensor of ``out`` of another shape or dtype than returned below, or not contiguous.
+
     Returns:
         ``(dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32 [N, H, K, V])``; dh and dv_new in the storage
         dtype.
@@ -90,6 +94,12 @@ def chunk_state_bwd(
     TT, H, K = pre.w.shape
     V = do.shape[-1]
     N, P = index.num_seqs, index.num_chunks
+    if out is not None:
+        for name, t, shape, dtype in zip(
+            ("dh", "dv_new", "dh0"), out, ((P, H, K, V), (TT, H, V), (N, H, K, V)),
+            (pre.w.dtype, pre.w.dtype, torch.float32), strict=True,
+        ):  # fmt: skip
+            check_out(f"chunk_state_bwd out {name}", t, shape, dtype, pre.w.device)
     if out is None:
         out = (
             pre.w.new_empty(P, H, K, V),

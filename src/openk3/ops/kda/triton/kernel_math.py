@@ -39,6 +39,28 @@ def launch_options(launch: dict) -> dict:
     return options
 
 
+def check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+    """Raise ``ValueError`` unless ``t``, a tensor a launcher was given to write (an ``out=`` argument), is
+    contiguous with exactly ``shape`` and ``dtype`` on ``device``: the kernels index it as a dense row-major
+    array, so anything else would be written wrong or out of bounds."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
+        raise ValueError(
+            f"{name} must be {dtype} of shape {list(shape)} on {device}; got {t.dtype} {list(t.shape)} on {t.device}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
+
+
+def check_outs(name: str, given: tuple, expected: tuple, device) -> None:
+    """:func:`check_out` for each field of the NamedTuple ``given`` against the shape and dtype of the same
+    field of ``expected`` (e.g. allocated on the ``meta`` device), on ``device``; None fields must match."""
+    for field, t, want in zip(given._fields, given, expected, strict=True):
+        if (t is None) != (want is None):
+            raise ValueError(f"{name}.{field} must be {'None' if want is None else 'a tensor'}")
+        if t is not None:
+            check_out(f"{name}.{field}", t, tuple(want.shape), want.dtype, device)
+
+
 def check_block(module: str, key: str, size) -> None:
     """Raise ``ValueError`` unless ``size``, the launch setting ``module.LAUNCH[key]`` that becomes a tile's
     side (``min(dim, size)``), is an ``int`` power of two ≥ 16: a tensor-core operand."""

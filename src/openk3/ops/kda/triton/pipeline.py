@@ -39,8 +39,14 @@ process the cut measured 0.1–0.2 ms faster (runs 3 and 4); its pieces are shor
 of host time, and under a CUDA graph the cut saved at most 0.28 of 2.77 ms."""
 
 
+LAUNCH_KEYS = ("segments", "tile_segments", "min_tokens")
+
+
 def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH`'s entries are ints ≥ 0 (checked before any work)."""
+    """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its keys (a misspelt one would otherwise be
+    ignored) and they hold ints ≥ 0 (checked before any work)."""
+    if set(LAUNCH) != set(LAUNCH_KEYS):
+        raise ValueError(f"pipeline.LAUNCH must have exactly the keys {LAUNCH_KEYS}; got {sorted(LAUNCH)}")
     for key, value in LAUNCH.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"pipeline.LAUNCH[{key!r}] must be an int >= 0; got {value!r}")

@@ -47,6 +47,8 @@ from openk3.ops.kda.triton.chunk_state import state_programs, value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
     check_block,
+    check_out,
+    check_outs,
     chunk_rows,
     dot,
     dot_precision,
@@ -250,7 +252,8 @@ def tile_prepare(
         :class:`TilePrepared` (``out`` when given).
 
     Raises:
-        ValueError: ``LAUNCH["key_block"]`` is not a power of two ≥ 16 (the key slice is a tensor-core operand).
+        ValueError: ``LAUNCH["key_block"]`` is not a power of two ≥ 16 (the key slice is a tensor-core operand);
+            a tensor of ``out`` of another shape or dtype, or not contiguous.
     """
     TT, H, K = q.shape
     dt = q.dtype
@@ -258,6 +261,10 @@ def tile_prepare(
     BK = min(K, LAUNCH["key_block"])
     if out is None:
         out = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
+    else:
+        check_outs(
+            "tile_prepare out", out, empty_tile_prepared(q.to("meta"), index, use_l2norm=use_l2norm), q.device
+        )
     tile_prepare_kernel[(index.num_chunks, H)](
         q, k, g, beta, A_log, dt_bias,
         *out,
@@ -281,10 +288,16 @@ def tile_recurrence(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors (arguments and result as in
     :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
-    to allocate them)."""
+    to allocate them; ``ValueError`` if either has another shape or dtype, or is not contiguous)."""
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
+    for name, t, shape, dtype in (
+        ("o_out", o_out, (TT, H, V), v.dtype),
+        ("ht_out", ht_out, (N, H, K, V), torch.float32),
+    ):
+        if t is not None:
+            check_out(name, t, shape, dtype, v.device)
     o = v.new_empty(TT, H, V) if o_out is None else o_out
     ht = None
     if output_final_state:
