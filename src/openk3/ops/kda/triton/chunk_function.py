@@ -35,7 +35,15 @@ from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare, empty_p
 from openk3.ops.kda.triton.chunk_state import chunk_state_fwd, state_programs
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
 from openk3.ops.kda.triton.dispatch import needs_grad
-from openk3.ops.kda.triton.pipeline import carried_states, pipelined, segment_of, segments, side_stream
+from openk3.ops.kda.triton.pipeline import (
+    Segment,
+    carried_states,
+    forward_segments,
+    pipelined,
+    segment_of,
+    segments,
+    side_stream,
+)
 from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
 from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
 
@@ -141,23 +149,20 @@ def forward_passes(
     o = v.new_empty(v.shape)
     h = pre.w.new_empty(index.num_chunks, H, K, V) if keep else None
     v_new = pre.w.new_empty(v.shape) if keep else None
-    states = carried_states(h0, len(segs), output_final_state, (1, H, K, V), q.device)
 
-    def produce(j: int) -> None:
-        s = segs[j]
+    def prepare(s: Segment) -> None:
         cut = (t[s.start : s.stop] for t in (q, k, v, g, beta))
         chunk_prepare(*cut, A_log, dt_bias, s.index, out=segment_of(pre, s), **opts)
 
-    def consume(j: int) -> None:
-        s = segs[j]
+    def state_pass(s: Segment, h_in: torch.Tensor | None, h_out: torch.Tensor | None) -> None:
         kept = (h[s.chunk_start : s.chunk_stop], v_new[s.start : s.stop]) if keep else None
         chunk_state_fwd(
-            segment_of(pre, s), states[j], s.index, output_final_state=states[j + 1] is not None, h_out=kept,
-            o_out=o[s.start : s.stop], ht_out=states[j + 1], **fwd,
+            segment_of(pre, s), h_in, s.index, output_final_state=h_out is not None, h_out=kept,
+            o_out=o[s.start : s.stop], ht_out=h_out, **fwd,
         )  # fmt: skip
 
-    pipelined(q.device, len(segs), produce, consume)
-    return pre, o, states[-1], h, v_new
+    ht = forward_segments(segs, q.device, h0, output_final_state, (1, H, K, V), prepare, state_pass)
+    return pre, o, ht, h, v_new
 
 
 def backward_passes(

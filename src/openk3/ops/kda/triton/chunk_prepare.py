@@ -285,27 +285,35 @@ def fp16_inverse(dtype: torch.dtype, use_l2norm: bool) -> bool:
     return LAUNCH["fp16_inverse"] and use_l2norm and dtype != torch.float32
 
 
+def prepared_layout(q: torch.Tensor, v: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> Prepared:
+    """``(shape, dtype)`` of each :class:`Prepared` tensor for ``q`` ``[tokens, H, K]`` and ``v``
+    ``[tokens, H, V]`` in chunks ``index``, as :func:`chunk_prepare` writes them."""
+    TT, H, K = q.shape
+    dt, f32 = q.dtype, torch.float32
+    return Prepared(
+        w=((TT, H, K), dt),
+        u=((TT, H, v.shape[-1]), dt),
+        qg=((TT, H, K), dt),
+        kg=((TT, H, K), dt),
+        Aqk=((TT, H, CHUNK), dt),
+        Akk=((TT, H, CHUNK), torch.float16 if fp16_inverse(dt, use_l2norm) else f32),
+        gend=((index.num_chunks, H, K), f32),
+        q_rstd=((TT, H), f32),
+        k_rstd=((TT, H), f32),
+    )
+
+
 def empty_prepared(
     q: torch.Tensor, v: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, saved: Prepared | None = None
 ) -> Prepared:
-    """Uninitialised :class:`Prepared` tensors for ``q`` ``[tokens, H, K]`` and ``v`` ``[tokens, H, V]`` in
-    chunks ``index`` (dtypes as :func:`chunk_prepare` returns them); ``saved``'s ``Aqk``, ``Akk`` and norms
-    are used as they are."""
-    TT, H, K = q.shape
-    dt = q.dtype
-    return Prepared(
-        w=q.new_empty(TT, H, K, dtype=dt),
-        u=q.new_empty(TT, H, v.shape[-1], dtype=dt),
-        qg=q.new_empty(TT, H, K, dtype=dt),
-        kg=q.new_empty(TT, H, K, dtype=dt),
-        Aqk=q.new_empty(TT, H, CHUNK, dtype=dt) if saved is None else saved.Aqk,
-        Akk=q.new_empty(TT, H, CHUNK, dtype=torch.float16 if fp16_inverse(dt, use_l2norm) else torch.float32)
-        if saved is None
-        else saved.Akk,
-        gend=q.new_empty(index.num_chunks, H, K, dtype=torch.float32),
-        q_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.q_rstd,
-        k_rstd=q.new_empty(TT, H, dtype=torch.float32) if saved is None else saved.k_rstd,
-    )
+    """Uninitialised :class:`Prepared` tensors (:func:`prepared_layout`); ``saved``'s ``Aqk``, ``Akk`` and
+    norms are used as they are."""
+    layout = prepared_layout(q, v, index, use_l2norm=use_l2norm)
+    kept = saved._asdict() if saved is not None else {}
+    return Prepared(*(
+        kept.get(name) if kept.get(name) is not None else q.new_empty(shape, dtype=dtype)
+        for name, (shape, dtype) in layout._asdict().items()
+    ))  # fmt: skip
 
 
 def chunk_prepare(
@@ -356,8 +364,7 @@ def chunk_prepare(
     if out is None:
         out = empty_prepared(q, v, index, use_l2norm=use_l2norm, saved=saved)
     else:
-        expected = empty_prepared(q.to("meta"), v.to("meta"), index, use_l2norm=use_l2norm, saved=saved)
-        check_outs("chunk_prepare out", out, expected, q.device)
+        check_outs("chunk_prepare out", out, prepared_layout(q, v, index, use_l2norm=use_l2norm), q.device)
     if P == 0:
         return out
     chunk_prepare_kernel[(P, H)](

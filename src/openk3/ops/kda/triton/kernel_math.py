@@ -44,21 +44,19 @@ def check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.d
     contiguous with exactly ``shape`` and ``dtype`` on ``device``: the kernels index it as a dense row-major
     array, so anything else would be written wrong or out of bounds."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
-        raise ValueError(
-            f"{name} must be {dtype} of shape {list(shape)} on {device}; got {t.dtype} {list(t.shape)} on {t.device}"
-        )
+        want, got = f"{dtype} of shape {list(shape)} on {device}", f"{t.dtype} {list(t.shape)} on {t.device}"
+        raise ValueError(f"{name} must be {want}; got {got}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
 
 
-def check_outs(name: str, given: tuple, expected: tuple, device) -> None:
-    """:func:`check_out` for each field of the NamedTuple ``given`` against the shape and dtype of the same
-    field of ``expected`` (e.g. allocated on the ``meta`` device), on ``device``; None fields must match."""
-    for field, t, want in zip(given._fields, given, expected, strict=True):
-        if (t is None) != (want is None):
-            raise ValueError(f"{name}.{field} must be {'None' if want is None else 'a tensor'}")
-        if t is not None:
-            check_out(f"{name}.{field}", t, tuple(want.shape), want.dtype, device)
+def check_outs(name: str, given: tuple, layout: tuple, device) -> None:
+    """:func:`check_out` for each field of the NamedTuple ``given`` against the ``(shape, dtype)`` pair in the
+    same field of ``layout`` (the layout its launcher allocates), on ``device``."""
+    for field, t, (shape, dtype) in zip(given._fields, given, layout, strict=True):
+        if t is None:
+            raise ValueError(f"{name}.{field} must be a tensor")
+        check_out(f"{name}.{field}", t, shape, dtype, device)
 
 
 def check_block(module: str, key: str, size) -> None:

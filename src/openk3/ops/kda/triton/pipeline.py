@@ -206,3 +206,27 @@ def pipelined(
                 consume(j)
         main.wait_stream(side)
         main.wait_stream(fast)
+
+
+def forward_segments(
+    segs: list[Segment],
+    device: torch.device,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    state_shape: tuple[int, ...],
+    prepare: Callable[[Segment], None],
+    state_pass: Callable[[Segment, torch.Tensor | None, torch.Tensor | None], None],
+) -> torch.Tensor | None:
+    """A forward over ``segs`` in order: ``prepare(seg)`` on the side stream, ``state_pass(seg, h_in,
+    h_out)`` after it on the high-priority one (:func:`pipelined`), reading the fp32 state ``h_in`` the
+    segment before wrote (``initial_state`` for the first, None for zeros) and writing ``h_out`` (None after
+    the last unless ``output_final_state``; :func:`carried_states`, ``state_shape``).
+
+    Returns:
+        the final state, or None without ``output_final_state``.
+    """
+    states = carried_states(initial_state, len(segs), output_final_state, state_shape, device)
+    pipelined(
+        device, len(segs), lambda j: prepare(segs[j]), lambda j: state_pass(segs[j], states[j], states[j + 1])
+    )
+    return states[-1]

@@ -61,7 +61,7 @@ from openk3.ops.kda.triton.kernel_math import (
     tf32_operand,
     unit_lower_inverse_stacked,
 )
-from openk3.ops.kda.triton.pipeline import carried_states, pipelined, segment_of, segments
+from openk3.ops.kda.triton.pipeline import Segment, forward_segments, segment_of, segments
 
 TILE = 16
 """Tokens per tile (FlashKDA's chunk; the bound ``16·|lb|·log2 e ≤ 115.4`` needs ``lb ≥ −5``)."""
@@ -215,19 +215,27 @@ class TilePrepared(NamedTuple):
     gend: torch.Tensor
 
 
-def empty_tile_prepared(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
-    """Uninitialised :class:`TilePrepared` tensors for ``q`` ``[tokens, H, K]`` in tiles ``index``: ``P`` in
-    fp16 under :mod:`~openk3.ops.kda.triton.chunk_prepare`'s fp16 condition (its ``LAUNCH["fp16_inverse"]``,
-    bf16/fp16 inputs, the in-kernel L2 norm; then ``|P_ij| ≤ 1``), else fp32."""
+def tile_prepared_layout(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
+    """``(shape, dtype)`` of each :class:`TilePrepared` tensor for ``q`` ``[tokens, H, K]`` in tiles
+    ``index``: ``P`` in fp16 under :mod:`~openk3.ops.kda.triton.chunk_prepare`'s fp16 condition (its
+    ``LAUNCH["fp16_inverse"]``, bf16/fp16 inputs, the in-kernel L2 norm; then ``|P_ij| ≤ 1``), else fp32."""
     TT, H, K = q.shape
     dt = q.dtype
-    keys_dt = torch.float32 if LAUNCH["fp32_gated_keys"] else dt
+    keys = ((TT, H, K), torch.float32 if LAUNCH["fp32_gated_keys"] else dt)
     return TilePrepared(
-        *(q.new_empty(TT, H, K, dtype=keys_dt) for _ in range(3)),
-        M=q.new_empty(TT, H, TILE, dtype=dt),
-        P=q.new_empty(TT, H, TILE, dtype=torch.float16 if fp16_inverse(dt, use_l2norm) else torch.float32),
-        gend=q.new_empty(index.num_chunks, H, K, dtype=torch.float32),
+        qg=keys,
+        kt=keys,
+        kh=keys,
+        M=((TT, H, TILE), dt),
+        P=((TT, H, TILE), torch.float16 if fp16_inverse(dt, use_l2norm) else torch.float32),
+        gend=((index.num_chunks, H, K), torch.float32),
     )
+
+
+def empty_tile_prepared(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
+    """Uninitialised :class:`TilePrepared` tensors (:func:`tile_prepared_layout`)."""
+    layout = tile_prepared_layout(q, index, use_l2norm=use_l2norm)
+    return TilePrepared(*(q.new_empty(shape, dtype=dtype) for shape, dtype in layout))
 
 
 def tile_prepare(
@@ -262,9 +270,7 @@ def tile_prepare(
     if out is None:
         out = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
     else:
-        check_outs(
-            "tile_prepare out", out, empty_tile_prepared(q.to("meta"), index, use_l2norm=use_l2norm), q.device
-        )
+        check_outs("tile_prepare out", out, tile_prepared_layout(q, index, use_l2norm=use_l2norm), q.device)
     tile_prepare_kernel[(index.num_chunks, H)](
         q, k, g, beta, A_log, dt_bias,
         *out,
@@ -360,19 +366,15 @@ def tile_forward(
     pre = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
     o = v.new_empty(v.shape)
     shape = (1, v.shape[1], q.shape[-1], v.shape[-1])
-    states = carried_states(initial_state, len(segs), output_final_state, shape, v.device)
 
-    def produce(j: int) -> None:
-        s = segs[j]
+    def prepare(s: Segment) -> None:
         cut = (t[s.start : s.stop] for t in (q, k, g, beta))
         tile_prepare(*cut, A_log, dt_bias, s.index, out=segment_of(pre, s), **opts)
 
-    def consume(j: int) -> None:
-        s = segs[j]
+    def recurrence(s: Segment, h_in: torch.Tensor | None, h_out: torch.Tensor | None) -> None:
         tile_recurrence(
-            segment_of(pre, s), v[s.start : s.stop], states[j], s.index,
-            output_final_state=states[j + 1] is not None, o_out=o[s.start : s.stop], ht_out=states[j + 1],
+            segment_of(pre, s), v[s.start : s.stop], h_in, s.index, output_final_state=h_out is not None,
+            o_out=o[s.start : s.stop], ht_out=h_out,
         )  # fmt: skip
 
-    pipelined(q.device, len(segs), produce, consume)
-    return o, states[-1]
+    return o, forward_segments(segs, q.device, initial_state, output_final_state, shape, prepare, recurrence)
