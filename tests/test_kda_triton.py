@@ -681,6 +681,24 @@ def test_interpreter_chunk_grad_wy_refuses_bad_block(monkeypatch, key, size):
 
 
 @interpreter
+@pytest.mark.parametrize(("key_block", "value_block"), [(32, 128), (16, 64), (16, 128)])
+def test_interpreter_chunk_grad_wy_refuses_wide_value_block(monkeypatch, key_block, value_block):
+    """A grad_wy value block of 4 key blocks or more (key 32, value 128 faulted on the H200) fails at the
+    forward with a ValueError naming both entries; 64 / 128 and 32 / 64 run."""
+    from openk3.ops.kda.triton import chunk_grad_wy
+
+    monkeypatch.setitem(chunk_grad_wy.LAUNCH, "key_block", key_block)
+    monkeypatch.setitem(chunk_grad_wy.LAUNCH, "value_block", value_block)
+    inputs = make_inputs(1, 20, 1, 32, 32, seed=3)
+    with pytest.raises(ValueError, match="value_block.*key_block"):
+        run(triton_chunk, inputs)
+    for key_block, value_block in ((64, 128), (32, 64)):
+        monkeypatch.setitem(chunk_grad_wy.LAUNCH, "key_block", key_block)
+        monkeypatch.setitem(chunk_grad_wy.LAUNCH, "value_block", value_block)
+        chunk_grad_wy.check_launch()
+
+
+@interpreter
 @pytest.mark.parametrize(("key", "value"), [("overlap_state_passes", "False"), ("keep_intermediates", 0)])
 def test_interpreter_chunk_function_refuses_non_bool_launch(monkeypatch, key, value):
     """``chunk_function.LAUNCH`` entries must be bools (``"False"`` would read as true): a ValueError naming the

@@ -193,10 +193,23 @@ off."""
 
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH`'s ``key_block`` and ``value_block`` are powers of two ≥ 16
-    (tensor-core operands); :class:`~openk3.ops.kda.triton.chunk_function.ChunkKDAFunction` calls it before
-    its forward, so a bad setting fails before any work rather than in the backward."""
+    (tensor-core operands) and ``value_block < 4·key_block``;
+    :class:`~openk3.ops.kda.triton.chunk_function.ChunkKDAFunction` calls it before its forward, so a bad
+    setting fails before any work rather than in the backward.
+
+    The ratio: ``key_block`` 32 with ``value_block`` 128 made the key-side kernel fault on the H200 (an
+    illegal memory access, with ``cumsum_by_dot`` on, in the launch-option GPU test at T1000 H4; 32 / 64,
+    64 / 128 and 64 / 64 passed the same test, and 32 / 128 ran in another setting;
+    ``benchmarks/results/kda_h200_regcap_overlap_runs.txt``, runs r5–r8). The cause is not known, so every
+    pair at that ratio or beyond is refused (the one such pair measured, 32 / 128, was slower: grad_wy
+    3.55–3.66 ms against 3.04 at B1 T8192 H96)."""
     for key in ("key_block", "value_block"):
         check_block("chunk_grad_wy", key, LAUNCH[key])
+    if LAUNCH["value_block"] >= 4 * LAUNCH["key_block"]:
+        raise ValueError(
+            f"chunk_grad_wy.LAUNCH['value_block'] ({LAUNCH['value_block']}) must be less than 4 x "
+            f"LAUNCH['key_block'] ({LAUNCH['key_block']}): key block 32 with value block 128 faulted on the GPU"
+        )
 
 
 def chunk_grad_wy(
