@@ -106,6 +106,30 @@ def parse_launch_setting(item: str) -> tuple[str, str, object]:
     return module, key, value
 
 
+def check_launch_settings(settings: dict) -> None:
+    """Apply ``settings`` (``{(module, key): value}``) to the kernel modules' ``LAUNCH`` dicts for a moment
+    and run each such module's ``check_launch``, so that a setting the kernels would refuse (a warp count of 3, a
+    grad_wy value block of four key blocks) fails at the command line, not after a section has run.
+
+    Raises:
+        ValueError: from a module's ``check_launch``."""
+    import importlib
+
+    saved = []
+    try:
+        for (module, key), value in settings.items():
+            launch = module_launch(module, {key: value})
+            saved.append((launch, key, launch[key]))
+            launch[key] = value
+        for module in sorted({module for module, _ in settings}):
+            check = getattr(importlib.import_module(f"openk3.ops.kda.triton.{module}"), "check_launch", None)
+            if check is not None:
+                check()
+    finally:
+        for launch, key, value in reversed(saved):
+            launch[key] = value
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="directory for kda_h200.json and kda_h200.md")
@@ -166,6 +190,10 @@ def parse_args() -> argparse.Namespace:
         if (module, key) in args.launch_settings:
             parser.error(f"--set: {module}:{key} is named twice")
         args.launch_settings[module, key] = value
+    try:
+        check_launch_settings(args.launch_settings)
+    except ValueError as err:
+        parser.error(f"--set: {err}")
     if args.set and (args.sweep or args.tune or "sweep" in args.sections.split(",")):
         parser.error("--set cannot be combined with the sweep or --tune, which set LAUNCH entries themselves")
     if not 1 <= args.iters <= 1000:

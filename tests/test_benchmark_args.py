@@ -47,6 +47,14 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--set", "chunk_function:keep_intermediates='False'"], "takes type bool (default False)"),
         (["--set", "chunk_state:num_warps=4.0"], "takes type int (default 4)"),
         (
+            ["--set", "chunk_state:num_warps=3"],
+            "chunk_state.LAUNCH['num_warps'] must be an int in 1, 2, 4, 8",
+        ),
+        (
+            ["--set", "chunk_grad_wy:key_block=32", "--set", "chunk_grad_wy:value_block=128"],
+            "must be less than 4 x LAUNCH['key_block'] (32)",
+        ),
+        (
             ["--set", "chunk_function :keep_intermediates=True"],
             "no module 'openk3.ops.kda.triton.chunk_function '",
         ),

@@ -682,20 +682,60 @@ def test_interpreter_chunk_grad_wy_refuses_bad_block(monkeypatch, key, size):
 
 @interpreter
 @pytest.mark.parametrize(("key_block", "value_block"), [(32, 128), (16, 64), (16, 128)])
-def test_interpreter_chunk_grad_wy_refuses_wide_value_block(monkeypatch, key_block, value_block):
-    """A grad_wy value block of 4 key blocks or more (key 32, value 128 faulted on the H200) fails at the
-    forward with a ValueError naming both entries; 64 / 128 and 32 / 64 run."""
+def test_interpreter_chunk_grad_wy_value_block_within_two_key_blocks(monkeypatch, key_block, value_block):
+    """grad_wy never launches a value block of 4 key blocks or more (key 32, value 128 faulted on the H200):
+    such settings fail at the forward with a ValueError naming both; settings within the limit whose blocks
+    the head dims would cut to such a pair (64 / 128 at K 32, V 128; the default 64 / 64 at K 16) take a value
+    block of two key blocks and meet the tolerances."""
     from openk3.ops.kda.triton import chunk_grad_wy
 
     monkeypatch.setitem(chunk_grad_wy.LAUNCH, "key_block", key_block)
     monkeypatch.setitem(chunk_grad_wy.LAUNCH, "value_block", value_block)
+    with pytest.raises(ValueError, match=r"LAUNCH\['value_block'\].*less than 4 x LAUNCH\['key_block'\]"):
+        run(triton_chunk, make_inputs(1, 20, 1, 32, 32, seed=3))
+    monkeypatch.setitem(chunk_grad_wy.LAUNCH, "key_block", 64)
+    monkeypatch.setitem(chunk_grad_wy.LAUNCH, "value_block", 128)
+    assert chunk_grad_wy.blocks(32, 128) == (32, 64) and chunk_grad_wy.blocks(128, 128) == (64, 128)
+    inputs = make_inputs(1, 20, 1, 32, 128, seed=3)
+    assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
+    monkeypatch.setitem(chunk_grad_wy.LAUNCH, "value_block", 64)
+    assert chunk_grad_wy.blocks(16, 64) == (16, 32)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    ("module", "key", "value"),
+    [
+        ("chunk_grad_wy", "cumsum_by_dot", "False"),
+        ("chunk_prepare", "fp16_inverse", 1),
+        ("chunk_prepare", "maxnreg", -1),
+        ("chunk_grad_intra", "num_warps", 3),
+        ("chunk_grad_intra", "key_block", 32.0),
+        ("chunk_state", "num_stages", 0),
+        ("chunk_state", "value_block", 8),
+        ("tile_forward", "fp32_gated_keys", "no"),
+        ("chunk_grad_wy", "value_blok", 32),
+    ],
+)
+def test_interpreter_launch_settings_refused_before_work(monkeypatch, module, key, value):
+    """A kernel module's ``LAUNCH`` entry of the wrong kind (a string for a bool, a warp count of 3, a float
+    block) or a misspelt key fails with a ValueError naming it before any output exists: on the training path
+    at its forward (the backward's modules included), on the tile forward at its call."""
+    launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
+    monkeypatch.setitem(launch, key, value)
     inputs = make_inputs(1, 20, 1, 32, 32, seed=3)
-    with pytest.raises(ValueError, match="value_block.*key_block"):
-        run(triton_chunk, inputs)
-    for key_block, value_block in ((64, 128), (32, 64)):
-        monkeypatch.setitem(chunk_grad_wy.LAUNCH, "key_block", key_block)
-        monkeypatch.setitem(chunk_grad_wy.LAUNCH, "value_block", value_block)
-        chunk_grad_wy.check_launch()
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "backward", lambda *a, **kw: calls.append(a))  # never reached
+    if module == "tile_forward":
+        from openk3.ops.kda.triton import tile_forward
+
+        monkeypatch.setitem(tile_forward.LAUNCH, "enabled", True)
+        with pytest.raises(ValueError, match=f"{module}.LAUNCH"):
+            run_forward(triton_chunk, inputs)
+    else:
+        with pytest.raises(ValueError, match=f"{module}.LAUNCH"):
+            run(triton_chunk, inputs)
+    assert not calls
 
 
 @interpreter

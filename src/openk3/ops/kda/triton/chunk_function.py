@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.kda.triton.chunk_grad_intra import check_launch as check_grad_intra_launch
 from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
 from openk3.ops.kda.triton.chunk_grad_wy import check_launch as check_grad_wy_launch
 from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex, fixed_length_index, varlen_index
 from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare, empty_prepared
+from openk3.ops.kda.triton.chunk_prepare import check_launch as check_prepare_launch
+from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
 from openk3.ops.kda.triton.chunk_state import chunk_state_fwd, state_programs
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
 from openk3.ops.kda.triton.dispatch import needs_grad
@@ -217,7 +220,9 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
                 output_final_state, beta_sigmoid):  # fmt: skip
-        check_launch()  # before any work, not in the backward
+        check_launch()  # every training launch's settings, before any work rather than in the backward
+        for check in (check_prepare_launch, check_state_launch, check_grad_intra_launch):
+            check()
         check_grad_wy_launch()
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
         keep = LAUNCH["keep_intermediates"]

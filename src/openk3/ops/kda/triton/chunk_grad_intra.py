@@ -35,6 +35,7 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import SUB_CHUNK, Prepared
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    check_launch_entries,
     chunk_rows,
     cumsum_rows,
     dot,
@@ -70,6 +71,22 @@ over its 0.02 tolerance in 2 (0.0205, 0.026; the H200 failed this shape at the t
 reported, 0.023 in the interpreter) against none with tf32 (max 0.0187); at D128 none of 12 seeds was over
 (max 0.015). Earlier, over 10 seeds of B1 T64 H3: K = 16 over in 6 (median 0.025) against 1 with exact fp32
 products, K = 32 raised the median from 0.010 to 0.015."""
+
+
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
+    check_launch_entries(
+        "chunk_grad_intra",
+        LAUNCH,
+        dict(
+            num_warps="warps",
+            num_stages="stages",
+            key_block="block",
+            bf16_operands="bool",
+            cumsum_by_dot="bool",
+        ),
+    )
 
 
 @triton.jit
@@ -196,6 +213,7 @@ def chunk_grad_intra(
         ``(dq, dk, dg, dbeta, dA_log [H] fp32, ddt_bias [H*K] fp32)``; dq, dk, dg in the dtypes of q, k, g,
         dbeta in beta's dtype, all flat ``[tokens, H, ·]``.
     """
+    check_launch()
     TT, H, K = q.shape
     NB = wy.dbeta.shape[0]
     P = index.num_chunks

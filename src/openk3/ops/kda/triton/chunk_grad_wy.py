@@ -40,7 +40,7 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
-    check_block,
+    check_launch_entries,
     chunk_rows,
     dot,
     dot_precision,
@@ -192,24 +192,42 @@ off."""
 
 
 def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH`'s ``key_block`` and ``value_block`` are powers of two ≥ 16
-    (tensor-core operands) and ``value_block < 4·key_block``;
+    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`; ``key_block`` and ``value_block`` powers
+    of two ≥ 16, tensor-core operands), and ``value_block < 4·key_block`` (:func:`blocks`).
     :class:`~openk3.ops.kda.triton.chunk_function.ChunkKDAFunction` calls it before its forward, so a bad
-    setting fails before any work rather than in the backward.
-
-    The ratio: ``key_block`` 32 with ``value_block`` 128 made the key-side kernel fault on the H200 (an
-    illegal memory access, with ``cumsum_by_dot`` on, in the launch-option GPU test at T1000 H4; 32 / 64,
-    64 / 128 and 64 / 64 passed the same test, and 32 / 128 ran in another setting;
-    ``benchmarks/results/kda_h200_regcap_overlap_runs.txt``, runs r5–r8). The cause is not known, so every
-    pair at that ratio or beyond is refused (the one such pair measured, 32 / 128, was slower: grad_wy
-    3.55–3.66 ms against 3.04 at B1 T8192 H96)."""
-    for key in ("key_block", "value_block"):
-        check_block("chunk_grad_wy", key, LAUNCH[key])
+    setting fails before any work rather than in the backward."""
+    check_launch_entries(
+        "chunk_grad_wy",
+        LAUNCH,
+        dict(
+            num_warps="warps",
+            num_stages="stages",
+            cumsum_by_dot="bool",
+            key_block="block",
+            value_block="block",
+        ),
+    )
     if LAUNCH["value_block"] >= 4 * LAUNCH["key_block"]:
         raise ValueError(
             f"chunk_grad_wy.LAUNCH['value_block'] ({LAUNCH['value_block']}) must be less than 4 x "
             f"LAUNCH['key_block'] ({LAUNCH['key_block']}): key block 32 with value block 128 faulted on the GPU"
         )
+
+
+def blocks(K: int, V: int) -> tuple[int, int]:
+    """The key and value blocks ``(BK, BV)`` the kernels take for head dims ``K``, ``V``: ``BK = min(K,
+    key_block)`` and ``BV = min(V, value_block, 2·BK)``.
+
+    The value block stays within two key blocks because key block 32 with value block 128 made the key-side
+    kernel fault on the H200 (an illegal memory access, with ``cumsum_by_dot`` on, in the launch-option GPU
+    test at T1000 H4 D128; 32 / 64, 64 / 128 and 64 / 64 passed the same test, and 32 / 128 ran in another
+    setting; ``benchmarks/results/kda_h200_regcap_overlap_runs.txt``, runs r5–r8). The cause is not known, so
+    no pair of four or more is launched: settings asking for one are refused (:func:`check_launch`), and small
+    head dims that would give one (K 16 against V 64 by default) get the narrower value block. Such a pair
+    was slower anyway: 32 / 128 took grad_wy 3.55–3.66 ms against 3.04 at B1 T8192 H96."""
+    BK = min(K, LAUNCH["key_block"])
+    return BK, min(V, LAUNCH["value_block"], 2 * BK)
 
 
 def chunk_grad_wy(
@@ -222,10 +240,10 @@ def chunk_grad_wy(
     Raises:
         ValueError: from :func:`check_launch`.
     """
-    check_launch()
     TT, H, K = q.shape
     V = v.shape[-1]
-    BK = min(K, LAUNCH["key_block"])
+    check_launch()
+    BK, BV = blocks(K, V)
     NK = K // BK
     f32 = torch.float32
     out = WYGrads(
@@ -238,7 +256,6 @@ def chunk_grad_wy(
         dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
     )
     P = index.num_chunks
-    BV = min(V, LAUNCH["value_block"])
     chunk_grad_wy_value_kernel[(P, H)](
         v, beta, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,

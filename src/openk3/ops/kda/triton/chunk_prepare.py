@@ -40,6 +40,7 @@ from openk3.ops.kda.triton.kernel_math import (
     bounded_dot,
     cat4_cols,
     cat4_rows,
+    check_launch_entries,
     check_outs,
     chunk_rows,
     dot,
@@ -158,6 +159,17 @@ def anchor_block_products(acc_A, acc_L, q_s, k_s, G_s, a_s, b_k, b_G,
     acc_A += dot(q_s * b_rf, b_col, DOT, FINITE=True)  # NaN also reaches o through Q̃, W (round_tf32_finite)
     acc_L += dot(k_s * b_rf, b_col, DOT, FINITE=True)
     return acc_A, acc_L
+
+
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
+    check_launch_entries(
+        "chunk_prepare",
+        LAUNCH,
+        dict(num_warps="warps", num_stages="stages", maxnreg="count", key_block="block", wy_block="block",
+             fp16_inverse="bool", cumsum_by_dot="bool"),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -357,6 +369,7 @@ def chunk_prepare(
         ``[tokens, H, 64]``, ``gend`` fp32 ``[P, H, K]``, the l2norm reciprocal norms fp32 ``[tokens, H]``
         (ones without the norm).
     """
+    check_launch()
     TT, H, K = q.shape
     V = v.shape[-1]
     P = index.num_chunks

@@ -24,6 +24,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
+    check_launch_entries,
     check_out,
     dot,
     dot_precision,
@@ -80,6 +81,16 @@ value block is 64 wide (else 32), or a fixed value block (``value_block`` > 0); 
 --sweep`` times the alternatives."""
 
 
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
+    check_launch_entries(
+        "chunk_state",
+        LAUNCH,
+        dict(num_warps="warps", num_stages="stages", min_programs="count", value_block="block_or_0"),
+    )
+
+
 def value_block(V: int, programs_per_block: int, fixed: int | None = None) -> int:
     """Value-block width: ``fixed`` (default ``LAUNCH["value_block"]``) if set, else 64, or 32 when fewer than
     ``LAUNCH["min_programs"]`` programs would run (long single sequences with few heads); never above ``V``."""
@@ -132,6 +143,7 @@ def chunk_state_fwd(
         ValueError: ``h_out``, ``o_out`` or ``ht_out`` of another shape or dtype than the pass writes, or not
             contiguous (:func:`~openk3.ops.kda.triton.kernel_math.check_out`).
     """
+    check_launch()
     TT, H, K = pre.w.shape
     N, P = index.num_seqs, index.num_chunks
     dev = pre.w.device

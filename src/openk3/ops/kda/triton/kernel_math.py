@@ -59,13 +59,38 @@ def check_outs(name: str, given: tuple, layout: tuple, device) -> None:
         check_out(f"{name}.{field}", t, shape, dtype, device)
 
 
-def check_block(module: str, key: str, size) -> None:
-    """Raise ``ValueError`` unless ``size``, the launch setting ``module.LAUNCH[key]`` that becomes a tile's
-    side (``min(dim, size)``), is an ``int`` power of two ≥ 16: a tensor-core operand."""
-    if not isinstance(size, int) or size < 16 or size & (size - 1):
-        raise ValueError(
-            f"{module}.LAUNCH[{key!r}] must be a power of two >= 16 (a tensor-core operand); got {size!r}"
-        )
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+LAUNCH_KINDS = {
+    "bool": ("True or False", lambda x: isinstance(x, bool)),
+    "warps": ("an int in 1, 2, 4, 8, 16", lambda x: _is_int(x) and x in (1, 2, 4, 8, 16)),
+    "stages": ("an int >= 1", lambda x: _is_int(x) and x >= 1),
+    "count": ("an int >= 0", lambda x: _is_int(x) and x >= 0),
+    "block": (
+        "an int power of two >= 16 (a tensor-core operand)",
+        lambda x: _is_int(x) and x >= 16 and not x & (x - 1),
+    ),
+    "block_or_0": (
+        "0 (chosen per call) or an int power of two >= 16",
+        lambda x: _is_int(x) and (x == 0 or (x >= 16 and not x & (x - 1))),
+    ),
+}
+"""The kinds of ``LAUNCH`` entry :func:`check_launch_entries` knows: what each must be, and the test."""
+
+
+def check_launch_entries(module: str, launch: dict, kinds: dict[str, str]) -> None:
+    """Raise ``ValueError`` unless the kernel module ``module``'s ``launch`` dict has exactly the keys of
+    ``kinds`` (a misspelt key would otherwise be ignored and a missing one fail mid-call) and each entry is of
+    its kind in :data:`LAUNCH_KINDS` (a string ``"False"`` would read as true; a warp count of 3 fails only at
+    the launch). The launchers call it before any work."""
+    if set(launch) != set(kinds):
+        raise ValueError(f"{module}.LAUNCH must have exactly the keys {sorted(kinds)}; got {sorted(launch)}")
+    for key, kind in kinds.items():
+        want, ok = LAUNCH_KINDS[kind]
+        if not ok(launch[key]):
+            raise ValueError(f"{module}.LAUNCH[{key!r}] must be {want}; got {launch[key]!r}")
 
 
 @triton.jit

@@ -46,7 +46,7 @@ from openk3.ops.kda.triton.chunk_prepare import fp16_inverse
 from openk3.ops.kda.triton.chunk_state import state_programs, value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
-    check_block,
+    check_launch_entries,
     check_out,
     check_outs,
     chunk_rows,
@@ -92,6 +92,18 @@ worst conditioning, nearly parallel keys (a repeated token, β ≈ 1, little dec
 Off by default: it doubles those three tensors' bytes, and on the H200 it cost the prepare 0.44 ms at
 B1 T8192 H96 D128 (1.36 vs 0.92 ms, the recurrence 0.85 vs 0.96) and 0.49 ms at B1 T32768 H32 (about +17%
 on the forward)."""
+
+
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
+    check_launch_entries(
+        "tile_forward",
+        LAUNCH,
+        dict(enabled="bool", num_warps="warps", num_stages="stages", key_block="block",
+             recurrence_warps="warps", recurrence_stages="stages", value_block="block_or_0",
+             fp32_gated_keys="bool"),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -265,7 +277,7 @@ def tile_prepare(
     """
     TT, H, K = q.shape
     dt = q.dtype
-    check_block("tile_forward", "key_block", LAUNCH["key_block"])
+    check_launch()
     BK = min(K, LAUNCH["key_block"])
     if out is None:
         out = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
@@ -295,6 +307,7 @@ def tile_recurrence(
     """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors (arguments and result as in
     :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
     to allocate them; ``ValueError`` if either has another shape or dtype, or is not contiguous)."""
+    check_launch()
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
@@ -356,6 +369,7 @@ def tile_forward(
     Returns:
         ``(o [tokens, H, V] in v.dtype, final_state or None)``.
     """
+    check_launch()
     opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
     programs = state_programs(v.shape[-1], v.shape[1], index, LAUNCH["value_block"])
     segs = segments(index, TILE, q.device, programs, "tile_segments")
