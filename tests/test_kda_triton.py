@@ -704,36 +704,46 @@ def test_interpreter_chunk_grad_wy_value_block_within_two_key_blocks(monkeypatch
 
 @interpreter
 @pytest.mark.parametrize(
-    ("module", "key", "value"),
+    ("module", "key", "value", "tiles"),
     [
-        ("chunk_grad_wy", "cumsum_by_dot", "False"),
-        ("chunk_prepare", "fp16_inverse", 1),
-        ("chunk_prepare", "maxnreg", -1),
-        ("chunk_grad_intra", "num_warps", 3),
-        ("chunk_grad_intra", "key_block", 32.0),
-        ("chunk_state", "num_stages", 0),
-        ("chunk_state", "value_block", 8),
-        ("tile_forward", "fp32_gated_keys", "no"),
-        ("chunk_grad_wy", "value_blok", 32),
+        ("chunk_grad_wy", "cumsum_by_dot", "False", False),
+        ("chunk_prepare", "fp16_inverse", 1, False),
+        ("chunk_prepare", "maxnreg", -1, False),
+        ("chunk_grad_intra", "num_warps", 3, False),
+        ("chunk_grad_intra", "key_block", 32.0, False),
+        ("chunk_state", "num_stages", 0, False),
+        ("chunk_state", "value_block", 8, False),
+        ("chunk_grad_wy", "value_blok", 32, False),
+        ("chunk_function", "keep_intermediate", True, False),
+        ("tile_forward", "enabled", 0, False),
+        ("tile_forward", "fp32_gated_keys", "no", True),
+        ("chunk_prepare", "fp16_inverse", "False", True),
+        ("chunk_state", "min_programs", -5, True),
+        ("decode", "small_bv", 3, None),
     ],
 )
-def test_interpreter_launch_settings_refused_before_work(monkeypatch, module, key, value):
+def test_interpreter_launch_settings_refused_before_work(monkeypatch, module, key, value, tiles):
     """A kernel module's ``LAUNCH`` entry of the wrong kind (a string for a bool, a warp count of 3, a float
     block) or a misspelt key fails with a ValueError naming it before any output exists: on the training path
-    at its forward (the backward's modules included), on the tile forward at its call."""
+    at its forward (the backward's modules included), on the tile forward (``tiles``) at its call, for the
+    entries it reads from other modules too, and at a decode launch."""
+    from openk3.ops.kda.triton import tile_forward
+
     launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
     monkeypatch.setitem(launch, key, value)
     inputs = make_inputs(1, 20, 1, 32, 32, seed=3)
     calls = []
     monkeypatch.setattr(torch.Tensor, "backward", lambda *a, **kw: calls.append(a))  # never reached
-    if module == "tile_forward":
-        from openk3.ops.kda.triton import tile_forward
+    with pytest.raises(ValueError, match=f"{module}.LAUNCH"):
+        if tiles is None:
+            from openk3.ops.kda.triton import decode
 
-        monkeypatch.setitem(tile_forward.LAUNCH, "enabled", True)
-        with pytest.raises(ValueError, match=f"{module}.LAUNCH"):
+            decode.launch_decode(*(None,) * 9, num_seqs=1, tokens_per_seq=1, scale=1.0, A_log=None,
+                                 dt_bias=None, lower_bound=None, use_l2norm=False)  # fmt: skip
+        elif tiles:
+            monkeypatch.setitem(tile_forward.LAUNCH, "enabled", True)
             run_forward(triton_chunk, inputs)
-    else:
-        with pytest.raises(ValueError, match=f"{module}.LAUNCH"):
+        else:
             run(triton_chunk, inputs)
     assert not calls
 

@@ -38,6 +38,7 @@ from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
 from openk3.ops.kda.triton.chunk_state import chunk_state_fwd, state_programs
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
 from openk3.ops.kda.triton.dispatch import needs_grad
+from openk3.ops.kda.triton.kernel_math import check_launch_entries
 from openk3.ops.kda.triton.pipeline import (
     Segment,
     carried_states,
@@ -49,6 +50,7 @@ from openk3.ops.kda.triton.pipeline import (
 )
 from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
 from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
+from openk3.ops.kda.triton.tile_forward import check_launch as check_tile_launch
 
 LAUNCH = {"keep_intermediates": False, "overlap_state_passes": True}
 """``keep_intermediates``: trade memory for the backward's first two launches. The forward keeps what the
@@ -68,11 +70,12 @@ layer's peak, bounds training sizes.
 
 
 def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH`'s entries are bools (a string such as ``"False"`` would
-    otherwise read as true); :class:`ChunkKDAFunction` calls it before its forward does any work."""
-    for key, value in LAUNCH.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"chunk_function.LAUNCH[{key!r}] must be True or False; got {value!r}")
+    """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its two keys and both are bools (a string such as
+    ``"False"`` would otherwise read as true; :func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`);
+    :class:`ChunkKDAFunction` calls it before its forward does any work."""
+    check_launch_entries(
+        "chunk_function", LAUNCH, dict(keep_intermediates="bool", overlap_state_passes="bool")
+    )
 
 
 def backward_state_passes(
@@ -299,6 +302,7 @@ def chunk_kda_triton(
     B, T, H, K = q.shape
     V = v.shape[-1]
     # no gradient wanted: the 16-token tile forward
+    check_tile_launch()  # its "enabled" decides the path: checked before it is read
     tiles = TILE_LAUNCH["enabled"] and not needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
     size = TILE if tiles else CHUNK
     index: ChunkIndex = (

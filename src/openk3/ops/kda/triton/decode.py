@@ -21,11 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.triton.kernel_math import check_launch_entries
+
 GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 """Gate kinds of :func:`kda_decode_kernel` (constexpr ``GATE``)."""
 LAUNCH = {"small_bv": 32, "large_bv": 64, "large_programs": 1024}
 """Value-block width below / from ``large_programs`` sequence·head pairs; ``benchmarks/kda.py --sweep``
 times the alternatives."""
+
+
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`); :func:`launch_decode` calls it."""
+    check_launch_entries("decode", LAUNCH, dict(small_bv="block", large_bv="block", large_programs="count"))
 
 
 @triton.jit
@@ -117,7 +125,9 @@ def launch_decode(
     use_l2norm: bool,
     beta_sigmoid: bool = False,
 ) -> None:
-    """Launch :func:`kda_decode_kernel` on flat ``[tokens, H, ·]`` tensors (no checks: see the callers)."""
+    """Launch :func:`kda_decode_kernel` on flat ``[tokens, H, ·]`` tensors (the arguments unchecked: see the
+    callers; :data:`LAUNCH` checked, :func:`check_launch`)."""
+    check_launch()
     H, K = q.shape[-2:]
     V = v.shape[-1]
     BV = min(V, LAUNCH["small_bv"] if num_seqs * H < LAUNCH["large_programs"] else LAUNCH["large_bv"])

@@ -84,7 +84,8 @@ def check_launch_entries(module: str, launch: dict, kinds: dict[str, str]) -> No
     """Raise ``ValueError`` unless the kernel module ``module``'s ``launch`` dict has exactly the keys of
     ``kinds`` (a misspelt key would otherwise be ignored and a missing one fail mid-call) and each entry is of
     its kind in :data:`LAUNCH_KINDS` (a string ``"False"`` would read as true; a warp count of 3 fails only at
-    the launch). The launchers call it before any work."""
+    the launch). Numbers must be Python ``int`` (not numpy's or ``bool``). The launchers call it before any
+    work."""
     if set(launch) != set(kinds):
         raise ValueError(f"{module}.LAUNCH must have exactly the keys {sorted(kinds)}; got {sorted(launch)}")
     for key, kind in kinds.items():

@@ -42,7 +42,9 @@ import triton
 import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import ChunkIndex
+from openk3.ops.kda.triton.chunk_prepare import check_launch as check_prepare_launch
 from openk3.ops.kda.triton.chunk_prepare import fp16_inverse
+from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
 from openk3.ops.kda.triton.chunk_state import state_programs, value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
@@ -96,7 +98,9 @@ on the forward)."""
 
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
-    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`), and so do the two other ``LAUNCH``
+    dicts this path reads: :mod:`~openk3.ops.kda.triton.chunk_prepare`'s (``fp16_inverse``) and
+    :mod:`~openk3.ops.kda.triton.chunk_state`'s (``min_programs``, for the value block)."""
     check_launch_entries(
         "tile_forward",
         LAUNCH,
@@ -104,6 +108,8 @@ def check_launch() -> None:
              recurrence_warps="warps", recurrence_stages="stages", value_block="block_or_0",
              fp32_gated_keys="bool"),
     )  # fmt: skip
+    check_prepare_launch()
+    check_state_launch()
 
 
 @triton.jit
