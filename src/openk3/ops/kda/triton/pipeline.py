@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from openk3.ops.kda.triton.chunk_index import ChunkIndex, fixed_length_index
+from openk3.ops.kda.triton.kernel_math import check_launch_entries
 
 LAUNCH = {"segments": 4, "tile_segments": 0, "min_tokens": 16384}
 """``segments``: how many pieces a long single sequence is cut into on the training path (64-token chunks,
@@ -39,17 +40,13 @@ process the cut measured 0.1–0.2 ms faster (runs 3 and 4); its pieces are shor
 of host time, and under a CUDA graph the cut saved at most 0.28 of 2.77 ms."""
 
 
-LAUNCH_KEYS = ("segments", "tile_segments", "min_tokens")
-
-
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its keys (a misspelt one would otherwise be
-    ignored) and they hold ints ≥ 0 (checked before any work)."""
-    if set(LAUNCH) != set(LAUNCH_KEYS):
-        raise ValueError(f"pipeline.LAUNCH must have exactly the keys {LAUNCH_KEYS}; got {sorted(LAUNCH)}")
-    for key, value in LAUNCH.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"pipeline.LAUNCH[{key!r}] must be an int >= 0; got {value!r}")
+    ignored) and they hold ints ≥ 0 (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`; checked
+    before any work)."""
+    check_launch_entries(
+        "pipeline", LAUNCH, dict(segments="count", tile_segments="count", min_tokens="count")
+    )
 
 
 def side_stream(device: torch.device, *, high_priority: bool = False) -> torch.cuda.Stream:
