@@ -33,8 +33,6 @@ from openk3.ops.kda.triton.chunk_grad_wy import check_launch as check_grad_wy_la
 from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex, fixed_length_index, varlen_index
 from openk3.ops.kda.triton.chunk_prepare import Prepared, chunk_prepare, empty_prepared
-from openk3.ops.kda.triton.chunk_prepare import check_launch as check_prepare_launch
-from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
 from openk3.ops.kda.triton.chunk_state import chunk_state_fwd, state_programs
 from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
 from openk3.ops.kda.triton.dispatch import needs_grad
@@ -72,7 +70,7 @@ layer's peak, bounds training sizes.
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its two keys and both are bools (a string such as
     ``"False"`` would otherwise read as true; :func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`);
-    :class:`ChunkKDAFunction` calls it before its forward does any work."""
+    :func:`chunk_kda_triton` calls it before any work on the training path."""
     check_launch_entries(
         "chunk_function", LAUNCH, dict(keep_intermediates="bool", overlap_state_passes="bool")
     )
@@ -223,10 +221,6 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
                 output_final_state, beta_sigmoid):  # fmt: skip
-        check_launch()  # every training launch's settings, before any work rather than in the backward
-        for check in (check_prepare_launch, check_state_launch, check_grad_intra_launch):
-            check()
-        check_grad_wy_launch()
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
         keep = LAUNCH["keep_intermediates"]
         pre, o, ht, h, v_new = forward_passes(
@@ -302,8 +296,13 @@ def chunk_kda_triton(
     B, T, H, K = q.shape
     V = v.shape[-1]
     # no gradient wanted: the 16-token tile forward
-    check_tile_launch()  # its "enabled" decides the path: checked before it is read
+    # every LAUNCH setting the call's path reads, once, before any work (the backward's in the forward): the
+    # tile forward's with chunk_prepare's and chunk_state's first, as its "enabled" picks the path
+    check_tile_launch()
     tiles = TILE_LAUNCH["enabled"] and not needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if not tiles:
+        for check in (check_launch, check_grad_wy_launch, check_grad_intra_launch):
+            check()
     size = TILE if tiles else CHUNK
     index: ChunkIndex = (
         fixed_length_index(B, T, q.device, size)

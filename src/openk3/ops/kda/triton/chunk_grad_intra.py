@@ -213,7 +213,6 @@ def chunk_grad_intra(
         ``(dq, dk, dg, dbeta, dA_log [H] fp32, ddt_bias [H*K] fp32)``; dq, dk, dg in the dtypes of q, k, g,
         dbeta in beta's dtype, all flat ``[tokens, H, ·]``.
     """
-    check_launch()
     TT, H, K = q.shape
     NB = wy.dbeta.shape[0]
     P = index.num_chunks

@@ -195,8 +195,8 @@ def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
     (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`; ``key_block`` and ``value_block`` powers
     of two ≥ 16, tensor-core operands), and ``value_block < 4·key_block`` (:func:`blocks`).
-    :class:`~openk3.ops.kda.triton.chunk_function.ChunkKDAFunction` calls it before its forward, so a bad
-    setting fails before any work rather than in the backward."""
+    :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` calls it before the forward, so a bad
+    setting fails before any work rather than in the backward; :func:`chunk_grad_wy` again."""
     check_launch_entries(
         "chunk_grad_wy",
         LAUNCH,

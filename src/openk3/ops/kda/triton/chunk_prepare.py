@@ -369,7 +369,6 @@ def chunk_prepare(
         ``[tokens, H, 64]``, ``gend`` fp32 ``[P, H, K]``, the l2norm reciprocal norms fp32 ``[tokens, H]``
         (ones without the norm).
     """
-    check_launch()
     TT, H, K = q.shape
     V = v.shape[-1]
     P = index.num_chunks

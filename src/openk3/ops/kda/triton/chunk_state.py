@@ -143,7 +143,6 @@ def chunk_state_fwd(
         ValueError: ``h_out``, ``o_out`` or ``ht_out`` of another shape or dtype than the pass writes, or not
             contiguous (:func:`~openk3.ops.kda.triton.kernel_math.check_out`).
     """
-    check_launch()
     TT, H, K = pre.w.shape
     N, P = index.num_seqs, index.num_chunks
     dev = pre.w.device

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.chunk_state import LAUNCH, check_launch, value_block
+from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
 from openk3.ops.kda.triton.kernel_math import (
     check_out,
     dot,
@@ -91,7 +91,6 @@ def chunk_state_bwd(
         ``(dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32 [N, H, K, V])``; dh and dv_new in the storage
         dtype.
     """
-    check_launch()
     TT, H, K = pre.w.shape
     V = do.shape[-1]
     N, P = index.num_seqs, index.num_chunks

@@ -63,18 +63,19 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_block(x) -> bool:
+    return _is_int(x) and x >= 16 and not x & (x - 1)
+
+
 LAUNCH_KINDS = {
     "bool": ("True or False", lambda x: isinstance(x, bool)),
     "warps": ("an int in 1, 2, 4, 8, 16", lambda x: _is_int(x) and x in (1, 2, 4, 8, 16)),
     "stages": ("an int >= 1", lambda x: _is_int(x) and x >= 1),
     "count": ("an int >= 0", lambda x: _is_int(x) and x >= 0),
-    "block": (
-        "an int power of two >= 16 (a tensor-core operand)",
-        lambda x: _is_int(x) and x >= 16 and not x & (x - 1),
-    ),
+    "block": ("an int power of two >= 16 (a tensor-core operand)", _is_block),
     "block_or_0": (
         "0 (chosen per call) or an int power of two >= 16",
-        lambda x: _is_int(x) and (x == 0 or (x >= 16 and not x & (x - 1))),
+        lambda x: _is_block(x) or x == 0 and _is_int(x),
     ),
 }
 """The kinds of ``LAUNCH`` entry :func:`check_launch_entries` knows: what each must be, and the test."""
@@ -84,8 +85,10 @@ def check_launch_entries(module: str, launch: dict, kinds: dict[str, str]) -> No
     """Raise ``ValueError`` unless the kernel module ``module``'s ``launch`` dict has exactly the keys of
     ``kinds`` (a misspelt key would otherwise be ignored and a missing one fail mid-call) and each entry is of
     its kind in :data:`LAUNCH_KINDS` (a string ``"False"`` would read as true; a warp count of 3 fails only at
-    the launch). Numbers must be Python ``int`` (not numpy's or ``bool``). The launchers call it before any
-    work."""
+    the launch). Numbers must be Python ``int`` (not numpy's or ``bool``). Each module's ``check_launch`` calls
+    it, and the entry points (:func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton`,
+    :func:`~openk3.ops.kda.triton.decode.launch_decode`) call those for every setting their path reads, once per
+    call, before any work."""
     if set(launch) != set(kinds):
         raise ValueError(f"{module}.LAUNCH must have exactly the keys {sorted(kinds)}; got {sorted(launch)}")
     for key, kind in kinds.items():

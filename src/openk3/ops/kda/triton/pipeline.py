@@ -52,9 +52,12 @@ def check_launch() -> None:
 def side_stream(device: torch.device, *, high_priority: bool = False) -> torch.cuda.Stream:
     """An extra CUDA stream per device (two: default priority, and the device's highest priority), created
     on first use and reused (streams are not freed)."""
-    return _side_stream(
-        device.index if device.index is not None else torch.cuda.current_device(), high_priority
-    )
+    return _side_stream(_device_index(device), high_priority)
+
+
+def _device_index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -68,10 +71,7 @@ def overlaps(device: torch.device, programs: int) -> bool:
     one program per multiprocessor. With more, the pass already shares the GPU among its own programs and
     the cut measured slower on the H200 (tile forward at B1 T8192 H96 D128, 384 programs: 1.78–1.84 ms cut
     in 2 or 4 against 1.68–1.71 uncut; ``benchmarks/results/kda_h200_pipeline_runs.txt``)."""
-    device = torch.device(device)
-    return device.type == "cuda" and programs <= _multiprocessors(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+    return torch.device(device).type == "cuda" and programs <= _multiprocessors(_device_index(device))
 
 
 @functools.cache

@@ -313,7 +313,6 @@ def tile_recurrence(
     """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors (arguments and result as in
     :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
     to allocate them; ``ValueError`` if either has another shape or dtype, or is not contiguous)."""
-    check_launch()
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
@@ -359,7 +358,9 @@ def tile_forward(
     beta_sigmoid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward of the chunked KDA on 16-token tiles (no autograd): :func:`tile_prepare` then
-    :func:`tile_recurrence`.
+    :func:`tile_recurrence`. The ``LAUNCH`` settings it reads are checked by its caller
+    (:func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton`, :func:`check_launch`), and again by
+    :func:`tile_prepare`.
 
     Args:
         q, k, g: ``[tokens, H, K]`` (g raw). v: ``[tokens, H, V]``. beta: ``[tokens, H]`` in ``[0, 1]``
@@ -375,7 +376,6 @@ def tile_forward(
     Returns:
         ``(o [tokens, H, V] in v.dtype, final_state or None)``.
     """
-    check_launch()
     opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
     programs = state_programs(v.shape[-1], v.shape[1], index, LAUNCH["value_block"])
     segs = segments(index, TILE, q.device, programs, "tile_segments")
