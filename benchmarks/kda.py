@@ -516,12 +516,15 @@ LAUNCH_NAMES = (
     "grad_intra",
     "tile prepare",
     "tile recurrence",
+    "tile prepare (for backward)",
+    "chunk_from_tiles",
 )
 """The keys of :func:`our_launches`, in its order."""
 
 
 def our_launches(B, T, H, D) -> dict:
     """Each launch of our forward and backward as a callable, its inputs prepared once (default configs)."""
+    from openk3.ops.kda.triton.chunk_from_tiles import chunk_from_tiles
     from openk3.ops.kda.triton.chunk_function import backward_state_passes
     from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
     from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
@@ -529,7 +532,7 @@ def our_launches(B, T, H, D) -> dict:
     from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
     from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
     from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
-    from openk3.ops.kda.triton.tile_forward import TILE, tile_prepare, tile_recurrence
+    from openk3.ops.kda.triton.tile_forward import TILE, empty_tile_backward, tile_prepare, tile_recurrence
 
     x = chunk_inputs(B, T, H, D, None)
     flat = {n: x[n].reshape(B * T, H, -1) if x[n].dim() == 4 else x[n] for n in LEAVES}
@@ -547,6 +550,8 @@ def our_launches(B, T, H, D) -> dict:
     tiles = fixed_length_index(B, T, x["q"].device, TILE)
     tile_args = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], tiles)
     tile_pre = tile_prepare(*tile_args, **opts)
+    back = empty_tile_backward(flat["q"], use_l2norm=True)
+    tile_pre_bwd = tile_prepare(*tile_args, **opts, for_backward=back)
     launches = {
         "prepare": lambda: chunk_prepare(*args, index, **opts),
         "prepare (bwd)": lambda: chunk_prepare(*args, index, saved=pre, **opts),
@@ -559,6 +564,10 @@ def our_launches(B, T, H, D) -> dict:
         "tile prepare": lambda: tile_prepare(*tile_args, **opts),
         "tile recurrence": lambda: tile_recurrence(
             tile_pre, flat["v"], None, tiles, output_final_state=False
+        ),
+        "tile prepare (for backward)": lambda: tile_prepare(*tile_args, **opts, for_backward=back),
+        "chunk_from_tiles": lambda: chunk_from_tiles(
+            tile_pre_bwd, back, beta, index, tiles, use_l2norm=True, beta_sigmoid=True
         ),
     }
     assert tuple(launches) == LAUNCH_NAMES, "keep LAUNCH_NAMES in step with our_launches"

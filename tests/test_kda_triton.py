@@ -27,6 +27,7 @@ import copy
 import functools
 import importlib.metadata
 import importlib.util
+import itertools
 import os
 import sys
 
@@ -170,20 +171,41 @@ def near_parallel_keys(inputs: dict, *, noise: float = 0.1, beta: float = 0.95, 
     return inputs | {"k": keys.to(k.device, k.dtype), "beta": torch.full_like(inputs["beta"], beta)}
 
 
-def prepared_inverse_error(inputs: dict) -> float:
-    """Largest ``|T − T_ref|`` of the Triton prepare kernel's ``T = (I + L)^{-1}`` (saved as ``Akk``) for
-    inputs with the ``zero`` gate (no decay), against the fp64 inverse of ``L_ij = β_i k̂_i·k̂_j`` (i > j)
-    built from the same stored values, per 64-token chunk."""
-    from openk3.ops.kda.triton.chunk_index import fixed_length_index
+def saved_for_backward(inputs: dict, source: str, seq_lens: tuple[int, ...] | None = None) -> tuple:
+    """``(Aqk, Akk, q_rstd, k_rstd)`` ``[tokens, H, ·]`` as the training forward saves them for the backward,
+    from ``source``: ``"chunks"`` (the 64-token prepare) or ``"tiles"`` (the 16-token tile prepare, then
+    ``chunk_from_tiles``); B1 packed documents of ``seq_lens`` (default: B rows)."""
+    from openk3.ops.kda.triton.chunk_from_tiles import chunk_from_tiles
+    from openk3.ops.kda.triton.chunk_index import fixed_length_index, varlen_index
     from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
+    from openk3.ops.kda.triton.tile_forward import empty_tile_backward, tile_prepare
 
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = k.shape
     flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
-    pre = chunk_prepare(
-        *flat, beta.reshape(B * T, H).contiguous(), inputs["A_log"], inputs["dt_bias"],
-        fixed_length_index(B, T, k.device), scale=K**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True,
-    )  # fmt: skip
+    beta = beta.reshape(B * T, H).contiguous()
+    if seq_lens is None:
+        index, tiles = (fixed_length_index(B, T, k.device, size) for size in (64, 16))
+    else:
+        cu = torch.tensor([0, *itertools.accumulate(seq_lens)], device=k.device)
+        index, tiles = (varlen_index(cu, seq_lens, size) for size in (64, 16))
+    opts = dict(scale=K**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True)
+    gate = (inputs["A_log"], inputs["dt_bias"])
+    if source == "chunks":
+        pre = chunk_prepare(*flat, beta, *gate, index, **opts)
+        return pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd
+    back = empty_tile_backward(flat[0], use_l2norm=True)
+    pre = tile_prepare(flat[0], flat[1], flat[3], beta, *gate, tiles, **opts, for_backward=back)
+    return (*chunk_from_tiles(pre, back, beta, index, tiles, use_l2norm=True), back.q_rstd, back.k_rstd)
+
+
+def prepared_inverse_error(inputs: dict, source: str = "chunks") -> float:
+    """Largest ``|T − T_ref|`` of the saved ``T = (I + L)^{-1}`` (``Akk``, from :func:`saved_for_backward`'s
+    ``source``) for inputs with the ``zero`` gate (no decay), against the fp64 inverse of
+    ``L_ij = β_i k̂_i·k̂_j`` (i > j) built from the same stored values, per 64-token chunk."""
+    q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    B, T, H, K = k.shape
+    Akk = saved_for_backward(inputs, source)[1]
     kn = torch.nn.functional.normalize(k.double(), dim=-1)
     worst = 0.0
     for b in range(B):
@@ -193,7 +215,7 @@ def prepared_inverse_error(inputs: dict) -> float:
             L = torch.einsum("ihk,jhk->hij", kc, kc) * bc.T[:, :, None]
             eye = torch.eye(n, dtype=F64, device=k.device)
             T_ref = torch.linalg.inv(eye + torch.tril(L, -1))  # [H, n, n]
-            T_out = pre.Akk[b * T + c0 : b * T + c0 + n, :, :n].double().permute(1, 0, 2)
+            T_out = Akk[b * T + c0 : b * T + c0 + n, :, :n].double().permute(1, 0, 2)
             worst = max(worst, (T_out - T_ref).abs().max().item())
     return worst
 
@@ -281,10 +303,11 @@ LAUNCH_OPTIONS = [
     "chunk_grad_wy:cumsum_by_dot",
     "chunk_prepare:cumsum_by_dot",
     "chunk_prepare:fp16_inverse",
+    "chunk_function:forward_on_tiles",
 ]
 """The kernels' on/off launch options (``module:key`` of a kernel module's ``LAUNCH``): operand precision for
-bf16 inputs, the cumsum's method. Both settings must meet the tolerances (the other tests cover the
-defaults)."""
+bf16 inputs, the cumsum's method, and the training forward on 16-token tiles against the 64-token prepare
+and state pass. Both settings must meet the tolerances (the other tests cover the defaults)."""
 
 
 def flip(monkeypatch, option: str) -> None:
@@ -761,11 +784,16 @@ def test_interpreter_chunk_function_refuses_non_bool_launch(monkeypatch, key, va
         run(triton_chunk, inputs)
 
 
-def check_same_bits(monkeypatch, device: str, T: int, H: int, K: int, key: str, value: bool) -> None:
-    """``chunk_function.LAUNCH[key]`` set to ``value`` gives the bits of the default: ``o``, the final state and
-    every gradient, for two packed documents (the second starting mid-chunk)."""
+def check_same_bits(
+    monkeypatch, device: str, T: int, H: int, K: int, key: str, value: bool, base: dict | None = None
+) -> None:
+    """``chunk_function.LAUNCH[key]`` set to ``value`` gives the bits of the default (with the entries of
+    ``base`` set in both runs): ``o``, the final state and every gradient, for two packed documents (the
+    second starting mid-chunk)."""
     from openk3.ops.kda.triton import chunk_function
 
+    for name, setting in (base or {}).items():
+        monkeypatch.setitem(chunk_function.LAUNCH, name, setting)
     op = triton_chunk if device == "cpu" else chunk_kda
     inputs = make_inputs(1, T, H, K, K, N=2, device=device, seed=17)
     cu_seqlens = torch.tensor([0, T // 2 + 3, T], device=device)
@@ -778,14 +806,26 @@ def check_same_bits(monkeypatch, device: str, T: int, H: int, K: int, key: str, 
 
 @interpreter
 def test_interpreter_chunk_keep_intermediates(monkeypatch):
-    """``keep_intermediates`` on gives the default's bits in the interpreter (T 150, D 64)."""
-    check_same_bits(monkeypatch, "cpu", 150, 2, 64, "keep_intermediates", True)
+    """``keep_intermediates`` on gives the bits of the 64-token forward (``forward_on_tiles`` off) in the
+    interpreter (T 150, D 64)."""
+    check_same_bits(monkeypatch, "cpu", 150, 2, 64, "keep_intermediates", True, {"forward_on_tiles": False})
 
 
 @gpu
 def test_gpu_chunk_keep_intermediates(monkeypatch):
-    """``keep_intermediates`` on gives the default's bits on the GPU (T 1000, D 128)."""
-    check_same_bits(monkeypatch, "cuda", 1000, 2, 128, "keep_intermediates", True)
+    """``keep_intermediates`` on gives the bits of the 64-token forward on the GPU (T 1000, D 128)."""
+    check_same_bits(
+        monkeypatch, "cuda", 1000, 2, 128, "keep_intermediates", True, {"forward_on_tiles": False}
+    )
+
+
+@gpu
+@pytest.mark.parametrize(("T", "H"), [(1000, 2), (8192, 32)])
+def test_gpu_chunk_overlap_from_tiles(monkeypatch, T, H):
+    """Building the chunks' ``Aqk`` and ``T`` on a side stream beside the tile recurrence
+    (``overlap_from_tiles``; at these sizes the recurrence has at most one program per multiprocessor) gives
+    the bits of one after the other."""
+    check_same_bits(monkeypatch, "cuda", T, H, 128, "overlap_from_tiles", True)
 
 
 @gpu
@@ -1150,11 +1190,32 @@ def test_interpreter_chunk_near_parallel_keys_fp32():
 
 @interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # σ of a saturated gate: exp(−z) = inf
-def test_interpreter_prepare_inverse_near_parallel_keys():
+@pytest.mark.parametrize("source", ["chunks", "tiles"])
+def test_interpreter_prepare_inverse_near_parallel_keys(source):
     """bf16 inputs, nearly parallel keys: the saved ``T = (I + L)^{-1}`` (fp16, entries ≤ 1) is within 4e-3 of
-    the fp64 inverse (measured 1.1e-3; the doubling product gave 8.0)."""
+    the fp64 inverse, from the 64-token prepare (measured 1.1e-3; the doubling product gave 8.0) and built
+    from the tiles (measured 1.5e-3)."""
     inputs = near_parallel_keys(make_inputs(1, 128, 2, 64, 64, gate="zero", seed=53))
-    assert prepared_inverse_error(inputs) < 4e-3
+    assert prepared_inverse_error(inputs, source) < 4e-3
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_interpreter_chunk_from_tiles_matches_prepare(dtype):
+    """What the training forward saves, built from the 16-token tiles, against the 64-token prepare's: packed
+    documents of 5, 16, 17, 64, 70 and 150 tokens (tiles and chunks partial, one document inside one tile),
+    D 64. The norms are the same bits; ``Aqk`` and ``T`` differ by the rounding of the stored gated q and k
+    (relative RMSE measured 2.7e-3 / 5.7e-4 in bf16, 2.2e-7 / 7.2e-8 in fp32)."""
+    seq_lens = (5, 16, 17, 64, 70, 150)
+    inputs = make_inputs(1, sum(seq_lens), 2, 64, 64, N=len(seq_lens), dtype=dtype, seed=57)
+    chunks, tiles = (saved_for_backward(inputs, s, seq_lens) for s in ("chunks", "tiles"))
+    for name, want, got, tol in zip(
+        ("Aqk", "Akk", "q_rstd", "k_rstd"),
+        chunks,
+        tiles,
+        (4e-3, 1e-3, 0, 0) if dtype == BF16 else (1e-5,) * 4,
+    ):
+        assert rel_rmse(want, got) <= tol, (name, rel_rmse(want, got))
 
 
 @interpreter

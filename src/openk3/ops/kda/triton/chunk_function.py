@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.kda.triton.chunk_from_tiles import check_launch as check_from_tiles_launch
+from openk3.ops.kda.triton.chunk_from_tiles import chunk_from_tiles
 from openk3.ops.kda.triton.chunk_grad_intra import check_launch as check_grad_intra_launch
 from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
 from openk3.ops.kda.triton.chunk_grad_wy import check_launch as check_grad_wy_launch
@@ -41,16 +43,28 @@ from openk3.ops.kda.triton.pipeline import (
     Segment,
     carried_states,
     forward_segments,
+    overlaps,
     pipelined,
     segment_of,
     segments,
     side_stream,
 )
 from openk3.ops.kda.triton.tile_forward import LAUNCH as TILE_LAUNCH
-from openk3.ops.kda.triton.tile_forward import TILE, tile_forward
+from openk3.ops.kda.triton.tile_forward import (
+    TILE,
+    empty_tile_backward,
+    tile_forward,
+    tile_prepare,
+    tile_recurrence,
+)
 from openk3.ops.kda.triton.tile_forward import check_launch as check_tile_launch
 
-LAUNCH = {"keep_intermediates": False, "overlap_state_passes": True}
+LAUNCH = {
+    "keep_intermediates": False,
+    "overlap_state_passes": True,
+    "forward_on_tiles": True,
+    "overlap_from_tiles": False,
+}
 """``keep_intermediates``: trade memory for the backward's first two launches. The forward keeps what the
 backward would recompute (``W``, ``Q̃``, ``K̂`` and ``E`` in the input dtype, ``D``, and ``h``, the state at
 each chunk start; not ``U``, which the backward no longer reads): ``(3K + V)·2 + K·V·2/64`` bytes per token
@@ -63,8 +77,15 @@ bitwise those of the default (both passes compute one ``U`` from the fp16 ``T``;
 interpreter). Off by default: with many layers the 1 GB per layer and sequence of saved activations, not one
 layer's peak, bounds training sizes.
 
-``overlap_state_passes``: see :func:`backward_state_passes`. Both entries must be ``True`` or ``False``
-(:func:`check_launch`)."""
+``overlap_state_passes``: see :func:`backward_state_passes`.
+
+``forward_on_tiles`` (unless ``keep_intermediates``): the forward runs the 16-token tile forward
+(:mod:`~openk3.ops.kda.triton.tile_forward`, which writes ``o``) and builds what the backward saves from its
+prepare (:func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles`), instead of the 64-token prepare
+and state pass; :func:`tile_forward_passes`. ``overlap_from_tiles``: with it on CUDA, and a recurrence of at
+most one program per multiprocessor, the building runs on a side stream beside the recurrence.
+
+Every entry must be ``True`` or ``False`` (:func:`check_launch`)."""
 
 
 def check_launch() -> None:
@@ -72,7 +93,14 @@ def check_launch() -> None:
     ``"False"`` would otherwise read as true; :func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`);
     :func:`chunk_kda_triton` calls it before any work on the training path."""
     check_launch_entries(
-        "chunk_function", LAUNCH, dict(keep_intermediates="bool", overlap_state_passes="bool")
+        "chunk_function",
+        LAUNCH,
+        dict(
+            keep_intermediates="bool",
+            overlap_state_passes="bool",
+            forward_on_tiles="bool",
+            overlap_from_tiles="bool",
+        ),
     )
 
 
@@ -169,6 +197,49 @@ def forward_passes(
     return pre, o, ht, h, v_new
 
 
+def tile_forward_passes(
+    q, k, v, g, beta, A_log, dt_bias, h0, index: ChunkIndex, tiles: ChunkIndex, *, output_final_state: bool,
+    opts: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:  # fmt: skip
+    """The forward on 16-token tiles with what the backward saves: the tile prepare (also writing each
+    tile's inverse and the norms), the tile recurrence (``o`` and the final state) and
+    :func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles` (the chunks' ``Aqk`` and ``T``). The last
+    two read only the prepare's tensors; with ``LAUNCH["overlap_from_tiles"]`` and a recurrence of at most one
+    program per multiprocessor (:func:`~openk3.ops.kda.triton.pipeline.overlaps`) the building runs on a side
+    stream beside the recurrence.
+
+    Args:
+        index: the chunks of 64 the backward works on; tiles: the same sequences in tiles of 16.
+
+    Returns:
+        ``(o, final_state or None, (Aqk, Akk, q_rstd, k_rstd))``.
+    """
+    back = empty_tile_backward(q, use_l2norm=opts["use_l2norm"])
+    pre = tile_prepare(q, k, g, beta, A_log, dt_bias, tiles, **opts, for_backward=back)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        return chunk_from_tiles(
+            pre, back, beta, index, tiles, use_l2norm=opts["use_l2norm"], beta_sigmoid=opts["beta_sigmoid"]
+        )
+
+    programs = state_programs(v.shape[-1], v.shape[1], tiles, TILE_LAUNCH["value_block"])
+    if not (LAUNCH["overlap_from_tiles"] and overlaps(q.device, programs)):
+        Aqk, Akk = build()
+        o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state)
+        return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
+    with torch.cuda.device(q.device):
+        main = torch.cuda.current_stream()
+        side = side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            Aqk, Akk = build()
+        o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state)
+        main.wait_stream(side)
+    for t in (Aqk, Akk, *pre, *back):  # allocated or read on the side stream
+        t.record_stream(side)
+    return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
+
+
 def backward_passes(
     q, k, v, g, beta, A_log, dt_bias, h0, saved: Prepared, do, dht, index: ChunkIndex, opts: dict
 ) -> tuple[Prepared, torch.Tensor, ...]:
@@ -219,16 +290,22 @@ class ChunkKDAFunction(torch.autograd.Function):
     """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, scale, lower_bound, use_l2norm,
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, tiles, scale, lower_bound, use_l2norm,
                 output_final_state, beta_sigmoid):  # fmt: skip
         opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
         keep = LAUNCH["keep_intermediates"]
-        pre, o, ht, h, v_new = forward_passes(
-            q, k, v, g, beta, A_log, dt_bias, h0, index,
-            keep=keep, output_final_state=output_final_state, opts=opts,
-        )  # fmt: skip
-        # U is not kept: the backward reads E instead (chunk_grad_wy's dL = −dXv Eᵀ)
-        kept = (*pre._replace(u=None), h, v_new) if keep else (pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
+        if tiles is not None:
+            o, ht, kept = tile_forward_passes(
+                q, k, v, g, beta, A_log, dt_bias, h0, index, tiles, output_final_state=output_final_state,
+                opts=opts,
+            )  # fmt: skip
+        else:
+            pre, o, ht, h, v_new = forward_passes(
+                q, k, v, g, beta, A_log, dt_bias, h0, index,
+                keep=keep, output_final_state=output_final_state, opts=opts,
+            )  # fmt: skip
+            # U is not kept: the backward reads E instead (chunk_grad_wy's dL = −dXv Eᵀ)
+            kept = (*pre._replace(u=None), h, v_new) if keep else (pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *kept)
         ctx.index, ctx.opts, ctx.keep = index, opts, keep
         return o, ht
@@ -256,7 +333,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             dq, dk, wy.dv, dg, dbeta, dA_log.to(A_log.dtype),
             None if dt_bias is None else ddt.to(dt_bias.dtype),
             None if h0 is None else dh0,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -301,14 +378,19 @@ def chunk_kda_triton(
     check_tile_launch()
     tiles = TILE_LAUNCH["enabled"] and not needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if not tiles:
-        for check in (check_launch, check_grad_wy_launch, check_grad_intra_launch):
+        for check in (check_launch, check_from_tiles_launch, check_grad_wy_launch, check_grad_intra_launch):
             check()
-    size = TILE if tiles else CHUNK
-    index: ChunkIndex = (
-        fixed_length_index(B, T, q.device, size)
-        if seq_lens is None
-        else varlen_index(cu_seqlens, seq_lens, size)
-    )
+
+    def chunk_index(size: int) -> ChunkIndex:
+        if seq_lens is None:
+            return fixed_length_index(B, T, q.device, size)
+        return varlen_index(cu_seqlens, seq_lens, size)
+
+    index = chunk_index(TILE if tiles else CHUNK)
+    # with a gradient, the forward on tiles too (LAUNCH["forward_on_tiles"]): both tables
+    train_tiles = None
+    if not tiles and LAUNCH["forward_on_tiles"] and not LAUNCH["keep_intermediates"]:
+        train_tiles = chunk_index(TILE)
     flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
     args = (
         *flat, beta.reshape(B * T, H).contiguous(), A_log[:H].contiguous(),
@@ -323,6 +405,7 @@ def chunk_kda_triton(
         )  # fmt: skip
     else:
         o, ht = ChunkKDAFunction.apply(
-            *args, scale, lower_bound, use_qk_l2norm_in_kernel, output_final_state, use_beta_sigmoid_in_kernel
-        )
+            *args, train_tiles, scale, lower_bound, use_qk_l2norm_in_kernel, output_final_state,
+            use_beta_sigmoid_in_kernel,
+        )  # fmt: skip
     return o.view(B, T, H, V), ht

@@ -118,23 +118,37 @@ def unit_lower_inverse_blocks(L0, L1, L2, L3, BC: tl.constexpr):
 
 @triton.jit
 def unit_lower_inverse(L, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, FP16: tl.constexpr):
-    """``T = (I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``) by block
-    forward substitution over its ``BC``-row blocks.
-
-    With ``D_s = (I + L_ss)^{-1}`` (the four at once, :func:`unit_lower_inverse_blocks`), row block ``s``
-    of ``T`` is ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e. ``D_s`` on the diagonal block
-    plus ``−D_s Σ_{u<s} L_su T_u``: four 16-row fp32 substitutions and nine ``16×16×64`` tensor-core products
-    (fp16 operands when ``FP16``; every factor is bounded by 1 and every sum has at most 48 terms).
-    Row ``i`` of every factor reads only rows ``≤ i`` of ``L`` (causal).
-    """
+    """``T = (I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``): the four
+    diagonal blocks' inverses ``D_s = (I + L_ss)^{-1}`` at once (:func:`unit_lower_inverse_blocks`), then
+    :func:`block_substitution`."""
     tl.static_assert(BT == 4 * BC, "four anchor blocks per chunk")
     L0, L1, L2, L3 = split4_rows(L, BT, BT)
     L00, _, _, _ = split4_cols(L0, BC, BT)
-    L10, L11, _, _ = split4_cols(L1, BC, BT)
-    L20, L21, L22, _ = split4_cols(L2, BC, BT)
-    L30, L31, L32, L33 = split4_cols(L3, BC, BT)
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    _, L11, _, _ = split4_cols(L1, BC, BT)
+    _, _, L22, _ = split4_cols(L2, BC, BT)
+    _, _, _, L33 = split4_cols(L3, BC, BT)
     D0, D1, D2, D3 = unit_lower_inverse_blocks(L00, L11, L22, L33, BC)
+    return block_substitution(L, D0, D1, D2, D3, BT, BC, DOT, FP16)
+
+
+@triton.jit
+def block_substitution(L, D0, D1, D2, D3, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr,
+                       FP16: tl.constexpr):  # fmt: skip
+    """``T = (I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``) by block
+    forward substitution over its ``BC``-row blocks, given the diagonal blocks' inverses
+    ``D_s = (I + L_ss)^{-1}`` (``[BC, BC]`` fp32; ``L``'s diagonal blocks are not read).
+
+    Row block ``s`` of ``T`` is ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e.
+    ``D_s`` on the diagonal block plus ``−D_s Σ_{u<s} L_su T_u``: nine ``16×16×64`` tensor-core products
+    (fp16 operands when ``FP16``; every factor is bounded by 1 and every sum has at most 48 terms).
+    Row ``i`` of every factor reads only rows ``≤ i`` of ``L``, and of the ``D_s`` (causal).
+    """
+    tl.static_assert(BT == 4 * BC, "four anchor blocks per chunk")
+    _, L1, L2, L3 = split4_rows(L, BT, BT)
+    L10, _, _, _ = split4_cols(L1, BC, BT)
+    L20, L21, _, _ = split4_cols(L2, BC, BT)
+    L30, L31, L32, _ = split4_cols(L3, BC, BT)
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
     T0 = cat4_cols(D0, zero, zero, zero, BC, BC)
     R1 = bounded_dot(L10, T0, DOT, FP16)
     T1 = cat4_cols(zero, D1, zero, zero, BC, BC) - bounded_dot(D1, R1, DOT, FP16)

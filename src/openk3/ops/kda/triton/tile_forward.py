@@ -59,6 +59,7 @@ from openk3.ops.kda.triton.kernel_math import (
     load_beta,
     load_rows,
     state_program,
+    store_row_vec,
     store_rows,
     tf32_operand,
     unit_lower_inverse_stacked,
@@ -115,14 +116,15 @@ def check_launch() -> None:
 @triton.jit
 def tile_prepare_kernel(
     q, k, g, beta, A_log, dt_bias,
-    qg, kt, kh, M, Pb, gend,
+    qg, kt, kh, M, Pb, gend, Td, q_rstd, k_rstd,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, FOR_BACKWARD: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P16, H)``. Writes ``qg`` = Q̃, ``kt`` = K̃, ``kh`` = K̂ ``[tokens, H, K]``, ``M`` and ``Pb`` = P
-    ``[tokens, H, BT]``, ``gend`` = D ``[P16, H, K]``."""
+    ``[tokens, H, BT]``, ``gend`` = D ``[P16, H, K]``; with ``FOR_BACKWARD`` also ``Td`` = ``(I + L)^{-1}``
+    ``[tokens, H, BT]`` (P's dtype) and the l2norm ``1/‖·‖`` ``[tokens, H]`` (fp32; ones without the norm)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
@@ -137,11 +139,15 @@ def tile_prepare_kernel(
             b_k = load_rows(k, t0, n_valid, i_h, i_k * BK, H, K, BT, BK).to(tl.float32)
             ss_q += tl.sum(b_q * b_q, axis=1)
             ss_k += tl.sum(b_k * b_k, axis=1)
-        b_rq = tl.rsqrt(ss_q + 1e-6) * scale
+        b_rq = tl.rsqrt(ss_q + 1e-6)
         b_rk = tl.rsqrt(ss_k + 1e-6)
     else:
-        b_rq = tl.full([BT], scale, tl.float32)
+        b_rq = tl.full([BT], 1.0, tl.float32)
         b_rk = tl.full([BT], 1.0, tl.float32)
+    if FOR_BACKWARD:  # as chunk_prepare writes them
+        store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
+        store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
+    b_rq = b_rq * scale
     acc_M = tl.zeros([BT, BT], dtype=tl.float32)
     acc_L = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, K // BK):
@@ -171,6 +177,8 @@ def tile_prepare_kernel(
     b_T = tl.reshape(unit_lower_inverse_stacked(tl.reshape(b_L, [1, BT, BT]), 1, BT), [BT, BT])
     store_rows(M, b_M, t0, n_valid, i_h, 0, H, BT, BT, BT)
     store_rows(Pb, b_T * b_beta[None, :], t0, n_valid, i_h, 0, H, BT, BT, BT)
+    if FOR_BACKWARD:
+        store_rows(Td, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
 
 
 @triton.jit
@@ -250,6 +258,35 @@ def tile_prepared_layout(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool
     )
 
 
+class TileBackward(NamedTuple):
+    """What :func:`tile_prepare` also writes for a backward (``for_backward``), from which
+    :func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles` builds the 64-token chunks' ``T``: ``Td``
+    ``[tokens, H, TILE]``, each tile's ``(I + L)^{-1}`` (P's dtype), and the l2norm reciprocal norms
+    ``q_rstd``, ``k_rstd`` fp32 ``[tokens, H]`` (ones without the norm), as
+    :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` writes them."""
+
+    Td: torch.Tensor
+    q_rstd: torch.Tensor
+    k_rstd: torch.Tensor
+
+
+def tile_backward_layout(q: torch.Tensor, *, use_l2norm: bool) -> TileBackward:
+    """``(shape, dtype)`` of each :class:`TileBackward` tensor for ``q`` ``[tokens, H, K]``."""
+    TT, H, _ = q.shape
+    norms = ((TT, H), torch.float32)
+    return TileBackward(
+        Td=((TT, H, TILE), torch.float16 if fp16_inverse(q.dtype, use_l2norm) else torch.float32),
+        q_rstd=norms,
+        k_rstd=norms,
+    )
+
+
+def empty_tile_backward(q: torch.Tensor, *, use_l2norm: bool) -> TileBackward:
+    """Uninitialised :class:`TileBackward` tensors (:func:`tile_backward_layout`)."""
+    layout = tile_backward_layout(q, use_l2norm=use_l2norm)
+    return TileBackward(*(q.new_empty(shape, dtype=dtype) for shape, dtype in layout))
+
+
 def empty_tile_prepared(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
     """Uninitialised :class:`TilePrepared` tensors (:func:`tile_prepared_layout`)."""
     layout = tile_prepared_layout(q, index, use_l2norm=use_l2norm)
@@ -270,16 +307,18 @@ def tile_prepare(
     use_l2norm: bool,
     beta_sigmoid: bool = False,
     out: TilePrepared | None = None,
+    for_backward: TileBackward | None = None,
 ) -> TilePrepared:
     """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`; ``out``: the tensors to
-    write, from :func:`empty_tile_prepared`, or None to allocate them).
+    write, from :func:`empty_tile_prepared`, or None to allocate them; ``for_backward``: also write the
+    tiles' inverses and the norms there, from :func:`empty_tile_backward`).
 
     Returns:
         :class:`TilePrepared` (``out`` when given).
 
     Raises:
         ValueError: ``LAUNCH["key_block"]`` is not a power of two ≥ 16 (the key slice is a tensor-core operand);
-            a tensor of ``out`` of another shape or dtype, or not contiguous.
+            a tensor of ``out`` or ``for_backward`` of another shape or dtype, or not contiguous.
     """
     TT, H, K = q.shape
     dt = q.dtype
@@ -289,13 +328,20 @@ def tile_prepare(
         out = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
     else:
         check_outs("tile_prepare out", out, tile_prepared_layout(q, index, use_l2norm=use_l2norm), q.device)
+    if for_backward is not None:
+        check_outs(
+            "tile_prepare for_backward",
+            for_backward,
+            tile_backward_layout(q, use_l2norm=use_l2norm),
+            q.device,
+        )
     tile_prepare_kernel[(index.num_chunks, H)](
         q, k, g, beta, A_log, dt_bias,
-        *out,
+        *out, *(for_backward or (None, None, None)),
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
         H=H, DOT=dot_precision(dt), K=K, BT=TILE, BK=BK, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        BETA_SIGMOID=beta_sigmoid, **launch_options(LAUNCH),
+        BETA_SIGMOID=beta_sigmoid, FOR_BACKWARD=for_backward is not None, **launch_options(LAUNCH),
     )  # fmt: skip
     return out
 
