@@ -83,7 +83,8 @@ layer's peak, bounds training sizes.
 (:mod:`~openk3.ops.kda.triton.tile_forward`, which writes ``o``) and builds what the backward saves from its
 prepare (:func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles`), instead of the 64-token prepare
 and state pass; :func:`tile_forward_passes`. ``overlap_from_tiles``: with it on CUDA, and a recurrence of at
-most one program per multiprocessor, the building runs on a side stream beside the recurrence.
+most one program per multiprocessor, the building runs beside the recurrence, which gets a high-priority
+side stream.
 
 Every entry must be ``True`` or ``False`` (:func:`check_launch`)."""
 
@@ -205,8 +206,8 @@ def tile_forward_passes(
     tile's inverse and the norms), the tile recurrence (``o`` and the final state) and
     :func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles` (the chunks' ``Aqk`` and ``T``). The last
     two read only the prepare's tensors; with ``LAUNCH["overlap_from_tiles"]`` and a recurrence of at most one
-    program per multiprocessor (:func:`~openk3.ops.kda.triton.pipeline.overlaps`) the building runs on a side
-    stream beside the recurrence.
+    program per multiprocessor (:func:`~openk3.ops.kda.triton.pipeline.overlaps`) the recurrence runs on a
+    high-priority side stream while the building runs on the current one (same bits).
 
     Args:
         index: the chunks of 64 the backward works on; tiles: the same sequences in tiles of 16.
@@ -227,16 +228,21 @@ def tile_forward_passes(
         Aqk, Akk = build()
         o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state)
         return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
+    # the recurrence, a chain of dependent steps, on a high-priority stream: its programs are placed first
+    # and the building's fill the multiprocessors around them (as the pipeline's state passes). o and ht are
+    # allocated on the current stream, which waits for the side one before anything else runs on it, so no
+    # tensor needs record_stream.
+    N, H, K, V = tiles.num_seqs, v.shape[1], q.shape[-1], v.shape[-1]
+    o = v.new_empty(v.shape)
+    ht = v.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     with torch.cuda.device(q.device):
         main = torch.cuda.current_stream()
-        side = side_stream(q.device)
-        side.wait_stream(main)
+        side = side_stream(q.device, high_priority=True)
+        side.wait_stream(main)  # the recurrence reads the prepare's tensors
         with torch.cuda.stream(side):
-            Aqk, Akk = build()
-        o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state)
+            tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state, o_out=o, ht_out=ht)
+        Aqk, Akk = build()
         main.wait_stream(side)
-    for t in (Aqk, Akk, *pre, *back):  # allocated or read on the side stream
-        t.record_stream(side)
     return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
 
 
