@@ -345,7 +345,8 @@ def ours_chunk(x):
 
 def ours_chunks(x):
     """:func:`ours_chunk` with the 16-token tile forward switched off: without autograd it then runs the
-    64-token chunk forward that training uses."""
+    64-token chunk forward (which training uses with ``chunk_function.LAUNCH["forward_on_tiles"]`` off or
+    ``keep_intermediates`` on)."""
     with launch_config("tile_forward", {"enabled": False}):
         return ours_chunk(x)
 

@@ -738,6 +738,8 @@ def test_interpreter_chunk_grad_wy_value_block_within_two_key_blocks(monkeypatch
         ("chunk_state", "value_block", 8, False),
         ("chunk_grad_wy", "value_blok", 32, False),
         ("chunk_function", "keep_intermediate", True, False),
+        ("chunk_function", "forward_on_tiles", "True", False),
+        ("chunk_from_tiles", "num_warps", 5, False),
         ("tile_forward", "enabled", 0, False),
         ("tile_forward", "fp32_gated_keys", "no", True),
         ("chunk_prepare", "fp16_inverse", "False", True),

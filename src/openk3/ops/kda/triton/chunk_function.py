@@ -1,10 +1,14 @@
-"""The chunked KDA on the GPU as an autograd Function: forward in two launches, backward in five.
+"""The chunked KDA on the GPU as an autograd Function: forward in three launches, backward in five.
 
-Forward (§1.5): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (token-parallel: gate, L2 norm,
+Forward (§2.2, :func:`tile_forward_passes`, by default): the 16-token tile forward
+(:mod:`~openk3.ops.kda.triton.tile_forward`: token-parallel prepare, whose ``for_backward`` outputs add each
+tile's ``(I + L)^{-1}`` and the l2norm reciprocal norms, then the recurrence, which writes ``o``), and
+:func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles`, which builds the 64-token chunks' ``Aqk``
+and ``T`` from the prepare's tensors. With ``LAUNCH["forward_on_tiles"]`` off or ``keep_intermediates`` on
+(:func:`forward_passes`, §1.5): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (gate, L2 norm,
 ``Aqk``, ``T``, ``W``, ``U``, ``Q̃``, ``K̂``) then :func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`
-(the sequential state pass, which also writes ``o``). Saved: the inputs, ``Aqk``, ``T`` and the l2norm
-reciprocal norms (392 bytes per token and head at bf16, 264 with ``T`` in fp16; fla saves ``Aqk``/``Akk``,
-§1.5).
+(the sequential state pass, which also writes ``o``). Saved either way: the inputs, ``Aqk``, ``T`` and the
+norms (392 bytes per token and head at bf16, 264 with ``T`` in fp16; fla saves ``Aqk``/``Akk``, §1.5).
 
 Backward (§1.6): the prepare kernel's second pass only (``W``, ``U``, ``Q̃``, ``K̂`` from the saved ``T``),
 the state pass keeping the per-chunk states ``h`` and the residuals ``E``, the reverse state pass, then the
@@ -293,7 +297,9 @@ def backward_passes(
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`."""
+    """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`. ``index``: the chunks of
+    64 the backward works on; ``tiles``: the same sequences in tiles of 16 for the forward on tiles
+    (:func:`tile_forward_passes`), or None for the 64-token forward (:func:`forward_passes`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, index, tiles, scale, lower_bound, use_l2norm,
@@ -374,16 +380,17 @@ def chunk_kda_triton(
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None)``; differentiable. A call that
         needs no gradient (grad mode off, or no input requiring grad) runs
-        :func:`~openk3.ops.kda.triton.tile_forward.tile_forward` instead when its ``LAUNCH["enabled"]``.
+        :func:`~openk3.ops.kda.triton.tile_forward.tile_forward` alone when its ``LAUNCH["enabled"]``; one
+        that needs a gradient runs :class:`ChunkKDAFunction`, whose forward is on 16-token tiles too by
+        default (:data:`LAUNCH` ``["forward_on_tiles"]``).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    # no gradient wanted: the 16-token tile forward
     # every LAUNCH setting the call's path reads, once, before any work (the backward's in the forward): the
     # tile forward's with chunk_prepare's and chunk_state's first, as its "enabled" picks the path
     check_tile_launch()
-    tiles = TILE_LAUNCH["enabled"] and not needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
-    if not tiles:
+    forward_only = TILE_LAUNCH["enabled"] and not needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if not forward_only:
         for check in (check_launch, check_from_tiles_launch, check_grad_wy_launch, check_grad_intra_launch):
             check()
 
@@ -392,10 +399,10 @@ def chunk_kda_triton(
             return fixed_length_index(B, T, q.device, size)
         return varlen_index(cu_seqlens, seq_lens, size)
 
-    index = chunk_index(TILE if tiles else CHUNK)
+    index = chunk_index(TILE if forward_only else CHUNK)
     # with a gradient, the forward on tiles too (LAUNCH["forward_on_tiles"]): both tables
     train_tiles = None
-    if not tiles and LAUNCH["forward_on_tiles"] and not LAUNCH["keep_intermediates"]:
+    if not forward_only and LAUNCH["forward_on_tiles"] and not LAUNCH["keep_intermediates"]:
         train_tiles = chunk_index(TILE)
     flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
     args = (
@@ -404,7 +411,7 @@ def chunk_kda_triton(
         None if initial_state is None else initial_state.contiguous(),
         index,
     )  # fmt: skip
-    if tiles:
+    if forward_only:
         o, ht = tile_forward(
             *args, scale=scale, lower_bound=lower_bound, use_l2norm=use_qk_l2norm_in_kernel,
             output_final_state=output_final_state, beta_sigmoid=use_beta_sigmoid_in_kernel,

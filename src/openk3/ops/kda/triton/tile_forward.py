@@ -1,6 +1,8 @@
-"""The KDA forward on 16-token tiles, for calls that keep nothing for a backward (FlashKDA's split,
-kda_kernels reference §2.2): a token-parallel prepare and a sequential recurrence that forms the delta-rule
-residuals itself, so nothing of size ``[tokens, H, K]`` beyond three gated copies of q and k is written.
+"""The KDA forward on 16-token tiles (FlashKDA's split, kda_kernels reference §2.2): a token-parallel prepare
+and a sequential recurrence that forms the delta-rule residuals itself, so nothing of size ``[tokens, H, K]``
+beyond three gated copies of q and k is written. With a backward to come, the prepare also writes each tile's
+``(I + L)^{-1}`` and the norms (``for_backward``), from which
+:mod:`~openk3.ops.kda.triton.chunk_from_tiles` builds what the 64-token backward saves.
 
 Per tile of ``BT = 16`` tokens and head, with Γ the inclusive cumsum of the log2 gate over the tile (Γ_C its
 last valid row; ``|Γ| ≤ 16·|lb|·log2 e = 115.4`` for ``lb = −5``, inside fp32's and bf16's range)::
@@ -27,7 +29,7 @@ the row norms first, then the gate, the gated copies and ``M``, ``L`` accumulate
 reduction of the 16×16 substitution stays inside the warp.
 
 Used by :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` when no gradient is needed and
-``LAUNCH["enabled"]`` (the default: the B1 T8192 H96 D128 forward took 1.69 ms on the H200 against fla's 2.88
+``LAUNCH["enabled"]``, and with a gradient through ``chunk_function.LAUNCH["forward_on_tiles"]`` (the default: the B1 T8192 H96 D128 forward took 1.69 ms on the H200 against fla's 2.88
 ms in the same run, and 4.2–4.5 ms on 64-token chunks, ``benchmarks/results/kda_h200.md``). Legend: ``BT`` tile rows,
 ``BK`` key slice, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads, ``N`` sequences, ``P16`` tiles
 of all sequences.
