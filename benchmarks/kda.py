@@ -623,6 +623,13 @@ SWEEP = {
         {"value_block": 16, "recurrence_warps": 2},
         {"fp32_gated_keys": True},
     ],
+    "chunk_from_tiles": [
+        {},
+        {"num_warps": 4, "key_block": 64},
+        {"num_warps": 4},
+        {"num_warps": 1},
+        {"num_warps": 2, "key_block": 64},
+    ],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {
@@ -631,6 +638,7 @@ SWEEP_KERNELS = {
     "chunk_grad_wy": ["grad_wy"],
     "chunk_grad_intra": ["grad_intra"],
     "tile_forward": ["tile prepare", "tile recurrence"],
+    "chunk_from_tiles": ["chunk_from_tiles"],
 }
 
 

@@ -297,8 +297,8 @@ def backward_passes(
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`. ``index``: the chunks of
-    64 the backward works on; ``tiles``: the same sequences in tiles of 16 for the forward on tiles
+    """Inputs are flat ``[tokens, H, ·]`` and contiguous; see :func:`chunk_kda_triton`. ``index``: the
+    chunks of 64 the backward works on; ``tiles``: the same sequences in tiles of 16 for the forward on tiles
     (:func:`tile_forward_passes`), or None for the 64-token forward (:func:`forward_passes`)."""
 
     @staticmethod

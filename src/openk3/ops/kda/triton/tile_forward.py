@@ -29,8 +29,9 @@ the row norms first, then the gate, the gated copies and ``M``, ``L`` accumulate
 reduction of the 16×16 substitution stays inside the warp.
 
 Used by :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` when no gradient is needed and
-``LAUNCH["enabled"]``, and with a gradient through ``chunk_function.LAUNCH["forward_on_tiles"]`` (the default: the B1 T8192 H96 D128 forward took 1.69 ms on the H200 against fla's 2.88
-ms in the same run, and 4.2–4.5 ms on 64-token chunks, ``benchmarks/results/kda_h200.md``). Legend: ``BT`` tile rows,
+``LAUNCH["enabled"]`` (the default: the B1 T8192 H96 D128 forward took 1.69 ms on the H200 against fla's 2.88
+ms in the same run, and 4.2–4.5 ms on 64-token chunks, ``benchmarks/results/kda_h200.md``), and with a
+gradient through ``chunk_function.LAUNCH["forward_on_tiles"]``. Legend: ``BT`` tile rows,
 ``BK`` key slice, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads, ``N`` sequences, ``P16`` tiles
 of all sequences.
 """
