@@ -94,7 +94,7 @@ Every entry must be ``True`` or ``False`` (:func:`check_launch`)."""
 
 
 def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its two keys and both are bools (a string such as
+    """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its keys and each is a bool (a string such as
     ``"False"`` would otherwise read as true; :func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`);
     :func:`chunk_kda_triton` calls it before any work on the training path."""
     check_launch_entries(
