@@ -1,5 +1,5 @@
-"""Compile every Triton KDA launch of one chunked forward+backward, one forward on 16-token tiles and one
-decode step for a GPU target on a machine without a GPU, and report each kernel's registers and stack
+"""Compile every Triton KDA launch of one chunked forward+backward, one 64-token forward with autograd, one
+forward on 16-token tiles and one decode step for a GPU target on a machine without a GPU, and report each kernel's registers and stack
 (spill) bytes.
 
 The device is the scarce resource: this checks that changed kernels compile for the H200 (``sm_90``) and
@@ -82,10 +82,11 @@ def recorded_launches():
 
 def record_kda_launches() -> list[Launch]:
     """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, β as logits with
-    ``use_beta_sigmoid_in_kernel``, the variant whose GPU test has not run yet; initial state), of the same
-    forward without autograd on 16-token tiles (``tile_forward``, switched on for the call) and of one decode
-    step on a state pool, in order."""
-    from openk3.ops.kda.triton import tile_forward
+    ``use_beta_sigmoid_in_kernel``; initial state; the forward on 16-token tiles, as by default), of the same
+    forward with autograd on 64-token chunks (``chunk_function.LAUNCH["forward_on_tiles"]`` off for the call;
+    no backward), of the forward without autograd on 16-token tiles (``tile_forward``, switched on for the
+    call) and of one decode step on a state pool, in order."""
+    from openk3.ops.kda.triton import chunk_function, tile_forward
     from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
     from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
 
@@ -103,6 +104,16 @@ def record_kda_launches() -> list[Launch]:
             use_beta_sigmoid_in_kernel=True,
         )  # fmt: skip
         (o.float().sum() + ht.sum()).backward()
+        on_tiles = chunk_function.LAUNCH["forward_on_tiles"]
+        chunk_function.LAUNCH["forward_on_tiles"] = False
+        try:
+            chunk_kda_triton(
+                q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True, seq_lens=None,
+                cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                use_beta_sigmoid_in_kernel=True,
+            )  # fmt: skip
+        finally:
+            chunk_function.LAUNCH["forward_on_tiles"] = on_tiles
         enabled = tile_forward.LAUNCH["enabled"]
         tile_forward.LAUNCH["enabled"] = True
         try:

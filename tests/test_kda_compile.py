@@ -2,7 +2,7 @@
 
 Triton's CPU interpreter (``test_kda_triton.py``) runs the kernels' arithmetic but not the GPU compiler, so a
 kernel can pass there and still fail to compile on the device. ``benchmarks/kda_compile.py`` records the
-launches of a chunked forward+backward, a tile forward and a decode step and compiles each with ``triton.compile`` for
+launches of a chunked forward+backward, a 64-token forward, a tile forward and a decode step and compiles each with ``triton.compile`` for
 ``sm_90``; it runs in a subprocess because ``test_kda_triton.py`` puts the process in interpreter mode.
 """
 
@@ -18,14 +18,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {
-    "chunk_prepare_kernel": 2,  # the forward and the backward's second pass
-    "chunk_state_fwd_kernel": 2,  # with o, then with h and E
+    "tile_prepare_kernel": 2,  # the training forward (with its backward outputs), the forward without autograd
+    "tile_recurrence_kernel": 2,
+    "chunk_from_tiles_kernel": 1,
+    "chunk_prepare_kernel": 2,  # the backward's second pass, the 64-token forward (forward_on_tiles off)
+    "chunk_state_fwd_kernel": 2,  # with h and E in the backward, with o in the 64-token forward
     "chunk_state_bwd_kernel": 1,
     "chunk_grad_wy_value_kernel": 1,
     "chunk_grad_wy_key_kernel": 1,
     "chunk_grad_intra_kernel": 1,
-    "tile_prepare_kernel": 1,  # the forward without autograd on 16-token tiles
-    "tile_recurrence_kernel": 1,
     "kda_decode_kernel": 1,
 }
 
