@@ -36,6 +36,8 @@ from openk3.ops.kda.triton.kernel_math import (
     cat4_rows,
     check_launch_entries,
     check_out,
+    chunk_of,
+    chunk_rows,
     dot,
     dot_precision,
     launch_options,
@@ -72,12 +74,8 @@ def chunk_from_tiles_kernel(
     ``[tokens, H, BC]``, ``gend`` ``[P16, H, K]``; writes ``Aqk`` and ``Akk`` = T ``[tokens, H, BT]``."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
-    i_j = tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_j * BT
-    n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
+    i_n, i_j = chunk_of(chunk_table, i_c)
     tile0 = tl.load(tile_offsets + i_n).to(tl.int64) + i_j * (BT // BC)  # the chunk's first tile
     blk = (tl.arange(0, BT) // BC)[:, None]
     acc_A1 = tl.zeros([BC, BT], dtype=tl.float32)

@@ -227,8 +227,10 @@ def tile_forward_passes(
             pre, back, beta, index, tiles, use_l2norm=opts["use_l2norm"], beta_sigmoid=opts["beta_sigmoid"]
         )
 
-    programs = state_programs(v.shape[-1], v.shape[1], tiles, TILE_LAUNCH["value_block"])
-    if not (LAUNCH["overlap_from_tiles"] and overlaps(q.device, programs)):
+    if not (
+        LAUNCH["overlap_from_tiles"]
+        and overlaps(q.device, state_programs(v.shape[-1], v.shape[1], tiles, TILE_LAUNCH["value_block"]))
+    ):
         Aqk, Akk = build()
         o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state)
         return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)

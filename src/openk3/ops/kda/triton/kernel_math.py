@@ -50,6 +50,13 @@ def check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.d
         raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
 
 
+def empty_outs(like: torch.Tensor, layout: tuple) -> tuple:
+    """Uninitialised tensors on ``like``'s device for each ``(shape, dtype)`` field of the NamedTuple
+    ``layout``, as the same NamedTuple type (the layout a launcher allocates; :func:`check_outs` checks given
+    ones against it)."""
+    return type(layout)(*(like.new_empty(shape, dtype=dtype) for shape, dtype in layout))
+
+
 def check_outs(name: str, given: tuple, layout: tuple, device) -> None:
     """:func:`check_out` for each field of the NamedTuple ``given`` against the ``(shape, dtype)`` pair in the
     same field of ``layout`` (the layout its launcher allocates), on ``device``."""
@@ -184,11 +191,17 @@ def k3_gate_log2(x, A_h, bias, lower_bound_log2):
 
 
 @triton.jit
+def chunk_of(chunk_table, i_c):
+    """``(sequence, chunk within the sequence)`` (int64 scalars) of chunk ``i_c`` of a
+    :class:`~openk3.ops.kda.triton.chunk_index.ChunkIndex` (``chunk_table`` ``[P, 2]``)."""
+    return tl.load(chunk_table + 2 * i_c).to(tl.int64), tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
+
+
+@triton.jit
 def chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
     """First token (int64) and number of valid rows (int32, ≤ ``BT``) of chunk ``i_c`` of a
     :class:`~openk3.ops.kda.triton.chunk_index.ChunkIndex` (``chunk_table`` ``[P, 2]``, ``cu_seqlens``)."""
-    i_n = tl.load(chunk_table + 2 * i_c).to(tl.int64)
-    i_t = tl.load(chunk_table + 2 * i_c + 1).to(tl.int64)
+    i_n, i_t = chunk_of(chunk_table, i_c)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + i_t * BT

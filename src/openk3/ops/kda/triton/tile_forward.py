@@ -57,6 +57,7 @@ from openk3.ops.kda.triton.kernel_math import (
     chunk_rows,
     dot,
     dot_precision,
+    empty_outs,
     gate_cumsum_slice,
     launch_options,
     load_beta,
@@ -286,14 +287,12 @@ def tile_backward_layout(q: torch.Tensor, *, use_l2norm: bool) -> TileBackward:
 
 def empty_tile_backward(q: torch.Tensor, *, use_l2norm: bool) -> TileBackward:
     """Uninitialised :class:`TileBackward` tensors (:func:`tile_backward_layout`)."""
-    layout = tile_backward_layout(q, use_l2norm=use_l2norm)
-    return TileBackward(*(q.new_empty(shape, dtype=dtype) for shape, dtype in layout))
+    return empty_outs(q, tile_backward_layout(q, use_l2norm=use_l2norm))
 
 
 def empty_tile_prepared(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
     """Uninitialised :class:`TilePrepared` tensors (:func:`tile_prepared_layout`)."""
-    layout = tile_prepared_layout(q, index, use_l2norm=use_l2norm)
-    return TilePrepared(*(q.new_empty(shape, dtype=dtype) for shape, dtype in layout))
+    return empty_outs(q, tile_prepared_layout(q, index, use_l2norm=use_l2norm))
 
 
 def tile_prepare(
