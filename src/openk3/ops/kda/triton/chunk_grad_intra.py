@@ -51,17 +51,34 @@ from openk3.ops.kda.triton.kernel_math import (
     store_rows,
 )
 
-LAUNCH = {"num_warps": 4, "num_stages": 1, "key_block": 32, "bf16_operands": True, "cumsum_by_dot": True}
+LAUNCH = {
+    "num_warps": 4,
+    "num_stages": 1,
+    "key_block": 32,
+    "bf16_operands": True,
+    "cumsum_by_dot": True,
+    "split_factors": False,
+}
 """Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives.
 
 ``bf16_operands`` (bf16/fp16 inputs with ``K ≥ BF16_MIN_KEY_DIM``; otherwise tf32, and tf32x3 for fp32
 inputs): the four loop-invariant ``[BT, BT]`` gradient tiles (``dAqk``, ``dL`` and their transposes) in bf16,
 half the registers and shared memory of tf32 ones, and each decay-weighted factor tile (``k 2^{a−Γ}``,
-``q 2^{Γ−b}``, ``k 2^{Γ−b}``) as two bf16 pieces (:func:`~openk3.ops.kda.triton.kernel_math.split_bf16`),
-products accumulated in fp32. A single bf16 factor
-was measured too coarse: its rounding adds up coherently in ``dA_log`` (0.021 of the term size at
-B2 T65 H1 D64, over the 0.02 tolerance; 0.0022 with the two pieces, 0.0002 with exact fp32 products in
-Triton's interpreter). Measured 4.41 ms at B1 T8192 H96 on the H200 against 5.22 with tf32.
+``q 2^{Γ−b}``, ``k 2^{Γ−b}``) rounded to bf16, products accumulated in fp32. Measured 4.41 ms at B1 T8192 H96
+on the H200 against 5.22 with tf32 (with ``split_factors``).
+
+``split_factors``: each factor tile as two bf16 pieces (:func:`~openk3.ops.kda.triton.kernel_math.
+split_bf16`, twice the products). At ``K ≥ 128`` one piece is as accurate against the fp64 reference: over
+144 cases in Triton's interpreter (B ≤ 2, T 1–200, H ≤ 2, D128, gates ``init``/``lb``/``mixed``, 6 seeds
+each) the worst errors with one / two pieces were ``dA_log`` 0.0206 / 0.0212 of the term size, ``ddt_bias``
+0.0175 / 0.0143, ``dg`` 0.0070 / 0.0066, ``dq`` 0.0167 / 0.0162, ``dβ`` 0.0206 / 0.0206
+(``benchmarks/results/kda_h200.md``), and on the H200 it took grad_intra 3.68 / 4.86 ms against 4.38 / 5.62
+at B1 T8192 H96 / B1 T32768 H32. At those sizes it moves the gate's gradients further from fla's (relative
+RMSE ``g`` 0.0108 against 0.0056, ``A_log`` 0.008 against 0.005, ``dt_bias`` 0.015 against 0.0055 at the four
+benchmark shapes; ``q``, ``k``, ``v``, ``β`` unchanged), inside the tolerances against fp64 in the GPU tests
+(T8192 H96 included). At ``K = 64`` one piece was too coarse (``dA_log`` 0.021 of the term size
+at B2 T65 H1 D64, coherent rounding in that one sum per head; two pieces 0.0022), which is one reason
+smaller key dims take tf32 (:data:`BF16_MIN_KEY_DIM`).
 ``cumsum_by_dot``: the gate's cumsum and the reverse cumsum of ``dΓ`` as tensor-core products
 (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`)."""
 BF16_MIN_KEY_DIM = 128
@@ -85,6 +102,7 @@ def check_launch() -> None:
             key_block="block",
             bf16_operands="bool",
             cumsum_by_dot="bool",
+            split_factors="bool",
         ),
     )
 
@@ -98,7 +116,7 @@ def chunk_grad_intra_kernel(
     scale, lower_bound, lower_bound_log2,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     NB: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the per-chunk
     partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites ``dqn``/``dkn``
@@ -145,7 +163,7 @@ def chunk_grad_intra_kernel(
             # column block s, anchor b_s (Γ at its last row)
             b_rows = tl.exp2(tl.where((blk >= s)[:, None], b_G - b_s[None, :], float("-inf")))
             b_cf = tl.exp2(tl.where((blk == s)[:, None], b_s[None, :] - b_G, float("-inf")))
-            if BF16:  # bf16 gradient tiles against the factors' two bf16 pieces
+            if BF16 and SPLIT:  # bf16 gradient tiles against the factors' two bf16 pieces
                 c_hi, c_lo = split_bf16(b_col)
                 acc_q += tl.dot(b_dA, c_lo, tl.dot(b_dA, c_hi)) * b_rf
                 acc_m += tl.dot(b_dL, c_lo, tl.dot(b_dL, c_hi)) * b_rf
@@ -153,6 +171,12 @@ def chunk_grad_intra_kernel(
                 k_hi, k_lo = split_bf16(b_k * b_rows)
                 b_c = tl.dot(b_dAt, q_lo, tl.dot(b_dAt, q_hi))
                 acc_c += tl.dot(b_dLt, k_lo, tl.dot(b_dLt, k_hi, b_c)) * b_cf
+            elif BF16:  # against the factors rounded to bf16 once
+                b_cb = b_col.to(tl.bfloat16)
+                acc_q += tl.dot(b_dA, b_cb) * b_rf
+                acc_m += tl.dot(b_dL, b_cb) * b_rf
+                b_c = tl.dot(b_dAt, (b_q * b_rows).to(tl.bfloat16))
+                acc_c += tl.dot(b_dLt, (b_k * b_rows).to(tl.bfloat16), b_c) * b_cf
             else:
                 acc_q += dot(b_dA, b_col, DOT) * b_rf
                 acc_m += dot(b_dL, b_col, DOT) * b_rf
@@ -229,6 +253,7 @@ def chunk_grad_intra(
         H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM,
-        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, **launch_options(LAUNCH),
+        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, SPLIT=LAUNCH["split_factors"],
+        **launch_options(LAUNCH),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)
