@@ -33,6 +33,7 @@ from openk3.ops.kda.triton.kernel_math import (
     state_program,
     store_rows,
 )
+from openk3.ops.kda.triton.pipeline import overlaps
 
 
 @triton.jit
@@ -75,10 +76,19 @@ def chunk_state_fwd_kernel(
         tl.store(ht + p_state, b_S)
 
 
-LAUNCH = {"num_warps": 4, "num_stages": 1, "min_programs": 256, "value_block": 0}
-"""Launch configuration of the state passes: warps, pipeline stages, the fewest programs for which the
-value block is 64 wide (else 32), or a fixed value block (``value_block`` > 0); ``benchmarks/kda.py
---sweep`` times the alternatives."""
+LAUNCH = {"num_warps": 4, "num_stages": 1, "few_program_stages": 2, "min_programs": 256, "value_block": 0}
+"""Launch configuration of the state passes: warps, pipeline stages, the pipeline stages of a pass with at
+most one program per multiprocessor (``few_program_stages``; 0: ``num_stages``), the fewest programs for
+which the value block is 64 wide (else 32), or a fixed value block (``value_block`` > 0);
+``benchmarks/kda.py --sweep`` times the alternatives.
+
+A pass with one program per multiprocessor is bound by the latency of its chain alone, and two stages (the
+next chunk's tensor-core operands fetched while this one's products run) shorten it; with several programs
+per multiprocessor the extra shared memory costs more than it hides. On the H200 (``benchmarks/results/
+kda_h200.md``) at B1 T32768 H32 (128 programs) one / two / three stages took the forward-direction pass
+(h, E) 1.36 / 1.22 / 0.91 ms, the reverse pass 2.16 / 1.35 / 1.15, and the two at once (as the backward
+runs them) 2.51 / 1.63 / 2.04; at B1 T8192 H96 (384 programs) 0.59 / 0.73 / 0.78, 0.79 / 1.09 / 0.91 and
+1.39 / 1.78 / 1.63."""
 
 
 def check_launch() -> None:
@@ -87,7 +97,13 @@ def check_launch() -> None:
     check_launch_entries(
         "chunk_state",
         LAUNCH,
-        dict(num_warps="warps", num_stages="stages", min_programs="count", value_block="block_or_0"),
+        dict(
+            num_warps="warps",
+            num_stages="stages",
+            few_program_stages="count",
+            min_programs="count",
+            value_block="block_or_0",
+        ),
     )
 
 
@@ -99,6 +115,16 @@ def value_block(V: int, programs_per_block: int, fixed: int | None = None) -> in
         return min(fixed, V)
     bv = 64 if programs_per_block * max(V // 64, 1) >= LAUNCH["min_programs"] else 32
     return min(bv, V)
+
+
+def state_launch_options(programs: int, device: torch.device) -> dict:
+    """The launch keywords of a state pass of ``programs`` programs on ``device``: :data:`LAUNCH`'s, with
+    ``few_program_stages`` (when set) as the stages where the pass has at most one program per multiprocessor
+    (:func:`~openk3.ops.kda.triton.pipeline.overlaps`)."""
+    options = launch_options(LAUNCH)
+    if LAUNCH["few_program_stages"] and overlaps(device, programs):
+        options["num_stages"] = LAUNCH["few_program_stages"]
+    return options
 
 
 def state_programs(V: int, H: int, index: ChunkIndex, fixed: int | None = None) -> int:
@@ -164,11 +190,12 @@ def chunk_state_fwd(
         h = pre.w.new_empty(P, H, K, V) if store_h else None
         v_new = pre.w.new_empty(TT, H, V) if store_h else None
     BV = value_block(V, N * H)
-    chunk_state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+    grid = (triton.cdiv(V, BV), N * H)
+    chunk_state_fwd_kernel[grid](
         pre.w, pre.u, pre.qg, pre.kg, pre.Aqk, pre.gend, initial_state, o, ht, h, v_new,
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV,
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_FINAL=output_final_state,
-        STORE_H=store_h, **launch_options(LAUNCH),
+        STORE_H=store_h, **state_launch_options(grid[0] * grid[1], dev),
     )  # fmt: skip
     return o, ht, h, v_new

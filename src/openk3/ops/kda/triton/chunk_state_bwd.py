@@ -22,12 +22,11 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
-from openk3.ops.kda.triton.chunk_state import LAUNCH, value_block
+from openk3.ops.kda.triton.chunk_state import state_launch_options, value_block
 from openk3.ops.kda.triton.kernel_math import (
     check_out,
     dot,
     dot_precision,
-    launch_options,
     load_rows,
     state_program,
     store_rows,
@@ -108,10 +107,11 @@ def chunk_state_bwd(
         )
     dh, dv_new, dh0 = out
     BV = value_block(V, N * H)
-    chunk_state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
+    grid = (triton.cdiv(V, BV), N * H)
+    chunk_state_bwd_kernel[grid](
         pre.qg, pre.kg, pre.w, pre.Aqk, pre.gend, do, dht, dh, dv_new, dh0,
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None,
-        **launch_options(LAUNCH),
+        **state_launch_options(grid[0] * grid[1], pre.w.device),
     )  # fmt: skip
     return dh, dv_new, dh0
