@@ -300,6 +300,7 @@ def assert_grads_close(ref: dict, out: dict, tol: dict, inputs: dict) -> None:
 LAUNCH_OPTIONS = [
     "chunk_grad_intra:bf16_operands",
     "chunk_grad_intra:cumsum_by_dot",
+    "chunk_grad_intra:split_factors",
     "chunk_grad_wy:cumsum_by_dot",
     "chunk_prepare:cumsum_by_dot",
     "chunk_prepare:fp16_inverse",
@@ -744,6 +745,8 @@ def test_interpreter_chunk_grad_wy_value_block_within_two_key_blocks(monkeypatch
         ("tile_forward", "fp32_gated_keys", "no", True),
         ("chunk_prepare", "fp16_inverse", "False", True),
         ("chunk_state", "min_programs", -5, True),
+        ("chunk_state", "few_program_stages", 2.0, False),
+        ("chunk_grad_intra", "split_factors", 1, False),
         ("decode", "small_bv", 3, None),
     ],
 )
@@ -895,6 +898,23 @@ def test_gpu_pipeline_segments_same_bits(monkeypatch, T, segments):
     assert pipeline.overlaps(torch.device("cuda"), sms) and not pipeline.overlaps(
         torch.device("cuda"), sms + 1
     )
+
+
+def test_state_pass_stages_follow_program_count(monkeypatch):
+    """A state pass with at most one program per multiprocessor (``pipeline.overlaps``) launches with
+    ``few_program_stages``; one with more, or with the entry at 0, with ``num_stages``. On CPU ``overlaps`` is
+    false (no streams), so it is replaced by a 132-multiprocessor device's rule."""
+    from openk3.ops.kda.triton import chunk_state
+
+    monkeypatch.setattr(chunk_state, "overlaps", lambda device, programs: programs <= 132)
+    monkeypatch.setitem(chunk_state.LAUNCH, "num_stages", 1)
+    monkeypatch.setitem(chunk_state.LAUNCH, "few_program_stages", 2)
+    assert chunk_state.state_launch_options(128, "cuda")["num_stages"] == 2
+    assert chunk_state.state_launch_options(384, "cuda")["num_stages"] == 1
+    monkeypatch.setitem(chunk_state.LAUNCH, "few_program_stages", 0)
+    assert chunk_state.state_launch_options(128, "cuda")["num_stages"] == 1
+    monkeypatch.undo()
+    assert chunk_state.state_launch_options(1, "cpu")["num_stages"] == chunk_state.LAUNCH["num_stages"]
 
 
 def test_pipeline_segments_cover_the_sequence(monkeypatch):
