@@ -591,7 +591,14 @@ SWEEP = {
         {"key_block": 32, "num_warps": 8},
         {"num_warps": 8},
     ],
-    "chunk_state": [{}, {"value_block": 32}, {"num_stages": 2}, {"num_stages": 3}],
+    "chunk_state": [
+        {},
+        {"value_block": 32},
+        {"num_stages": 2},
+        {"num_stages": 3},
+        {"few_program_stages": 0},
+        {"few_program_stages": 3},
+    ],
     "chunk_grad_wy": [
         {},
         {"cumsum_by_dot": True},
@@ -604,6 +611,7 @@ SWEEP = {
     ],
     "chunk_grad_intra": [
         {},
+        {"split_factors": True},
         {"bf16_operands": False},
         {"cumsum_by_dot": False},
         {"key_block": 16},
@@ -634,7 +642,7 @@ SWEEP = {
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
 SWEEP_KERNELS = {
     "chunk_prepare": ["prepare", "prepare (bwd)"],
-    "chunk_state": ["state_fwd (o)", "state_fwd (h, E)", "state_bwd"],
+    "chunk_state": ["state_fwd (o)", "state_fwd (h, E)", "state_bwd", "state passes (bwd, overlapped)"],
     "chunk_grad_wy": ["grad_wy"],
     "chunk_grad_intra": ["grad_intra"],
     "tile_forward": ["tile prepare", "tile recurrence"],
