@@ -68,7 +68,7 @@ half the registers and shared memory of tf32 ones, and each decay-weighted facto
 on the H200 against 5.22 with tf32 (with ``split_factors``).
 
 ``split_factors``: each factor tile as two bf16 pieces (:func:`~openk3.ops.kda.triton.kernel_math.
-split_bf16`, twice the products). At ``K ≥ 128`` one piece is as accurate against the fp64 reference: over
+split_bf16`, twice the products). At ``K ≥ 128`` one piece is about as accurate against the fp64 reference: over
 144 cases in Triton's interpreter (B ≤ 2, T 1–200, H ≤ 2, D128, gates ``init``/``lb``/``mixed``, 6 seeds
 each) the worst errors with one / two pieces were ``dA_log`` 0.0206 / 0.0212 of the term size, ``ddt_bias``
 0.0175 / 0.0143, ``dg`` 0.0070 / 0.0066, ``dq`` 0.0167 / 0.0162, ``dβ`` 0.0206 / 0.0206
