@@ -594,9 +594,9 @@ SWEEP = {
     "chunk_state": [
         {},
         {"value_block": 32},
-        {"num_stages": 2},
-        {"num_stages": 3},
         {"few_program_stages": 0},
+        {"num_stages": 2, "few_program_stages": 0},
+        {"num_stages": 3, "few_program_stages": 0},
         {"few_program_stages": 3},
     ],
     "chunk_grad_wy": [

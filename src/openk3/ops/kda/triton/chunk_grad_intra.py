@@ -67,18 +67,21 @@ half the registers and shared memory of tf32 ones, and each decay-weighted facto
 ``q 2^{Γ−b}``, ``k 2^{Γ−b}``) rounded to bf16, products accumulated in fp32. Measured 4.41 ms at B1 T8192 H96
 on the H200 against 5.22 with tf32 (with ``split_factors``).
 
-``split_factors``: each factor tile as two bf16 pieces (:func:`~openk3.ops.kda.triton.kernel_math.
-split_bf16`, twice the products). At ``K ≥ 128`` one piece is about as accurate against the fp64 reference: over
-144 cases in Triton's interpreter (B ≤ 2, T 1–200, H ≤ 2, D128, gates ``init``/``lb``/``mixed``, 6 seeds
-each) the worst errors with one / two pieces were ``dA_log`` 0.0206 / 0.0212 of the term size, ``ddt_bias``
-0.0175 / 0.0143, ``dg`` 0.0070 / 0.0066, ``dq`` 0.0167 / 0.0162, ``dβ`` 0.0206 / 0.0206
-(``benchmarks/results/kda_h200.md``), and on the H200 it took grad_intra 3.68 / 4.86 ms against 4.38 / 5.62
-at B1 T8192 H96 / B1 T32768 H32. At those sizes it moves the gate's gradients further from fla's (relative
-RMSE ``g`` 0.0108 against 0.0056, ``A_log`` 0.008 against 0.005, ``dt_bias`` 0.015 against 0.0055 at the four
-benchmark shapes; ``q``, ``k``, ``v``, ``β`` unchanged), inside the tolerances against fp64 in the GPU tests
-(T8192 H96 included). At ``K = 64`` one piece was too coarse (``dA_log`` 0.021 of the term size
-at B2 T65 H1 D64, coherent rounding in that one sum per head; two pieces 0.0022), which is one reason
-smaller key dims take tf32 (:data:`BF16_MIN_KEY_DIM`).
+``split_factors`` (read only where ``bf16_operands`` applies: bf16/fp16 inputs, ``K ≥ BF16_MIN_KEY_DIM``):
+each factor tile as two bf16 pieces (:func:`~openk3.ops.kda.triton.kernel_math.split_bf16`, twice the
+products). At ``K ≥ 128`` one piece is about as accurate against the fp64 reference: over 144 cases in
+Triton's interpreter (B ≤ 2, T 1–200, H ≤ 2, D128, gates ``init``/``lb``/``mixed``, 6 seeds each) the worst
+errors with one / two pieces were ``dA_log`` 0.0206 / 0.0212 of the term size, ``ddt_bias`` 0.0175 / 0.0143,
+``dg`` 0.0070 / 0.0066, ``dq`` 0.0167 / 0.0162, ``dβ`` 0.0206 / 0.0206 (``benchmarks/results/kda_h200.md``;
+``dA_log``, ``dq`` and ``dβ`` there are over their tolerances in both forms at a few seeds, a limit of the
+kernels at those inputs, not of the pieces), and on the H200 it took grad_intra 3.68 / 4.86 ms against 4.38 /
+5.62 at B1 T8192 H96 / B1 T32768 H32. At those sizes it moves the gate's gradients further from fla's
+(relative RMSE ``g`` 0.0108 against 0.0056, ``A_log`` 0.008 against 0.005, ``dt_bias`` 0.015 against 0.0055 at
+the four benchmark shapes; ``q``, ``k``, ``v``, ``β`` unchanged), inside the tolerances against fp64 in the
+GPU tests (T8192 H96 included). At ``K = 64`` one piece was too coarse (``dA_log`` 0.021 of the term size at
+B2 T65 H1 D64, coherent rounding in that one sum per head; two pieces 0.0022), which is one reason smaller key
+dims take tf32 (:data:`BF16_MIN_KEY_DIM`).
+
 ``cumsum_by_dot``: the gate's cumsum and the reverse cumsum of ``dΓ`` as tensor-core products
 (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`)."""
 BF16_MIN_KEY_DIM = 128
