@@ -88,7 +88,10 @@ layer's peak, bounds training sizes.
 prepare (:func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles`), instead of the 64-token prepare
 and state pass; :func:`tile_forward_passes`. ``overlap_from_tiles``: with it on CUDA, and a recurrence of at
 most one program per multiprocessor, the building runs beside the recurrence, which gets a high-priority
-side stream.
+side stream. Off by default: at B1 T32768 H32 D128 on the H200 forward+backward took either about 0.2–0.4 ms
+less than one after the other or about 1.6 ms more, from one call to the next (with the recurrence queued
+first, 4 of 5 timings 14.78–14.94 ms and one 16.85, against 14.93–15.22; before that ordering 1 of 4 at
+14.36 and 3 at 16.35–16.42; ``benchmarks/results/kda_h200_2026-11-30b_runs.txt``, runs 2 and 3).
 
 Every entry must be ``True`` or ``False`` (:func:`check_launch`)."""
 
@@ -235,9 +238,11 @@ def tile_forward_passes(
         o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state)
         return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
     # the recurrence, a chain of dependent steps, on a high-priority stream: its programs are placed first
-    # and the building's fill the multiprocessors around them (as the pipeline's state passes). o and ht are
-    # allocated on the current stream, which waits for the side one before anything else runs on it, so no
-    # tensor needs record_stream.
+    # and the building's fill the multiprocessors around them (as the pipeline's state passes). The building
+    # waits for an event the side stream records just before the recurrence, so the recurrence is queued
+    # first: were the building queued right behind the prepare, its programs could fill the multiprocessors
+    # before the recurrence's reached them. o and ht are allocated on the current stream, which waits for
+    # the side one before anything else runs on it, so no tensor needs record_stream.
     N, H, K, V = tiles.num_seqs, v.shape[1], q.shape[-1], v.shape[-1]
     o = v.new_empty(v.shape)
     ht = v.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -245,8 +250,11 @@ def tile_forward_passes(
         main = torch.cuda.current_stream()
         side = side_stream(q.device, high_priority=True)
         side.wait_stream(main)  # the recurrence reads the prepare's tensors
+        queued = torch.cuda.Event()
+        queued.record(side)
         with torch.cuda.stream(side):
             tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state, o_out=o, ht_out=ht)
+        main.wait_event(queued)
         Aqk, Akk = build()
         main.wait_stream(side)
     return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
