@@ -16,6 +16,15 @@ graph (device time only). fla is optional: without it only our numbers are print
     python benchmarks/kda.py --sweep --sweep-shapes 1,3    # ... at B1 T8192 H96 and B1 T32768 H32
     python benchmarks/kda.py --sections breakdown --breakdown-shapes 1,3   # per-launch times at both
     python benchmarks/kda.py --set chunk_function:keep_intermediates=True  # a LAUNCH entry for the whole run
+    python benchmarks/kda.py --autotune-cache runs/autotune   # keep fla's autotuning results between runs
+
+fla autotunes its kernels on first use for each shape; on a fresh machine that took 3–7 minutes per shape on
+the H200 (compiling every candidate configuration). ``--autotune-cache DIR`` turns on Triton's on-disk
+autotuning cache (``TRITON_CACHE_AUTOTUNING``), copies the results kept in ``DIR`` into Triton's cache before
+fla is imported and copies them back after every section: a later run on the same GPU, Triton and fla versions
+then takes fla's configurations from the earlier run's timings instead of timing them again (Triton keys each
+result on those versions, the kernel's source, its configurations and the shapes it is tuned for, so anything
+else is tuned afresh). Our kernels are not autotuned.
 
 The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
 pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
@@ -31,6 +40,7 @@ import ast
 import contextlib
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -56,16 +66,16 @@ SECTIONS = ("decode", "chunk", "breakdown", "sweep")
 DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64, 96, 128)]
 
 
-def out_dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot become the results directory (it, or the nearest part of it that exists, is not a
-    directory; or the OS refuses the name), or None. Checked before any GPU work, since the results are only
-    saved after the first section."""
+def out_dir_problem(path: Path, flag: str = "--out") -> str | None:
+    """Why ``path`` cannot become the directory given by ``flag`` (it, or the nearest part of it that exists,
+    is not a directory; or the OS refuses the name), or None. Checked before any GPU work, since the results
+    are only saved after the first section."""
     try:
         for part in (path, *path.parents):
             if part.exists():
-                return None if part.is_dir() else f"--out {path}: {part} exists and is not a directory"
+                return None if part.is_dir() else f"{flag} {path}: {part} exists and is not a directory"
     except OSError as err:
-        return f"--out {path}: {err.strerror}"
+        return f"{flag} {path}: {err.strerror}"
     return None
 
 
@@ -144,6 +154,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--skip-fla", action="store_true", help="time our kernels only")
     parser.add_argument(
+        "--autotune-cache",
+        type=Path,
+        metavar="DIR",
+        help="keep Triton's autotuning results (fla's configurations) in DIR between runs",
+    )
+    parser.add_argument(
         "--chunk-forward",
         action="store_true",
         help="also time the forward on 64-token chunks without autograd (row 'fwd, chunks'; the default "
@@ -200,6 +216,10 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
     if args.out is not None and (problem := out_dir_problem(args.out)):
         parser.error(problem)
+    if args.autotune_cache is not None and (
+        problem := out_dir_problem(args.autotune_cache, "--autotune-cache")
+    ):
+        parser.error(problem)
     checks = (
         ("--sections", args.sections, set(SECTIONS)),
         ("--shapes", args.shapes or "", {str(i) for i in range(1, len(CHUNK_SHAPES) + 1)}),
@@ -238,6 +258,30 @@ def parse_args() -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------------ timing
+
+
+AUTOTUNE_SUFFIX = ".autotune.json"
+
+
+def copy_autotune_results(src: Path, dst: Path) -> int:
+    """Copy every Triton autotuning result (``<key>/<kernel>.autotune.json``) under ``src`` to the same
+    relative path under ``dst``; return how many. A missing ``src`` has none."""
+    import shutil
+
+    count = 0
+    for path in sorted(src.glob(f"*/*{AUTOTUNE_SUFFIX}")) if src.is_dir() else []:
+        target = dst / path.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        count += 1
+    return count
+
+
+def triton_cache_dir() -> Path:
+    """Triton's on-disk cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``)."""
+    from triton import knobs
+
+    return Path(knobs.cache.dir)
 
 
 def time_ms(fn, iters: int, warmup: int = 2) -> float:
@@ -813,6 +857,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("kda.py needs a CUDA GPU (the chunk kernels are Triton GPU kernels)")
     use_fla = not args.skip_fla
+    if args.autotune_cache is not None:
+        # before fla's import: its autotuners read the switch when they are built
+        os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+        found = copy_autotune_results(args.autotune_cache, triton_cache_dir())
+        print(f"--autotune-cache: {found} autotuning results from {args.autotune_cache}", flush=True)
     if use_fla:
         try:
             import fla.ops.kda  # noqa: F401
@@ -826,6 +875,8 @@ def main() -> None:
             module_launch(module, {key: value})[key] = value
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
+        if args.autotune_cache is not None:
+            copy_autotune_results(triton_cache_dir(), args.autotune_cache)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "kda_h200.json").write_text(json.dumps(report, indent=1))

@@ -78,6 +78,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--out", str(ROOT / "pyproject.toml")], "exists and is not a directory"),
         (["--out", str(ROOT / "pyproject.toml" / "sub")], "pyproject.toml exists and is not a directory"),
         (["--out", "a" * 300], "File name too long"),
+        (["--autotune-cache", str(ROOT / "pyproject.toml")], "--autotune-cache"),
     ],
 )
 def test_kda_benchmark_refuses_bad_arguments(args, message):
@@ -168,3 +169,26 @@ def test_kda_cpu_benchmark_refuses_malformed_shapes(shape):
     """``benchmarks/kda_cpu.py --shapes`` wants ``BxTxHxK`` with four positive integers."""
     result = run_script("kda_cpu.py", "--shapes", shape)
     assert result.returncode == 2 and f"--shapes: {shape!r} is not BxTxHxK" in result.stderr, result.stderr
+
+
+def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
+    """``--autotune-cache``'s copy keeps each ``<key>/<kernel>.autotune.json`` at its relative path (Triton
+    finds a result by that key directory), takes nothing else (compiled kernels stay in Triton's cache), and
+    finds none in a directory that does not exist yet."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kda
+
+    cache, kept = tmp_path / "triton", tmp_path / "kept"
+    (cache / "KEY1").mkdir(parents=True)
+    (cache / "KEY2").mkdir()
+    (cache / "KEY1" / "chunk_kernel.autotune.json").write_text('{"key": [1]}')
+    (cache / "KEY2" / "other_kernel.autotune.json").write_text('{"key": [2]}')
+    (cache / "KEY2" / "other_kernel.cubin").write_bytes(b"\0")
+    assert kda.copy_autotune_results(kept, cache) == 0
+    assert kda.copy_autotune_results(cache, kept) == 2
+    assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*") if p.is_file()) == [
+        "KEY1/chunk_kernel.autotune.json", "KEY2/other_kernel.autotune.json",
+    ]  # fmt: skip
+    fresh = tmp_path / "fresh"
+    assert kda.copy_autotune_results(kept, fresh) == 2
+    assert (fresh / "KEY2" / "other_kernel.autotune.json").read_text() == '{"key": [2]}'
