@@ -192,3 +192,6 @@ def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
     fresh = tmp_path / "fresh"
     assert kda.copy_autotune_results(kept, fresh) == 2
     assert (fresh / "KEY2" / "other_kernel.autotune.json").read_text() == '{"key": [2]}'
+    # the kept directory may be Triton's cache itself: counted, left as it is
+    assert kda.copy_autotune_results(cache, cache / ".") == 2
+    assert (cache / "KEY1" / "chunk_kernel.autotune.json").read_text() == '{"key": [1]}'
