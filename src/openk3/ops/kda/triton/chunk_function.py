@@ -88,10 +88,11 @@ layer's peak, bounds training sizes.
 prepare (:func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles`), instead of the 64-token prepare
 and state pass; :func:`tile_forward_passes`. ``overlap_from_tiles``: with it on CUDA, and a recurrence of at
 most one program per multiprocessor, the building runs beside the recurrence, which gets a high-priority
-side stream. Off by default: at B1 T32768 H32 D128 on the H200 forward+backward took either about 0.2–0.4 ms
-less than one after the other or about 1.6 ms more, from one call to the next (with the recurrence queued
-first, 4 of 5 timings 14.78–14.94 ms and one 16.85, against 14.93–15.22; before that ordering 1 of 4 at
-14.36 and 3 at 16.35–16.42; ``benchmarks/results/kda_h200_2026-11-30b_runs.txt``, runs 2 and 3).
+side stream. Off by default: at B1 T32768 H32 D128 on the H200 forward+backward took either about 0.2–0.5 ms
+less than one after the other or 1.5–1.7 ms more, from one call to the next (before the recurrence was queued
+first: 1 of 4 timings at 14.36 ms and 3 at 16.35–16.42, against 14.72–14.82; with it, and with a pipeline
+launch order since dropped: 4 of 5 at 14.78–14.94 and one at 16.85, against 15.11–15.30;
+``benchmarks/results/kda_h200_2026-11-30b_runs.txt``, runs 2 and 3).
 
 Every entry must be ``True`` or ``False`` (:func:`check_launch`)."""
 
