@@ -24,7 +24,9 @@ autotuning cache (``TRITON_CACHE_AUTOTUNING``), copies the results kept in ``DIR
 fla is imported and copies them back after every section: a later run on the same GPU, Triton and fla versions
 then takes fla's configurations from the earlier run's timings instead of timing them again (Triton keys each
 result on those versions, the kernel's source, its configurations and the shapes it is tuned for, so anything
-else is tuned afresh). Our kernels are not autotuned.
+else is tuned afresh). DIR is created when needed and may be Triton's cache directory itself; the results of
+a section are written to ``--out`` before the copy, and a result that cannot be copied is reported, not
+raised. Our kernels are not autotuned.
 
 The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
 pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
@@ -68,15 +70,27 @@ DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64,
 
 def out_dir_problem(path: Path, flag: str = "--out") -> str | None:
     """Why ``path`` cannot become the directory given by ``flag`` (it, or the nearest part of it that exists,
-    is not a directory; or the OS refuses the name), or None. Checked before any GPU work, since the results
-    are only saved after the first section."""
+    is not a directory or not writable; or the OS refuses the name), or None. Checked before
+    any GPU work, since the results are only saved after the first section."""
     try:
         for part in (path, *path.parents):
             if part.exists():
-                return None if part.is_dir() else f"{flag} {path}: {part} exists and is not a directory"
+                if not part.is_dir():
+                    return f"{flag} {path}: {part} exists and is not a directory"
+                if not os.access(part, os.W_OK | os.X_OK):
+                    return f"{flag} {path}: {part} is not writable"
+                return None
     except OSError as err:
         return f"{flag} {path}: {err.strerror}"
     return None
+
+
+def directory_argument(text: str) -> Path:
+    """A directory option's value as a path (``~`` expanded, also after ``--flag=``); an empty value is
+    refused, since it would name the current directory unseen."""
+    if not text:
+        raise argparse.ArgumentTypeError("give a directory name, not an empty string")
+    return Path(text).expanduser()
 
 
 def parse_launch_setting(item: str) -> tuple[str, str, object]:
@@ -142,7 +156,7 @@ def check_launch_settings(settings: dict) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="directory for kda_h200.json and kda_h200.md")
+    parser.add_argument("--out", type=directory_argument, help="directory for kda_h200.json and kda_h200.md")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per forward measurement")
     parser.add_argument(
         "--sweep", action="store_true", help="also time launch configurations per kernel (adds section sweep)"
@@ -155,9 +169,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-fla", action="store_true", help="time our kernels only")
     parser.add_argument(
         "--autotune-cache",
-        type=Path,
+        type=directory_argument,
         metavar="DIR",
-        help="keep Triton's autotuning results (fla's configurations) in DIR between runs",
+        help="keep Triton's autotuning results (every *.autotune.json of Triton's cache: fla's configurations) "
+        "in DIR between runs",
     )
     parser.add_argument(
         "--chunk-forward",
@@ -263,20 +278,40 @@ def parse_args() -> argparse.Namespace:
 AUTOTUNE_SUFFIX = ".autotune.json"
 
 
-def copy_autotune_results(src: Path, dst: Path) -> int:
-    """Copy every Triton autotuning result (``<key>/<kernel>.autotune.json``) under ``src`` to the same
-    relative path under ``dst``; return how many there are. A missing ``src`` has none; when ``dst`` is
-    ``src`` (``--autotune-cache`` naming Triton's own cache) nothing is copied."""
-    import shutil
+def copy_autotune_results(src: Path, dst: Path) -> tuple[int, list[str]]:
+    """Copy every Triton autotuning result (a file ``<key>/<kernel>.autotune.json``) under ``src`` to the same
+    relative path under ``dst``, each through a temporary file and ``os.replace`` (a run killed mid-copy
+    leaves no truncated result for Triton to read).
 
-    found = sorted(src.glob(f"*/*{AUTOTUNE_SUFFIX}")) if src.is_dir() else []
-    if dst.exists() and dst.resolve() == src.resolve():
-        return len(found)
+    Returns:
+        ``(copied, problems)``: how many results ``dst`` now holds from ``src``, and one line per result
+        that could not be copied (unreadable, or ``dst`` not writable); nothing raises for those. A missing
+        ``src`` has none; a result that already is ``dst``'s (``dst`` naming ``src``, or a link to it) counts
+        as copied without a copy.
+    """
+    import shutil
+    import tempfile
+
+    copied, problems = 0, []
+    found = sorted(p for p in src.glob(f"*/*{AUTOTUNE_SUFFIX}") if p.is_file()) if src.is_dir() else []
     for path in found:
-        target = dst / path.relative_to(src)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
-    return len(found)
+        target, tmp = dst / path.relative_to(src), None
+        try:
+            if target.exists() and target.samefile(path):
+                copied += 1
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".", delete=False) as tmp:
+                with open(path, "rb") as result:
+                    shutil.copyfileobj(result, tmp)
+            os.replace(tmp.name, target)
+            copied += 1
+        except OSError as err:
+            problems.append(f"{path}: {err.strerror or err}")
+            if tmp is not None:  # the temporary file of a failed copy
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp.name)
+    return copied, problems
 
 
 def triton_cache_dir() -> Path:
@@ -862,8 +897,12 @@ def main() -> None:
     if args.autotune_cache is not None:
         # before fla's import: its autotuners read the switch when they are built
         os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
-        found = copy_autotune_results(args.autotune_cache, triton_cache_dir())
+        found, problems = copy_autotune_results(args.autotune_cache, triton_cache_dir())
         print(f"--autotune-cache: {found} autotuning results from {args.autotune_cache}", flush=True)
+        for line in problems:
+            print(f"--autotune-cache: not restored: {line}", flush=True)
+        if args.skip_fla:
+            print("--autotune-cache: with --skip-fla nothing is autotuned (our kernels are not)", flush=True)
     if use_fla:
         try:
             import fla.ops.kda  # noqa: F401
@@ -877,12 +916,17 @@ def main() -> None:
             module_launch(module, {key: value})[key] = value
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
-        if args.autotune_cache is not None:
-            copy_autotune_results(triton_cache_dir(), args.autotune_cache)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "kda_h200.json").write_text(json.dumps(report, indent=1))
             (args.out / "kda_h200.md").write_text(markdown(report))
+        if args.autotune_cache is not None:  # after the results: a cache that cannot be written loses nothing
+            try:
+                _, problems = copy_autotune_results(triton_cache_dir(), args.autotune_cache)
+            except OSError as err:
+                problems = [f"{args.autotune_cache}: {err.strerror or err}"]
+            for line in problems:
+                print(f"--autotune-cache: not kept: {line}", flush=True)
 
     sections = args.sections.split(",")
 

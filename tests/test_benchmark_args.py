@@ -172,9 +172,10 @@ def test_kda_cpu_benchmark_refuses_malformed_shapes(shape):
 
 
 def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
-    """``--autotune-cache``'s copy keeps each ``<key>/<kernel>.autotune.json`` at its relative path (Triton
-    finds a result by that key directory), takes nothing else (compiled kernels stay in Triton's cache), and
-    finds none in a directory that does not exist yet."""
+    """``--autotune-cache``'s copy keeps each ``<key>/<kernel>.autotune.json`` file at its relative path (Triton
+    finds a result by that key directory) and takes nothing else; a missing source has none, a directory
+    given as its own destination (or linked to it) is counted without a copy, and a result that cannot be
+    read is reported, not raised, after the others are copied."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import kda
 
@@ -184,14 +185,37 @@ def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
     (cache / "KEY1" / "chunk_kernel.autotune.json").write_text('{"key": [1]}')
     (cache / "KEY2" / "other_kernel.autotune.json").write_text('{"key": [2]}')
     (cache / "KEY2" / "other_kernel.cubin").write_bytes(b"\0")
-    assert kda.copy_autotune_results(kept, cache) == 0
-    assert kda.copy_autotune_results(cache, kept) == 2
+    (cache / "KEY2" / "dir.autotune.json").mkdir()  # not a file: skipped
+    (cache / "top.autotune.json").write_text("{}")  # not under a key directory: skipped
+    assert kda.copy_autotune_results(kept, cache) == (0, [])
+    assert kda.copy_autotune_results(cache, kept) == (2, [])
     assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*") if p.is_file()) == [
         "KEY1/chunk_kernel.autotune.json", "KEY2/other_kernel.autotune.json",
     ]  # fmt: skip
     fresh = tmp_path / "fresh"
-    assert kda.copy_autotune_results(kept, fresh) == 2
+    assert kda.copy_autotune_results(kept, fresh) == (2, [])
     assert (fresh / "KEY2" / "other_kernel.autotune.json").read_text() == '{"key": [2]}'
-    # the kept directory may be Triton's cache itself: counted, left as it is
-    assert kda.copy_autotune_results(cache, cache / ".") == 2
+    # the kept directory may be Triton's cache itself, or a link to it: counted, left as it is
+    assert kda.copy_autotune_results(cache, cache / ".") == (2, [])
+    (tmp_path / "link").symlink_to(cache)
+    assert kda.copy_autotune_results(cache, tmp_path / "link") == (2, [])
     assert (cache / "KEY1" / "chunk_kernel.autotune.json").read_text() == '{"key": [1]}'
+    # a dangling result (a link to nothing) is reported; the rest is copied
+    (cache / "KEY0").mkdir()
+    (cache / "KEY0" / "gone.autotune.json").symlink_to(tmp_path / "nothing")
+    assert not (cache / "KEY0" / "gone.autotune.json").is_file()  # is_file follows the link: skipped
+    (cache / "KEY3").mkdir()
+    (cache / "KEY3" / "late.autotune.json").write_text('{"key": [3]}')
+    blocked = tmp_path / "blocked"
+    (blocked / "KEY3").mkdir(parents=True)
+    (blocked / "KEY3" / "late.autotune.json").mkdir()  # the target is a directory: cannot be replaced
+    copied, problems = kda.copy_autotune_results(cache, blocked)
+    assert copied == 2 and len(problems) == 1 and "late.autotune.json" in problems[0], problems
+    assert not [p for p in (blocked / "KEY3").iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_directory_arguments_refuse_an_empty_name():
+    """``--out ""`` and ``--autotune-cache=`` would name the current directory unseen: refused."""
+    for args in (["--out", ""], ["--autotune-cache="]):
+        result = run_script("kda.py", *args)
+        assert result.returncode == 2 and "give a directory name" in result.stderr, result.stderr
