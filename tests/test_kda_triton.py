@@ -222,7 +222,12 @@ def prepared_inverse_error(inputs: dict, source: str = "chunks") -> float:
 
 def run(op, inputs: dict, *, cast=None, cu_seqlens=None, seed=7) -> dict:
     """``op`` on leaf copies of ``inputs`` (cast to ``cast`` if given), backward a fixed random projection
-    of ``(o, final_state)``; returns the outputs and the gradient of every input."""
+    of ``(o, final_state)``; returns the outputs and the gradient of every input.
+
+    The projection of ``o`` (its cotangent) is rounded to ``inputs``' own dtype (``v``'s) before it is cast,
+    so an fp64 reference run (``cast``) and a bf16 run of the kernels back-propagate the same values: the
+    gradients' errors are then the op's own, not the bf16 rounding of the cotangent (which alone put a
+    single token's ``dq`` 1.1% off the reference where ``dO·E`` cancels, in any implementation)."""
     leaves = {
         n: (t if cast is None else t.to(cast)).detach().clone().requires_grad_() for n, t in inputs.items()
     }
@@ -231,8 +236,8 @@ def run(op, inputs: dict, *, cast=None, cu_seqlens=None, seed=7) -> dict:
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen).to(o.device, o.dtype)
-    dht = torch.randn(ht.shape, generator=gen).to(ht.device, ht.dtype)
+    do = torch.randn(o.shape, generator=gen).to(inputs["v"].dtype).to(o.device, o.dtype)
+    dht = torch.randn(ht.shape, generator=gen).to(ht.device, ht.dtype)  # fp32 draws: exact in fp32 and fp64
     ((o * do).sum() + (ht * dht).sum()).backward()
     return {"o": o, "ht": ht} | {f"d{n}": t.grad for n, t in leaves.items()}
 
