@@ -86,11 +86,15 @@ def out_dir_problem(path: Path, flag: str = "--out") -> str | None:
 
 
 def directory_argument(text: str) -> Path:
-    """A directory option's value as a path (``~`` expanded, also after ``--flag=``); an empty value is
-    refused, since it would name the current directory unseen."""
+    """A directory option's value as a path (a leading ``~`` or ``~user`` expanded, also after ``--flag=``;
+    ``./~`` stays a directory named ``~``); an empty value is refused, since it would name the current
+    directory unseen."""
     if not text:
         raise argparse.ArgumentTypeError("give a directory name, not an empty string")
-    return Path(text).expanduser()
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise argparse.ArgumentTypeError(f"{text}: no such user's home directory")
+    return Path(expanded)
 
 
 def parse_launch_setting(item: str) -> tuple[str, str, object]:
@@ -293,10 +297,15 @@ def copy_autotune_results(src: Path, dst: Path) -> tuple[int, list[str]]:
     import tempfile
 
     copied, problems = 0, []
-    found = sorted(p for p in src.glob(f"*/*{AUTOTUNE_SUFFIX}") if p.is_file()) if src.is_dir() else []
+    try:
+        found = sorted(src.glob(f"*/*{AUTOTUNE_SUFFIX}")) if src.is_dir() else []
+    except OSError as err:
+        return 0, [f"{src}: {err.strerror or err}"]
     for path in found:
         target, tmp = dst / path.relative_to(src), None
         try:
+            if not path.is_file():  # a directory of that name, or a link to nothing
+                continue
             if target.exists() and target.samefile(path):
                 copied += 1
                 continue
@@ -304,10 +313,11 @@ def copy_autotune_results(src: Path, dst: Path) -> tuple[int, list[str]]:
             with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".", delete=False) as tmp:
                 with open(path, "rb") as result:
                     shutil.copyfileobj(result, tmp)
+            shutil.copymode(path, tmp.name)  # not the temporary file's 0600
             os.replace(tmp.name, target)
             copied += 1
         except OSError as err:
-            problems.append(f"{path}: {err.strerror or err}")
+            problems.append(f"{path} -> {target}: {err.strerror or err}")
             if tmp is not None:  # the temporary file of a failed copy
                 with contextlib.suppress(OSError):
                     os.unlink(tmp.name)

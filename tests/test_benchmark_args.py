@@ -173,9 +173,9 @@ def test_kda_cpu_benchmark_refuses_malformed_shapes(shape):
 
 def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
     """``--autotune-cache``'s copy keeps each ``<key>/<kernel>.autotune.json`` file at its relative path (Triton
-    finds a result by that key directory) and takes nothing else; a missing source has none, a directory
-    given as its own destination (or linked to it) is counted without a copy, and a result that cannot be
-    read is reported, not raised, after the others are copied."""
+    finds a result by that key directory) with its mode, and takes nothing else; a missing source has none,
+    a directory given as its own destination (or linked to it) is counted without a copy, and a result that
+    cannot be written is reported, not raised, after the others are copied."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import kda
 
@@ -200,10 +200,10 @@ def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
     (tmp_path / "link").symlink_to(cache)
     assert kda.copy_autotune_results(cache, tmp_path / "link") == (2, [])
     assert (cache / "KEY1" / "chunk_kernel.autotune.json").read_text() == '{"key": [1]}'
-    # a dangling result (a link to nothing) is reported; the rest is copied
+    # a link to nothing is not a result: skipped
     (cache / "KEY0").mkdir()
     (cache / "KEY0" / "gone.autotune.json").symlink_to(tmp_path / "nothing")
-    assert not (cache / "KEY0" / "gone.autotune.json").is_file()  # is_file follows the link: skipped
+    # a result whose target is in the way is reported, not raised, after the others are copied
     (cache / "KEY3").mkdir()
     (cache / "KEY3" / "late.autotune.json").write_text('{"key": [3]}')
     blocked = tmp_path / "blocked"
@@ -212,10 +212,29 @@ def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
     copied, problems = kda.copy_autotune_results(cache, blocked)
     assert copied == 2 and len(problems) == 1 and "late.autotune.json" in problems[0], problems
     assert not [p for p in (blocked / "KEY3").iterdir() if p.name.startswith(".")]  # no temporary left
+    assert oct((blocked / "KEY1" / "chunk_kernel.autotune.json").stat().st_mode & 0o777) == oct(
+        (cache / "KEY1" / "chunk_kernel.autotune.json").stat().st_mode & 0o777
+    )  # the source's mode, not the temporary file's 0600
 
 
 def test_directory_arguments_refuse_an_empty_name():
-    """``--out ""`` and ``--autotune-cache=`` would name the current directory unseen: refused."""
-    for args in (["--out", ""], ["--autotune-cache="]):
+    """``--out ""`` and ``--autotune-cache=`` would name the current directory unseen, and ``~nosuchuser``
+    has no home: refused with a usage error, not a traceback."""
+    for args, message in (
+        (["--out", ""], "give a directory name"),
+        (["--autotune-cache="], "give a directory name"),
+        (["--out=~nosuchuser_openk3/x"], "no such user's home directory"),
+    ):
         result = run_script("kda.py", *args)
-        assert result.returncode == 2 and "give a directory name" in result.stderr, result.stderr
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
+    """``--out=~/x`` (no shell expansion after ``=``) means the home directory's ``x``; ``./~`` stays a
+    directory named ``~``."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    import kda
+
+    assert kda.directory_argument("~/x") == tmp_path / "x"
+    assert kda.directory_argument("./~").name == "~"
