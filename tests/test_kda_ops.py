@@ -80,11 +80,19 @@ def run(op, inputs: dict, dtype: torch.dtype, seed: int = 7, **kwargs) -> dict:
     }
     extra = {name: v for name, v in inputs.items() if name not in leaves}
     o, ht = op(**leaves, **extra, output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs)
-    gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen, dtype=F64).to(o.dtype)
-    dht = torch.randn(ht.shape, generator=gen, dtype=F64).to(ht.dtype)
+    do, dht = cotangents(o, ht, seed)
     ((o * do).sum() + (ht * dht).sum()).backward()
     return {"o": o, "ht": ht} | {f"d{name}": t.grad for name, t in leaves.items()}
+
+
+def cotangents(o: torch.Tensor, ht: torch.Tensor, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed random projections of ``(o, final_state)`` that the backward runs, drawn as bf16 values so
+    that every dtype's run, the fp64 reference's included, back-propagates exactly the same cotangent (a
+    bf16 run's rounding of it would otherwise count as the op's error)."""
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=F64).to(torch.bfloat16).to(o.dtype)
+    dht = torch.randn(ht.shape, generator=gen, dtype=F64).to(torch.bfloat16).to(ht.dtype)
+    return do, dht
 
 
 def assert_all_close(ref: dict, out: dict, tol: float) -> None:
@@ -109,9 +117,7 @@ def per_document_reference(inputs: dict, cu_seqlens: list[int]) -> dict:
         o_list.append(o)
         ht_list.append(ht)
     o, ht = torch.cat(o_list, dim=1), torch.cat(ht_list)
-    gen = torch.Generator().manual_seed(7)
-    do = torch.randn(o.shape, generator=gen, dtype=F64)
-    dht = torch.randn(ht.shape, generator=gen, dtype=F64)
+    do, dht = cotangents(o, ht)
     ((o * do).sum() + (ht * dht).sum()).backward()
     return {"o": o, "ht": ht} | {f"d{name}": t.grad for name, t in leaves.items()}
 
