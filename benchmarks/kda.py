@@ -18,15 +18,15 @@ graph (device time only). fla is optional: without it only our numbers are print
     python benchmarks/kda.py --set chunk_function:keep_intermediates=True  # a LAUNCH entry for the whole run
     python benchmarks/kda.py --autotune-cache runs/autotune   # keep fla's autotuning results between runs
 
-fla autotunes its kernels on first use for each shape; on a fresh H200 machine that took 3 min 43 s for
-B1 T32768 H32 alone and 6 min 52 s for the first two shapes (compiling every candidate configuration). ``--autotune-cache DIR`` turns on Triton's on-disk
-autotuning cache (``TRITON_CACHE_AUTOTUNING``), copies the results kept in ``DIR`` into Triton's cache before
-fla is imported and copies them back after every section: a later run on the same GPU, Triton and fla versions
-then takes fla's configurations from the earlier run's timings instead of timing them again (Triton keys each
-result on those versions, the kernel's source, its configurations and the shapes it is tuned for, so anything
-else is tuned afresh). DIR is created when needed and may be Triton's cache directory itself; the results of
-a section are written to ``--out`` before the copy, and a result that cannot be copied is reported, not
-raised. Our kernels are not autotuned.
+fla autotunes its kernels on first use for each shape; on a fresh H200 machine that took 3 min 43 s for B1
+T32768 H32 alone and 6 min 52 s for the first two shapes (compiling every candidate configuration).
+``--autotune-cache DIR`` turns on Triton's on-disk autotuning cache (``TRITON_CACHE_AUTOTUNING``), copies the
+results kept in ``DIR`` into Triton's cache before fla is imported and copies them back after every section: a
+later run on the same GPU, Triton and fla versions then takes fla's configurations from the earlier run's
+timings instead of timing them again (Triton keys each result on those versions, the kernel's source, its
+configurations and the shapes it is tuned for, so anything else is tuned afresh). DIR is created when needed
+and may be Triton's cache directory itself; the results of a section are written to ``--out`` before the copy,
+and a result that cannot be copied is reported, not raised. Our kernels are not autotuned.
 
 The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
 pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
@@ -70,8 +70,8 @@ DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64,
 
 def out_dir_problem(path: Path, flag: str = "--out") -> str | None:
     """Why ``path`` cannot become the directory given by ``flag`` (it, or the nearest part of it that exists,
-    is not a directory or not writable; or the OS refuses the name), or None. Checked before
-    any GPU work, since the results are only saved after the first section."""
+    is not a directory or not writable; or the OS refuses the name), or None. Checked before any GPU work,
+    since the results are only saved after the first section."""
     try:
         for part in (path, *path.parents):
             if part.exists():
@@ -175,8 +175,8 @@ def parse_args() -> argparse.Namespace:
         "--autotune-cache",
         type=directory_argument,
         metavar="DIR",
-        help="keep Triton's autotuning results (every *.autotune.json of Triton's cache: fla's configurations) "
-        "in DIR between runs",
+        help="keep Triton's autotuning results (every *.autotune.json in Triton's cache: fla's "
+        "configurations) in DIR between runs",
     )
     parser.add_argument(
         "--chunk-forward",

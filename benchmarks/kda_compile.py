@@ -1,6 +1,6 @@
 """Compile every Triton KDA launch of one chunked forward+backward, one 64-token forward with autograd, one
-forward on 16-token tiles and one decode step for a GPU target on a machine without a GPU, and report each kernel's registers and stack
-(spill) bytes.
+forward on 16-token tiles and one decode step for a GPU target on a machine without a GPU, and report each
+kernel's registers and stack (spill) bytes.
 
 The device is the scarce resource: this checks that changed kernels compile for the H200 (``sm_90``) and
 compares their register pressure before a device run. It records the launches by calling the real launchers
