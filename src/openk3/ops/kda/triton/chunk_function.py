@@ -8,7 +8,8 @@ and ``T`` from the prepare's tensors. With ``LAUNCH["forward_on_tiles"]`` off or
 (:func:`forward_passes`, §1.5): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (gate, L2 norm,
 ``Aqk``, ``T``, ``W``, ``U``, ``Q̃``, ``K̂``) then :func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`
 (the sequential state pass, which also writes ``o``). Saved either way: the inputs, ``Aqk``, ``T`` and the
-norms (392 bytes per token and head at bf16, 264 with ``T`` in fp16; fla saves ``Aqk``/``Akk``, §1.5).
+norms (392 bytes per token and head at bf16, 264 with ``T`` in fp16; fla saves ``Aqk``/``Akk``, §1.5), and
+with ``LAUNCH["keep_residuals"]`` also the residuals ``E`` the tile recurrence wrote (256 more at V = 128).
 
 Backward (§1.6): the prepare kernel's second pass only (``W``, ``U``, ``Q̃``, ``K̂`` from the saved ``T``),
 the state pass keeping the per-chunk states ``h`` and the residuals ``E``, the reverse state pass, then the
@@ -17,8 +18,9 @@ The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the in
 
 With :data:`LAUNCH` ``["keep_intermediates"]`` the forward's state pass also writes ``h`` and ``E`` and the
 forward keeps them with ``W``, ``Q̃``, ``K̂`` and ``D``, so the backward starts at the reverse state pass.
-Otherwise, with ``LAUNCH["overlap_state_passes"]`` on CUDA, the backward runs its two state passes at once
-(:func:`backward_state_passes`).
+With ``LAUNCH["keep_residuals"]`` the forward keeps ``E`` alone, and the backward's forward-direction pass
+only rebuilds ``h`` from it. With ``LAUNCH["overlap_state_passes"]`` on CUDA, the backward runs its two state
+passes at once (:func:`backward_state_passes`).
 
 A single long sequence whose state passes have at most one program per multiprocessor is cut into segments
 (:mod:`~openk3.ops.kda.triton.pipeline`; :func:`forward_passes`, :func:`backward_passes`): each segment's
@@ -68,6 +70,7 @@ LAUNCH = {
     "overlap_state_passes": True,
     "forward_on_tiles": True,
     "overlap_from_tiles": False,
+    "keep_residuals": False,
 }
 """``keep_intermediates``: trade memory for the backward's first two launches. The forward keeps what the
 backward would recompute (``W``, ``Q̃``, ``K̂`` and ``E`` in the input dtype, ``D``, and ``h``, the state at
@@ -94,6 +97,21 @@ first: 1 of 4 timings at 14.36 ms and 3 at 16.35–16.42, against 14.72–14.82;
 launch order since dropped: 4 of 5 at 14.78–14.94 and one at 16.85, against 15.11–15.30;
 ``benchmarks/results/kda_h200_2026-11-30b_runs.txt``, runs 2 and 3).
 
+``keep_residuals`` (read with ``forward_on_tiles`` and without ``keep_intermediates``): trade memory for the
+backward's forward-direction state pass. The tile recurrence also writes the delta-rule residuals ``E`` (the
+backward's ``v_new``, ``V·2`` bytes per token and head at bf16, 256 at V = 128; the per-token residual is
+the same whatever the chunking) and the forward keeps them. The backward then rebuilds the chunk-start states
+``h`` from them (:func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd` with ``residuals``:
+``S ← Diag(D) S + K̂ᵀ E``, no product through ``S`` on its chain) instead of forming ``E = U − W S`` along
+the chain, and its prepare skips ``U``. On the H200 (B1 T8192 H96 / varlen 1024×8 / B1 T32768 H32 /
+B8 T4096 H32, D128 bf16; one process, each setting timed twice in turn; ``benchmarks/results/
+kda_h200_2026-11-30c_runs.txt``, run 12) forward+backward took 10.97–11.00 / 10.94–10.95 / 15.00–15.07 /
+13.90–14.03 ms against 11.26–11.28 / 11.25–11.32 / 15.53–15.58 / 14.49–14.51, and one call held 192 / 192 /
+256 / 256 MiB more between forward and backward. Off by default, for that memory: the bytes saved per token
+and head beside the inputs go from 264 to 520 at bf16 (392 to 648 with ``T`` in fp32; fla 0.6.0 saves 256 of
+``Aqk`` and ``Akk``, kda_kernels reference §1.5), and with many layers the saved activations bound training
+sizes (as for ``keep_intermediates``).
+
 Every entry must be ``True`` or ``False`` (:func:`check_launch`)."""
 
 
@@ -109,12 +127,18 @@ def check_launch() -> None:
             overlap_state_passes="bool",
             forward_on_tiles="bool",
             overlap_from_tiles="bool",
+            keep_residuals="bool",
         ),
     )
 
 
 def backward_state_passes(
-    pre: Prepared, h0: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None, index: ChunkIndex
+    pre: Prepared,
+    h0: torch.Tensor | None,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    index: ChunkIndex,
+    residuals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The backward's two state passes: the forward-direction pass keeping ``h`` and ``E``
     (:func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`) and the reverse pass
@@ -127,7 +151,9 @@ def backward_state_passes(
     multiprocessor, so two passes can share the GPU. The results are the same bits either way. ``h`` and
     ``E`` are allocated on the current stream before the side pass writes them, so the caching allocator
     reuses their memory there as usual (no ``record_stream``, which would hold it until the end of a CUDA
-    graph capture); the work runs on ``do``'s device whatever the current device is.
+    graph capture); the work runs on ``do``'s device whatever the current device is. With ``residuals``
+    (``E`` kept by the forward, :data:`LAUNCH` ``["keep_residuals"]``) the forward-direction pass reads them
+    and writes ``h`` only.
 
     Returns:
         ``(h [P, H, K, V], v_new [tokens, H, V], dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32
@@ -135,12 +161,12 @@ def backward_state_passes(
     """
     TT, H, K = pre.w.shape
     h = pre.w.new_empty(index.num_chunks, H, K, do.shape[-1])
-    v_new = pre.w.new_empty(TT, H, do.shape[-1])
+    v_new = pre.w.new_empty(TT, H, do.shape[-1]) if residuals is None else residuals
 
     def forward_pass() -> None:
         chunk_state_fwd(
             pre, h0, index, V=do.shape[-1], out_dtype=do.dtype, output_final_state=False, store_h=True,
-            store_o=False, h_out=(h, v_new),
+            store_o=False, h_out=(h, v_new), residuals=residuals,
         )  # fmt: skip
 
     if not (LAUNCH["overlap_state_passes"] and do.is_cuda):
@@ -208,7 +234,7 @@ def forward_passes(
 
 def tile_forward_passes(
     q, k, v, g, beta, A_log, dt_bias, h0, index: ChunkIndex, tiles: ChunkIndex, *, output_final_state: bool,
-    opts: dict,
+    opts: dict, keep_residuals: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:  # fmt: skip
     """The forward on 16-token tiles with what the backward saves: the tile prepare (also writing each
     tile's inverse and the norms), the tile recurrence (``o`` and the final state) and
@@ -219,12 +245,17 @@ def tile_forward_passes(
 
     Args:
         index: the chunks of 64 the backward works on; tiles: the same sequences in tiles of 16.
+        keep_residuals: the recurrence also writes the residuals ``E``
+            (:data:`LAUNCH` ``["keep_residuals"]``).
 
     Returns:
-        ``(o, final_state or None, (Aqk, Akk, q_rstd, k_rstd))``.
+        ``(o, final_state or None, (Aqk, Akk, q_rstd, k_rstd))``, with ``E`` ``[tokens, H, V]`` (storage
+        dtype) appended to the tuple under ``keep_residuals``.
     """
     back = empty_tile_backward(q, use_l2norm=opts["use_l2norm"])
     pre = tile_prepare(q, k, g, beta, A_log, dt_bias, tiles, **opts, for_backward=back)
+    e = pre.M.new_empty(v.shape) if keep_residuals else None
+    extra = () if e is None else (e,)
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         return chunk_from_tiles(
@@ -236,8 +267,8 @@ def tile_forward_passes(
         and overlaps(q.device, state_programs(v.shape[-1], v.shape[1], tiles, TILE_LAUNCH["value_block"]))
     ):
         Aqk, Akk = build()
-        o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state)
-        return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
+        o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state, e_out=e)
+        return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd, *extra)
     # the recurrence, a chain of dependent steps, on a high-priority stream: its programs are placed first
     # and the building's fill the multiprocessors around them (as the pipeline's state passes). The building
     # waits for an event the side stream records just before the recurrence, so the recurrence is queued
@@ -254,34 +285,41 @@ def tile_forward_passes(
         queued = torch.cuda.Event()
         queued.record(side)
         with torch.cuda.stream(side):
-            tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state, o_out=o, ht_out=ht)
+            tile_recurrence(
+                pre, v, h0, tiles, output_final_state=output_final_state, o_out=o, ht_out=ht, e_out=e
+            )
         main.wait_event(queued)
         Aqk, Akk = build()
         main.wait_stream(side)
-    return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd)
+    return o, ht, (Aqk, Akk, back.q_rstd, back.k_rstd, *extra)
 
 
 def backward_passes(
-    q, k, v, g, beta, A_log, dt_bias, h0, saved: Prepared, do, dht, index: ChunkIndex, opts: dict
-) -> tuple[Prepared, torch.Tensor, ...]:
+    q, k, v, g, beta, A_log, dt_bias, h0, saved: Prepared, do, dht, index: ChunkIndex, opts: dict,
+    residuals: torch.Tensor | None = None,
+) -> tuple[Prepared, torch.Tensor, ...]:  # fmt: skip
     """The backward's prepare (second pass only, from ``saved``'s ``Aqk``, ``T`` and norms) and its two state
     passes (:func:`backward_state_passes`). A long single sequence
     (:func:`~openk3.ops.kda.triton.pipeline.segments`) is prepared segment by segment from its end on a side
     stream, the reverse pass following segment by segment on the current stream, and the forward-direction
-    pass runs on the side stream once all is prepared, beside the rest of the reverse pass (same bits).
+    pass runs on the side stream once all is prepared, beside the rest of the reverse pass (same bits). With
+    ``residuals`` (``E`` kept by the forward) the prepare skips ``U`` and the forward-direction pass reads
+    ``E`` (:func:`backward_state_passes`).
 
     Returns:
-        ``(pre, h, v_new, dh, dv_new, dh0)``.
+        ``(pre, h, v_new, dh, dv_new, dh0)`` (``v_new`` is ``residuals`` when given).
     """
+    store_u = residuals is None
     segs = segments(index, CHUNK, do.device, state_programs(do.shape[-1], q.shape[1], index))
     if segs is None:
-        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, **opts)
-        return (pre, *backward_state_passes(pre, h0, do, dht, index))
-    pre = empty_prepared(q, v, index, use_l2norm=opts["use_l2norm"], saved=saved)
+        pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, store_u=store_u, **opts)
+        return (pre, *backward_state_passes(pre, h0, do, dht, index, residuals))
+    pre = empty_prepared(q, v, index, use_l2norm=opts["use_l2norm"], saved=saved, store_u=store_u)
     TT, H, K = q.shape
     V = do.shape[-1]
     h, dh = (pre.w.new_empty(index.num_chunks, H, K, V) for _ in range(2))
-    v_new, dv_new = (pre.w.new_empty(TT, H, V) for _ in range(2))
+    v_new = pre.w.new_empty(TT, H, V) if residuals is None else residuals
+    dv_new = pre.w.new_empty(TT, H, V)
     grads = carried_states(dht, len(segs), True, (1, H, K, V), do.device)  # from the end: dht, ..., dh0
     last = len(segs) - 1
 
@@ -289,13 +327,14 @@ def backward_passes(
         s = segs[last - j]
         cut = (t[s.start : s.stop] for t in (q, k, v, g, beta))
         chunk_prepare(
-            *cut, A_log, dt_bias, s.index, saved=segment_of(saved, s), out=segment_of(pre, s), **opts
-        )
+            *cut, A_log, dt_bias, s.index, saved=segment_of(saved, s), out=segment_of(pre, s),
+            store_u=store_u, **opts,
+        )  # fmt: skip
 
     def forward_pass() -> None:
         chunk_state_fwd(
             pre, h0, index, V=V, out_dtype=do.dtype, output_final_state=False, store_h=True, store_o=False,
-            h_out=(h, v_new),
+            h_out=(h, v_new), residuals=residuals,
         )  # fmt: skip
 
     def consume(j: int) -> None:
@@ -320,7 +359,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         if tiles is not None:
             o, ht, kept = tile_forward_passes(
                 q, k, v, g, beta, A_log, dt_bias, h0, index, tiles, output_final_state=output_final_state,
-                opts=opts,
+                opts=opts, keep_residuals=LAUNCH["keep_residuals"],
             )  # fmt: skip
         else:
             pre, o, ht, h, v_new = forward_passes(
@@ -343,10 +382,10 @@ class ChunkKDAFunction(torch.autograd.Function):
             pre, h, v_new = Prepared(*kept[:-2]), kept[-2], kept[-1]
             dh, dv_new, dh0 = chunk_state_bwd(pre, do, dht, index)
         else:
-            Aqk, Akk, q_rstd, k_rstd = kept
+            Aqk, Akk, q_rstd, k_rstd, *residuals = kept  # E when the forward kept it (keep_residuals)
             saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
             pre, h, v_new, dh, dv_new, dh0 = backward_passes(
-                q, k, v, g, beta, A_log, dt_bias, h0, saved, do, dht, index, opts
+                q, k, v, g, beta, A_log, dt_bias, h0, saved, do, dht, index, opts, *residuals
             )
         wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)
         dq, dk, dg, dbeta, dA_log, ddt = chunk_grad_intra(

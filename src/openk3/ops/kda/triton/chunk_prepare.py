@@ -195,11 +195,12 @@ def chunk_prepare_kernel(
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr, FP16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, STORE_U: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
     ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
-    ``PASS1`` it reads ``Akk``, ``q_rstd``, ``k_rstd`` instead and writes only ``w, u, qg, kg, gend``."""
+    ``PASS1`` it reads ``Akk``, ``q_rstd``, ``k_rstd`` instead and writes only ``w, u, qg, kg, gend``; without
+    ``STORE_U`` it neither forms nor writes ``u``."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
@@ -285,10 +286,11 @@ def chunk_prepare_kernel(
         b_w = bounded_dot(b_T, b_k * b_eG * b_beta[:, None], DOT, FP16)
         store_rows(w, b_w, t0, n_valid, i_h, k0, H, K, BT, BK2)
         tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK2), tl.exp2(b_GC))
-    for i_v in range(0, V // BV2):
-        b_v = load_rows(v, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2).to(tl.float32)
-        b_u = tl.dot(b_Tu, tf32_operand(b_v * b_beta[:, None], DOT), input_precision=DOT)
-        store_rows(u, b_u, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2)
+    if STORE_U:
+        for i_v in range(0, V // BV2):
+            b_v = load_rows(v, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2).to(tl.float32)
+            b_u = tl.dot(b_Tu, tf32_operand(b_v * b_beta[:, None], DOT), input_precision=DOT)
+            store_rows(u, b_u, t0, n_valid, i_h, i_v * BV2, H, V, BT, BV2)
 
 
 class Prepared(NamedTuple):
@@ -330,16 +332,25 @@ def prepared_layout(q: torch.Tensor, v: torch.Tensor, index: ChunkIndex, *, use_
 
 
 def empty_prepared(
-    q: torch.Tensor, v: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, saved: Prepared | None = None
+    q: torch.Tensor,
+    v: torch.Tensor,
+    index: ChunkIndex,
+    *,
+    use_l2norm: bool,
+    saved: Prepared | None = None,
+    store_u: bool = True,
 ) -> Prepared:
     """Uninitialised :class:`Prepared` tensors (:func:`prepared_layout`); ``saved``'s ``Aqk``, ``Akk`` and
-    norms are used as they are."""
+    norms are used as they are; without ``store_u``, ``u`` is None."""
     layout = prepared_layout(q, v, index, use_l2norm=use_l2norm)
     kept = saved._asdict() if saved is not None else {}
-    return Prepared(*(
-        kept.get(name) if kept.get(name) is not None else q.new_empty(shape, dtype=dtype)
+    out = Prepared(*(
+        kept.get(name) if kept.get(name) is not None
+        else None if name == "u" and not store_u
+        else q.new_empty(shape, dtype=dtype)
         for name, (shape, dtype) in layout._asdict().items()
     ))  # fmt: skip
+    return out
 
 
 def chunk_prepare(
@@ -358,6 +369,7 @@ def chunk_prepare(
     beta_sigmoid: bool = False,
     saved: Prepared | None = None,
     out: Prepared | None = None,
+    store_u: bool = True,
 ) -> Prepared:
     """Launch :func:`chunk_prepare_kernel`.
 
@@ -371,6 +383,8 @@ def chunk_prepare(
             ``K̂``, ``D`` are recomputed (the backward's cheaper second pass).
         out: the tensors to write (from :func:`empty_prepared`, with ``saved``'s own where given), or None to
             allocate them.
+        store_u: form and write ``U``; without it ``out.u`` may be None and is left as it is (a backward whose
+            state pass reads the residuals the forward kept needs no ``U``).
 
     Raises:
         ValueError: a tensor of ``out`` of another shape or dtype, or not contiguous
@@ -388,9 +402,10 @@ def chunk_prepare(
     P = index.num_chunks
     fp16 = fp16_inverse(q.dtype, use_l2norm)
     if out is None:
-        out = empty_prepared(q, v, index, use_l2norm=use_l2norm, saved=saved)
+        out = empty_prepared(q, v, index, use_l2norm=use_l2norm, saved=saved, store_u=store_u)
     else:
-        check_outs("chunk_prepare out", out, prepared_layout(q, v, index, use_l2norm=use_l2norm), q.device)
+        layout = prepared_layout(q, v, index, use_l2norm=use_l2norm)
+        check_outs("chunk_prepare out", out, layout, q.device, optional=() if store_u else ("u",))
     if P == 0:
         return out
     chunk_prepare_kernel[(P, H)](
@@ -401,7 +416,7 @@ def chunk_prepare(
         H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
-        FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid,
+        FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, STORE_U=store_u,
         **launch_options(LAUNCH),
     )  # fmt: skip
     return out

@@ -9,7 +9,9 @@ Per chunk, from :mod:`~openk3.ops.kda.triton.chunk_prepare`'s tensors::
 
 The matmul operands are in the storage dtype (bf16 for bf16 inputs, as in fla's ``chunk_gated_delta_rule_
 fwd_h``); accumulation and the carried state are fp32. The backward reuses the pass with ``STORE_H``: it then
-keeps the state at every chunk start (``h``) and ``E`` instead of computing ``O``.
+keeps the state at every chunk start (``h``) and ``E`` instead of computing ``O``. Given ``E`` (``LOAD_E``:
+the residuals the training forward kept, ``chunk_function.LAUNCH["keep_residuals"]``) it reads them instead
+of forming them and only rebuilds ``h``: ``S ← Diag(D) S + K̂ᵀ E``, no product through ``S`` on the chain.
 
 Legend: ``N`` sequences, ``H`` heads, ``K``/``V`` key/value dims, ``BV`` value block, ``BT`` chunk rows,
 ``P`` chunks of all sequences.
@@ -42,9 +44,10 @@ def chunk_state_fwd_kernel(
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_O: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_H: tl.constexpr,
+    LOAD_E: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``. ``h0``/``ht`` fp32 ``[N, H, K, V]``; ``h`` ``[P, H, K, V]``; ``o``/``v_new``
-    ``[tokens, H, V]``."""
+    ``[tokens, H, V]`` (``v_new`` read instead of written with ``LOAD_E``)."""
     i_h, bos, eos, c0, v0, o_k, o_v, p_state = state_program(cu_seqlens, chunk_offsets, H, K, V, BV)
     n_chunks = tl.cdiv(eos - bos, BT)
     dt = w.dtype.element_ty
@@ -59,11 +62,14 @@ def chunk_state_fwd_kernel(
         if STORE_H:
             p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
             tl.store(h + p_h, b_Sd.to(h.dtype.element_ty))
-        b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
-        b_e = load_rows(u, t0, n_valid, i_h, v0, H, V, BT, BV).to(tl.float32) - dot(b_w, b_Sd, DOT)
-        b_ed = b_e.to(dt)
-        if STORE_H:
-            store_rows(v_new, b_ed, t0, n_valid, i_h, v0, H, V, BT, BV)
+        if LOAD_E:
+            b_ed = load_rows(v_new, t0, n_valid, i_h, v0, H, V, BT, BV)
+        else:
+            b_w = load_rows(w, t0, n_valid, i_h, 0, H, K, BT, K)
+            b_e = load_rows(u, t0, n_valid, i_h, v0, H, V, BT, BV).to(tl.float32) - dot(b_w, b_Sd, DOT)
+            b_ed = b_e.to(dt)
+            if STORE_H:
+                store_rows(v_new, b_ed, t0, n_valid, i_h, v0, H, V, BT, BV)
         if STORE_O:
             b_qg = load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K)
             b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
@@ -147,6 +153,7 @@ def chunk_state_fwd(
     h_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     o_out: torch.Tensor | None = None,
     ht_out: torch.Tensor | None = None,
+    residuals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the state pass.
 
@@ -161,6 +168,9 @@ def chunk_state_fwd(
             stream that will use them when this pass runs on another); None allocates them here.
         o_out, ht_out: with ``store_o`` / ``output_final_state``, the ``o`` / final-state tensor to write;
             None allocates it here.
+        residuals: ``E`` ``[tokens, H, V]`` in the storage dtype, as a forward kept it: the pass reads it
+            instead of forming ``E = U − W S`` (``pre.w`` and ``pre.u`` are not read and ``u`` may be None)
+            and returns it as ``v_new``; ``h_out[1]``, if given, must be this tensor.
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.
@@ -177,9 +187,12 @@ def chunk_state_fwd(
         ("ht_out", ht_out, (N, H, K, V), torch.float32),
         ("h_out[0]", None if h_out is None else h_out[0], (P, H, K, V), pre.w.dtype),
         ("h_out[1]", None if h_out is None else h_out[1], (TT, H, V), pre.w.dtype),
+        ("residuals", residuals, (TT, H, V), pre.w.dtype),
     ):
         if t is not None:
             check_out(name, t, shape, dtype, dev)
+    if residuals is not None and h_out is not None and h_out[1] is not residuals:
+        raise ValueError("chunk_state_fwd: with residuals, h_out[1] must be the residuals tensor itself")
     o = (pre.w.new_empty(TT, H, V, dtype=out_dtype) if o_out is None else o_out) if store_o else None
     ht = None
     if output_final_state:
@@ -188,7 +201,7 @@ def chunk_state_fwd(
         h, v_new = h_out
     else:
         h = pre.w.new_empty(P, H, K, V) if store_h else None
-        v_new = pre.w.new_empty(TT, H, V) if store_h else None
+        v_new = residuals if residuals is not None else pre.w.new_empty(TT, H, V) if store_h else None
     BV = value_block(V, N * H)
     grid = (triton.cdiv(V, BV), N * H)
     chunk_state_fwd_kernel[grid](
@@ -196,6 +209,6 @@ def chunk_state_fwd(
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV,
         USE_H0=initial_state is not None, STORE_O=store_o, STORE_FINAL=output_final_state,
-        STORE_H=store_h, **state_launch_options(grid[0] * grid[1], dev),
+        STORE_H=store_h, LOAD_E=residuals is not None, **state_launch_options(grid[0] * grid[1], dev),
     )  # fmt: skip
     return o, ht, h, v_new

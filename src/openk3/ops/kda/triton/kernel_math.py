@@ -57,10 +57,13 @@ def empty_outs(like: torch.Tensor, layout: tuple) -> tuple:
     return type(layout)(*(like.new_empty(shape, dtype=dtype) for shape, dtype in layout))
 
 
-def check_outs(name: str, given: tuple, layout: tuple, device) -> None:
+def check_outs(name: str, given: tuple, layout: tuple, device, optional: tuple[str, ...] = ()) -> None:
     """:func:`check_out` for each field of the NamedTuple ``given`` against the ``(shape, dtype)`` pair in the
-    same field of ``layout`` (the layout its launcher allocates), on ``device``."""
+    same field of ``layout`` (the layout its launcher allocates), on ``device``; the fields named in
+    ``optional`` may be None."""
     for field, t, (shape, dtype) in zip(given._fields, given, layout, strict=True):
+        if t is None and field in optional:
+            continue
         if t is None:
             raise ValueError(f"{name}.{field} must be a tensor")
         check_out(f"{name}.{field}", t, shape, dtype, device)

@@ -187,13 +187,14 @@ def tile_prepare_kernel(
 
 @triton.jit
 def tile_recurrence_kernel(
-    qg, kt, kh, M, Pb, gend, v, h0, o, ht,
+    qg, kt, kh, M, Pb, gend, v, h0, o, ht, e,
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_E: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``: one value block of one sequence and head, its tiles in order. ``h0``/``ht`` fp32
-    ``[N, H, K, V]``; ``o`` ``[tokens, H, V]``.
+    ``[N, H, K, V]``; ``o`` ``[tokens, H, V]``; with ``STORE_E`` also the residuals ``E`` into ``e``
+    ``[tokens, H, V]`` (as the storage dtype rounds them for the products).
 
     The small loads of a tile (``V``, ``P``, ``M``, ``D``) are issued before its first product, so their
     latencies overlap the products instead of adding up along the state's dependency chain. Issued where each
@@ -223,6 +224,8 @@ def tile_recurrence_kernel(
         else:
             b_P = tf32_operand(b_P, DOT)
         b_ed = tl.dot(b_P, tf32_operand(b_x, DOT), input_precision=DOT).to(dt)
+        if STORE_E:
+            store_rows(e, b_ed, t0, n_valid, i_h, v0, H, V, BT, BV)
         b_o = dot(load_rows(qg, t0, n_valid, i_h, 0, H, K, BT, K), b_Sd, DOT)
         b_o += dot(b_M.to(dt), b_ed, DOT)
         store_rows(o, b_o, t0, n_valid, i_h, v0, H, V, BT, BV)
@@ -357,16 +360,20 @@ def tile_recurrence(
     output_final_state: bool,
     o_out: torch.Tensor | None = None,
     ht_out: torch.Tensor | None = None,
+    e_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors (arguments and result as in
     :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
-    to allocate them; ``ValueError`` if either has another shape or dtype, or is not contiguous)."""
+    to allocate them; ``e_out``: also write the delta-rule residuals ``E`` there, ``[tokens, H, V]`` in the
+    inputs' storage dtype (``M``'s), the backward's ``v_new``; ``ValueError`` if any has another shape or
+    dtype, or is not contiguous)."""
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
     for name, t, shape, dtype in (
         ("o_out", o_out, (TT, H, V), v.dtype),
         ("ht_out", ht_out, (N, H, K, V), torch.float32),
+        ("e_out", e_out, (TT, H, V), pre.M.dtype),
     ):
         if t is not None:
             check_out(name, t, shape, dtype, v.device)
@@ -376,11 +383,11 @@ def tile_recurrence(
         ht = v.new_empty(N, H, K, V, dtype=torch.float32) if ht_out is None else ht_out
     BV = value_block(V, N * H, LAUNCH["value_block"])
     tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
-        *pre, v, initial_state, o, ht,
+        *pre, v, initial_state, o, ht, e_out,
         index.cu_seqlens, index.chunk_offsets,
         # precision from the inputs' storage dtype (M's), not qg's: fp32 gated keys still take tf32 products
         H=H, DOT=dot_precision(pre.M.dtype), K=K, V=V, BT=TILE, BV=BV,
-        USE_H0=initial_state is not None, STORE_FINAL=output_final_state,
+        USE_H0=initial_state is not None, STORE_FINAL=output_final_state, STORE_E=e_out is not None,
         **launch_options(
             dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"], num_stages=LAUNCH["recurrence_stages"])
         ),
