@@ -19,8 +19,8 @@ The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the in
 With :data:`LAUNCH` ``["keep_intermediates"]`` the forward's state pass also writes ``h`` and ``E`` and the
 forward keeps them with ``W``, ``Q̃``, ``K̂`` and ``D``, so the backward starts at the reverse state pass.
 With ``LAUNCH["keep_residuals"]`` the forward keeps ``E`` alone, and the backward's forward-direction pass
-only rebuilds ``h`` from it. With ``LAUNCH["overlap_state_passes"]`` on CUDA, the backward runs its two state
-passes at once (:func:`backward_state_passes`).
+only rebuilds ``h`` from it. Without ``keep_intermediates``, with ``LAUNCH["overlap_state_passes"]`` on CUDA,
+the backward runs its two state passes at once (:func:`backward_state_passes`).
 
 A single long sequence whose state passes have at most one program per multiprocessor is cut into segments
 (:mod:`~openk3.ops.kda.triton.pipeline`; :func:`forward_passes`, :func:`backward_passes`): each segment's

@@ -344,13 +344,12 @@ def empty_prepared(
     norms are used as they are; without ``store_u``, ``u`` is None."""
     layout = prepared_layout(q, v, index, use_l2norm=use_l2norm)
     kept = saved._asdict() if saved is not None else {}
-    out = Prepared(*(
+    return Prepared(*(
         kept.get(name) if kept.get(name) is not None
         else None if name == "u" and not store_u
         else q.new_empty(shape, dtype=dtype)
         for name, (shape, dtype) in layout._asdict().items()
     ))  # fmt: skip
-    return out
 
 
 def chunk_prepare(
