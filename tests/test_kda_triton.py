@@ -981,7 +981,7 @@ def test_interpreter_out_arguments_checked():
     bad_outputs = {
         "o_out": [torch.empty(32, 2, 40, dtype=BF16).permute(2, 1, 0), torch.empty(32, 2, 32, dtype=BF16)],
         "ht_out": [torch.empty(1, 2, 32, 32, dtype=BF16)],
-        "e_out": [torch.empty(40, 2, 32), torch.empty(32, 2, 40, dtype=BF16).permute(2, 1, 0)],
+        "e_out": [torch.empty(40, 2, 32), torch.empty(32, 2, 40, dtype=BF16).permute(2, 1, 0), [1, 2]],
     }
     for name, bads in bad_outputs.items():
         for bad in bads:
@@ -1009,6 +1009,15 @@ def test_interpreter_out_arguments_checked():
         )
     with pytest.raises(ValueError, match=r"out\.u must be a tensor"):
         chunk_prepare(q, k, v, g, beta, A_log, dt_bias, chunks, out=wrong._replace(u=None), **opts)
+    with pytest.raises(ValueError, match="pre.u is None"):
+        chunk_state_fwd(cpre._replace(u=None), None, chunks, **kept)
+    # an index of the other chunk size: refused before any launch (it would leave rows unwritten)
+    with pytest.raises(ValueError, match="chunk_state_fwd: the index has 40 tokens in 3 chunks"):
+        chunk_state_fwd(cpre, None, tiles, **kept)
+    with pytest.raises(ValueError, match="chunk_state_bwd: the index"):
+        chunk_state_bwd(cpre, v, None, tiles)
+    with pytest.raises(ValueError, match="tile_recurrence: the index"):
+        tile_recurrence(pre, v, None, chunks, output_final_state=False)
     dh, dv_new, dh0 = (
         torch.empty(1, 2, 32, 32, dtype=BF16),
         torch.empty(40, 2, 32, dtype=BF16),

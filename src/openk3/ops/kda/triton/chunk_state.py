@@ -26,6 +26,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
+    check_index,
     check_launch_entries,
     check_out,
     dot,
@@ -176,12 +177,20 @@ def chunk_state_fwd(
         ``(o, final_state, h, v_new)``, each None when not asked for.
 
     Raises:
-        ValueError: ``h_out``, ``o_out`` or ``ht_out`` of another shape or dtype than the pass writes, or not
-            contiguous (:func:`~openk3.ops.kda.triton.kernel_math.check_out`).
+        ValueError: ``h_out``, ``o_out``, ``ht_out`` or ``residuals`` of another shape or dtype than the pass
+            writes or reads, or not contiguous (:func:`~openk3.ops.kda.triton.kernel_math.check_out`);
+            ``h_out[1]`` not the ``residuals`` tensor; no ``residuals`` while ``pre.u`` is None; an ``index``
+            of other tokens or chunks than ``pre`` (:func:`~openk3.ops.kda.triton.kernel_math.check_index`).
     """
     TT, H, K = pre.w.shape
     N, P = index.num_seqs, index.num_chunks
     dev = pre.w.device
+    check_index("chunk_state_fwd", TT, pre.gend.shape[0], index)
+    if residuals is None and pre.u is None:
+        raise ValueError(
+            "chunk_state_fwd: pre.u is None (a prepare with store_u=False): pass the residuals E the forward "
+            "kept, or prepare with U"
+        )
     for name, t, shape, dtype in (
         ("o_out", o_out, (TT, H, V), out_dtype),
         ("ht_out", ht_out, (N, H, K, V), torch.float32),

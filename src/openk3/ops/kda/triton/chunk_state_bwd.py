@@ -24,6 +24,7 @@ from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.chunk_state import state_launch_options, value_block
 from openk3.ops.kda.triton.kernel_math import (
+    check_index,
     check_out,
     dot,
     dot_precision,
@@ -84,7 +85,9 @@ def chunk_state_bwd(
         out: the ``(dh, dv_new, dh0)`` tensors to write, or None to allocate them.
 
     Raises:
-        ValueError: a tensor of ``out`` of another shape or dtype than returned below, or not contiguous.
+        ValueError: a tensor of ``out`` of another shape or dtype than returned below, or not contiguous; an
+            ``index`` of other tokens or chunks than ``pre`` (:func:`~openk3.ops.kda.triton.kernel_math.
+            check_index`).
 
     Returns:
         ``(dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32 [N, H, K, V])``; dh and dv_new in the storage
@@ -93,6 +96,7 @@ def chunk_state_bwd(
     TT, H, K = pre.w.shape
     V = do.shape[-1]
     N, P = index.num_seqs, index.num_chunks
+    check_index("chunk_state_bwd", TT, pre.gend.shape[0], index)
     if out is not None:
         for name, t, shape, dtype in zip(
             ("dh", "dv_new", "dh0"), out, ((P, H, K, V), (TT, H, V), (N, H, K, V)),

@@ -43,11 +43,25 @@ def check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.d
     """Raise ``ValueError`` unless ``t``, a tensor a launcher was given to write (an ``out=`` argument), is
     contiguous with exactly ``shape`` and ``dtype`` on ``device``: the kernels index it as a dense row-major
     array, so anything else would be written wrong or out of bounds."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
         want, got = f"{dtype} of shape {list(shape)} on {device}", f"{t.dtype} {list(t.shape)} on {t.device}"
         raise ValueError(f"{name} must be {want}; got {got}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
+
+
+def check_index(name: str, tokens: int, chunks: int, index) -> None:
+    """Raise ``ValueError`` unless ``index`` (a :class:`~openk3.ops.kda.triton.chunk_index.ChunkIndex`) covers
+    ``tokens`` tokens in ``chunks`` chunks, as the prepared tensors a pass reads do (their rows, and the rows of
+    their per-chunk decays ``gend``): a 16-token tile index given for 64-token chunks, or the reverse, would
+    otherwise leave outputs unwritten or read past the decays."""
+    if index.num_tokens != tokens or index.num_chunks != chunks:
+        raise ValueError(
+            f"{name}: the index has {index.num_tokens} tokens in {index.num_chunks} chunks, the prepared tensors "
+            f"{tokens} tokens and {chunks} chunks (an index of another chunk size?)"
+        )
 
 
 def empty_outs(like: torch.Tensor, layout: tuple) -> tuple:

@@ -51,6 +51,7 @@ from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
 from openk3.ops.kda.triton.chunk_state import state_programs, value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
+    check_index,
     check_launch_entries,
     check_out,
     check_outs,
@@ -366,10 +367,11 @@ def tile_recurrence(
     :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
     to allocate them; ``e_out``: also write the delta-rule residuals ``E`` there, ``[tokens, H, V]`` in the
     inputs' storage dtype (``M``'s), the backward's ``v_new``; ``ValueError`` if any has another shape or
-    dtype, or is not contiguous)."""
+    dtype, or is not contiguous, or if ``index`` covers other tokens or tiles than ``pre``)."""
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
+    check_index("tile_recurrence", TT, pre.gend.shape[0], index)
     for name, t, shape, dtype in (
         ("o_out", o_out, (TT, H, V), v.dtype),
         ("ht_out", ht_out, (N, H, K, V), torch.float32),
