@@ -966,7 +966,9 @@ def test_pipeline_segments_cover_the_sequence(monkeypatch):
 def test_interpreter_out_arguments_checked():
     """The launchers' ``out=`` tensors (what the segment pipeline writes into) must have the shape and dtype
     the kernels write and be contiguous: a ValueError naming the argument, before any launch (a short or
-    strided one would otherwise be written out of bounds or in the wrong places)."""
+    strided one would otherwise be written out of bounds or in the wrong places). So must the kept residuals
+    a state pass reads (and be its ``h_out[1]`` itself); a pass without them needs ``U``, and an index of the
+    other chunk size than the prepared tensors' is refused (it would leave rows unwritten)."""
     from openk3.ops.kda.triton.chunk_prepare import chunk_prepare, empty_prepared
     from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
     from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
@@ -1302,6 +1304,44 @@ def kept_and_recomputed_residuals(inputs: dict, seq_lens: tuple[int, ...]) -> tu
     _, _, h_kept, e = chunk_state_fwd(pre._replace(u=None), h0, index, residuals=kept, **state)
     assert e is kept
     return kept, recomputed, h_kept, h
+
+
+@interpreter
+def test_interpreter_keep_residuals_used(monkeypatch):
+    """``keep_residuals`` changes what runs, not only what the tolerances allow: with it the tile recurrence
+    writes ``E`` (``e_out``), the backward's prepare skips ``U`` and its forward-direction pass reads that same
+    ``E`` (``residuals``); without it none of these. ``o`` and the final state are the default's bits, the
+    gradients are not (T 70, D 32, bf16)."""
+    from openk3.ops.kda.triton import chunk_function
+
+    calls = []
+
+    def spy(name: str, key: str) -> None:
+        launcher = getattr(chunk_function, name)
+
+        def wrapped(*args, **kwargs):
+            calls.append((name, kwargs.get(key)))
+            return launcher(*args, **kwargs)
+
+        monkeypatch.setattr(chunk_function, name, wrapped)
+
+    for name, key in (
+        ("tile_recurrence", "e_out"),
+        ("chunk_prepare", "store_u"),
+        ("chunk_state_fwd", "residuals"),
+    ):
+        spy(name, key)
+    inputs = make_inputs(1, 70, 1, 32, 32, seed=29)
+    default = run(triton_chunk, inputs)
+    assert calls == [("tile_recurrence", None), ("chunk_prepare", True), ("chunk_state_fwd", None)], calls
+    calls.clear()
+    monkeypatch.setitem(chunk_function.LAUNCH, "keep_residuals", True)
+    kept = run(triton_chunk, inputs)
+    assert [name for name, _ in calls] == ["tile_recurrence", "chunk_prepare", "chunk_state_fwd"], calls
+    (_, e), (_, store_u), (_, residuals) = calls
+    assert isinstance(e, torch.Tensor) and store_u is False and residuals is e
+    assert torch.equal(kept["o"], default["o"]) and torch.equal(kept["ht"], default["ht"])
+    assert any(not torch.equal(kept[n], default[n]) for n in ("dq", "dk", "dv", "dg", "dbeta"))
 
 
 @interpreter

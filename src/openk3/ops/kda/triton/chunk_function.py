@@ -152,8 +152,8 @@ def backward_state_passes(
     ``E`` are allocated on the current stream before the side pass writes them, so the caching allocator
     reuses their memory there as usual (no ``record_stream``, which would hold it until the end of a CUDA
     graph capture); the work runs on ``do``'s device whatever the current device is. With ``residuals``
-    (``E`` kept by the forward, :data:`LAUNCH` ``["keep_residuals"]``) the forward-direction pass reads them
-    and writes ``h`` only.
+    (``E`` ``[tokens, H, V]`` in the storage dtype, kept by the forward,
+    :data:`LAUNCH` ``["keep_residuals"]``) the forward-direction pass reads them and writes ``h`` only.
 
     Returns:
         ``(h [P, H, K, V], v_new [tokens, H, V], dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32
@@ -303,8 +303,8 @@ def backward_passes(
     (:func:`~openk3.ops.kda.triton.pipeline.segments`) is prepared segment by segment from its end on a side
     stream, the reverse pass following segment by segment on the current stream, and the forward-direction
     pass runs on the side stream once all is prepared, beside the rest of the reverse pass (same bits). With
-    ``residuals`` (``E`` kept by the forward) the prepare skips ``U`` and the forward-direction pass reads
-    ``E`` (:func:`backward_state_passes`).
+    ``residuals`` (``E`` ``[tokens, H, V]`` in the storage dtype, kept by the forward) the prepare skips ``U``
+    and the forward-direction pass reads ``E`` (:func:`backward_state_passes`).
 
     Returns:
         ``(pre, h, v_new, dh, dv_new, dh0)`` (``v_new`` is ``residuals`` when given).
@@ -382,10 +382,11 @@ class ChunkKDAFunction(torch.autograd.Function):
             pre, h, v_new = Prepared(*kept[:-2]), kept[-2], kept[-1]
             dh, dv_new, dh0 = chunk_state_bwd(pre, do, dht, index)
         else:
-            Aqk, Akk, q_rstd, k_rstd, *residuals = kept  # E when the forward kept it (keep_residuals)
+            Aqk, Akk, q_rstd, k_rstd = kept[:4]
+            residuals = kept[4] if len(kept) > 4 else None  # E, when the forward kept it (keep_residuals)
             saved = Prepared(None, None, None, None, Aqk, Akk, None, q_rstd, k_rstd)
             pre, h, v_new, dh, dv_new, dh0 = backward_passes(
-                q, k, v, g, beta, A_log, dt_bias, h0, saved, do, dht, index, opts, *residuals
+                q, k, v, g, beta, A_log, dt_bias, h0, saved, do, dht, index, opts, residuals
             )
         wy = chunk_grad_wy(q, k, v, g, beta, A_log, dt_bias, pre, h, dh, v_new, dv_new, do, index, **opts)
         dq, dk, dg, dbeta, dA_log, ddt = chunk_grad_intra(

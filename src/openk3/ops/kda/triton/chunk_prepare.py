@@ -340,16 +340,20 @@ def empty_prepared(
     saved: Prepared | None = None,
     store_u: bool = True,
 ) -> Prepared:
-    """Uninitialised :class:`Prepared` tensors (:func:`prepared_layout`); ``saved``'s ``Aqk``, ``Akk`` and
-    norms are used as they are; without ``store_u``, ``u`` is None."""
+    """Uninitialised :class:`Prepared` tensors (:func:`prepared_layout`); ``saved``'s tensors (the forward's
+    ``Aqk``, ``Akk`` and norms) are used as they are; without ``store_u``, ``u`` is None unless ``saved``
+    has one."""
     layout = prepared_layout(q, v, index, use_l2norm=use_l2norm)
     kept = saved._asdict() if saved is not None else {}
-    return Prepared(*(
-        kept.get(name) if kept.get(name) is not None
-        else None if name == "u" and not store_u
-        else q.new_empty(shape, dtype=dtype)
-        for name, (shape, dtype) in layout._asdict().items()
-    ))  # fmt: skip
+    tensors = {}
+    for name, (shape, dtype) in layout._asdict().items():
+        if kept.get(name) is not None:
+            tensors[name] = kept[name]
+        elif name == "u" and not store_u:
+            tensors[name] = None
+        else:
+            tensors[name] = q.new_empty(shape, dtype=dtype)
+    return Prepared(**tensors)
 
 
 def chunk_prepare(
@@ -394,7 +398,7 @@ def chunk_prepare(
         (q's dtype, fp32 for fp32 inputs), ``Aqk`` in the storage dtype and ``Akk`` = T in fp32 (fp16 with
         ``LAUNCH["fp16_inverse"]``), both
         ``[tokens, H, 64]``, ``gend`` fp32 ``[P, H, K]``, the l2norm reciprocal norms fp32 ``[tokens, H]``
-        (ones without the norm).
+        (ones without the norm); ``u`` None with ``store_u`` off and no ``out``.
     """
     TT, H, K = q.shape
     V = v.shape[-1]

@@ -170,8 +170,8 @@ def chunk_state_fwd(
         o_out, ht_out: with ``store_o`` / ``output_final_state``, the ``o`` / final-state tensor to write;
             None allocates it here.
         residuals: ``E`` ``[tokens, H, V]`` in the storage dtype, as a forward kept it: the pass reads it
-            instead of forming ``E = U − W S`` (the kernel then loads neither ``W`` nor ``U``, so ``pre.u`` may
-            be None) and returns it as ``v_new``; ``h_out[1]``, if given, must be this tensor.
+            instead of forming ``E = U − W S`` (the kernel then loads neither ``W`` nor ``U``, so ``pre.u``
+            may be None) and returns it as ``v_new``; ``h_out[1]``, if given, must be this tensor.
 
     Returns:
         ``(o, final_state, h, v_new)``, each None when not asked for.

@@ -14,9 +14,14 @@ Legend: ``R`` rows of a tile (tokens), ``K`` key dim, ``C`` columns of a tile.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from openk3.ops.kda.triton.chunk_index import ChunkIndex
 
 LOG2E = 1.4426950408889634
 """log2(e): natural-log decay × LOG2E = log2 decay."""
@@ -52,15 +57,15 @@ def check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.d
         raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
 
 
-def check_index(name: str, tokens: int, chunks: int, index) -> None:
-    """Raise ``ValueError`` unless ``index`` (a :class:`~openk3.ops.kda.triton.chunk_index.ChunkIndex`) covers
-    ``tokens`` tokens in ``chunks`` chunks, as the prepared tensors a pass reads do (their rows, and the rows of
-    their per-chunk decays ``gend``): a 16-token tile index given for 64-token chunks, or the reverse, would
-    otherwise leave outputs unwritten or read past the decays."""
+def check_index(name: str, tokens: int, chunks: int, index: ChunkIndex) -> None:
+    """Raise ``ValueError`` unless ``index`` covers ``tokens`` tokens in ``chunks`` chunks, as the prepared
+    tensors a pass reads do (their rows, and the rows of their per-chunk decays ``gend``): a 16-token tile
+    index given for 64-token chunks, or the reverse, would otherwise leave outputs unwritten or read past the
+    decays."""
     if index.num_tokens != tokens or index.num_chunks != chunks:
         raise ValueError(
-            f"{name}: the index has {index.num_tokens} tokens in {index.num_chunks} chunks, the prepared tensors "
-            f"{tokens} tokens and {chunks} chunks (an index of another chunk size?)"
+            f"{name}: the index has {index.num_tokens} tokens in {index.num_chunks} chunks, the prepared "
+            f"tensors {tokens} tokens and {chunks} chunks (an index of another chunk size?)"
         )
 
 

@@ -195,7 +195,8 @@ def tile_recurrence_kernel(
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``: one value block of one sequence and head, its tiles in order. ``h0``/``ht`` fp32
     ``[N, H, K, V]``; ``o`` ``[tokens, H, V]``; with ``STORE_E`` also the residuals ``E`` into ``e``
-    ``[tokens, H, V]`` (as the storage dtype rounds them for the products).
+    ``[tokens, H, V]``, rounded to ``e``'s dtype (``M``'s, the storage dtype; with ``fp32_gated_keys`` the
+    recurrence's own products take them in fp32).
 
     The small loads of a tile (``V``, ``P``, ``M``, ``D``) are issued before its first product, so their
     latencies overlap the products instead of adding up along the state's dependency chain. Issued where each
