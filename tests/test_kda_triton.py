@@ -171,14 +171,10 @@ def near_parallel_keys(inputs: dict, *, noise: float = 0.1, beta: float = 0.95, 
     return inputs | {"k": keys.to(k.device, k.dtype), "beta": torch.full_like(inputs["beta"], beta)}
 
 
-def saved_for_backward(inputs: dict, source: str, seq_lens: tuple[int, ...] | None = None) -> tuple:
-    """``(Aqk, Akk, q_rstd, k_rstd)`` ``[tokens, H, ·]`` as the training forward saves them for the backward,
-    from ``source``: ``"chunks"`` (the 64-token prepare) or ``"tiles"`` (the 16-token tile prepare, then
-    ``chunk_from_tiles``); B1 packed documents of ``seq_lens`` (default: B rows)."""
-    from openk3.ops.kda.triton.chunk_from_tiles import chunk_from_tiles
+def launcher_args(inputs: dict, seq_lens: tuple[int, ...] | None = None) -> tuple:
+    """``inputs`` as the kernel launchers take them: ``(flat q, k, v, g [tokens, H, ·], beta [tokens, H],
+    (A_log, dt_bias), opts, chunks of 64, tiles of 16)``, B rows, or B1 packed documents of ``seq_lens``."""
     from openk3.ops.kda.triton.chunk_index import fixed_length_index, varlen_index
-    from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
-    from openk3.ops.kda.triton.tile_forward import empty_tile_backward, tile_prepare
 
     q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = k.shape
@@ -190,7 +186,18 @@ def saved_for_backward(inputs: dict, source: str, seq_lens: tuple[int, ...] | No
         cu = torch.tensor([0, *itertools.accumulate(seq_lens)], device=k.device)
         index, tiles = (varlen_index(cu, seq_lens, size) for size in (64, 16))
     opts = dict(scale=K**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True)
-    gate = (inputs["A_log"], inputs["dt_bias"])
+    return flat, beta, (inputs["A_log"], inputs["dt_bias"]), opts, index, tiles
+
+
+def saved_for_backward(inputs: dict, source: str, seq_lens: tuple[int, ...] | None = None) -> tuple:
+    """``(Aqk, Akk, q_rstd, k_rstd)`` ``[tokens, H, ·]`` as the training forward saves them for the backward,
+    from ``source``: ``"chunks"`` (the 64-token prepare) or ``"tiles"`` (the 16-token tile prepare, then
+    ``chunk_from_tiles``); B1 packed documents of ``seq_lens`` (default: B rows)."""
+    from openk3.ops.kda.triton.chunk_from_tiles import chunk_from_tiles
+    from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
+    from openk3.ops.kda.triton.tile_forward import empty_tile_backward, tile_prepare
+
+    flat, beta, gate, opts, index, tiles = launcher_args(inputs, seq_lens)
     if source == "chunks":
         pre = chunk_prepare(*flat, beta, *gate, index, **opts)
         return pre.Aqk, pre.Akk, pre.q_rstd, pre.k_rstd
@@ -1281,20 +1288,12 @@ def kept_and_recomputed_residuals(inputs: dict, seq_lens: tuple[int, ...]) -> tu
 
     Returns:
         ``(E kept, E recomputed, h rebuilt from the kept E, h of the recomputing pass)``."""
-    from openk3.ops.kda.triton.chunk_index import varlen_index
     from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
     from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
     from openk3.ops.kda.triton.tile_forward import tile_prepare, tile_recurrence
 
-    q, k, v, g, beta = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
-    _, T, H, K = k.shape
-    flat = [t.reshape(T, H, -1).contiguous() for t in (q, k, v, g)]
-    beta = beta.reshape(T, H).contiguous()
-    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], device=k.device)
-    index, tiles = (varlen_index(cu, seq_lens, size) for size in (64, 16))
-    opts = dict(scale=K**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True)
-    gate = (inputs["A_log"], inputs["dt_bias"])
-    h0 = inputs["initial_state"]
+    flat, beta, gate, opts, index, tiles = launcher_args(inputs, seq_lens)
+    v, h0 = flat[2], inputs["initial_state"]
     tpre = tile_prepare(flat[0], flat[1], flat[3], beta, *gate, tiles, **opts)
     kept = torch.empty_like(flat[2])
     tile_recurrence(tpre, flat[2], h0, tiles, output_final_state=False, e_out=kept)
