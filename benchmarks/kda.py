@@ -728,6 +728,7 @@ SWEEP = {
         {"num_warps": 4},
         {"num_warps": 1},
         {"num_warps": 2, "key_block": 64},
+        {"half_operands": True},
     ],
 }
 """Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""

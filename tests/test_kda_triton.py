@@ -318,9 +318,10 @@ LAUNCH_OPTIONS = [
     "chunk_prepare:fp16_inverse",
     "chunk_function:forward_on_tiles",
     "chunk_function:keep_residuals",
+    "chunk_from_tiles:half_operands",
 ]
 """The kernels' on/off launch options (``module:key`` of a kernel module's ``LAUNCH``): operand precision for
-bf16 inputs, the cumsum's method, the training forward on 16-token tiles against the 64-token prepare
+bf16 inputs (grad_intra's and the chunk building's), the cumsum's method, the training forward on 16-token tiles against the 64-token prepare
 and state pass, and the residuals kept by the forward against their recomputation in the backward. Both
 settings must meet the tolerances (the other tests cover the defaults)."""
 
@@ -1262,15 +1263,24 @@ def test_interpreter_prepare_inverse_near_parallel_keys(source):
 
 
 @interpreter
+@pytest.mark.parametrize("half", [False, True], ids=["tf32", "half_operands"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_interpreter_chunk_from_tiles_matches_prepare(dtype):
+def test_interpreter_chunk_from_tiles_matches_prepare(monkeypatch, dtype, half):
     """What the training forward saves, built from the 16-token tiles, against the 64-token prepare's: packed
     documents of 5, 16, 17, 64, 70 and 150 tokens (tiles and chunks partial, one document inside one tile),
     D 64. The norms are the same bits; ``Aqk`` and ``T`` differ by the rounding of the stored gated q and k
-    (relative RMSE measured 2.7e-3 / 5.7e-4 in bf16, 2.2e-7 / 7.2e-8 in fp32)."""
+    (relative RMSE measured 2.7e-3 / 5.7e-4 in bf16, 2.2e-7 / 7.2e-8 in fp32), and in bf16 with
+    ``LAUNCH["half_operands"]`` by that of the decayed columns too (2.8e-3 / 6.3e-4; not the tf32 bits, so
+    the option is not ignored). fp32 gated keys take tf32x3 either way (the same bits)."""
+    from openk3.ops.kda.triton import chunk_from_tiles
+
     seq_lens = (5, 16, 17, 64, 70, 150)
     inputs = make_inputs(1, sum(seq_lens), 2, 64, 64, N=len(seq_lens), dtype=dtype, seed=57)
-    chunks, tiles = (saved_for_backward(inputs, s, seq_lens) for s in ("chunks", "tiles"))
+    chunks, tf32 = (saved_for_backward(inputs, s, seq_lens) for s in ("chunks", "tiles"))
+    monkeypatch.setitem(chunk_from_tiles.LAUNCH, "half_operands", half)
+    tiles = saved_for_backward(inputs, "tiles", seq_lens)
+    same = all(torch.equal(a, b) for a, b in zip(tf32[:2], tiles[:2]))
+    assert same == (not half or dtype == torch.float32)
     for name, want, got, tol in zip(
         ("Aqk", "Akk", "q_rstd", "k_rstd"),
         chunks,

@@ -48,18 +48,32 @@ from openk3.ops.kda.triton.kernel_math import (
 )
 from openk3.ops.kda.triton.tile_forward import TILE, TileBackward, TilePrepared
 
-LAUNCH = {"num_warps": 2, "num_stages": 1, "key_block": 32}
+LAUNCH = {"num_warps": 2, "num_stages": 1, "key_block": 32, "half_operands": False}
 """Launch configuration: warps, stages and the key slice ``BK`` of the products. On the H200
 (``benchmarks/results/kda_h200_tiles_runs.txt``, run 2) 2 warps with 32-channel slices took 0.51–0.55 ms at
 B1 T8192 H96 D128 and 0.66–0.70 at B1 T32768 H32, against 0.61–0.64 / 0.83–0.88 with 4 warps and 64-channel
-slices, 0.75–0.80 / 1.04–1.11 with 4 warps and 32, and more with 8 warps (0.86–1.36 / 1.33–1.78)."""
+slices, 0.75–0.80 / 1.04–1.11 with 4 warps and 32, and more with 8 warps (0.86–1.36 / 1.33–1.78).
+
+``half_operands`` (bf16/fp16 gated keys, i.e. 16-bit inputs without the tile forward's ``fp32_gated_keys``):
+the products take the stored 16-bit ``Q̃``, ``K̃`` as they are and the column tiles ``K̂ ⊙ c`` rounded to
+that dtype once (``K̂`` alone is exact in it), instead of tf32 operands, each passed through
+:func:`~openk3.ops.kda.triton.kernel_math.round_tf32_finite`. On the H200 (``benchmarks/results/
+kda_h200_2026-11-30d_runs.txt``, run 5; the kernel alone, the two settings alternating in one process) it took
+0.593–0.594 ms against 0.654–0.657 at B1 T32768 H32 D128 and 0.464–0.479 against 0.502–0.503 at B1 T8192 H96;
+``Aqk`` and ``T`` moved by 9.9e-4 and 9.4e-5 relative RMSE. In the interpreter, against the 64-token prepare's
+(packed documents, D64 bf16): 2.8e-3 / 6.3e-4 against 2.7e-3 / 5.7e-4 with tf32; ``dA_log`` at B1 T300 H2 D64
+bf16 over seeds 100–119 was over its 0.02 at none against 2 with tf32. The GPU tests passed with it on (the
+flipped-option test and 50 tests of the default paths). Off by default until forward+backward is timed with
+it against fla (the run's A/B of that was cut off)."""
 
 
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
     (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
     check_launch_entries(
-        "chunk_from_tiles", LAUNCH, dict(num_warps="warps", num_stages="stages", key_block="block")
+        "chunk_from_tiles",
+        LAUNCH,
+        dict(num_warps="warps", num_stages="stages", key_block="block", half_operands="bool"),
     )
 
 
@@ -68,10 +82,12 @@ def chunk_from_tiles_kernel(
     qg, kt, kh, M, Td, gend, beta, Aqk, Akk,
     cu_seqlens, chunk_table, tile_offsets,
     H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    FP16: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    FP16: tl.constexpr, BETA_SIGMOID: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(P, H)``. Reads the tile prepare's ``qg``, ``kt``, ``kh`` ``[tokens, H, K]``, ``M``, ``Td``
-    ``[tokens, H, BC]``, ``gend`` ``[P16, H, K]``; writes ``Aqk`` and ``Akk`` = T ``[tokens, H, BT]``."""
+    ``[tokens, H, BC]``, ``gend`` ``[P16, H, K]``; writes ``Aqk`` and ``Akk`` = T ``[tokens, H, BT]``. With
+    ``HALF`` the products take 16-bit operands in ``qg``'s dtype (``LAUNCH["half_operands"]``)."""
+    dt = qg.dtype.element_ty
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
@@ -99,13 +115,22 @@ def chunk_from_tiles_kernel(
         c2 = tl.trans(tl.where(blk == 0, b_kh * D1, tl.where(blk == 1, b_kh, 0.0)))
         c3 = tl.where(blk == 1, b_kh * D2, tl.where(blk == 2, b_kh, 0.0))
         c3 = tl.trans(tl.where(blk == 0, b_kh * (D1 * D2), c3))
-        # a NaN in q, k, g or β also reaches o through Q̃, K̃, K̂ (kernel_math.round_tf32_finite)
-        acc_A1 = dot(q1, c1, DOT, acc_A1, FINITE=True)
-        acc_L1 = dot(k1, c1, DOT, acc_L1, FINITE=True)
-        acc_A2 = dot(q2, c2, DOT, acc_A2, FINITE=True)
-        acc_L2 = dot(k2, c2, DOT, acc_L2, FINITE=True)
-        acc_A3 = dot(q3, c3, DOT, acc_A3, FINITE=True)
-        acc_L3 = dot(k3, c3, DOT, acc_L3, FINITE=True)
+        if HALF:  # the stored 16-bit values back (exact), the decayed columns rounded once
+            q1, q2, q3, k1, k2, k3 = q1.to(dt), q2.to(dt), q3.to(dt), k1.to(dt), k2.to(dt), k3.to(dt)
+            c1, c2, c3 = c1.to(dt), c2.to(dt), c3.to(dt)
+            acc_A1 = tl.dot(q1, c1, acc_A1)
+            acc_L1 = tl.dot(k1, c1, acc_L1)
+            acc_A2 = tl.dot(q2, c2, acc_A2)
+            acc_L2 = tl.dot(k2, c2, acc_L2)
+            acc_A3 = tl.dot(q3, c3, acc_A3)
+            acc_L3 = tl.dot(k3, c3, acc_L3)
+        else:  # a NaN in q, k, g or β also reaches o through Q̃, K̃, K̂ (kernel_math.round_tf32_finite)
+            acc_A1 = dot(q1, c1, DOT, acc_A1, FINITE=True)
+            acc_L1 = dot(k1, c1, DOT, acc_L1, FINITE=True)
+            acc_A2 = dot(q2, c2, DOT, acc_A2, FINITE=True)
+            acc_L2 = dot(k2, c2, DOT, acc_L2, FINITE=True)
+            acc_A3 = dot(q3, c3, DOT, acc_A3, FINITE=True)
+            acc_L3 = dot(k3, c3, DOT, acc_L3, FINITE=True)
     zero = tl.zeros([BC, BT], dtype=tl.float32)
     b_M = load_rows(M, t0, n_valid, i_h, 0, H, BC, BT, BC).to(tl.float32)  # [BT, BC]: each tile's own block
     b_diag = cat4_cols(
@@ -162,6 +187,7 @@ def chunk_from_tiles(
         pre.qg, pre.kt, pre.kh, pre.M, back.Td, pre.gend, beta, Aqk, Akk,
         index.cu_seqlens, index.chunk_table, tiles.chunk_offsets,
         H=H, DOT=dot_precision(dt), K=K, BT=CHUNK, BC=TILE, BK=min(K, LAUNCH["key_block"]), FP16=fp16,
-        BETA_SIGMOID=beta_sigmoid, **launch_options(LAUNCH),
+        BETA_SIGMOID=beta_sigmoid, HALF=LAUNCH["half_operands"] and pre.qg.dtype in (torch.bfloat16, torch.float16),
+        **launch_options(LAUNCH),
     )  # fmt: skip
     return Aqk, Akk
