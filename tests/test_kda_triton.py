@@ -321,9 +321,9 @@ LAUNCH_OPTIONS = [
     "chunk_from_tiles:half_operands",
 ]
 """The kernels' on/off launch options (``module:key`` of a kernel module's ``LAUNCH``): operand precision for
-bf16 inputs (grad_intra's and the chunk building's), the cumsum's method, the training forward on 16-token tiles against the 64-token prepare
-and state pass, and the residuals kept by the forward against their recomputation in the backward. Both
-settings must meet the tolerances (the other tests cover the defaults)."""
+bf16 inputs (grad_intra's and the chunk building's), the cumsum's method, the training forward on 16-token
+tiles against the 64-token prepare and state pass, and the residuals kept by the forward against their
+recomputation in the backward. Both settings must meet the tolerances (the other tests cover the defaults)."""
 
 
 def flip(monkeypatch, option: str) -> None:

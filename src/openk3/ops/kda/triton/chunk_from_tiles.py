@@ -180,6 +180,7 @@ def chunk_from_tiles(
     fp16 = fp16_inverse(dt, use_l2norm)
     check_out("chunk_from_tiles back.Td", back.Td, (TT, H, TILE), torch.float16 if fp16 else torch.float32,
               pre.qg.device)  # fmt: skip
+    half = LAUNCH["half_operands"] and pre.qg.dtype in (torch.bfloat16, torch.float16)
     Aqk = pre.M.new_empty(TT, H, CHUNK)
     Akk = pre.M.new_empty(TT, H, CHUNK, dtype=back.Td.dtype)
     if index.num_chunks == 0:
@@ -188,7 +189,6 @@ def chunk_from_tiles(
         pre.qg, pre.kt, pre.kh, pre.M, back.Td, pre.gend, beta, Aqk, Akk,
         index.cu_seqlens, index.chunk_table, tiles.chunk_offsets,
         H=H, DOT=dot_precision(dt), K=K, BT=CHUNK, BC=TILE, BK=min(K, LAUNCH["key_block"]), FP16=fp16,
-        BETA_SIGMOID=beta_sigmoid, HALF=LAUNCH["half_operands"] and pre.qg.dtype in (torch.bfloat16, torch.float16),
-        **launch_options(LAUNCH),
+        BETA_SIGMOID=beta_sigmoid, HALF=half, **launch_options(LAUNCH),
     )  # fmt: skip
     return Aqk, Akk
