@@ -116,22 +116,17 @@ def chunk_from_tiles_kernel(
         c2 = tl.trans(tl.where(blk == 0, b_kh * D1, tl.where(blk == 1, b_kh, 0.0)))
         c3 = tl.where(blk == 1, b_kh * D2, tl.where(blk == 2, b_kh, 0.0))
         c3 = tl.trans(tl.where(blk == 0, b_kh * (D1 * D2), c3))
-        if HALF:  # the stored 16-bit values back (exact), the decayed columns rounded once
+        if HALF:  # the stored 16-bit values back (exact), the decayed columns rounded once; dot passes them
             q1, q2, q3, k1, k2, k3 = q1.to(dt), q2.to(dt), q3.to(dt), k1.to(dt), k2.to(dt), k3.to(dt)
             c1, c2, c3 = c1.to(dt), c2.to(dt), c3.to(dt)
-            acc_A1 = tl.dot(q1, c1, acc_A1)
-            acc_L1 = tl.dot(k1, c1, acc_L1)
-            acc_A2 = tl.dot(q2, c2, acc_A2)
-            acc_L2 = tl.dot(k2, c2, acc_L2)
-            acc_A3 = tl.dot(q3, c3, acc_A3)
-            acc_L3 = tl.dot(k3, c3, acc_L3)
-        else:  # a NaN in q, k, g or β also reaches o through Q̃, K̃, K̂ (kernel_math.round_tf32_finite)
-            acc_A1 = dot(q1, c1, DOT, acc_A1, FINITE=True)
-            acc_L1 = dot(k1, c1, DOT, acc_L1, FINITE=True)
-            acc_A2 = dot(q2, c2, DOT, acc_A2, FINITE=True)
-            acc_L2 = dot(k2, c2, DOT, acc_L2, FINITE=True)
-            acc_A3 = dot(q3, c3, DOT, acc_A3, FINITE=True)
-            acc_L3 = dot(k3, c3, DOT, acc_L3, FINITE=True)
+        # fp32 operands are rounded to tf32; a NaN in q, k, g or β also reaches o through Q̃, K̃, K̂
+        # (kernel_math.round_tf32_finite)
+        acc_A1 = dot(q1, c1, DOT, acc_A1, FINITE=True)
+        acc_L1 = dot(k1, c1, DOT, acc_L1, FINITE=True)
+        acc_A2 = dot(q2, c2, DOT, acc_A2, FINITE=True)
+        acc_L2 = dot(k2, c2, DOT, acc_L2, FINITE=True)
+        acc_A3 = dot(q3, c3, DOT, acc_A3, FINITE=True)
+        acc_L3 = dot(k3, c3, DOT, acc_L3, FINITE=True)
     zero = tl.zeros([BC, BT], dtype=tl.float32)
     b_M = load_rows(M, t0, n_valid, i_h, 0, H, BC, BT, BC).to(tl.float32)  # [BT, BC]: each tile's own block
     b_diag = cat4_cols(
