@@ -1276,6 +1276,7 @@ def test_interpreter_chunk_from_tiles_matches_prepare(monkeypatch, dtype, half):
 
     seq_lens = (5, 16, 17, 64, 70, 150)
     inputs = make_inputs(1, sum(seq_lens), 2, 64, 64, N=len(seq_lens), dtype=dtype, seed=57)
+    monkeypatch.setitem(chunk_from_tiles.LAUNCH, "half_operands", False)
     chunks, tf32 = (saved_for_backward(inputs, s, seq_lens) for s in ("chunks", "tiles"))
     monkeypatch.setitem(chunk_from_tiles.LAUNCH, "half_operands", half)
     tiles = saved_for_backward(inputs, "tiles", seq_lens)

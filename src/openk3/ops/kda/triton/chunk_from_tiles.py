@@ -48,7 +48,7 @@ from openk3.ops.kda.triton.kernel_math import (
 )
 from openk3.ops.kda.triton.tile_forward import TILE, TileBackward, TilePrepared
 
-LAUNCH = {"num_warps": 2, "num_stages": 1, "key_block": 32, "half_operands": False}
+LAUNCH = {"num_warps": 2, "num_stages": 1, "key_block": 32, "half_operands": True}
 """Launch configuration: warps, stages and the key slice ``BK`` of the products. On the H200
 (``benchmarks/results/kda_h200_tiles_runs.txt``, run 2) 2 warps with 32-channel slices took 0.51–0.55 ms at
 B1 T8192 H96 D128 and 0.66–0.70 at B1 T32768 H32, against 0.61–0.64 / 0.83–0.88 with 4 warps and 64-channel
@@ -64,8 +64,9 @@ kda_h200_2026-11-30d_runs.txt``, run 5; the kernel alone, the two settings alter
 64-token prepare's (packed documents, D64 bf16): 2.8e-3 / 6.3e-4 against 2.7e-3 / 5.7e-4 with tf32. ``dA_log``
 at B1 T300 H2 D64 bf16 moves both ways: over its 0.02 at none of seeds 100–119 against 2 with tf32, higher at
 4 of session c's 6 seeds over it. The GPU tests passed with it on (its 2 flipped-option tests and 50 tests of
-the default paths). Off by default until forward+backward is timed with it against fla (the run's A/B of that
-was cut off)."""
+the default paths, run 5), and all 88 with it on by default (``kda_h200_2026-11-30e_runs.txt``, run 5). On
+by default: forward+backward was faster with it in each of 12 alternating pairs at the four benchmark shapes,
+by 0.005–0.15 ms (0.05–1.1%; that file's run 4)."""
 
 
 def check_launch() -> None:
