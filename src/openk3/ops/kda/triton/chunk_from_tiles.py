@@ -17,7 +17,8 @@ a product of decays ≤ 1). ``T = (I + L)^{-1}`` then follows by block substitut
 (:func:`~openk3.ops.kda.triton.chunk_prepare.block_substitution`, as in the 64-token prepare).
 
 The result differs from :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare`'s by the rounding of the
-stored ``Q̃``, ``K̃``, ``K̂`` (the input dtype) where the 64-token prepare multiplies fp32 values; the backward
+stored ``Q̃``, ``K̃``, ``K̂`` (the input dtype), and by default of the decayed columns ``K̂ ⊙ c`` too
+(:data:`LAUNCH` ``["half_operands"]``), where the 64-token prepare multiplies fp32 values; the backward
 only needs it to be the chunks' ``Aqk`` and ``T`` to within the tolerances its gradients are tested to.
 
 Legend: ``BT`` chunk rows, ``BC`` tile rows, ``BK`` key slice, ``K`` key dim, ``H`` heads, ``P`` chunks.
