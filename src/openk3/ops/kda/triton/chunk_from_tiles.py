@@ -56,18 +56,20 @@ B1 T8192 H96 D128 and 0.66–0.70 at B1 T32768 H32, against 0.61–0.64 / 0.83�
 slices, 0.75–0.80 / 1.04–1.11 with 4 warps and 32, and more with 8 warps (0.86–1.36 / 1.33–1.78).
 
 ``half_operands`` (bf16/fp16 gated keys, i.e. 16-bit inputs without the tile forward's ``fp32_gated_keys``):
-the products take the stored 16-bit ``Q̃``, ``K̃`` as they are and the column tiles ``K̂ ⊙ c`` rounded to
-that dtype once (``K̂`` alone is exact in it), instead of tf32 operands, each passed through
+the products take the stored 16-bit ``Q̃``, ``K̃`` as they are and the column tiles ``K̂ ⊙ c`` rounded to that
+dtype once (``K̂`` alone is exact in it), instead of tf32 operands, each passed through
 :func:`~openk3.ops.kda.triton.kernel_math.round_tf32_finite`. On the H200 (``benchmarks/results/
 kda_h200_2026-11-30d_runs.txt``, run 5; the kernel alone, the two settings alternating in one process) it took
 0.593–0.594 ms against 0.654–0.657 at B1 T32768 H32 D128 and 0.464–0.479 against 0.502–0.503 at B1 T8192 H96;
 ``Aqk`` and ``T`` moved by 9.8e-4 and 9.3e-5 relative RMSE (B1 T32768 H32). In the interpreter, against the
 64-token prepare's (packed documents, D64 bf16): 2.8e-3 / 6.3e-4 against 2.7e-3 / 5.7e-4 with tf32. ``dA_log``
 at B1 T300 H2 D64 bf16 moves both ways: over its 0.02 at none of seeds 100–119 against 2 with tf32, higher at
-4 of session c's 6 seeds over it. The GPU tests passed with it on (its 2 flipped-option tests and 50 tests of
-the default paths, run 5), and all 88 with it on by default (``kda_h200_2026-11-30e_runs.txt``, run 5). On
-by default: forward+backward was faster with it in each of 12 alternating pairs at the four benchmark shapes,
-by 0.005–0.15 ms (0.05–1.1%; that file's run 4)."""
+4 of the 6 seeds over it in ``kda_h200_2026-11-30c_runs.txt``; under slowly decaying gates (B1 T130 H2, K 32
+and 64, 24 seeds) over at 6 against 7 with tf32, partly at other seeds (Triton README, Precision). The GPU
+tests passed with it on (its 2 flipped-option tests and 50 tests of the default paths, the d file's run 5),
+and all 88 with it on by default (``kda_h200_2026-11-30e_runs.txt``, run 5). On by default: forward+backward
+was faster with it in each of 12 alternating pairs at the four benchmark shapes, by 0.005–0.15 ms (0.05–1.1%;
+that file's run 4)."""
 
 
 def check_launch() -> None:
