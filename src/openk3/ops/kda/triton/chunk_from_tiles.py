@@ -33,11 +33,14 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import block_substitution, fp16_inverse
 from openk3.ops.kda.triton.kernel_math import (
+    GRID,
     cat4_cols,
     cat4_rows,
     check_launch_entries,
     check_out,
+    chunk_grid,
     chunk_of,
+    chunk_program,
     chunk_rows,
     dot,
     dot_precision,
@@ -86,15 +89,16 @@ def check_launch() -> None:
 def chunk_from_tiles_kernel(
     qg, kt, kh, M, Td, gend, beta, Aqk, Akk,
     cu_seqlens, chunk_table, tile_offsets,
-    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     FP16: tl.constexpr, BETA_SIGMOID: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(P, H)``. Reads the tile prepare's ``qg``, ``kt``, ``kh`` ``[tokens, H, K]``, ``M``, ``Td``
-    ``[tokens, H, BC]``, ``gend`` ``[P16, H, K]``; writes ``Aqk`` and ``Akk`` = T ``[tokens, H, BT]``. With
-    ``HALF`` the products take 16-bit operands in ``qg``'s dtype (``LAUNCH["half_operands"]``)."""
+    """Grid ``chunk_grid(P, H)``. Reads the tile prepare's ``qg``, ``kt``, ``kh`` ``[tokens, H, K]``,
+    ``M``, ``Td`` ``[tokens, H, BC]``, ``gend`` ``[P16, H, K]``; writes ``Aqk`` and ``Akk`` = T
+    ``[tokens, H, BT]``. With ``HALF`` the products take 16-bit operands in ``qg``'s dtype
+    (``LAUNCH["half_operands"]``)."""
     dt = qg.dtype.element_ty
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h = chunk_program(H, HEADS_FIRST)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     i_n, i_j = chunk_of(chunk_table, i_c)
     tile0 = tl.load(tile_offsets + i_n).to(tl.int64) + i_j * (BT // BC)  # the chunk's first tile
@@ -184,10 +188,12 @@ def chunk_from_tiles(
     Akk = pre.M.new_empty(TT, H, CHUNK, dtype=back.Td.dtype)
     if index.num_chunks == 0:
         return Aqk, Akk
-    chunk_from_tiles_kernel[(index.num_chunks, H)](
+    heads_first = GRID["heads_first"]
+    chunk_from_tiles_kernel[chunk_grid(index.num_chunks, H, heads_first=heads_first)](
         pre.qg, pre.kt, pre.kh, pre.M, back.Td, pre.gend, beta, Aqk, Akk,
         index.cu_seqlens, index.chunk_table, tiles.chunk_offsets,
-        H=H, DOT=dot_precision(dt), K=K, BT=CHUNK, BC=TILE, BK=min(K, LAUNCH["key_block"]), FP16=fp16,
+        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(dt), K=K, BT=CHUNK, BC=TILE,
+        BK=min(K, LAUNCH["key_block"]), FP16=fp16,
         BETA_SIGMOID=beta_sigmoid, HALF=half, **launch_options(LAUNCH),
     )  # fmt: skip
     return Aqk, Akk

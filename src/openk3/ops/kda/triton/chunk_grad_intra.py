@@ -34,8 +34,11 @@ from openk3.ops.kda.triton.chunk_grad_wy import WYGrads
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import SUB_CHUNK, Prepared
 from openk3.ops.kda.triton.kernel_math import (
+    GRID,
     LOG2E,
     check_launch_entries,
+    chunk_grid,
+    chunk_program,
     chunk_rows,
     cumsum_rows,
     dot,
@@ -46,6 +49,7 @@ from openk3.ops.kda.triton.kernel_math import (
     load_row_vec,
     load_rows,
     row_at,
+    sigmoid,
     split_bf16,
     store_row_vec,
     store_rows,
@@ -118,15 +122,15 @@ def chunk_grad_intra_kernel(
     dq, dk, dg, dbeta, dA_log_part, ddt_part,
     cu_seqlens, chunk_table, part_stride_b,
     scale, lower_bound, lower_bound_log2,
-    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     NB: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
     SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the per-chunk
-    partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites ``dqn``/``dkn``
-    with the totals before the L2-norm backward."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    """Grid ``chunk_grid(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the
+    per-chunk partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites
+    ``dqn``/``dkn`` with the totals before the L2-norm backward."""
+    i_c, i_h = chunk_program(H, HEADS_FIRST)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
@@ -204,7 +208,7 @@ def chunk_grad_intra_kernel(
         else:
             bias = tl.zeros([BK], dtype=tl.float32)
         b_xb = load_rows(g, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) + bias[None, :]
-        b_sig = tl.sigmoid(A_h * b_xb)
+        b_sig = sigmoid(A_h * b_xb)  # as the forward's gate (kernel_math.k3_gate_log2)
         b_dx = tl.where(m_t[:, None], b_dgc * lower_bound * b_sig * (1.0 - b_sig) * A_h, 0.0)
         store_rows(dg, b_dx, t0, n_valid, i_h, k0, H, K, BT, BK)
         acc_dA_log += tl.sum(b_dx * b_xb, axis=1)
@@ -248,13 +252,15 @@ def chunk_grad_intra(
     dbeta = torch.empty_like(beta)
     dA_log_part = q.new_empty(P, H, dtype=torch.float32)
     ddt_part = q.new_empty(P, H, K, dtype=torch.float32)
-    chunk_grad_intra_kernel[(P, H)](
+    heads_first = GRID["heads_first"]
+    chunk_grad_intra_kernel[chunk_grid(P, H, heads_first=heads_first)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         wy.dA, wy.dL, wy.dqn, wy.dkn, wy.dG, wy.dbeta,
         dq, dk, dg, dbeta, dA_log_part, ddt_part,
         index.cu_seqlens, index.chunk_table, TT * H,
         scale, lower_bound, lower_bound * LOG2E,
-        H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, LAUNCH["key_block"]), NB=NB,
+        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK,
+        BK=min(K, LAUNCH["key_block"]), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM,
         SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, SPLIT=LAUNCH["split_factors"],

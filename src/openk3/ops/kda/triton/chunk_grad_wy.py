@@ -39,8 +39,11 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
+    GRID,
     LOG2E,
     check_launch_entries,
+    chunk_grid,
+    chunk_program,
     chunk_rows,
     dot,
     dot_precision,
@@ -58,13 +61,13 @@ from openk3.ops.kda.triton.kernel_math import (
 def chunk_grad_wy_value_kernel(
     v, beta, Akk, v_new, dv_new, do, dv, dA, dL, dbeta,
     cu_seqlens, chunk_table,
-    H: tl.constexpr, DOT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(P, H)``: the value-side terms ``dAqk = tril(dO Eᵀ)``, ``dXv = Tᵀ dE``, ``dv = β dXv``,
-    ``dL = −strict_lower(dXv Eᵀ)`` and ``dβ ← Σ_v V dXv`` (partial 0 of ``dβ``)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    """Grid ``chunk_grid(P, H)``: the value-side terms ``dAqk = tril(dO Eᵀ)``, ``dXv = Tᵀ dE``,
+    ``dv = β dXv``, ``dL = −strict_lower(dXv Eᵀ)`` and ``dβ ← Σ_v V dXv`` (partial 0 of ``dβ``)."""
+    i_c, i_h = chunk_program(H, HEADS_FIRST)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     dt = v_new.dtype.element_ty
@@ -97,13 +100,14 @@ def chunk_grad_wy_key_kernel(
     dqn, dkn, dG, dbeta,
     cu_seqlens, chunk_table, part_stride_b,
     scale, lower_bound_log2,
-    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SCAN_BY_DOT: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of ``dβ``)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    """Grid ``chunk_grid(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of
+    ``dβ``)."""
+    i_c, i_h = chunk_program(H, HEADS_FIRST)
     i_k = tl.program_id(2)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
@@ -256,19 +260,22 @@ def chunk_grad_wy(
         dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
     )
     P = index.num_chunks
-    chunk_grad_wy_value_kernel[(P, H)](
+    heads_first = GRID["heads_first"]
+    chunk_grad_wy_value_kernel[chunk_grid(P, H, heads_first=heads_first)](
         v, beta, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,
-        H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, BETA_SIGMOID=beta_sigmoid,
+        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV,
+        BETA_SIGMOID=beta_sigmoid,
         **launch_options(LAUNCH),
     )  # fmt: skip
-    chunk_grad_wy_key_kernel[(P, H, NK)](
+    chunk_grad_wy_key_kernel[chunk_grid(P, H, NK, heads_first=heads_first)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         pre.Akk, h, dh, v_new, dv_new, do,
         out.dqn, out.dkn, out.dG, out.dbeta,
         index.cu_seqlens, index.chunk_table, TT * H,
         scale, lower_bound * LOG2E,
-        H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
+        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
         SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid,
         **launch_options(LAUNCH),
     )  # fmt: skip

@@ -36,12 +36,15 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.kernel_math import (
+    GRID,
     LOG2E,
     bounded_dot,
     cat4_cols,
     cat4_rows,
     check_launch_entries,
     check_outs,
+    chunk_grid,
+    chunk_program,
     chunk_rows,
     dot,
     dot_precision,
@@ -192,17 +195,17 @@ def chunk_prepare_kernel(
     w, u, qg, kg, Aqk, Akk, gend, q_rstd, k_rstd,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
-    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BK2: tl.constexpr, BV2: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PASS1: tl.constexpr, FP16: tl.constexpr,
     SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, STORE_U: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk`` (= T)
-    ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
+    """Grid ``chunk_grid(P chunks, H)``. Writes ``w, u, qg, kg`` ``[tokens, H, K|V]``, ``Aqk`` and ``Akk``
+    (= T) ``[tokens, H, BT]``, ``gend`` = D ``[P, H, K]`` and the l2norm ``1/‖·‖`` ``[tokens, H]``; without
     ``PASS1`` it reads ``Akk``, ``q_rstd``, ``k_rstd`` instead and writes only ``w, u, qg, kg, gend``; without
     ``STORE_U`` it neither forms nor writes ``u``."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h = chunk_program(H, HEADS_FIRST)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     o_t = tl.arange(0, BT)
@@ -411,12 +414,13 @@ def chunk_prepare(
         check_outs("chunk_prepare out", out, layout, q.device, optional=() if store_u else ("u",))
     if P == 0:
         return out
-    chunk_prepare_kernel[(P, H)](
+    heads_first = GRID["heads_first"] and saved is not None  # the first pass measured slower (GRID)
+    chunk_prepare_kernel[chunk_grid(P, H, heads_first=heads_first)](
         q, k, v, g, beta, A_log, dt_bias,
         out.w, out.u, out.qg, out.kg, out.Aqk, out.Akk, out.gend, out.q_rstd, out.k_rstd,
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
-        H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
+        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), BK2=min(K, LAUNCH["wy_block"]), BV2=min(V, LAUNCH["wy_block"]),
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, PASS1=saved is None,
         FP16=fp16, SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, STORE_U=store_u,

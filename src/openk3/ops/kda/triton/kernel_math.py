@@ -44,6 +44,28 @@ def launch_options(launch: dict) -> dict:
     return options
 
 
+GRID = {"heads_first": True}
+"""Program order of the token-parallel kernels (one program per chunk or tile and head). ``heads_first``:
+a 1-D grid whose program ``p`` works on head ``p mod H`` of chunk ``p div H``, so the programs that run at
+the same time read and write whole ``[rows, H, K]`` blocks of the ``[tokens, H, K]`` tensors; off: the
+``(chunks, H)`` grid, whose programs at any time walk one or two heads' rows, ``H·K`` elements apart. Same
+values either way (each program computes the same thing). On the H200 (B1 T32768 H32 D128, each launch
+alone, ``benchmarks/results/kda_h200.md``) heads first took grad_wy 3.64–3.75 ms against 3.99, grad_intra
+4.51–4.52 against 4.70–4.71, the tile prepare for a backward 0.94 against 1.09 and ``chunk_from_tiles``
+0.52 against 0.60–0.66; the 64-token prepare's first pass was slower (3.80–4.00 against 3.60), so it keeps
+the ``(chunks, H)`` grid."""
+
+
+def chunk_grid(num_chunks: int, H: int, *rest: int, heads_first: bool) -> tuple[int, ...]:
+    """Launch grid of a token-parallel kernel over ``num_chunks`` chunks (or tiles) and ``H`` heads, with
+    further grid axes ``rest`` (as axes 2, …): ``(num_chunks·H, 1, *rest)`` when ``heads_first`` (see
+    :data:`GRID`), else ``(num_chunks, H, *rest)``. The kernel reads it back with :func:`chunk_program`, given
+    the same ``heads_first``."""
+    if heads_first:
+        return (num_chunks * H, 1, *rest) if rest else (num_chunks * H,)
+    return (num_chunks, H, *rest)
+
+
 def check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
     """Raise ``ValueError`` unless ``t``, a tensor a launcher was given to write (an ``out=`` argument), is
     contiguous with exactly ``shape`` and ``dtype`` on ``device``: the kernels index it as a dense row-major
@@ -201,6 +223,38 @@ def bounded_dot(a, b, DOT: tl.constexpr, FP16: tl.constexpr):
         return dot(a, b, DOT)
 
 
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+"""Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module is imported, as
+``triton.jit`` itself decides): there :func:`sigmoid` takes ``tl.sigmoid``, since the interpreter runs no
+inline PTX."""
+
+
+@triton.jit
+def sigmoid(z):
+    """``σ(z) = 1 / (1 + 2^{−z·log2 e})`` of fp32 ``z`` with the GPU's approximate ``exp2`` and reciprocal
+    (``ex2.approx.ftz.f32``, ``rcp.approx.ftz.f32``). ``tl.sigmoid`` takes the same ``ex2.approx`` and the
+    approximate ``div.full`` (both within 2 ulp), with range fix-ups that only matter for subnormals; without
+    them the tile prepare's loop over a 64-channel key slice is 1679 instructions instead of 1904 (offline
+    sm_90 compile), and on the H200 the tile prepare took 0.87–0.90 ms against 0.94–1.07 for a backward at
+    B1 T32768 H32 D128 (``benchmarks/results/kda_h200.md``). Subnormal intermediates flush to 0, so ``σ(z)``
+    is 0 below ``z ≈ −87`` (``tl.sigmoid``: a subnormal). In the interpreter (:data:`INTERPRETED`),
+    ``tl.sigmoid``."""
+    if INTERPRETED:
+        return tl.sigmoid(z)
+    else:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;",
+            "=r,r",
+            [z * -1.4426950408889634],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
 @triton.jit
 def k3_gate_log2(x, A_h, bias, lower_bound_log2):
     """K3 lower-bounded gate in log2 units: ``lb·log2(e)·σ(e^{A_log}·(x + dt_bias))`` (§1.3).
@@ -209,7 +263,7 @@ def k3_gate_log2(x, A_h, bias, lower_bound_log2):
     ``dt_bias``), ``lower_bound_log2`` = ``lb·log2(e)``. Returns ``[R, K]`` fp32 in ``(lb·log2 e, 0)``.
     """
     z = A_h * (x + bias[None, :])
-    return lower_bound_log2 * tl.sigmoid(z)
+    return lower_bound_log2 * sigmoid(z)
 
 
 @triton.jit
@@ -245,6 +299,19 @@ def unit_lower_inverse_stacked(X, NB: tl.constexpr, BC: tl.constexpr):
         t_i = tl.where(o_c == i, 1.0, 0.0)[None, :] - tl.sum(l_i[:, :, None] * T, axis=1)
         T = tl.where(row_i, t_i[:, None, :], T)
     return T
+
+
+@triton.jit
+def chunk_program(H: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    """``(chunk, head)`` of this program in a :func:`chunk_grid` launch with ``heads_first=HEADS_FIRST``."""
+    if HEADS_FIRST:
+        pid = tl.program_id(0)
+        i_c = pid // H
+        i_h = pid % H
+    else:
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+    return i_c, i_h
 
 
 @triton.jit

@@ -50,11 +50,14 @@ from openk3.ops.kda.triton.chunk_prepare import fp16_inverse
 from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
 from openk3.ops.kda.triton.chunk_state import state_programs, value_block
 from openk3.ops.kda.triton.kernel_math import (
+    GRID,
     LOG2E,
     check_index,
     check_launch_entries,
     check_out,
     check_outs,
+    chunk_grid,
+    chunk_program,
     chunk_rows,
     dot,
     dot_precision,
@@ -124,14 +127,15 @@ def tile_prepare_kernel(
     qg, kt, kh, M, Pb, gend, Td, q_rstd, k_rstd,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
-    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, FOR_BACKWARD: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(P16, H)``. Writes ``qg`` = Q̃, ``kt`` = K̃, ``kh`` = K̂ ``[tokens, H, K]``, ``M`` and ``Pb`` = P
-    ``[tokens, H, BT]``, ``gend`` = D ``[P16, H, K]``; with ``FOR_BACKWARD`` also ``Td`` = ``(I + L)^{-1}``
-    ``[tokens, H, BT]`` (P's dtype) and the l2norm ``1/‖·‖`` ``[tokens, H]`` (fp32; ones without the norm)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    """Grid ``chunk_grid(P16, H)``. Writes ``qg`` = Q̃, ``kt`` = K̃, ``kh`` = K̂ ``[tokens, H, K]``, ``M`` and
+    ``Pb`` = P ``[tokens, H, BT]``, ``gend`` = D ``[P16, H, K]``; with ``FOR_BACKWARD`` also ``Td`` =
+    ``(I + L)^{-1}`` ``[tokens, H, BT]`` (P's dtype) and the l2norm ``1/‖·‖`` ``[tokens, H]`` (fp32; ones
+    without the norm)."""
+    i_c, i_h = chunk_program(H, HEADS_FIRST)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     # the row norms first (a per-row factor of every later product), then the gated copies and the two
@@ -342,12 +346,14 @@ def tile_prepare(
             tile_backward_layout(q, use_l2norm=use_l2norm),
             q.device,
         )
-    tile_prepare_kernel[(index.num_chunks, H)](
+    heads_first = GRID["heads_first"]
+    tile_prepare_kernel[chunk_grid(index.num_chunks, H, heads_first=heads_first)](
         q, k, g, beta, A_log, dt_bias,
         *out, *(for_backward or (None, None, None)),
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
-        H=H, DOT=dot_precision(dt), K=K, BT=TILE, BK=BK, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(dt), K=K, BT=TILE, BK=BK, USE_L2NORM=use_l2norm,
+        HAS_BIAS=dt_bias is not None,
         BETA_SIGMOID=beta_sigmoid, FOR_BACKWARD=for_backward is not None, **launch_options(LAUNCH),
     )  # fmt: skip
     return out
