@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import block_substitution, fp16_inverse
 from openk3.ops.kda.triton.kernel_math import (
-    GRID,
     cat4_cols,
     cat4_rows,
     check_launch_entries,
@@ -188,7 +188,7 @@ def chunk_from_tiles(
     Akk = pre.M.new_empty(TT, H, CHUNK, dtype=back.Td.dtype)
     if index.num_chunks == 0:
         return Aqk, Akk
-    heads_first = GRID["heads_first"]
+    heads_first = kernel_math.LAUNCH["heads_first"]
     chunk_from_tiles_kernel[chunk_grid(index.num_chunks, H, heads_first=heads_first)](
         pre.qg, pre.kt, pre.kh, pre.M, back.Td, pre.gend, beta, Aqk, Akk,
         index.cu_seqlens, index.chunk_table, tiles.chunk_offsets,

@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_grad_wy import WYGrads
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import SUB_CHUNK, Prepared
 from openk3.ops.kda.triton.kernel_math import (
-    GRID,
     LOG2E,
     check_launch_entries,
     chunk_grid,
@@ -252,7 +252,7 @@ def chunk_grad_intra(
     dbeta = torch.empty_like(beta)
     dA_log_part = q.new_empty(P, H, dtype=torch.float32)
     ddt_part = q.new_empty(P, H, K, dtype=torch.float32)
-    heads_first = GRID["heads_first"]
+    heads_first = kernel_math.LAUNCH["heads_first"]
     chunk_grad_intra_kernel[chunk_grid(P, H, heads_first=heads_first)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         wy.dA, wy.dL, wy.dqn, wy.dkn, wy.dG, wy.dbeta,

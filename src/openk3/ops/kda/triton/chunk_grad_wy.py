@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.kernel_math import (
-    GRID,
     LOG2E,
     check_launch_entries,
     chunk_grid,
@@ -260,7 +260,7 @@ def chunk_grad_wy(
         dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
     )
     P = index.num_chunks
-    heads_first = GRID["heads_first"]
+    heads_first = kernel_math.LAUNCH["heads_first"]
     chunk_grad_wy_value_kernel[chunk_grid(P, H, heads_first=heads_first)](
         v, beta, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,

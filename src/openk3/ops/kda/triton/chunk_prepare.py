@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.kernel_math import (
-    GRID,
     LOG2E,
     bounded_dot,
     cat4_cols,
@@ -414,7 +414,9 @@ def chunk_prepare(
         check_outs("chunk_prepare out", out, layout, q.device, optional=() if store_u else ("u",))
     if P == 0:
         return out
-    heads_first = GRID["heads_first"] and saved is not None  # the first pass measured slower (GRID)
+    heads_first = (
+        kernel_math.LAUNCH["heads_first"] and saved is not None
+    )  # the first pass: slower heads first
     chunk_prepare_kernel[chunk_grid(P, H, heads_first=heads_first)](
         q, k, v, g, beta, A_log, dt_bias,
         out.w, out.u, out.qg, out.kg, out.Aqk, out.Akk, out.gend, out.q_rstd, out.k_rstd,

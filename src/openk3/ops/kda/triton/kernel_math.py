@@ -1,5 +1,6 @@
 """Triton device functions shared by the KDA kernels: the in-kernel gate and its cumsum over a key slice,
-the chunk rows of a program, the dot precision, and tile loads/stores by token rows.
+the chunk rows of a program, the dot precision, and tile loads/stores by token rows; on the host, the program
+order of the token-parallel kernels (:data:`LAUNCH`) and the checks of every module's ``LAUNCH``.
 
 Units: the chunk kernels keep log-decays in **log2** units (natural-log gate × log2(e)) so every decay is
 one ``exp2`` (kda_kernels reference §1.5, "log-base convention"); gradients stay w.r.t. the natural-log gate,
@@ -44,7 +45,7 @@ def launch_options(launch: dict) -> dict:
     return options
 
 
-GRID = {"heads_first": True}
+LAUNCH = {"heads_first": True}
 """Program order of the token-parallel kernels (one program per chunk or tile and head). ``heads_first``:
 a 1-D grid whose program ``p`` works on head ``p mod H`` of chunk ``p div H``, so the programs that run at
 the same time read and write whole ``[rows, H, K]`` blocks of the ``[tokens, H, K]`` tensors; off: the
@@ -53,14 +54,21 @@ values either way (each program computes the same thing). On the H200 (B1 T32768
 alone, ``benchmarks/results/kda_h200.md``) heads first took grad_wy 3.64–3.75 ms against 3.99, grad_intra
 4.51–4.52 against 4.70–4.71, the tile prepare for a backward 0.94 against 1.09 and ``chunk_from_tiles``
 0.52 against 0.60–0.66; the 64-token prepare's first pass was slower (3.80–4.00 against 3.60), so it keeps
-the ``(chunks, H)`` grid."""
+the ``(chunks, H)`` grid. ``benchmarks/kda.py --set kernel_math:heads_first=False`` times the other order."""
+
+
+def check_launch() -> None:
+    """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its key, a bool (:func:`check_launch_entries`;
+    :func:`~openk3.ops.kda.triton.tile_forward.check_launch` calls it, which every call of the chunk entry
+    point runs first)."""
+    check_launch_entries("kernel_math", LAUNCH, dict(heads_first="bool"))
 
 
 def chunk_grid(num_chunks: int, H: int, *rest: int, heads_first: bool) -> tuple[int, ...]:
     """Launch grid of a token-parallel kernel over ``num_chunks`` chunks (or tiles) and ``H`` heads, with
     further grid axes ``rest`` (as axes 2, …): ``(num_chunks·H, 1, *rest)`` when ``heads_first`` (see
-    :data:`GRID`), else ``(num_chunks, H, *rest)``. The kernel reads it back with :func:`chunk_program`, given
-    the same ``heads_first``."""
+    :data:`LAUNCH`), else ``(num_chunks, H, *rest)``. The kernel reads it back with :func:`chunk_program`,
+    given the same ``heads_first``."""
     if heads_first:
         return (num_chunks * H, 1, *rest) if rest else (num_chunks * H,)
     return (num_chunks, H, *rest)

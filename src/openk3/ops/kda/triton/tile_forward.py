@@ -44,13 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import check_launch as check_prepare_launch
 from openk3.ops.kda.triton.chunk_prepare import fp16_inverse
 from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
 from openk3.ops.kda.triton.chunk_state import state_programs, value_block
 from openk3.ops.kda.triton.kernel_math import (
-    GRID,
     LOG2E,
     check_index,
     check_launch_entries,
@@ -107,9 +107,11 @@ on the forward)."""
 
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
-    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`), and so do the two other ``LAUNCH``
-    dicts this path reads: :mod:`~openk3.ops.kda.triton.chunk_prepare`'s (``fp16_inverse``) and
-    :mod:`~openk3.ops.kda.triton.chunk_state`'s (``min_programs``, for the value block)."""
+    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`), and so do the three other ``LAUNCH``
+    dicts this path reads: :mod:`~openk3.ops.kda.triton.chunk_prepare`'s (``fp16_inverse``),
+    :mod:`~openk3.ops.kda.triton.chunk_state`'s (``min_programs``, for the value block) and
+    :mod:`~openk3.ops.kda.triton.kernel_math`'s (the program order, which the other token-parallel kernels
+    read too)."""
     check_launch_entries(
         "tile_forward",
         LAUNCH,
@@ -119,6 +121,7 @@ def check_launch() -> None:
     )  # fmt: skip
     check_prepare_launch()
     check_state_launch()
+    kernel_math.check_launch()
 
 
 @triton.jit
@@ -346,7 +349,7 @@ def tile_prepare(
             tile_backward_layout(q, use_l2norm=use_l2norm),
             q.device,
         )
-    heads_first = GRID["heads_first"]
+    heads_first = kernel_math.LAUNCH["heads_first"]
     tile_prepare_kernel[chunk_grid(index.num_chunks, H, heads_first=heads_first)](
         q, k, g, beta, A_log, dt_bias,
         *out, *(for_backward or (None, None, None)),
