@@ -337,13 +337,19 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from openk3.ops.kda.triton.kernel_math import cumsum_rows, dot, round_tf32
+    from openk3.ops.kda.triton.kernel_math import cumsum_rows, dot, round_tf32, sigmoid
 
     @triton.jit
     def round_tf32_kernel(x, y, N: tl.constexpr):
         """``y = round_tf32(x)`` over ``N`` contiguous fp32 values."""
         offs = tl.arange(0, N)
         tl.store(y + offs, round_tf32(tl.load(x + offs)))
+
+    @triton.jit
+    def sigmoid_kernel(x, y, N: tl.constexpr):
+        """``y = kernel_math.sigmoid(x)`` over ``N`` contiguous fp32 values."""
+        offs = tl.arange(0, N)
+        tl.store(y + offs, sigmoid(tl.load(x + offs)))
 
     @triton.jit
     def tf32_dot_kernel(a, b, c, R: tl.constexpr, ROUND: tl.constexpr):
@@ -1198,6 +1204,42 @@ def check_round_tf32(device: str) -> None:
     assert torch.equal(y[finite].double(), expected)
     assert torch.equal(y[82:84], x[82:84])
     assert torch.isnan(y[84:88]).all()
+
+
+def check_sigmoid(device: str) -> None:
+    """``kernel_math.sigmoid`` (the gate's ``σ``) on ``device`` against fp64 ``σ`` of the same fp32 inputs:
+    within 4 fp32 ulp where ``σ`` is a normal number (``z`` from −87 up; on the GPU the approximate ``exp2``
+    and reciprocal, each within 2 ulp), 0 at or below −88.8 (the reciprocal of an infinite ``exp2``),
+    ≤ 2^-126 between, 1 from ``z`` = 17.4 up (``σ`` within half an ulp of 1), and 0.5 at 0."""
+    z = torch.cat([
+        torch.linspace(-87.0, 40.0, 4093), torch.tensor([-1e4, -200.0, -88.8, 0.0, 1e4]),
+        torch.linspace(-88.7, -87.4, 6),
+    ]).float()  # fmt: skip
+    n = triton.next_power_of_2(z.numel())
+    x = torch.zeros(n)
+    x[: z.numel()] = z
+    x = x.to(device)
+    y = torch.empty_like(x)
+    sigmoid_kernel[(1,)](x, y, N=n)
+    got = y[: z.numel()].cpu().double()
+    want = torch.sigmoid(z.double())
+    normal = z >= -87.0
+    ulp = torch.finfo(torch.float32).eps * want[normal]
+    assert ((got[normal] - want[normal]).abs() <= 4 * ulp).all(), (got - want)[normal].abs().max()
+    assert (got[z <= -88.8] == 0).all() and (got[(z > -88.8) & (z < -87.0)] <= 2.0**-126).all()
+    assert (got[z >= 17.4] == 1).all() and got[z == 0].item() == 0.5
+
+
+@interpreter
+def test_interpreter_sigmoid_values():
+    """:func:`check_sigmoid` in the interpreter (``tl.sigmoid`` there)."""
+    check_sigmoid("cpu")
+
+
+@gpu
+def test_gpu_sigmoid_values():
+    """:func:`check_sigmoid` compiled for the GPU: the inline ``ex2.approx.ftz``/``rcp.approx.ftz`` path."""
+    check_sigmoid("cuda")
 
 
 @interpreter

@@ -414,9 +414,8 @@ def chunk_prepare(
         check_outs("chunk_prepare out", out, layout, q.device, optional=() if store_u else ("u",))
     if P == 0:
         return out
-    heads_first = (
-        kernel_math.LAUNCH["heads_first"] and saved is not None
-    )  # the first pass: slower heads first
+    # the first pass (no saved) keeps the (chunks, H) grid: slower heads first (kernel_math.LAUNCH)
+    heads_first = kernel_math.LAUNCH["heads_first"] and saved is not None
     chunk_prepare_kernel[chunk_grid(P, H, heads_first=heads_first)](
         q, k, v, g, beta, A_log, dt_bias,
         out.w, out.u, out.qg, out.kg, out.Aqk, out.Akk, out.gend, out.q_rstd, out.k_rstd,

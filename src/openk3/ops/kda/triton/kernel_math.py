@@ -246,7 +246,8 @@ def sigmoid(z):
     sm_90 compile), and on the H200 the tile prepare took 0.87–0.90 ms against 0.94–1.07 for a backward at
     B1 T32768 H32 D128 (``benchmarks/results/kda_h200.md``). Subnormal intermediates flush to 0, so ``σ(z)``
     is 0 below ``z ≈ −87`` (``tl.sigmoid``: a subnormal). In the interpreter (:data:`INTERPRETED`),
-    ``tl.sigmoid``."""
+    ``tl.sigmoid``. The chunk kernels' gate (:func:`k3_gate_log2`) and its backward in grad_intra use it; the
+    decode kernel keeps ``tl.sigmoid`` (one row per token, and the two agree within those ulps)."""
     if INTERPRETED:
         return tl.sigmoid(z)
     else:
