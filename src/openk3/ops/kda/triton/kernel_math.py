@@ -46,15 +46,15 @@ def launch_options(launch: dict) -> dict:
 
 
 LAUNCH = {"heads_first": True}
-"""Program order of the token-parallel kernels (one program per chunk or tile and head). ``heads_first``:
-a 1-D grid whose program ``p`` works on head ``p mod H`` of chunk ``p div H``, so the programs that run at
-the same time read and write whole ``[rows, H, K]`` blocks of the ``[tokens, H, K]`` tensors; off: the
+"""Program order of the token-parallel kernels (one program per chunk or tile and head). ``heads_first``: a
+1-D grid whose program ``p`` works on head ``p mod H`` of chunk ``p div H``, so the programs that run at the
+same time read and write whole ``[rows, H, K]`` blocks of the ``[tokens, H, K]`` tensors; off: the
 ``(chunks, H)`` grid, whose programs at any time walk one or two heads' rows, ``H·K`` elements apart. Same
-values either way (each program computes the same thing). On the H200 (B1 T32768 H32 D128, each launch
-alone, ``benchmarks/results/kda_h200.md``) heads first took grad_wy 3.64–3.75 ms against 3.99, grad_intra
-4.51–4.52 against 4.70–4.71, the tile prepare for a backward 0.94 against 1.09 and ``chunk_from_tiles``
-0.52 against 0.60–0.66; the 64-token prepare's first pass was slower (3.80–4.00 against 3.60), so it keeps
-the ``(chunks, H)`` grid. ``benchmarks/kda.py --set kernel_math:heads_first=False`` times the other order."""
+values either way (each program computes the same thing). On the H200 (B1 T32768 H32 D128, each launch alone,
+``benchmarks/results/kda_h200.md``) heads first took grad_wy 3.64–3.75 ms against 3.99, grad_intra 4.51–4.52
+against 4.70–4.71, the tile prepare for a backward 0.94 against 1.09 and ``chunk_from_tiles`` 0.52 against
+0.60–0.66; the 64-token prepare's first pass was slower (3.80–4.00 against 3.60–3.62), so it keeps the
+``(chunks, H)`` grid. ``benchmarks/kda.py --set kernel_math:heads_first=False`` times the other order."""
 
 
 def check_launch() -> None:
