@@ -218,6 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     if not 70 <= args.arch < 1000:
         sys.exit(f"--arch {args.arch}: expected a CUDA compute capability ×10 such as 80, 90 or 100")
+    touched = set()
     for item in args.set:
         target, _, value = item.partition("=")
         module, _, key = target.partition(":")
@@ -233,6 +234,14 @@ def main() -> None:
             launch[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             sys.exit(f"--set {item}: the value {value!r} is not a Python literal (True, 32, ...)")
+        touched.add(module)
+    for module in sorted(touched):  # an entry of the wrong kind fails here, not after the table's header
+        check = getattr(importlib.import_module(f"openk3.ops.kda.triton.{module}"), "check_launch", None)
+        if check is not None:
+            try:
+                check()
+            except ValueError as err:
+                sys.exit(f"--set: {err}")
     import triton
 
     print(

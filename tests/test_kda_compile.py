@@ -57,3 +57,25 @@ def test_every_kda_launch_compiles_for_sm90():
     for name, _warps, regs, stack, shared in rows:
         assert 0 < int(regs) <= 255, f"{name}: {regs} registers"
         assert int(stack) >= 0 and int(shared) > 0, f"{name}: stack {stack}, shared {shared}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (pip install triton)")
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("kernel_math:heads_first=1", "kernel_math.LAUNCH['heads_first'] must be True or False"),
+        ("tile_forward:num_warps=3", "tile_forward.LAUNCH['num_warps'] must be an int in 1, 2, 4, 8, 16"),
+        ("kernel_math:heads_frist=True", "kernel_math.LAUNCH has no key 'heads_frist'"),
+    ],
+)
+def test_kda_compile_refuses_bad_settings(setting, message):
+    """``kda_compile.py --set`` checks the module's ``LAUNCH`` (its ``check_launch``) before it compiles
+    anything: one line naming the entry, exit status 1, no table."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kda_compile.py"), "--set", setting],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and message in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "kernel" not in proc.stdout

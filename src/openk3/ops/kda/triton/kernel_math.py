@@ -60,7 +60,9 @@ against 4.70–4.71, the tile prepare for a backward 0.94 against 1.09 and ``chu
 def check_launch() -> None:
     """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its key, a bool (:func:`check_launch_entries`;
     :func:`~openk3.ops.kda.triton.tile_forward.check_launch` calls it, which every call of the chunk entry
-    point runs first)."""
+    point runs before any work). The backward reads the setting again without a check; whatever it holds then,
+    each launch passes the one value to both :func:`chunk_grid` and the kernel, so the results are the
+    same."""
     check_launch_entries("kernel_math", LAUNCH, dict(heads_first="bool"))
 
 
