@@ -22,15 +22,14 @@ triton's compiler: use them to check that kernels compile and to compare variant
     PYTHONPATH=/tmp/t36:src python benchmarks/kda_compile.py
 
 Usage: ``python benchmarks/kda_compile.py [--arch 90] [--set module:key=value ...]``; ``--set`` changes a
-kernel module's ``LAUNCH`` entry first (``--set chunk_grad_intra:bf16_operands=False``).
+kernel module's ``LAUNCH`` entry first (``--set chunk_grad_intra:bf16_operands=False``), checked as
+``benchmarks/kda.py --set`` checks it.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import importlib
 import os
 import subprocess
 import sys
@@ -218,30 +217,21 @@ def main() -> None:
     args = parser.parse_args()
     if not 70 <= args.arch < 1000:
         sys.exit(f"--arch {args.arch}: expected a CUDA compute capability ×10 such as 80, 90 or 100")
-    touched = set()
+    from kda import check_launch_settings, module_launch, parse_launch_setting  # kda.py's --set, same checks
+
+    settings = {}
     for item in args.set:
-        target, _, value = item.partition("=")
-        module, _, key = target.partition(":")
         try:
-            launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
-        except (ModuleNotFoundError, AttributeError):
-            sys.exit(
-                f"--set {item}: expected MODULE:KEY=VALUE with MODULE a kernel module such as chunk_prepare"
-            )
-        if key not in launch:
-            sys.exit(f"--set {item}: {module}.LAUNCH has no key {key!r} (keys: {', '.join(launch)})")
-        try:
-            launch[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            sys.exit(f"--set {item}: the value {value!r} is not a Python literal (True, 32, ...)")
-        touched.add(module)
-    for module in sorted(touched):  # an entry of the wrong kind fails here, not after the table's header
-        check = getattr(importlib.import_module(f"openk3.ops.kda.triton.{module}"), "check_launch", None)
-        if check is not None:
-            try:
-                check()
-            except ValueError as err:
-                sys.exit(f"--set: {err}")
+            module, key, value = parse_launch_setting(item)
+        except ValueError as err:
+            sys.exit(f"--set {item}: {err}")
+        settings[module, key] = value
+    try:  # an entry of the wrong kind fails here, not after the table's header
+        check_launch_settings(settings)
+    except ValueError as err:
+        sys.exit(f"--set: {err}")
+    for (module, key), value in settings.items():
+        module_launch(module, {key: value})[key] = value
     import triton
 
     print(

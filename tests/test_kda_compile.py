@@ -63,14 +63,16 @@ def test_every_kda_launch_compiles_for_sm90():
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ("kernel_math:heads_first=1", "kernel_math.LAUNCH['heads_first'] must be True or False"),
+        ("kernel_math:heads_first=1", "kernel_math.LAUNCH['heads_first'] takes type bool"),
         ("tile_forward:num_warps=3", "tile_forward.LAUNCH['num_warps'] must be an int in 1, 2, 4, 8, 16"),
-        ("kernel_math:heads_frist=True", "kernel_math.LAUNCH has no key 'heads_frist'"),
+        ("kernel_math:heads_frist=True", "kernel_math.LAUNCH has no ['heads_frist']"),
+        ("chunk_prepare:key_block=yes", "is not a Python literal"),
     ],
 )
 def test_kda_compile_refuses_bad_settings(setting, message):
-    """``kda_compile.py --set`` checks the module's ``LAUNCH`` (its ``check_launch``) before it compiles
-    anything: one line naming the entry, exit status 1, no table."""
+    """``kda_compile.py --set`` checks a setting as ``kda.py --set`` does (its type against the default's,
+    then the module's ``check_launch``) before it compiles anything: one line naming the entry, exit status
+    1, no table."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(

@@ -832,49 +832,47 @@ def check_same_bits(
         assert torch.equal(out, changed[name]), name
 
 
-@interpreter
-@pytest.mark.parametrize("path", ["train", "train_chunks", "tiles"])
-def test_interpreter_heads_first_same_bits(monkeypatch, path):
+def check_heads_first_same_bits(
+    monkeypatch, device: str, path: str, T: int, H: int, K: int, split: int
+) -> None:
     """The token-parallel kernels' program order (``kernel_math.LAUNCH["heads_first"]``) changes no bit: each
     program computes the same chunk and head either way. ``o``, the final state and every gradient on the
     training path (``train``: tile forward, ``chunk_from_tiles``, the backward; ``train_chunks``: the 64-token
-    forward with ``keep_intermediates``), and ``o`` and the final state of the tile forward without autograd
-    (``tiles``), for two packed documents (the second starting mid-chunk), H 3."""
+    forward with ``keep_intermediates``), or ``o`` and the final state of the tile forward without autograd
+    (``tiles``), for two packed documents split at token ``split``."""
     from openk3.ops.kda.triton import chunk_function, kernel_math, tile_forward
 
     if path == "train_chunks":
         monkeypatch.setitem(chunk_function.LAUNCH, "keep_intermediates", True)
     if path == "tiles":
         monkeypatch.setitem(tile_forward.LAUNCH, "enabled", True)
-    inputs = make_inputs(1, 90, 3, 32, 32, N=2, seed=23)
-    cu_seqlens = torch.tensor([0, 48, 90])
+    inputs = make_inputs(1, T, H, K, K, N=2, device=device, seed=23)
+    cu_seqlens = torch.tensor([0, split, T], device=device)
     call = run_forward if path == "tiles" else run
+    op = triton_chunk if device == "cpu" else chunk_kda
     outs = {}
     for heads_first in (True, False):
         monkeypatch.setitem(kernel_math.LAUNCH, "heads_first", heads_first)
-        outs[heads_first] = call(triton_chunk, inputs, cu_seqlens=cu_seqlens)
+        outs[heads_first] = call(op, inputs, cu_seqlens=cu_seqlens)
     grads = set() if path == "tiles" else {"d" + n for n in inputs}
     assert set(outs[True]) == {"o", "ht"} | grads
     for name, out in outs[True].items():
         assert torch.equal(out, outs[False][name]), name
 
 
+@interpreter
+@pytest.mark.parametrize("path", ["train", "train_chunks", "tiles"])
+def test_interpreter_heads_first_same_bits(monkeypatch, path):
+    """:func:`check_heads_first_same_bits` in the interpreter: T 90 (the second document from mid-chunk), H 3,
+    D 32."""
+    check_heads_first_same_bits(monkeypatch, "cpu", path, 90, 3, 32, 48)
+
+
 @gpu
 @pytest.mark.parametrize("path", ["train", "tiles"])
 def test_gpu_heads_first_same_bits(monkeypatch, path):
-    """On the GPU the program order changes no bit either: T 3000 in two documents, H 8, D 128, bf16, through
-    the public op (the training path with every gradient, and the tile forward without autograd)."""
-    from openk3.ops.kda.triton import kernel_math
-
-    inputs = make_inputs(1, 3000, 8, 128, 128, N=2, device="cuda", seed=29)
-    cu_seqlens = torch.tensor([0, 1203, 3000], device="cuda")
-    call = run_forward if path == "tiles" else run
-    outs = {}
-    for heads_first in (True, False):
-        monkeypatch.setitem(kernel_math.LAUNCH, "heads_first", heads_first)
-        outs[heads_first] = call(chunk_kda, inputs, cu_seqlens=cu_seqlens)
-    for name, out in outs[True].items():
-        assert torch.equal(out, outs[False][name]), name
+    """:func:`check_heads_first_same_bits` on the GPU through the public op: T 3000, H 8, D 128, bf16."""
+    check_heads_first_same_bits(monkeypatch, "cuda", path, 3000, 8, 128, 1203)
 
 
 @interpreter
