@@ -88,10 +88,12 @@ def record_kda_launches() -> list[Launch]:
     ``use_beta_sigmoid_in_kernel``; initial state; the forward on 16-token tiles, as by default), of the same
     forward with autograd on 64-token chunks (``chunk_function.LAUNCH["forward_on_tiles"]`` off for the call;
     no backward), of the forward without autograd on 16-token tiles (``tile_forward``, switched on for the
-    call) and of one decode step on a state pool, in order."""
+    call), of the same forward on pairs of tiles (``tile_pairs.pair_forward``) and of one decode step on a state pool, in order."""
     from openk3.ops.kda.triton import chunk_function, tile_forward
     from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
+    from openk3.ops.kda.triton.chunk_index import fixed_length_index
     from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
+    from openk3.ops.kda.triton.tile_pairs import PAIR, pair_forward
 
     B, T, H, D = 1, 128, 96, 128
     bf = torch.bfloat16
@@ -128,6 +130,13 @@ def record_kda_launches() -> list[Launch]:
                 )  # fmt: skip
         finally:
             tile_forward.LAUNCH["enabled"] = enabled
+        with torch.no_grad():  # the forward on pairs of tiles (a GPU call of at most one program per SM)
+            flat = (t.detach()[0] for t in (q, k, v, g))
+            pair_forward(
+                *flat, beta.detach()[0], A_log.detach(), dt_bias.detach(), h0.detach(),
+                fixed_length_index(B, T, q.device, PAIR), scale=D**-0.5, lower_bound=-5.0, use_l2norm=True,
+                output_final_state=True, beta_sigmoid=True,
+            )  # fmt: skip
         pool = torch.zeros(4, H, D, D)
         fused_recurrent_kda_decode(
             q[:, :1].detach(), k[:, :1].detach(), v[:, :1].detach(), g[:, :1].detach(), beta[:, :1].detach(),
@@ -236,7 +245,7 @@ def main() -> None:
 
     print(
         f"triton {triton.__version__}, sm_{args.arch}; "
-        "launches of chunk fwd+bwd (B1 T128 H96 D128 bf16), tile fwd + decode"
+        "launches of chunk fwd+bwd (B1 T128 H96 D128 bf16), tile fwd, pair fwd, decode"
     )
     print(f"{'kernel':34s} {'warps':>5s} {'regs':>5s} {'stack B':>8s} {'shared B':>9s}")
     for launch in record_kda_launches():

@@ -64,6 +64,7 @@ from openk3.ops.kda.triton.tile_forward import (
     tile_recurrence,
 )
 from openk3.ops.kda.triton.tile_forward import check_launch as check_tile_launch
+from openk3.ops.kda.triton.tile_pairs import PAIR, pair_forward, use_pairs
 
 LAUNCH = {
     "keep_intermediates": False,
@@ -450,7 +451,8 @@ def chunk_kda_triton(
             return fixed_length_index(B, T, q.device, size)
         return varlen_index(cu_seqlens, seq_lens, size)
 
-    index = chunk_index(TILE if forward_only else CHUNK)
+    pairs = forward_only and use_pairs(V, H, B if seq_lens is None else len(seq_lens), q.device)
+    index = chunk_index((PAIR if pairs else TILE) if forward_only else CHUNK)
     # with a gradient, the forward on tiles too (LAUNCH["forward_on_tiles"]): both tables
     train_tiles = None
     if not forward_only and LAUNCH["forward_on_tiles"] and not LAUNCH["keep_intermediates"]:
@@ -463,7 +465,7 @@ def chunk_kda_triton(
         index,
     )  # fmt: skip
     if forward_only:
-        o, ht = tile_forward(
+        o, ht = (pair_forward if pairs else tile_forward)(
             *args, scale=scale, lower_bound=lower_bound, use_l2norm=use_qk_l2norm_in_kernel,
             output_final_state=output_final_state, beta_sigmoid=use_beta_sigmoid_in_kernel,
         )  # fmt: skip

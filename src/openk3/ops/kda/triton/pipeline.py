@@ -74,6 +74,11 @@ def overlaps(device: torch.device, programs: int) -> bool:
     return torch.device(device).type == "cuda" and programs <= _multiprocessors(_device_index(device))
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessor count of a CUDA ``device``."""
+    return _multiprocessors(_device_index(device))
+
+
 @functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -85,6 +85,8 @@ LAUNCH = {
     "recurrence_stages": 3,
     "value_block": 0,
     "fp32_gated_keys": False,
+    "pair_steps": True,
+    "pair_max_programs": 0,
 }
 """``enabled``: use this path for calls without a gradient. Warps, pipeline stages and key slice ``BK`` of
 the prepare; warps and stages of the recurrence (its loads do not depend on the state, so stages prefetch
@@ -102,7 +104,15 @@ worst conditioning, nearly parallel keys (a repeated token, β ≈ 1, little dec
 (Triton README, Precision; interpreter, K = 32: 5.7e-3 / 6.7e-3 with 16 bits, 2.8e-3 / 0.9e-3 with this on).
 Off by default: it doubles those three tensors' bytes, and on the H200 it cost the prepare 0.44 ms at
 B1 T8192 H96 D128 (1.36 vs 0.92 ms, the recurrence 0.85 vs 0.96) and 0.49 ms at B1 T32768 H32 (about +17%
-on the forward)."""
+on the forward).
+
+``pair_steps``: calls without a gradient whose recurrence has at most ``pair_max_programs`` programs (0:
+the GPU's multiprocessor count; on CPU, none) run the forward on pairs of tiles instead
+(:mod:`~openk3.ops.kda.triton.tile_pairs`: 32 tokens a recurrence step). There the recurrence runs one
+program per multiprocessor and is bound by its step's latency: at B1 T32768 H32 D128 (128 programs) the
+forward took 2.53–2.68 ms against 2.79–2.96 on tiles, in one process on the H200. With more programs the
+pair recurrence's 212 registers (136 on tiles) fit two programs per multiprocessor instead of three, and at
+B1 T8192 H96 (384) the forward took 1.95–2.15 ms against 1.66–1.87 (``benchmarks/results/kda_h200.md``)."""
 
 
 def check_launch() -> None:
@@ -117,7 +127,7 @@ def check_launch() -> None:
         LAUNCH,
         dict(enabled="bool", num_warps="warps", num_stages="stages", key_block="block",
              recurrence_warps="warps", recurrence_stages="stages", value_block="block_or_0",
-             fp32_gated_keys="bool"),
+             fp32_gated_keys="bool", pair_steps="bool", pair_max_programs="count"),
     )  # fmt: skip
     check_prepare_launch()
     check_state_launch()
@@ -143,6 +153,38 @@ def tile_prepare_kernel(
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     # the row norms first (a per-row factor of every later product), then the gated copies and the two
     # intra-tile products accumulated over key slices of BK channels (the gate is per channel)
+    b_rq, b_rk = row_rstd(q, k, t0, n_valid, i_h, H, K, BT, BK, USE_L2NORM)
+    if FOR_BACKWARD:  # as chunk_prepare writes them
+        store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
+        store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
+    b_rq = b_rq * scale
+    acc_M = tl.zeros([BT, BT], dtype=tl.float32)
+    acc_L = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, K // BK):
+        k0 = i_k * BK
+        b_qg, b_kt, b_kinv, b_GCe = gated_slice(
+            q, k, g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, b_rq, b_rk, H, K, BT, BK, HAS_BIAS
+        )
+        # rounded once for both products; a NaN also reaches o through Q̃, K̃, K̂ (round_tf32_finite)
+        b_kinvT = tf32_operand(tl.trans(b_kinv), DOT, True)
+        acc_M = tl.dot(tf32_operand(b_qg, DOT, True), b_kinvT, acc_M, input_precision=DOT)
+        acc_L = tl.dot(tf32_operand(b_kt, DOT, True), b_kinvT, acc_L, input_precision=DOT)
+        store_rows(qg, b_qg, t0, n_valid, i_h, k0, H, K, BT, BK)
+        store_rows(kt, b_kt, t0, n_valid, i_h, k0, H, K, BT, BK)
+        store_rows(kh, b_kinv * b_GCe[None, :], t0, n_valid, i_h, k0, H, K, BT, BK)
+        tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK), b_GCe)
+    b_M, b_T, b_beta = tile_factors(acc_M, acc_L, beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
+    store_rows(M, b_M, t0, n_valid, i_h, 0, H, BT, BT, BT)
+    store_rows(Pb, b_T * b_beta[None, :], t0, n_valid, i_h, 0, H, BT, BT, BT)
+    if FOR_BACKWARD:
+        store_rows(Td, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
+
+
+@triton.jit
+def row_rstd(q, k, t0, n_valid, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+             USE_L2NORM: tl.constexpr):  # fmt: skip
+    """The L2-norm factors ``1/‖q‖``, ``1/‖k‖`` ``[BT]`` (fp32, ``rsqrt(Σ x² + 1e-6)`` as fla's in-kernel
+    norm) of a tile's rows, summed over key slices of ``BK``; ones without ``USE_L2NORM``."""
     if USE_L2NORM:
         ss_q = tl.zeros([BT], dtype=tl.float32)
         ss_k = tl.zeros([BT], dtype=tl.float32)
@@ -156,41 +198,38 @@ def tile_prepare_kernel(
     else:
         b_rq = tl.full([BT], 1.0, tl.float32)
         b_rk = tl.full([BT], 1.0, tl.float32)
-    if FOR_BACKWARD:  # as chunk_prepare writes them
-        store_row_vec(q_rstd, b_rq, t0, n_valid, i_h, H, BT)
-        store_row_vec(k_rstd, b_rk, t0, n_valid, i_h, H, BT)
-    b_rq = b_rq * scale
-    acc_M = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_L = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, K // BK):
-        k0 = i_k * BK
-        b_G, b_GC = gate_cumsum_slice(
-            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS, False
-        )
-        b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rq[:, None]
-        b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rk[:, None]
-        b_eG = tl.exp2(b_G)
-        b_kinv = b_k * tl.exp2(-b_G)  # ≤ 2^115
-        b_qg = b_q * b_eG
-        b_kt = b_k * b_eG
-        # rounded once for both products; a NaN also reaches o through Q̃, K̃, K̂ (round_tf32_finite)
-        b_kinvT = tf32_operand(tl.trans(b_kinv), DOT, True)
-        acc_M = tl.dot(tf32_operand(b_qg, DOT, True), b_kinvT, acc_M, input_precision=DOT)
-        acc_L = tl.dot(tf32_operand(b_kt, DOT, True), b_kinvT, acc_L, input_precision=DOT)
-        b_GCe = tl.exp2(b_GC)
-        store_rows(qg, b_qg, t0, n_valid, i_h, k0, H, K, BT, BK)
-        store_rows(kt, b_kt, t0, n_valid, i_h, k0, H, K, BT, BK)
-        store_rows(kh, b_kinv * b_GCe[None, :], t0, n_valid, i_h, k0, H, K, BT, BK)
-        tl.store(gend + (i_c.to(tl.int64) * H + i_h) * K + k0 + tl.arange(0, BK), b_GCe)
+    return b_rq, b_rk
+
+
+@triton.jit
+def gated_slice(q, k, g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, b_rq, b_rk,
+                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Channels ``k0..k0+BK`` of a tile (Γ its gate's cumsum from the tile's start): ``Q̃ = q·rq·2^Γ``
+    (``b_rq`` carries the scale), ``K̃ = k·rk·2^Γ``, ``k·rk·2^{−Γ}`` (≤ 2^115) ``[BT, BK]`` fp32 and
+    ``D = 2^{Γ_C}`` ``[BK]`` (Γ_C at the last valid row)."""
+    b_G, b_GC = gate_cumsum_slice(
+        g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS, False
+    )
+    b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rq[:, None]
+    b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rk[:, None]
+    b_eG = tl.exp2(b_G)
+    b_kinv = b_k * tl.exp2(-b_G)  # ≤ 2^115
+    return b_q * b_eG, b_k * b_eG, b_kinv, tl.exp2(b_GC)
+
+
+@triton.jit
+def tile_factors(acc_M, acc_L, beta, t0, n_valid, i_h, H: tl.constexpr, BT: tl.constexpr,
+                 BETA_SIGMOID: tl.constexpr):  # fmt: skip
+    """From a tile's summed products ``Q̃ K^{-Γ}ᵀ`` and ``K̃ K^{-Γ}ᵀ`` ``[BT, BT]``: ``M`` (lower triangle
+    with the diagonal), ``T = (I + L)^{-1}`` with ``L = Diag(β)·`` the strict lower triangle (fp32
+    substitution, :func:`~openk3.ops.kda.triton.kernel_math.unit_lower_inverse_stacked`) and β ``[BT]``
+    (rows past ``n_valid`` 0)."""
     b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
     o = tl.arange(0, BT)
     b_M = tl.where(o[:, None] >= o[None, :], acc_M, 0.0)
     b_L = tl.where(o[:, None] > o[None, :], acc_L * b_beta[:, None], 0.0)
     b_T = tl.reshape(unit_lower_inverse_stacked(tl.reshape(b_L, [1, BT, BT]), 1, BT), [BT, BT])
-    store_rows(M, b_M, t0, n_valid, i_h, 0, H, BT, BT, BT)
-    store_rows(Pb, b_T * b_beta[None, :], t0, n_valid, i_h, 0, H, BT, BT, BT)
-    if FOR_BACKWARD:
-        store_rows(Td, b_T, t0, n_valid, i_h, 0, H, BT, BT, BT)
+    return b_M, b_T, b_beta
 
 
 @triton.jit
@@ -247,7 +286,9 @@ def tile_recurrence_kernel(
 class TilePrepared(NamedTuple):
     """Outputs of :func:`tile_prepare`: ``qg, kt, kh`` ``[tokens, H, K]`` in the storage dtype (fp32 with
     ``LAUNCH["fp32_gated_keys"]``), ``M`` ``[tokens, H, TILE]`` in the storage dtype, ``P``
-    ``[tokens, H, TILE]`` fp16 or fp32, ``gend`` fp32 ``[P16, H, K]``."""
+    ``[tokens, H, TILE]`` fp16 or fp32, ``gend`` fp32 ``[P16, H, K]``; for the pair forward
+    (:mod:`~openk3.ops.kda.triton.tile_pairs`) the same of 32-token steps (``M``, ``P`` ``[tokens, H, 32]``,
+    ``gend`` ``[P32, H, K]``)."""
 
     qg: torch.Tensor
     kt: torch.Tensor
@@ -257,10 +298,13 @@ class TilePrepared(NamedTuple):
     gend: torch.Tensor
 
 
-def tile_prepared_layout(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
-    """``(shape, dtype)`` of each :class:`TilePrepared` tensor for ``q`` ``[tokens, H, K]`` in tiles
-    ``index``: ``P`` in fp16 under :mod:`~openk3.ops.kda.triton.chunk_prepare`'s fp16 condition (its
-    ``LAUNCH["fp16_inverse"]``, bf16/fp16 inputs, the in-kernel L2 norm; then ``|P_ij| ≤ 1``), else fp32."""
+def tile_prepared_layout(
+    q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, step: int = TILE
+) -> TilePrepared:
+    """``(shape, dtype)`` of each :class:`TilePrepared` tensor for ``q`` ``[tokens, H, K]`` in steps of
+    ``step`` tokens ``index`` (tiles of :data:`TILE`, or pairs of them): ``P`` in fp16 under
+    :mod:`~openk3.ops.kda.triton.chunk_prepare`'s fp16 condition (its ``LAUNCH["fp16_inverse"]``, bf16/fp16
+    inputs, the in-kernel L2 norm; then ``|P_ij| ≤ 1``), else fp32."""
     TT, H, K = q.shape
     dt = q.dtype
     keys = ((TT, H, K), torch.float32 if LAUNCH["fp32_gated_keys"] else dt)
@@ -268,8 +312,8 @@ def tile_prepared_layout(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool
         qg=keys,
         kt=keys,
         kh=keys,
-        M=((TT, H, TILE), dt),
-        P=((TT, H, TILE), torch.float16 if fp16_inverse(dt, use_l2norm) else torch.float32),
+        M=((TT, H, step), dt),
+        P=((TT, H, step), torch.float16 if fp16_inverse(dt, use_l2norm) else torch.float32),
         gend=((index.num_chunks, H, K), torch.float32),
     )
 
@@ -302,9 +346,11 @@ def empty_tile_backward(q: torch.Tensor, *, use_l2norm: bool) -> TileBackward:
     return empty_outs(q, tile_backward_layout(q, use_l2norm=use_l2norm))
 
 
-def empty_tile_prepared(q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool) -> TilePrepared:
+def empty_tile_prepared(
+    q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, step: int = TILE
+) -> TilePrepared:
     """Uninitialised :class:`TilePrepared` tensors (:func:`tile_prepared_layout`)."""
-    return empty_outs(q, tile_prepared_layout(q, index, use_l2norm=use_l2norm))
+    return empty_outs(q, tile_prepared_layout(q, index, use_l2norm=use_l2norm, step=step))
 
 
 def tile_prepare(
@@ -373,8 +419,9 @@ def tile_recurrence(
     ht_out: torch.Tensor | None = None,
     e_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors (arguments and result as in
-    :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
+    """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors, or
+    :func:`~openk3.ops.kda.triton.tile_pairs.pair_prepare`'s (32 tokens a step: ``pre.M``'s last dim;
+    arguments and result as in :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
     to allocate them; ``e_out``: also write the delta-rule residuals ``E`` there, ``[tokens, H, V]`` in the
     inputs' storage dtype (``M``'s), the backward's ``v_new``; ``ValueError`` if any has another shape or
     dtype, or is not contiguous, or if ``index`` covers other tokens or tiles than ``pre``)."""
@@ -398,7 +445,7 @@ def tile_recurrence(
         *pre, v, initial_state, o, ht, e_out,
         index.cu_seqlens, index.chunk_offsets,
         # precision from the inputs' storage dtype (M's), not qg's: fp32 gated keys still take tf32 products
-        H=H, DOT=dot_precision(pre.M.dtype), K=K, V=V, BT=TILE, BV=BV,
+        H=H, DOT=dot_precision(pre.M.dtype), K=K, V=V, BT=pre.M.shape[-1], BV=BV,
         USE_H0=initial_state is not None, STORE_FINAL=output_final_state, STORE_E=e_out is not None,
         **launch_options(
             dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"], num_stages=LAUNCH["recurrence_stages"])
