@@ -88,7 +88,8 @@ def record_kda_launches() -> list[Launch]:
     ``use_beta_sigmoid_in_kernel``; initial state; the forward on 16-token tiles, as by default), of the same
     forward with autograd on 64-token chunks (``chunk_function.LAUNCH["forward_on_tiles"]`` off for the call;
     no backward), of the forward without autograd on 16-token tiles (``tile_forward``, switched on for the
-    call), of the same forward on pairs of tiles (``tile_pairs.pair_forward``) and of one decode step on a state pool, in order."""
+    call), of the same forward on pairs of tiles (``tile_pairs.pair_forward``) and of one decode step on a
+    state pool, in order."""
     from openk3.ops.kda.triton import chunk_function, tile_forward
     from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
     from openk3.ops.kda.triton.chunk_index import fixed_length_index

@@ -1207,7 +1207,8 @@ def test_interpreter_pair_forward_varlen_and_near_parallel_keys(monkeypatch):
 def test_interpreter_pair_steps_policy(monkeypatch):
     """Calls without a gradient take pairs of tiles when ``pair_steps`` is on and the recurrence has at most
     ``pair_max_programs`` programs (0: the GPU's multiprocessors, none on CPU), and the kernels then take
-    32-token steps (the public op's output equals :func:`~openk3.ops.kda.triton.tile_pairs.pair_forward`'s)."""
+    32-token steps (the public op's output equals
+    :func:`~openk3.ops.kda.triton.tile_pairs.pair_forward`'s)."""
     from openk3.ops.kda.triton import tile_forward
     from openk3.ops.kda.triton.chunk_state import value_block
     from openk3.ops.kda.triton.tile_pairs import pair_forward, use_pairs

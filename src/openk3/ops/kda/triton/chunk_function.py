@@ -432,7 +432,9 @@ def chunk_kda_triton(
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state fp32 [N, H, K, V] or None)``; differentiable. A call that
         needs no gradient (grad mode off, or no input requiring grad) runs
-        :func:`~openk3.ops.kda.triton.tile_forward.tile_forward` alone when its ``LAUNCH["enabled"]``; one
+        :func:`~openk3.ops.kda.triton.tile_forward.tile_forward` alone when its ``LAUNCH["enabled"]``
+        (:func:`~openk3.ops.kda.triton.tile_pairs.pair_forward` instead when
+        :func:`~openk3.ops.kda.triton.tile_pairs.use_pairs`: one program per multiprocessor or fewer); one
         that needs a gradient runs :class:`ChunkKDAFunction`, whose forward is on 16-token tiles too by
         default (:data:`LAUNCH` ``["forward_on_tiles"]``).
     """

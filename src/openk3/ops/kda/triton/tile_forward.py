@@ -30,8 +30,9 @@ reduction of the 16×16 substitution stays inside the warp.
 
 Used by :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` when no gradient is needed and
 ``LAUNCH["enabled"]`` (the default: the B1 T8192 H96 D128 forward took 1.69 ms on the H200 against fla's 2.88
-ms in the same run, and 4.2–4.5 ms on 64-token chunks, ``benchmarks/results/kda_h200.md``), and with a
-gradient through ``chunk_function.LAUNCH["forward_on_tiles"]``. Legend: ``BT`` tile rows,
+ms in the same run, and 4.2–4.5 ms on 64-token chunks, ``benchmarks/results/kda_h200.md``; with at most one
+recurrence program per multiprocessor, on pairs of tiles, :mod:`~openk3.ops.kda.triton.tile_pairs`), and with
+a gradient through ``chunk_function.LAUNCH["forward_on_tiles"]``. Legend: ``BT`` tile rows,
 ``BK`` key slice, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads, ``N`` sequences, ``P16`` tiles
 of all sequences.
 """
@@ -203,7 +204,8 @@ def row_rstd(q, k, t0, n_valid, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.co
 
 @triton.jit
 def gated_slice(q, k, g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, b_rq, b_rk,
-                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
     """Channels ``k0..k0+BK`` of a tile (Γ its gate's cumsum from the tile's start): ``Q̃ = q·rq·2^Γ``
     (``b_rq`` carries the scale), ``K̃ = k·rk·2^Γ``, ``k·rk·2^{−Γ}`` (≤ 2^115) ``[BT, BK]`` fp32 and
     ``D = 2^{Γ_C}`` ``[BK]`` (Γ_C at the last valid row)."""
@@ -421,10 +423,11 @@ def tile_recurrence(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors, or
     :func:`~openk3.ops.kda.triton.tile_pairs.pair_prepare`'s (32 tokens a step: ``pre.M``'s last dim;
-    arguments and result as in :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the final state to, or None
-    to allocate them; ``e_out``: also write the delta-rule residuals ``E`` there, ``[tokens, H, V]`` in the
-    inputs' storage dtype (``M``'s), the backward's ``v_new``; ``ValueError`` if any has another shape or
-    dtype, or is not contiguous, or if ``index`` covers other tokens or tiles than ``pre``)."""
+    arguments and result as in :func:`tile_forward`; ``o_out``, ``ht_out``: the tensors to write ``o`` and the
+    final state to, or None to allocate them; ``e_out``: also write the delta-rule residuals ``E`` there,
+    ``[tokens, H, V]`` in the inputs' storage dtype (``M``'s), the backward's ``v_new``; ``ValueError`` if any
+    has another shape or dtype, or is not contiguous, or if ``index`` covers other tokens or tiles than
+    ``pre``)."""
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
