@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {
     "tile_prepare_kernel": 2,  # the training forward (with its backward outputs), the forward without autograd
-    "tile_recurrence_kernel": 2,
+    "tile_recurrence_kernel": 3,  # the two tile forwards, and the pair forward's 32-token steps
+    "pair_prepare_kernel": 1,
     "chunk_from_tiles_kernel": 1,
     "chunk_prepare_kernel": 2,  # the backward's second pass, the 64-token forward (forward_on_tiles off)
     "chunk_state_fwd_kernel": 2,  # with h and E in the backward, with o in the 64-token forward

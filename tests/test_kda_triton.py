@@ -924,9 +924,11 @@ def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, s
     the tile forward; on the GPU each piece's prepare runs on a side stream beside the state pass over the
     piece before) gives the bits of the uncut call: ``o``, the final state and every gradient on the training
     path (64-token chunks), ``o`` and the final state on the tile forward (no autograd); B1 with and without
-    ``keep_intermediates``, with ``keep_residuals``, and one document in ``cu_seqlens``."""
+    ``keep_intermediates``, with ``keep_residuals``, and one document in ``cu_seqlens``. The uncut tile
+    forward is pinned to 16-token tiles (a cut one never takes pairs of tiles)."""
     from openk3.ops.kda.triton import chunk_function, pipeline
 
+    forward_path(monkeypatch, "tiles")
     op = triton_chunk if device == "cpu" else chunk_kda
     inputs = make_inputs(1, T, H, K, K, device=device, seed=19)
     one_document = torch.tensor([0, T], device=device)
@@ -1206,10 +1208,11 @@ def test_interpreter_pair_forward_varlen_and_near_parallel_keys(monkeypatch):
 @interpreter
 def test_interpreter_pair_steps_policy(monkeypatch):
     """Calls without a gradient take pairs of tiles when ``pair_steps`` is on and the recurrence has at most
-    ``pair_max_programs`` programs (0: the GPU's multiprocessors, none on CPU), and the kernels then take
+    ``pair_max_programs`` programs (0: the GPU's multiprocessors, none on CPU) and no cut of the tile forward
+    is asked for (``pipeline.LAUNCH["tile_segments"]``), and the kernels then take
     32-token steps (the public op's output equals
     :func:`~openk3.ops.kda.triton.tile_pairs.pair_forward`'s)."""
-    from openk3.ops.kda.triton import tile_forward
+    from openk3.ops.kda.triton import pipeline, tile_forward
     from openk3.ops.kda.triton.chunk_state import value_block
     from openk3.ops.kda.triton.tile_pairs import pair_forward, use_pairs
 
@@ -1224,6 +1227,9 @@ def test_interpreter_pair_steps_policy(monkeypatch):
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_steps", False)
     assert not use_pairs(V, H, N, torch.device("cpu"))
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_steps", True)
+    monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", 2)  # a cut asked for: the tile forward runs
+    assert not use_pairs(V, H, N, torch.device("cpu"))
+    monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", 0)
     inputs = make_inputs(N, 40, H, 32, V, dtype=torch.float32, seed=12)
     out = run_forward(triton_chunk, inputs)
     flat, beta, gate, opts, _, _ = launcher_args(inputs)

@@ -28,7 +28,8 @@ from openk3.ops.kda.triton.kernel_math import check_launch_entries
 LAUNCH = {"segments": 4, "tile_segments": 0, "min_tokens": 16384}
 """``segments``: how many pieces a long single sequence is cut into on the training path (64-token chunks,
 forward and backward; ``< 2``: never cut); ``tile_segments``: the same for the 16-token tile forward (calls
-without a gradient); ``min_tokens``: the shortest sequence that is cut. Only calls with one sequence
+without a gradient; ``≥ 2`` also keeps such calls off the pairs of tiles, ``tile_pairs.use_pairs``, which are
+never cut); ``min_tokens``: the shortest sequence that is cut. Only calls with one sequence
 (``B = 1``, or one document in ``cu_seqlens``) on CUDA are cut; several sequences give the state pass one
 program per sequence and head already.
 
@@ -71,7 +72,7 @@ def overlaps(device: torch.device, programs: int) -> bool:
     one program per multiprocessor. With more, the pass already shares the GPU among its own programs and
     the cut measured slower on the H200 (tile forward at B1 T8192 H96 D128, 384 programs: 1.78–1.84 ms cut
     in 2 or 4 against 1.68–1.71 uncut; ``benchmarks/results/kda_h200_pipeline_runs.txt``)."""
-    return torch.device(device).type == "cuda" and programs <= _multiprocessors(_device_index(device))
+    return torch.device(device).type == "cuda" and programs <= multiprocessors(device)
 
 
 def multiprocessors(device: torch.device) -> int:

@@ -109,7 +109,8 @@ on the forward).
 
 ``pair_steps``: calls without a gradient whose recurrence has at most ``pair_max_programs`` programs (0:
 the GPU's multiprocessor count; on CPU, none) run the forward on pairs of tiles instead
-(:mod:`~openk3.ops.kda.triton.tile_pairs`: 32 tokens a recurrence step). There the recurrence runs one
+(:mod:`~openk3.ops.kda.triton.tile_pairs`: 32 tokens a recurrence step), unless
+``pipeline.LAUNCH["tile_segments"]`` asks to cut the tile forward. There the recurrence runs one
 program per multiprocessor and is bound by its step's latency: at B1 T32768 H32 D128 (128 programs) the
 forward took 2.53–2.68 ms against 2.79–2.96 on tiles, in one process on the H200. With more programs the
 pair recurrence's 212 registers (136 on tiles) fit two programs per multiprocessor instead of three, and at

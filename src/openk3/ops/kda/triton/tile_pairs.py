@@ -1,13 +1,13 @@
 """The KDA forward on pairs of 16-token tiles: the tile forward of :mod:`~openk3.ops.kda.triton.tile_forward`
 with its recurrence stepping 32 tokens at a time, for calls without a gradient.
 
-The recurrence's tile step is bound by the latency of its chain through the state (§2.2: one program per
-value block and head, each step three dependent products). Two tiles per step halve the steps for less than
-twice the step's latency: on the H200 at B1 T32768 H32 D128 the same recurrence kernel took 1.43–1.46 ms
-stepping 32 tokens against 1.75 ms stepping 16 (synthetic prepared tensors,
-``benchmarks/results/kda_h200.md``). What the 32-token step needs is written by a prepare that works on
-pairs of tiles, so that the recurrence is :func:`~openk3.ops.kda.triton.tile_forward.tile_recurrence_kernel`
-unchanged with ``BT = 32``.
+The recurrence's tile step is bound by the latency of its chain through the state (§2.2: one program per value
+block and head, each step three dependent products). Two tiles per step halve the steps for less than twice
+the step's latency: on the H200 at B1 T32768 H32 D128 the same recurrence kernel took 1.43–1.46 ms stepping 32
+tokens against 1.75 ms stepping 16 (synthetic prepared tensors,
+``benchmarks/results/kda_h200_2026-12-01b_runs.txt``, run 4). What the 32-token step needs is written by a
+prepare that works on pairs of tiles, so that the recurrence is
+:func:`~openk3.ops.kda.triton.tile_forward.tile_recurrence_kernel` unchanged with ``BT = 32``.
 
 Per pair of tiles ``a``, ``b`` (Γ each tile's gate cumsum from its own start, ``Q̃``, ``K̃``, ``K̂``, ``M``,
 ``P``, ``D`` each tile's as in :mod:`~openk3.ops.kda.triton.tile_forward`), the state ``S`` before ``a``,
@@ -35,8 +35,21 @@ fp16 under the same condition as the tile's ``P`` (unit keys, ``β ≤ 1``: entr
 The prepare is one warp per pair and head (grid ``chunk_grid(P32, H)``): tile ``a`` as the tile prepare
 does it, then tile ``b``, whose key slices also form ``C`` and ``F`` from ``K̂_a`` as stored, write ``Q̃_b``
 and ``K̃_b`` times ``D_a``, and rewrite ``K̂_a`` times ``D_b`` (so ``K̂_a`` is rounded to the storage dtype
-twice). Legend: ``BT`` tile rows (16), ``BK`` key slice, ``K`` key dim, ``H`` heads, ``P32`` pairs of all
-sequences.
+twice).
+
+:func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` takes this path for a call without a gradient
+when :func:`use_pairs`: the recurrence's programs (``⌈V/BV⌉·N·H``) are at most
+``tile_forward.LAUNCH["pair_max_programs"]`` (0, the default: the GPU's multiprocessor count; on CPU never,
+unless set), ``["pair_steps"]`` is on and no cut of the tile forward is asked for
+(``pipeline.LAUNCH["tile_segments"]``). With more programs than multiprocessors the 32-token step's registers
+(212 against 136 at ``BV = 32``, offline sm_90 compile) fit fewer programs per multiprocessor, and on the H200
+the pair forward was slower at B1 T8192 H96 D128 (1.95–2.15 ms against 1.66–1.87). Values: with fp32 inputs
+within 2e-7 of the tile forward; with bf16 a little further from fp64 than the tile forward where ``E_b``
+cancels (nearly parallel keys: o 8–18% more; the Triton README's Precision section), since its second
+tile's residual is the one tf32 product ``P_b X'_b − P_b C P_a X_a`` where the tile step takes
+``V_b − K̃_b S_a`` in fp32 first (``benchmarks/results/kda_h200_2026-12-01b_runs.txt``, interpreter section).
+
+Legend: ``BT`` tile rows (16), ``BK`` key slice, ``K`` key dim, ``H`` heads, ``P32`` pairs of all sequences.
 """
 
 from __future__ import annotations
@@ -61,11 +74,13 @@ from openk3.ops.kda.triton.kernel_math import (
     store_rows,
     tf32_operand,
 )
+from openk3.ops.kda.triton.pipeline import LAUNCH as PIPELINE_LAUNCH
 from openk3.ops.kda.triton.pipeline import multiprocessors
 from openk3.ops.kda.triton.tile_forward import (
     LAUNCH,
     TILE,
     TilePrepared,
+    check_launch,
     empty_tile_prepared,
     gated_slice,
     row_rstd,
@@ -81,8 +96,9 @@ PAIR = 2 * TILE
 def use_pairs(V: int, H: int, N: int, device: torch.device) -> bool:
     """Whether a call without a gradient of ``N`` sequences, ``H`` heads and value dim ``V`` runs on pairs of
     tiles: ``tile_forward.LAUNCH["pair_steps"]`` and a recurrence of at most ``LAUNCH["pair_max_programs"]``
-    programs (0: the multiprocessor count of a CUDA ``device``, none on CPU; module docstring)."""
-    if not LAUNCH["pair_steps"]:
+    programs (0: the multiprocessor count of a CUDA ``device``, none on CPU; module docstring), unless
+    ``pipeline.LAUNCH["tile_segments"]`` asks to cut the 16-token tile forward (``≥ 2``), which then runs."""
+    if not LAUNCH["pair_steps"] or PIPELINE_LAUNCH["tile_segments"] >= 2:
         return False
     limit = LAUNCH["pair_max_programs"]
     if limit == 0:
@@ -196,9 +212,12 @@ def pair_prepare(
         :class:`~openk3.ops.kda.triton.tile_forward.TilePrepared` of 32-token steps.
 
     Raises:
-        ValueError: a tensor of ``out`` of another shape or dtype, or not contiguous.
+        ValueError: a ``LAUNCH`` entry :func:`~openk3.ops.kda.triton.tile_forward.check_launch` refuses (a key
+            slice that is no tensor-core operand); a tensor of ``out`` of another shape or dtype, or not
+            contiguous.
     """
     TT, H, K = q.shape
+    check_launch()
     BK = min(K, LAUNCH["key_block"])
     layout = tile_prepared_layout(q, index, use_l2norm=use_l2norm, step=PAIR)
     if out is None:
