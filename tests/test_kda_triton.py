@@ -1229,6 +1229,9 @@ def test_interpreter_pair_steps_policy(monkeypatch):
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_steps", True)
     monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", 2)  # a cut asked for: the tile forward runs
     assert not use_pairs(V, H, N, torch.device("cpu"))
+    monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", "2")
+    with pytest.raises(ValueError, match="pipeline.LAUNCH"):
+        use_pairs(V, H, N, torch.device("cpu"))
     monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", 0)
     inputs = make_inputs(N, 40, H, 32, V, dtype=torch.float32, seed=12)
     out = run_forward(triton_chunk, inputs)

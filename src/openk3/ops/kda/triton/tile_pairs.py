@@ -75,6 +75,7 @@ from openk3.ops.kda.triton.kernel_math import (
     tf32_operand,
 )
 from openk3.ops.kda.triton.pipeline import LAUNCH as PIPELINE_LAUNCH
+from openk3.ops.kda.triton.pipeline import check_launch as check_pipeline_launch
 from openk3.ops.kda.triton.pipeline import multiprocessors
 from openk3.ops.kda.triton.tile_forward import (
     LAUNCH,
@@ -97,7 +98,10 @@ def use_pairs(V: int, H: int, N: int, device: torch.device) -> bool:
     """Whether a call without a gradient of ``N`` sequences, ``H`` heads and value dim ``V`` runs on pairs of
     tiles: ``tile_forward.LAUNCH["pair_steps"]`` and a recurrence of at most ``LAUNCH["pair_max_programs"]``
     programs (0: the multiprocessor count of a CUDA ``device``, none on CPU; module docstring), unless
-    ``pipeline.LAUNCH["tile_segments"]`` asks to cut the 16-token tile forward (``≥ 2``), which then runs."""
+    ``pipeline.LAUNCH["tile_segments"]`` asks to cut the 16-token tile forward (``≥ 2``), which then runs.
+    ``ValueError`` from :func:`~openk3.ops.kda.triton.pipeline.check_launch` for a pipeline entry of the wrong
+    kind."""
+    check_pipeline_launch()
     if not LAUNCH["pair_steps"] or PIPELINE_LAUNCH["tile_segments"] >= 2:
         return False
     limit = LAUNCH["pair_max_programs"]
