@@ -1218,20 +1218,20 @@ def test_interpreter_pair_steps_policy(monkeypatch):
 
     V, H, N = 64, 3, 2
     programs = (V // value_block(V, N * H, tile_forward.LAUNCH["value_block"])) * N * H
-    assert not use_pairs(V, H, N, torch.device("cpu"))  # 0: none on CPU
+    assert not use_pairs(programs, torch.device("cpu"))  # 0: none on CPU
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_max_programs", programs)
-    assert use_pairs(V, H, N, torch.device("cpu"))
+    assert use_pairs(programs, torch.device("cpu"))
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_max_programs", programs - 1)
-    assert not use_pairs(V, H, N, torch.device("cpu"))
+    assert not use_pairs(programs, torch.device("cpu"))
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_max_programs", programs)
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_steps", False)
-    assert not use_pairs(V, H, N, torch.device("cpu"))
+    assert not use_pairs(programs, torch.device("cpu"))
     monkeypatch.setitem(tile_forward.LAUNCH, "pair_steps", True)
     monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", 2)  # a cut asked for: the tile forward runs
-    assert not use_pairs(V, H, N, torch.device("cpu"))
+    assert not use_pairs(programs, torch.device("cpu"))
     monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", "2")
     with pytest.raises(ValueError, match="pipeline.LAUNCH"):
-        use_pairs(V, H, N, torch.device("cpu"))
+        use_pairs(programs, torch.device("cpu"))
     monkeypatch.setitem(pipeline.LAUNCH, "tile_segments", 0)
     inputs = make_inputs(N, 40, H, 32, V, dtype=torch.float32, seed=12)
     out = run_forward(triton_chunk, inputs)

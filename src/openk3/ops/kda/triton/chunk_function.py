@@ -209,7 +209,7 @@ def forward_passes(
     """
     H, K, V = q.shape[1], q.shape[2], v.shape[-1]
     fwd = dict(V=V, out_dtype=v.dtype, store_h=keep, store_o=True)
-    segs = segments(index, CHUNK, q.device, state_programs(V, H, index))
+    segs = segments(index, CHUNK, q.device, state_programs(V, H, index.num_seqs))
     if segs is None:
         pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, **opts)
         return (pre, *chunk_state_fwd(pre, h0, index, output_final_state=output_final_state, **fwd))
@@ -265,7 +265,9 @@ def tile_forward_passes(
 
     if not (
         LAUNCH["overlap_from_tiles"]
-        and overlaps(q.device, state_programs(v.shape[-1], v.shape[1], tiles, TILE_LAUNCH["value_block"]))
+        and overlaps(
+            q.device, state_programs(v.shape[-1], v.shape[1], tiles.num_seqs, TILE_LAUNCH["value_block"])
+        )
     ):
         Aqk, Akk = build()
         o, ht = tile_recurrence(pre, v, h0, tiles, output_final_state=output_final_state, e_out=e)
@@ -311,7 +313,7 @@ def backward_passes(
         ``(pre, h, v_new, dh, dv_new, dh0)`` (``v_new`` is ``residuals`` when given).
     """
     store_u = residuals is None
-    segs = segments(index, CHUNK, do.device, state_programs(do.shape[-1], q.shape[1], index))
+    segs = segments(index, CHUNK, do.device, state_programs(do.shape[-1], q.shape[1], index.num_seqs))
     if segs is None:
         pre = chunk_prepare(q, k, v, g, beta, A_log, dt_bias, index, saved=saved, store_u=store_u, **opts)
         return (pre, *backward_state_passes(pre, h0, do, dht, index, residuals))
@@ -453,7 +455,8 @@ def chunk_kda_triton(
             return fixed_length_index(B, T, q.device, size)
         return varlen_index(cu_seqlens, seq_lens, size)
 
-    pairs = forward_only and use_pairs(V, H, B if seq_lens is None else len(seq_lens), q.device)
+    N = B if seq_lens is None else len(seq_lens)
+    pairs = forward_only and use_pairs(state_programs(V, H, N, TILE_LAUNCH["value_block"]), q.device)
     index = chunk_index((PAIR if pairs else TILE) if forward_only else CHUNK)
     # with a gradient, the forward on tiles too (LAUNCH["forward_on_tiles"]): both tables
     train_tiles = None

@@ -134,10 +134,9 @@ def state_launch_options(programs: int, device: torch.device) -> dict:
     return options
 
 
-def state_programs(V: int, H: int, index: ChunkIndex, fixed: int | None = None) -> int:
-    """How many programs a state pass over ``index`` runs: one per (value block of :func:`value_block`,
-    sequence, head)."""
-    N = index.num_seqs
+def state_programs(V: int, H: int, N: int, fixed: int | None = None) -> int:
+    """How many programs a state pass over ``N`` sequences (``index.num_seqs``) runs: one per (value block of
+    :func:`value_block`, sequence, head)."""
     return triton.cdiv(V, value_block(V, N * H, fixed)) * N * H
 
 

@@ -495,7 +495,7 @@ def tile_forward(
         ``(o [tokens, H, V] in v.dtype, final_state or None)``.
     """
     opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
-    programs = state_programs(v.shape[-1], v.shape[1], index, LAUNCH["value_block"])
+    programs = state_programs(v.shape[-1], v.shape[1], index.num_seqs, LAUNCH["value_block"])
     segs = segments(index, TILE, q.device, programs, "tile_segments")
     if segs is None:
         pre = tile_prepare(q, k, g, beta, A_log, dt_bias, index, **opts)

@@ -60,7 +60,6 @@ import triton.language as tl
 
 from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import ChunkIndex
-from openk3.ops.kda.triton.chunk_state import value_block
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
     check_outs,
@@ -76,7 +75,7 @@ from openk3.ops.kda.triton.kernel_math import (
 )
 from openk3.ops.kda.triton.pipeline import LAUNCH as PIPELINE_LAUNCH
 from openk3.ops.kda.triton.pipeline import check_launch as check_pipeline_launch
-from openk3.ops.kda.triton.pipeline import multiprocessors
+from openk3.ops.kda.triton.pipeline import overlaps
 from openk3.ops.kda.triton.tile_forward import (
     LAUNCH,
     TILE,
@@ -94,20 +93,19 @@ PAIR = 2 * TILE
 """Tokens per recurrence step of the pair forward."""
 
 
-def use_pairs(V: int, H: int, N: int, device: torch.device) -> bool:
-    """Whether a call without a gradient of ``N`` sequences, ``H`` heads and value dim ``V`` runs on pairs of
-    tiles: ``tile_forward.LAUNCH["pair_steps"]`` and a recurrence of at most ``LAUNCH["pair_max_programs"]``
-    programs (0: the multiprocessor count of a CUDA ``device``, none on CPU; module docstring), unless
-    ``pipeline.LAUNCH["tile_segments"]`` asks to cut the 16-token tile forward (``≥ 2``), which then runs.
-    ``ValueError`` from :func:`~openk3.ops.kda.triton.pipeline.check_launch` for a pipeline entry of the wrong
-    kind."""
+def use_pairs(programs: int, device: torch.device) -> bool:
+    """Whether a call without a gradient whose recurrence runs ``programs`` programs
+    (:func:`~openk3.ops.kda.triton.chunk_state.state_programs` with ``tile_forward.LAUNCH["value_block"]``)
+    runs on pairs of tiles: ``tile_forward.LAUNCH["pair_steps"]`` and at most ``LAUNCH["pair_max_programs"]``
+    programs (0: one per multiprocessor of a CUDA ``device``,
+    :func:`~openk3.ops.kda.triton.pipeline.overlaps`; never on CPU), unless ``pipeline.LAUNCH["tile_segments"]`` asks to cut the 16-token tile forward
+    (``≥ 2``), which then runs. ``ValueError`` from :func:`~openk3.ops.kda.triton.pipeline.check_launch` for
+    a pipeline entry of the wrong kind."""
     check_pipeline_launch()
     if not LAUNCH["pair_steps"] or PIPELINE_LAUNCH["tile_segments"] >= 2:
         return False
     limit = LAUNCH["pair_max_programs"]
-    if limit == 0:
-        limit = multiprocessors(device) if torch.device(device).type == "cuda" else 0
-    return triton.cdiv(V, value_block(V, N * H, LAUNCH["value_block"])) * N * H <= limit
+    return overlaps(device, programs) if limit == 0 else programs <= limit
 
 
 @triton.jit
