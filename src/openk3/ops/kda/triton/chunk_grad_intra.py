@@ -48,6 +48,7 @@ from openk3.ops.kda.triton.kernel_math import (
     load_beta,
     load_row_vec,
     load_rows,
+    round_tf32,
     row_at,
     sigmoid,
     split_bf16,
@@ -116,6 +117,25 @@ def check_launch() -> None:
 
 
 @triton.jit
+def rounding_remainder(x, BF16: tl.constexpr):
+    """What the tensor cores drop of the fp32 factor ``x``: ``x − bf16(x)`` as bf16 when ``BF16``, else
+    ``x − tf32(x)`` (fp32, exact; rounded to tf32 again by :func:`operand_dot`)."""
+    if BF16:
+        return (x - x.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    else:
+        return x - round_tf32(x)
+
+
+@triton.jit
+def operand_dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` of bf16 operands as they are, of fp32 ones at precision ``DOT``."""
+    if a.dtype == tl.bfloat16:
+        return tl.dot(a, b)
+    else:
+        return dot(a, b, DOT)
+
+
+@triton.jit
 def chunk_grad_intra_kernel(
     q, k, g, beta, A_log, dt_bias, q_rstd, k_rstd,
     dA, dL, dqn, dkn, dG, dbeta_part,
@@ -125,7 +145,7 @@ def chunk_grad_intra_kernel(
     H: tl.constexpr, HEADS_FIRST: tl.constexpr,
     DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     NB: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPLIT: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPLIT: tl.constexpr, REMAINDER: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the
     per-chunk partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites
@@ -138,6 +158,10 @@ def chunk_grad_intra_kernel(
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
 
     b_dA = load_rows(dA, t0, n_valid, i_h, 0, H, BT, BT, BT) * scale
+    # the diagonal dAqk_ii (e^{Γ_i − Γ_i} = 1, no gate) apart, exact in fp32: its q and k terms cancel in dΓ
+    on_diag = o_t[:, None] == o_t[None, :]
+    b_dA_ii = tl.sum(tl.where(on_diag, b_dA, 0.0), axis=1)
+    b_dA = tl.where(on_diag, 0.0, b_dA)
     b_dL = load_rows(dL, t0, n_valid, i_h, 0, H, BT, BT, BT)
     b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
     b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
@@ -163,8 +187,13 @@ def chunk_grad_intra_kernel(
         acc_m = tl.zeros([BT, BK], dtype=tl.float32)
         acc_c = tl.zeros([BT, BK], dtype=tl.float32)
         a_s = tl.zeros([BK], dtype=tl.float32)
+        e_a = tl.zeros([BT, BK], dtype=tl.float32)  # a_s − Γ on each row of block s (its own row anchor)
+        e_b = tl.zeros([BT, BK], dtype=tl.float32)  # Γ − b_s on each row of block s (its own column anchor)
         for s in tl.static_range(BT // BC):
             b_s = row_at(b_G, s * BC + BC - 1, BT)
+            if REMAINDER:
+                e_a = tl.where((blk == s)[:, None], a_s[None, :] - b_G, e_a)
+                e_b = tl.where((blk == s)[:, None], b_G - b_s[None, :], e_b)
             # row block s, anchor a_s (Γ before the block)
             b_col = b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
             b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
@@ -191,10 +220,28 @@ def chunk_grad_intra_kernel(
                 b_c = dot(b_dAt, b_q * b_rows, DOT)
                 acc_c += dot(b_dLt, b_k * b_rows, DOT, b_c) * b_cf
             a_s = b_s
+        if REMAINDER:
+            # the pairs i > j of one 16-row block once more, with what the operand rounding dropped of their
+            # factors (the same fp32 values as in the loop: its bf16/tf32 rounding's remainder), so a pair's
+            # row-side and column-side terms of dΓ cancel to ~2^-17 instead of the operand's 2^-9 / 2^-12
+            same = blk[:, None] == blk[None, :]
+            b_col = b_k * tl.exp2(e_a)
+            c_lo = rounding_remainder(b_col, BF16)
+            b_rf = tl.exp2(-e_a)
+            acc_q += operand_dot(tl.where(same, b_dA, 0.0).to(b_dA.dtype), c_lo, DOT) * b_rf
+            acc_m += operand_dot(tl.where(same, b_dL, 0.0).to(b_dL.dtype), c_lo, DOT) * b_rf
+            b_rows = tl.exp2(e_b)
+            b_c = operand_dot(
+                tl.where(same, b_dAt, 0.0).to(b_dAt.dtype), rounding_remainder(b_q * b_rows, BF16), DOT
+            )
+            b_c += operand_dot(
+                tl.where(same, b_dLt, 0.0).to(b_dLt.dtype), rounding_remainder(b_k * b_rows, BF16), DOT
+            )
+            acc_c += b_c * tl.exp2(-e_b)
         b_db += tl.sum(b_k * acc_m, axis=1)
         b_dk_row = acc_m * b_beta[:, None]
-        b_dqn = load_rows(dqn, t0, n_valid, i_h, k0, H, K, BT, BK) + acc_q
-        b_dkn = load_rows(dkn, t0, n_valid, i_h, k0, H, K, BT, BK) + b_dk_row + acc_c
+        b_dqn = load_rows(dqn, t0, n_valid, i_h, k0, H, K, BT, BK) + acc_q + b_dA_ii[:, None] * b_k
+        b_dkn = load_rows(dkn, t0, n_valid, i_h, k0, H, K, BT, BK) + b_dk_row + acc_c + b_dA_ii[:, None] * b_q
         b_dG = load_rows(dG, t0, n_valid, i_h, k0, H, K, BT, BK) + b_q * acc_q + b_k * (b_dk_row - acc_c)
         c_q += tl.sum(b_q * b_dqn, axis=1)
         c_k += tl.sum(b_k * b_dkn, axis=1)
@@ -253,6 +300,8 @@ def chunk_grad_intra(
     dA_log_part = q.new_empty(P, H, dtype=torch.float32)
     ddt_part = q.new_empty(P, H, K, dtype=torch.float32)
     heads_first = kernel_math.LAUNCH["heads_first"]
+    bf16 = LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM
+    split = LAUNCH["split_factors"]
     chunk_grad_intra_kernel[chunk_grid(P, H, heads_first=heads_first)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         wy.dA, wy.dL, wy.dqn, wy.dkn, wy.dG, wy.dbeta,
@@ -262,8 +311,9 @@ def chunk_grad_intra(
         H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM,
-        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, SPLIT=LAUNCH["split_factors"],
+        BF16=bf16,
+        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, SPLIT=split,
+        REMAINDER=dot_precision(q.dtype) == "tf32" and not (bf16 and split),
         **launch_options(LAUNCH),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)
