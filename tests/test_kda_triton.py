@@ -1697,8 +1697,11 @@ def test_interpreter_gate_grads_match_fp64(gate):
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # σ of a saturated gate: exp(−z) = inf
 @pytest.mark.parametrize("gate", ["normal", "fast"])
 def test_interpreter_gate_grads_match_fp64_tf32_products(gate):
-    """B1 T100 H2 D64 (tf32 products in grad_intra): as :func:`test_interpreter_gate_grads_match_fp64`."""
-    check_gate_grads(gate_grad_inputs(1, 100, 2, 64, gate=gate, seed=29))
+    """B1 T100 H4 D64 (tf32 products in grad_intra): as :func:`test_interpreter_gate_grads_match_fp64`. Four
+    heads: ``dA_log`` is one number per head, each dominated by the few tokens where the gate's ``σ'`` is
+    largest, so over two heads its relative RMSE swings from seed to seed (fast gates, H2: 0.013 / 0.0047 /
+    0.0013 at seeds 29–31; H4 seed 29: 0.0005)."""
+    check_gate_grads(gate_grad_inputs(1, 100, 4, 64, gate=gate, seed=29))
 
 
 @interpreter

@@ -16,6 +16,17 @@ channels at a time (every term is per channel until the L2 norm):
   ``dk_j += Σ_i (scale dAqk_ij q_i + β_i dL_ij k_i) e^{Γ_i−Γ_j}``;
 * ``dΓ_i += q_i ⊙ dq_i^{row} + k_i ⊙ dk_i^{row} − k_i ⊙ dk_i^{col}``.
 
+The per-step ``dg_t = Σ_{i ≥ t} dΓ_i`` keeps only the pairs ``j < t ≤ i``: every other pair enters ``+`` on its
+row side and ``−`` on its column side and must cancel. Two things make it cancel in the kernel as it does in
+exact arithmetic (otherwise, with a fast gate, the residue of the large near pairs exceeded the small true
+``dg``): the diagonal ``dAqk_ii`` (no gate in ``Aqk_ii = scale q_i·k_i``) is kept out of the tensor-core tiles,
+its ``dq``/``dk`` terms added in fp32 and its two ``dΓ`` terms (equal and opposite) left out; and the pairs
+inside one anchor block, where a fast gate's ``dg`` lives, are taken once more with the rounding remainder of
+their factors (``x − bf16(x)``, or ``x − tf32(x)`` with tf32 products; not with ``split_factors``, which
+splits every factor, nor with fp32 inputs' ``tf32x3``), against the block-diagonal part of the gradient
+tiles, so both sides carry the same pair to ~2^-17. ``dL`` is rounded once for both sides (β goes with the
+column side's keys).
+
 Then ``dg = reverse cumsum of dΓ`` within the chunk, the K3 gate backward (``dx = dg·lb·σ(z)(1 − σ(z))·
 e^{A_log}``, ``dA_log = Σ dx·(x + dt_bias)``, ``ddt_bias = Σ_t dx``, §1.3) and, after all slices (the totals
 are parked in the fp32 ``dqn``/``dkn`` buffers), the L2-norm backward ``dq = (dq̂ − q̂ (q̂·dq̂)) / ‖q‖``.
@@ -167,7 +178,7 @@ def chunk_grad_intra_kernel(
     b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
     b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
     b_dAt = tl.trans(b_dA)
-    b_dLt = tl.trans(b_dL * b_beta[:, None])
+    b_dLt = tl.trans(b_dL)  # β goes with the keys (b_kb), so both sides round the same dL
     if BF16:  # the loop-invariant operand tiles, once
         b_dA, b_dL = b_dA.to(tl.bfloat16), b_dL.to(tl.bfloat16)
         b_dAt, b_dLt = b_dAt.to(tl.bfloat16), b_dLt.to(tl.bfloat16)
@@ -183,6 +194,7 @@ def chunk_grad_intra_kernel(
         )
         b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rq[:, None]
         b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rk[:, None]
+        b_kb = b_k * b_beta[:, None]
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_m = tl.zeros([BT, BK], dtype=tl.float32)
         acc_c = tl.zeros([BT, BK], dtype=tl.float32)
@@ -205,7 +217,7 @@ def chunk_grad_intra_kernel(
                 acc_q += tl.dot(b_dA, c_lo, tl.dot(b_dA, c_hi)) * b_rf
                 acc_m += tl.dot(b_dL, c_lo, tl.dot(b_dL, c_hi)) * b_rf
                 q_hi, q_lo = split_bf16(b_q * b_rows)
-                k_hi, k_lo = split_bf16(b_k * b_rows)
+                k_hi, k_lo = split_bf16(b_kb * b_rows)
                 b_c = tl.dot(b_dAt, q_lo, tl.dot(b_dAt, q_hi))
                 acc_c += tl.dot(b_dLt, k_lo, tl.dot(b_dLt, k_hi, b_c)) * b_cf
             elif BF16:  # against the factors rounded to bf16 once
@@ -213,12 +225,12 @@ def chunk_grad_intra_kernel(
                 acc_q += tl.dot(b_dA, b_cb) * b_rf
                 acc_m += tl.dot(b_dL, b_cb) * b_rf
                 b_c = tl.dot(b_dAt, (b_q * b_rows).to(tl.bfloat16))
-                acc_c += tl.dot(b_dLt, (b_k * b_rows).to(tl.bfloat16), b_c) * b_cf
+                acc_c += tl.dot(b_dLt, (b_kb * b_rows).to(tl.bfloat16), b_c) * b_cf
             else:
                 acc_q += dot(b_dA, b_col, DOT) * b_rf
                 acc_m += dot(b_dL, b_col, DOT) * b_rf
                 b_c = dot(b_dAt, b_q * b_rows, DOT)
-                acc_c += dot(b_dLt, b_k * b_rows, DOT, b_c) * b_cf
+                acc_c += dot(b_dLt, b_kb * b_rows, DOT, b_c) * b_cf
             a_s = b_s
         if REMAINDER:
             # the pairs i > j of one 16-row block once more, with what the operand rounding dropped of their
@@ -235,7 +247,7 @@ def chunk_grad_intra_kernel(
                 tl.where(same, b_dAt, 0.0).to(b_dAt.dtype), rounding_remainder(b_q * b_rows, BF16), DOT
             )
             b_c += operand_dot(
-                tl.where(same, b_dLt, 0.0).to(b_dLt.dtype), rounding_remainder(b_k * b_rows, BF16), DOT
+                tl.where(same, b_dLt, 0.0).to(b_dLt.dtype), rounding_remainder(b_kb * b_rows, BF16), DOT
             )
             acc_c += b_c * tl.exp2(-e_b)
         b_db += tl.sum(b_k * acc_m, axis=1)
