@@ -24,7 +24,7 @@ its ``dq``/``dk`` terms added in fp32 and its two ``dΓ`` terms (equal and oppos
 inside one anchor block, where a fast gate's ``dg`` lives, are taken once more with the rounding remainder of
 their factors (``x − bf16(x)``, or ``x − tf32(x)`` with tf32 products; not with ``split_factors``, which
 splits every factor, nor with fp32 inputs' ``tf32x3``), against the block-diagonal part of the gradient
-tiles, so both sides carry the same pair to ~2^-17. ``dL`` is rounded once for both sides (β goes with the
+tiles, so both sides carry the same pair to ~2^-16. ``dL`` is rounded once for both sides (β goes with the
 column side's keys).
 
 Then ``dg = reverse cumsum of dΓ`` within the chunk, the K3 gate backward (``dx = dg·lb·σ(z)(1 − σ(z))·
@@ -178,7 +178,7 @@ def chunk_grad_intra_kernel(
     b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
     b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
     b_dAt = tl.trans(b_dA)
-    b_dLt = tl.trans(b_dL)  # β goes with the keys (b_kb), so both sides round the same dL
+    b_dLt = tl.trans(b_dL)  # β goes with the column side's keys: both sides round the same dL
     if BF16:  # the loop-invariant operand tiles, once
         b_dA, b_dL = b_dA.to(tl.bfloat16), b_dL.to(tl.bfloat16)
         b_dAt, b_dLt = b_dAt.to(tl.bfloat16), b_dLt.to(tl.bfloat16)
@@ -194,7 +194,6 @@ def chunk_grad_intra_kernel(
         )
         b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rq[:, None]
         b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rk[:, None]
-        b_kb = b_k * b_beta[:, None]
         acc_q = tl.zeros([BT, BK], dtype=tl.float32)
         acc_m = tl.zeros([BT, BK], dtype=tl.float32)
         acc_c = tl.zeros([BT, BK], dtype=tl.float32)
@@ -217,7 +216,7 @@ def chunk_grad_intra_kernel(
                 acc_q += tl.dot(b_dA, c_lo, tl.dot(b_dA, c_hi)) * b_rf
                 acc_m += tl.dot(b_dL, c_lo, tl.dot(b_dL, c_hi)) * b_rf
                 q_hi, q_lo = split_bf16(b_q * b_rows)
-                k_hi, k_lo = split_bf16(b_kb * b_rows)
+                k_hi, k_lo = split_bf16(b_k * b_rows * b_beta[:, None])
                 b_c = tl.dot(b_dAt, q_lo, tl.dot(b_dAt, q_hi))
                 acc_c += tl.dot(b_dLt, k_lo, tl.dot(b_dLt, k_hi, b_c)) * b_cf
             elif BF16:  # against the factors rounded to bf16 once
@@ -225,17 +224,17 @@ def chunk_grad_intra_kernel(
                 acc_q += tl.dot(b_dA, b_cb) * b_rf
                 acc_m += tl.dot(b_dL, b_cb) * b_rf
                 b_c = tl.dot(b_dAt, (b_q * b_rows).to(tl.bfloat16))
-                acc_c += tl.dot(b_dLt, (b_kb * b_rows).to(tl.bfloat16), b_c) * b_cf
+                acc_c += tl.dot(b_dLt, (b_k * b_rows * b_beta[:, None]).to(tl.bfloat16), b_c) * b_cf
             else:
                 acc_q += dot(b_dA, b_col, DOT) * b_rf
                 acc_m += dot(b_dL, b_col, DOT) * b_rf
                 b_c = dot(b_dAt, b_q * b_rows, DOT)
-                acc_c += dot(b_dLt, b_kb * b_rows, DOT, b_c) * b_cf
+                acc_c += dot(b_dLt, b_k * b_rows * b_beta[:, None], DOT, b_c) * b_cf
             a_s = b_s
         if REMAINDER:
             # the pairs i > j of one 16-row block once more, with what the operand rounding dropped of their
             # factors (the same fp32 values as in the loop: its bf16/tf32 rounding's remainder), so a pair's
-            # row-side and column-side terms of dΓ cancel to ~2^-17 instead of the operand's 2^-9 / 2^-12
+            # row-side and column-side terms of dΓ cancel to ~2^-16 instead of the operand's 2^-8 / 2^-11
             same = blk[:, None] == blk[None, :]
             b_col = b_k * tl.exp2(e_a)
             c_lo = rounding_remainder(b_col, BF16)
@@ -247,7 +246,9 @@ def chunk_grad_intra_kernel(
                 tl.where(same, b_dAt, 0.0).to(b_dAt.dtype), rounding_remainder(b_q * b_rows, BF16), DOT
             )
             b_c += operand_dot(
-                tl.where(same, b_dLt, 0.0).to(b_dLt.dtype), rounding_remainder(b_kb * b_rows, BF16), DOT
+                tl.where(same, b_dLt, 0.0).to(b_dLt.dtype),
+                rounding_remainder(b_k * b_rows * b_beta[:, None], BF16),
+                DOT,
             )
             acc_c += b_c * tl.exp2(-e_b)
         b_db += tl.sum(b_k * acc_m, axis=1)
