@@ -36,9 +36,10 @@ def kda_gate(
     Returns:
         ``[..., H, K]`` log-decay, computed and returned in float32 (float64 when ``g_raw`` is float64).
         Differentiable w.r.t. ``g_raw``, ``A_log`` and ``dt_bias``. ``A_log`` is held at ``⌊ln max⌋`` of the
-        dtype (88 in fp32, 709 in fp64) before ``exp``, so a gate saturated there has gradients 0, not NaN
-        (``e^{A_log}`` would overflow to inf); the log-decay differs only where ``|g_raw + dt_bias| <
-        1e-37``.
+        dtype (88 in fp32, 709 in fp64) before ``exp``, where ``e^{A_log}`` would otherwise overflow to inf
+        and the gradients would be 0·inf = NaN: a K3 gate saturated there has gradients 0 (fp64's limit) and
+        its log-decay changes only where ``|g_raw + dt_bias| < 1e-36``; the softplus gate's rate is
+        ``e^{88}`` there instead of inf.
 
     Raises:
         ValueError: ``g_raw`` has fewer than 2 dims, ``A_log`` is not 1-D with at least ``H`` entries,
