@@ -158,7 +158,8 @@ def check_launch_settings(settings: dict) -> None:
             launch[key] = value
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check ``argv`` (default ``sys.argv[1:]``); a bad argument exits with argparse's status 2."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=directory_argument, help="directory for kda_h200.json and kda_h200.md")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per forward measurement")
@@ -215,7 +216,7 @@ def parse_args() -> argparse.Namespace:
         metavar="MODULE:KEY=VALUE",
         help="set a LAUNCH entry of a Triton KDA module for the whole run (repeatable; recorded in the results)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.launch_settings = {}
     for item in args.set:
         try:
