@@ -118,13 +118,15 @@ def case(request):
     model, tensors = build(config)
     ids = ids_for(config, B, T, seed=1)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    for m in blocks:
-        m.record_router = True
+    routing = [None] * len(blocks)
+    hooks = [
+        m.gate.register_forward_hook(lambda _mod, _args, out, i=i: routing.__setitem__(i, out))
+        for i, m in enumerate(blocks)
+    ]
     with torch.no_grad():
         logits = model(ids).logits
-    for m in blocks:
-        m.record_router = False
-    routing = [m.last_router_output for m in blocks]
+    for hook in hooks:
+        hook.remove()
     ref = reference_logits(tensors, config.to_dict(), ids)
     return config, routing, logits, ref
 
