@@ -6,7 +6,8 @@ sides; before 2026-11-30 ours took ``torch.sigmoid`` inside the timed region ins
 medians.
 Decode is one token per sequence on H = 96, D = 128: ours updates a fp32 state pool in place
 (``fused_recurrent_kda_decode``); fla is timed both through its public ``fused_recurrent_kda`` (new final
-state, the PRODUCT.md anchor) and through ``fused_recurrent_kda_fwd`` in place on the pool. Each decode time
+state, the anchor of ``docs/references.md#project-targets``) and through ``fused_recurrent_kda_fwd`` in place
+on the pool. Each decode time
 is given eagerly (a loop of launches between two events, host overhead included) and replayed from a CUDA
 graph (device time only). fla is optional: without it only our numbers are printed.
 
@@ -400,7 +401,7 @@ def rel_rmse(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 def chunk_inputs(B, T, H, D, lens, seed=0) -> dict:
     """bf16 q, k, v, raw gate, β logits; fp32 ``A_log`` (0, K3 init) and ``dt_bias`` (inverse softplus of
-    log-uniform [1e-3, 0.1], fla's layer init, §1.10)."""
+    log-uniform [1e-3, 0.1], fla's layer init, ``docs/references.md#kda-layer-initialisation``)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape):

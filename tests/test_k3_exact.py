@@ -2,8 +2,8 @@
 
 transformers has no K3 features (lower-bounded KDA gate, full-rank KDA output gate, gated q-LoRA MLA,
 Block AttnRes, Stable LatentMoE with ``routed_expert_norm``, SiTU-GLU), so the oracle is
-``tests/k3_reference.py``: a loop-based forward written from reference/architecture.md alone, reading
-the model's tensors by their official names (``openk3.checkpoint.io.official_state``).
+``tests/k3_reference.py``: a loop-based forward written from the model sections of ``docs/references.md``
+alone, reading the model's tensors by their official names (``openk3.checkpoint.io.official_state``).
 
 Every weight is randomised at roughly unit activation scale (linear std ``gain/√fan_in``, AttnRes
 pseudo-queries std 0.5 so no mix is uniform, router bias with a spread that changes the selection,
@@ -172,7 +172,8 @@ def test_cached_decode_equals_reference():
 
 def test_mutations_that_must_matter_and_must_not():
     """Zeroing the output AttnRes query changes the logits (model and reference agree on the new value);
-    the unused ``A_log`` tail and layer 0's attention-side AttnRes tensors change nothing (§1.3, §3.2)."""
+    the unused ``A_log`` tail and layer 0's attention-side AttnRes tensors change nothing
+    (``docs/references.md#checkpoint-names``, ``#block-attention-residuals``)."""
     config = k3_shaped(4)
     model, tensors = build(config, seed=5)
     ids = ids_for(config, 1, 9, seed=6)

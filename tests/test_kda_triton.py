@@ -3,7 +3,8 @@
 Two modes, chosen when this module is imported:
 
 * **GPU** (CUDA and ``triton`` present): the public ops dispatch to the kernels; bf16 inputs are checked
-  against the fp64 reference with the tolerances of issue 4 (relative RMSE: o and the final state 0.005;
+  against the fp64 reference with the tolerances of ``docs/references.md#kda-tolerances`` (relative RMSE: o
+  and the final state 0.005;
   dq, dk, dv, dh0 0.008; dg, dβ and the gate parameters 0.02), causality is checked bitwise, and every
   ``torch.empty`` buffer is pre-filled with NaN once to prove each output element is written.
 * **Interpreter** (no CUDA, ``triton`` ≥ 3.9 installed): ``TRITON_INTERPRET=1`` runs the same kernels on CPU
@@ -56,7 +57,8 @@ TOL_BF16 = {
     "o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dinitial_state": 0.008,
     "dg": 0.02, "dbeta": 0.02, "ddt_bias": 0.02, "dA_log": 0.02,
 }  # fmt: skip
-"""Relative-RMSE tolerances of issue 4 for bf16 inputs (fla's test_chunk values, kda_kernels §1.11). The
+"""Relative-RMSE tolerances for bf16 inputs (fla's test_chunk values, ``docs/references.md#kda-tolerances``).
+The
 gate parameters' gradients are sums of the per-token ``dg`` terms that largely cancel (one number per head
 for ``dA_log``), so their error is measured against the size of those terms instead of the sum's:
 :func:`gate_param_error`."""
@@ -129,7 +131,8 @@ if INTERPRET:
 
 def make_inputs(B, T, H, K, V, *, N=None, gate="init", dtype=BF16, device="cpu", seed=0) -> dict:
     """Leaves as the K3 layer feeds ``chunk_kda``: q, k, v ~ N(0, 1) (l2-normalised in the op), the raw
-    gate with ``A_log``, ``dt_bias`` (K3 init: ``dt_bias`` inverse-softplus of [1e-3, 0.1], §1.10),
+    gate with ``A_log``, ``dt_bias`` (K3 init: ``dt_bias`` inverse-softplus of [1e-3, 0.1],
+    ``docs/references.md#kda-layer-initialisation``),
     β = σ(N(0, 1)) and an fp32 initial state ~ N(0, 0.5²).
 
     ``gate``: ``init`` (raw ~ N(0, 1), ``A_log`` = log U(1, 4)), ``lb`` (every log-decay at the bound −5),

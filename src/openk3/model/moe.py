@@ -1,6 +1,6 @@
 """Stable LatentMoE (K3) and the plain MoE block (Kimi-Linear), with batched routed experts.
 
-K3 order (reference/architecture.md §4, §9 item 11)::
+K3 order (``docs/references.md#stable-latentmoe``)::
 
     r = router(x)                                  # full width D (7168)
     z = routed_expert_down_proj(x)                 # D -> latent L (3584)

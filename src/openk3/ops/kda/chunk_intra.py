@@ -1,25 +1,26 @@
 """Intra-chunk matrices of the chunked KDA form, with no ``exp`` that can overflow into a gradient.
 
 For one chunk of ``C`` tokens with inclusive gate cumsum ``Γ_i = Σ_{t≤i} g_t`` (vector over K),
-kda_kernels reference §1.5 needs::
+``docs/references.md#kda-chunked-form`` needs::
 
     Aqk_ij = Σ_d q_id k_jd e^{Γ_id − Γ_jd}          i ≥ j   (q already carries the scale)
     Lkk_ij = Σ_d k_id k_jd e^{Γ_id − Γ_jd}          i > j   (L = Diag(β) Lkk)
 
 ``e^{Γ_i − Γ_j} ≤ 1`` for ``i ≥ j`` since every ``g ≤ 0``, but the factorised ``(q e^{Γ})(k e^{−Γ})ᵀ`` of
 fla's naive chunk form overflows (``e^{−Γ}`` is ``e^{+large}``) and its gradient turns inf·0 into NaN
-(§1.8). Here the chunk is cut into ``S`` sub-chunks of ``R = 16`` rows (fla's ``BC``), giving ``S × S``
+(``docs/references.md#kda-gate-factors``). Here the chunk is cut into ``S`` sub-chunks of ``R = 16`` rows
+(fla's ``BC``), giving ``S × S``
 blocks; the rows of sub-chunk ``s`` are anchored at ``c_s = a_s + o_s``, where ``a_s`` is ``Γ`` at the last
 row of sub-chunk ``s − 1`` and ``o_s ≤ 0`` a constant shift (below), so ``e^{Γ_i − Γ_j} = e^{Γ_i − c_s} ·
 e^{c_s − Γ_j}``:
 
-* blocks ``(s, u)`` with ``u < s``: the column factor ``e^{c_s − Γ_j}`` is ≤ 1 (§1.5 step 3b, the anchor
+* blocks ``(s, u)`` with ``u < s``: the column factor ``e^{c_s − Γ_j}`` is ≤ 1 (the anchor
   at the row sub-chunk's start);
 * diagonal ``R × R`` blocks: ``o_s`` is half the block's gate range, so both factors stay within
   ``e^{±span/2}``, when the span is at most :data:`FACTORISED_SPAN_LIMIT` in every channel (always true for
-  K3's ``lb = −5`` gate: ``15·5 = 75`` nats; fla's ``safe_gate``, §1.7). A wider block (the unbounded
+  K3's ``lb = −5`` gate: ``15·5 = 75`` nats; fla's ``safe_gate``). A wider block (the unbounded
   Kimi-Linear gate can give any) takes ``o_s = 0`` and the pairwise difference ``Γ_i − Γ_j``, set to −inf
-  above the diagonal *before* ``exp`` (fla's token-parallel path, §1.5 step 3a).
+  above the diagonal *before* ``exp`` (fla's token-parallel path).
 
 Entries above the diagonal (possibly inf in a factorised block) are dropped by a select, never multiplied by
 0; the diagonal ``i = j`` is the exact ``q_i·k_i``.
