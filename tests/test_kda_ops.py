@@ -29,7 +29,7 @@ H, K, V = 2, 32, 24
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "nan_empty")  # nan_empty: conftest.py
 
 
 def make_inputs(B: int, T: int, *, N: int | None = None, gate: str = "logsigmoid", seed: int = 0) -> dict:

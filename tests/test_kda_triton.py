@@ -711,6 +711,7 @@ def test_interpreter_chunk_bf16_tolerances():
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("key", ["key_block", "value_block"])
 def test_interpreter_chunk_grad_wy_blocks(monkeypatch, key):
@@ -872,6 +873,7 @@ def check_heads_first_same_bits(
         assert torch.equal(out, outs[False][name]), name
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("path", ["train", "train_chunks", "tiles"])
 def test_interpreter_heads_first_same_bits(monkeypatch, path):
@@ -887,6 +889,7 @@ def test_gpu_heads_first_same_bits(monkeypatch, path):
     check_heads_first_same_bits(monkeypatch, "cuda", path, 3000, 8, 128, 1203)
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 def test_interpreter_chunk_keep_intermediates(monkeypatch):
     """``keep_intermediates`` on gives the bits of the 64-token forward (``forward_on_tiles`` off) in the
@@ -960,6 +963,7 @@ def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, s
             assert torch.equal(out, cut[name]), (name, cu_seqlens, keep, residuals)
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 def test_interpreter_pipeline_segments_same_bits(monkeypatch):
     """The segment logic in the interpreter (no streams: the same launches one after another): T 200, the
@@ -1102,6 +1106,7 @@ def test_interpreter_out_arguments_checked():
         chunk_state_bwd(cpre, v, None, chunks, out=(dh, dv_new, dh0.double()))
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("option", LAUNCH_OPTIONS)
 def test_interpreter_chunk_launch_options_flipped(monkeypatch, option):
@@ -1449,6 +1454,7 @@ def test_interpreter_prepare_inverse_near_parallel_keys(source):
     assert prepared_inverse_error(inputs, source) < 4e-3
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("half", [False, True], ids=["tf32", "half_operands"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

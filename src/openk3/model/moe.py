@@ -124,7 +124,8 @@ class SparseMoeBlock(nn.Module):
     def track_routing(self, bins: int) -> None:
         """Start counting the routing of training-mode forwards: loads, and with ``bins ≥ 1`` (and ``k < E``)
         the histogram of required biases over ``bins`` bins. Allocates zeroed buffers on the bias's device,
-        replacing any earlier ones. Raises ``ValueError`` for ``bins`` that is not an int ``≥ 0``."""
+        replacing any earlier ones (call it after casting the model: ``Module.to(dtype)`` would also cast the
+        fp64 range buffer). Raises ``ValueError`` for ``bins`` that is not an int ``≥ 0``."""
         if isinstance(bins, bool) or not isinstance(bins, int) or bins < 0:
             raise ValueError(f"bins={bins!r} is invalid: use an int >= 0 (0 counts the loads only)")
         bias_E = self.gate.e_score_correction_bias
