@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quickstart command 2: install with the test extras and run the tests on the CPU.
-#   bash scripts/test.sh            the default run: every test but those marked slow (under 8 minutes on 2 cores)
+#   bash scripts/test.sh            the default run: every test not marked slow
 #   bash scripts/test.sh --full     every test, slow ones included (what CI runs: CI=true selects it too)
 # Further arguments go to pytest, e.g. bash scripts/test.sh tests/test_model.py -x
 set -euo pipefail
