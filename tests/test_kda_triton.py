@@ -51,6 +51,8 @@ if INTERPRET and "openk3.ops.kda.triton.chunk_prepare" not in sys.modules:
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
 from openk3.ops.kda.triton.chunk_index import fixed_length_index  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("nan_empty")  # every torch.empty buffer NaN-filled (conftest.py)
+
 F64 = torch.float64
 BF16 = torch.bfloat16
 TOL_BF16 = {
@@ -550,6 +552,7 @@ def check_non_finite_input_reaches_outputs(monkeypatch, device: str, T: int, K: 
                 assert name == "q" or not torch.isfinite(out["ht"]).all(), case
 
 
+@pytest.mark.slow  # over 30 s on a 2-core CPU (Triton's interpreter or compiler)
 @interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy on the NaN inputs
 def test_interpreter_non_finite_input_reaches_outputs(monkeypatch):
@@ -677,6 +680,7 @@ def test_gpu_chunk_beta_sigmoid_in_kernel(monkeypatch):
 # ------------------------------------------------------------------------------ interpreter (CPU, tiny)
 
 
+@pytest.mark.slow  # over 30 s on a 2-core CPU (Triton's interpreter or compiler)
 @interpreter
 def test_interpreter_chunk_beta_sigmoid_in_kernel(monkeypatch):
     """:func:`check_beta_sigmoid_in_kernel` in the interpreter (T 150, H 2, D 128)."""
@@ -704,6 +708,7 @@ def test_interpreter_chunk_varlen_fp32():
     assert torch.equal(out["ht"][1], inputs["initial_state"][1])
 
 
+@pytest.mark.slow  # over 30 s on a 2-core CPU (Triton's interpreter or compiler)
 @interpreter
 def test_interpreter_chunk_bf16_tolerances():
     """bf16 inputs (bf16 intermediates, as on the GPU) at the GPU tolerances; K = V = 128 (two key blocks)."""
