@@ -29,7 +29,7 @@ GATES = {"k3": -5.0, "softplus": None}
 """``--gate`` → ``lower_bound`` of the in-op gate."""
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["1x1024x4x64", "1x1024x4x128"], help="BxTxHxK, V = K")
     parser.add_argument("--gate", choices=GATES, default="k3", help="in-op gate (default: k3, lb = -5)")
@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--naive-repeats", type=int, default=2, help="timed runs of the slow reference")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for flag, value in (("--repeats", args.repeats), ("--naive-repeats", args.naive_repeats)):
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")

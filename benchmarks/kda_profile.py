@@ -132,7 +132,9 @@ def op_kernels(op_name: str, B: int, T: int, H: int, D: int, repeats: int = 3) -
             print(f"  {e.device_time_total / repeats / 1e3:8.3f} ms  x{e.count // repeats:<3} {e.key[:90]}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check ``argv`` (default ``sys.argv[1:]``); adds ``args.dims = (B, T, H, D)``. A bad argument
+    exits with argparse's status 2."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", default=None, help="one launch name (default: all)")
     parser.add_argument("--shape", default="1,8192,96,128", help="B,T,H,D (default 1,8192,96,128)")
@@ -146,7 +148,7 @@ def main() -> None:
     which.add_argument(
         "--fla", dest="kernels_of", action="store_const", const="fla", help="same as --kernels-of fla"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.launch is not None and args.launch not in LAUNCH_NAMES:
         parser.error(f"--launch must be one of {list(LAUNCH_NAMES)}; got {args.launch!r}")
     if args.launch is not None and args.kernels_of:
@@ -159,6 +161,13 @@ def main() -> None:
         parser.error(f"--shape needs positive sizes; got {args.shape!r}")
     if D not in SUPPORTED_DIMS:
         parser.error(f"--shape: the head dim D must be one of {SUPPORTED_DIMS} (the kernels' tiles); got {D}")
+    args.dims = (B, T, H, D)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    B, T, H, D = args.dims
     if not torch.cuda.is_available():
         sys.exit("kda_profile.py needs a CUDA GPU")
     if args.kernels_of:

@@ -19,7 +19,7 @@ token (every request produces exactly its ``max_tokens``).
 
     python benchmarks/serve.py --threads 1 --out benchmarks/results/serve_cpu.md   # CPU: k3-tiny, 4K prefix
     python benchmarks/serve.py --preset k3-small --device cuda --prefix 32768 --new-tokens 512 \\
-        --decode-tokens 128 --block-size 512 --repeats 1 --out OUT_DIR               # GPU setting of issue 5
+        --decode-tokens 128 --block-size 512 --repeats 1 --out OUT_DIR               # GPU setting, docs/references.md#project-targets
 
 Prints a Markdown report. ``--out`` is a ``.md`` file (the report) or a folder, which receives
 ``serve_<device>.md`` and ``serve_<device>.json`` (device: ``cpu`` or the GPU's short name, e.g. ``h200``).

@@ -2,7 +2,7 @@
 
 Both models train in bf16 autocast with fp32 master weights on the same random token batches. One openk3
 step is what ``openk3 train`` runs: forward + cross-entropy + backward, then Quantile Balancing
-(``observe`` + ``step``: histogram, bias overwrite, maxvio) and the Per-Head Muon + AdamW step; each part is
+(``step``: quantiles, bias overwrite, maxvio; the histogram counting runs inside the MoE blocks' forward) and the Per-Head Muon + AdamW step; each part is
 timed separately (CUDA events) and tokens/s counts all three. transformers runs forward + backward + fused
 AdamW (it has no balancer). It uses flash-linear-attention's kernels when ``fla`` imports (carry
 ``fla-core`` and ``flash-linear-attention`` wheels), otherwise its pure-PyTorch KDA (reported in the
@@ -123,7 +123,6 @@ def training_step(model, optimizer, x, y, balancer, mark) -> torch.Tensor:
     loss.backward()
     mark()
     if balancer is not None:
-        balancer.observe()
         balancer.step()
     mark()
     optimizer.step()
@@ -133,7 +132,7 @@ def training_step(model, optimizer, x, y, balancer, mark) -> torch.Tensor:
 
 
 def time_training(model, optimizer, batches, steps: int, warmup: int, balancer=None) -> dict:
-    """Mean seconds per fwd+bwd, balancer (observe + step) and optimizer step over ``steps`` timed steps."""
+    """Mean seconds per fwd+bwd, balancer step and optimizer step over ``steps`` timed steps."""
     device = batches[0][0].device
     parts: dict[str, list[float]] = {"fwd_bwd_s": [], "balancer_s": [], "optimizer_s": []}
     for i in range(warmup + steps):

@@ -1,9 +1,10 @@
 """An independent, loop-based float64 forward of a K3-family text model, for exactness tests.
 
-Written directly from /work/shared/reference/architecture.md, not from openk3's model code:
-§1.3 (official tensor names), §1.4 (KDA layer with the K3 lower-bounded gate and full-rank output gate),
-§1.5 (NoPE MLA with q LoRA and the sigmoid output gate), §1.7 (sigmoid router, bias for selection only),
-§3.2 (K3 Block AttnRes data flow), §4 (Stable LatentMoE order) and §8 (SiTU-GLU). Everything runs in
+Written directly from the model sections of ``docs/references.md``, not from openk3's model code:
+``#checkpoint-names`` (official tensor names), ``#kda-layer`` (KDA layer with the K3 lower-bounded gate and
+full-rank output gate), ``#gated-nope-mla`` (NoPE MLA with q LoRA and the sigmoid output gate), ``#router``
+(sigmoid router, bias for selection only), ``#block-attention-residuals`` (K3 Block AttnRes data flow),
+``#stable-latentmoe`` (Stable LatentMoE order) and ``#situ-glu`` (SiTU-GLU). Everything runs in
 float64 with explicit per-token / per-head / per-expert loops, so each step can be read against the
 formula it comes from. Sizes must be tiny (a few hundred hidden units, a few dozen tokens).
 
@@ -26,7 +27,7 @@ MLA_LORA_NORM_EPS = 1e-6
 official code; architecture.md gives no value, so this is the project's recorded choice. All other
 RMSNorms use ``rms_norm_eps``."""
 L2NORM_EPS = 1e-6
-"""KDA q/k normalisation x / sqrt(Σx² + 1e-6) (§1.4 step 4)."""
+"""KDA q/k normalisation x / sqrt(Σx² + 1e-6) (``docs/references.md#kda-layer``)."""
 
 
 def rms_norm(x_D: torch.Tensor, w_D: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -41,7 +42,7 @@ def linear(x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU gate product (§8): β₁·tanh(g/β₁) · σ(g) · β₂·tanh(u/β₂) (uncapped u if β₂ is None)."""
+    """SiTU-GLU gate product: β₁·tanh(g/β₁) · σ(g) · β₂·tanh(u/β₂) (uncapped u if β₂ is None)."""
     capped_u = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
     return beta * torch.tanh(g / beta) * torch.sigmoid(g) * capped_u
 
@@ -77,7 +78,7 @@ class K3Reference:
     def w(self, name: str) -> torch.Tensor:
         return self.t["language_model." + name]
 
-    # --- §1.4 KDA ---------------------------------------------------------------------------------
+    # --- KDA (#kda-layer) ---------------------------------------------------------------------------
     @staticmethod
     def short_conv_silu(x_TC: torch.Tensor, w_C1W: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv, no bias, then SiLU; w[:, 0, W−1] multiplies the current token."""
@@ -101,7 +102,7 @@ class K3Reference:
         q_THK, k_THK, v_THK = (a.reshape(T, H, K) for a in (q_THK, k_THK, v_THK))
         f_THK = linear(linear(x_TD, self.w(p + "f_a_proj.weight")), self.w(p + "f_b_proj.weight"))
         f_THK = (f_THK + self.w(p + "dt_bias")).reshape(T, H, K)
-        A_log_H = self.w(p + "A_log")[:H]  # only the first H entries are used (§1.3)
+        A_log_H = self.w(p + "A_log")[:H]  # only the first H entries are used (#checkpoint-names)
         beta_TH = torch.sigmoid(linear(x_TD, self.w(p + "b_proj.weight")))
         gout_THK = torch.sigmoid(linear(x_TD, self.w(p + "g_proj.weight"))).reshape(T, H, K)
         o_THK = torch.zeros(T, H, K, dtype=F64)
@@ -119,7 +120,7 @@ class K3Reference:
         o_THK = rms_norm(o_THK, self.w(p + "o_norm.weight"), self.eps) * gout_THK
         return linear(o_THK.reshape(T, H * K), self.w(p + "o_proj.weight"))
 
-    # --- §1.5 gated NoPE MLA ----------------------------------------------------------------------
+    # --- gated NoPE MLA (#gated-nope-mla) ------------------------------------------------------------
     def mla(self, p: str, x_TD: torch.Tensor) -> torch.Tensor:
         """One gated MLA sublayer (NoPE, q LoRA, shared unrotated k_pe, causal) on the normed input x."""
         c = self.cfg
@@ -162,7 +163,7 @@ class K3Reference:
             out = out * torch.sigmoid(linear(x_TD, self.w(p + "g_proj.weight")))
         return linear(out, self.w(p + "o_proj.weight"))
 
-    # --- §8 / §1.7 / §4 feed-forward ------------------------------------------------------------
+    # --- feed-forward (#situ-glu, #router, #stable-latentmoe) -----------------------------------------
     def act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         if c["hidden_act"] == "situ":
@@ -176,7 +177,7 @@ class K3Reference:
         return linear(self.act(linear(x, gate_w), linear(x, up_w)), down_w)
 
     def route(self, p: str, x_D: torch.Tensor) -> tuple[list[int], list[float]]:
-        """§1.7 router for one token: (expert ids, weights). Selection on s + bias, weights from s."""
+        """Router for one token: (expert ids, weights). Selection on s + bias, weights from s."""
         c = self.cfg
         k = c["num_experts_per_token"]
         s_E = torch.sigmoid(linear(x_D, self.w(p + "gate.weight")))
@@ -190,7 +191,7 @@ class K3Reference:
         return idx, [x * c["routed_scaling_factor"] for x in w]
 
     def moe(self, p: str, x_TD: torch.Tensor) -> torch.Tensor:
-        """§4 Stable LatentMoE on the normed input, token by token and expert by expert."""
+        """Stable LatentMoE on the normed input, token by token and expert by expert."""
         p = p + "block_sparse_moe."
         out_TD = torch.zeros_like(x_TD)
         for t in range(x_TD.shape[0]):
@@ -216,7 +217,7 @@ class K3Reference:
             out_TD[t] = routed_D + shared_D
         return out_TD
 
-    # --- §3.2 Block AttnRes -------------------------------------------------------------------------
+    # --- Block AttnRes (#block-attention-residuals) --------------------------------------------------
     def attn_res(self, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
         """Mix of the sources (completed blocks, then the partial sum), each [T, D], per token.
 
@@ -233,7 +234,8 @@ class K3Reference:
 
     # --- whole model ----------------------------------------------------------------------------
     def forward_one(self, ids_T: torch.Tensor) -> torch.Tensor:
-        """Logits [T, vocab] (float64) of one sequence, following §3.2 steps 1–6."""
+        """Logits [T, vocab] (float64) of one sequence, following the K3 data flow of
+        #block-attention-residuals."""
         c = self.cfg
         bs = c["attn_res_block_size"]
         prefix_TD = self.w("model.embed_tokens.weight")[ids_T]

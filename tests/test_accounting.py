@@ -1,4 +1,4 @@
-"""Parameter and cache accounting against the published numbers (PRODUCT.md; reference/architecture.md §7)."""
+"""Parameter and cache accounting against the published numbers (``docs/references.md#parameter-counts``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Oracles: routing and cutoffs by a full fp64 sort (not the router's topk); the exact quantile bias as the
 ``⌈m·k/n⌉``-th smallest required bias by sorting; the sign rule and max violation in closed form.
-reference/architecture.md §6.
+Sources of the rules: ``docs/references.md#quantile-balancing``.
 
 Legend: ``N`` tokens, ``E`` experts, ``k`` experts per token.
 """
@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
 import openk3.train.balance as balance_module
@@ -58,9 +57,9 @@ def skewed_scores(N: int, E: int, seed: int, skew: float = 1.0) -> torch.Tensor:
 
 
 def feed(model: nn.Module, s_NE: torch.Tensor, k: int) -> None:
-    """Put the routing of scores ``s_NE`` under each block's current bias into ``last_router_output``."""
+    """Count the routing of scores ``s_NE`` under each block's current bias in the block's statistics."""
     for block in model.layers:
-        block.last_router_output = route(s_NE, block.gate.e_score_correction_bias, k)
+        block.count_routing(route(s_NE, block.gate.e_score_correction_bias, k))
 
 
 def maxvio_of(s_NE: torch.Tensor, b_E: torch.Tensor, k: int) -> float:
@@ -106,7 +105,6 @@ def test_histogram_quantile_matches_sorted_quantile():
     bias.copy_(b_E)
     balancer = QuantileBalancer(model, bins=bins)
     feed(model, s_NE, k)
-    balancer.observe()
     balancer.step()
     want_E = exact_E - exact_E.mean()
     err_c = (bias.double() - want_E).abs().max().item()
@@ -130,7 +128,6 @@ def test_quantile_balancing_fixes_skew_in_few_steps_sign_rule_does_not():
         history = []
         for _ in range(3):
             feed(model, s_NE, k)
-            balancer.observe()
             stats = balancer.step()
             history.append(maxvio_of(s_NE, bias, k))
         result[method] = history
@@ -148,10 +145,9 @@ def test_step_stats_are_the_loads_routed_during_the_step():
     N, E, k = 512, 8, 2
     model = moe_stack(E, k, layers=2)
     s0, s1 = skewed_scores(N, E, seed=4), skewed_scores(N, E, seed=5, skew=0.1)
-    model.layers[0].last_router_output = route(s0, torch.zeros(E), k)
-    model.layers[1].last_router_output = route(s1, torch.zeros(E), k)
     balancer = QuantileBalancer(model)
-    balancer.observe()
+    model.layers[0].count_routing(route(s0, torch.zeros(E), k))
+    model.layers[1].count_routing(route(s1, torch.zeros(E), k))
     stats = balancer.step()
     want = [maxvio_of(s0, torch.zeros(E), k), maxvio_of(s1, torch.zeros(E), k)]
     names = balancer.layer_names
@@ -171,9 +167,8 @@ def test_sign_rule_closed_form_and_mean_preserved():
     bias.copy_(b0)
     s_NE = skewed_scores(N, E, seed=6)
     out = route(s_NE, b0, k)
-    model.layers[0].last_router_output = out
     balancer = QuantileBalancer(model, method="sign", gamma=0.01)
-    balancer.observe()
+    model.layers[0].count_routing(out)
     balancer.step()
     loads = out.counts_E.double()
     sign = torch.sign(loads.mean() - loads)
@@ -183,39 +178,28 @@ def test_sign_rule_closed_form_and_mean_preserved():
 
 
 # ------------------------------------------------------------------------------------------------ (d)
-def test_all_padding_keeps_bias_and_padding_is_excluded():
-    N, E, k = 600, 8, 2
+def test_nothing_counted_keeps_bias_and_eval_forwards_are_not_counted():
+    E, k = 8, 2
     b0 = torch.linspace(-0.2, 0.2, E)
-    s_NE = skewed_scores(N, E, seed=7)
-
     model = moe_stack(E, k)
-    bias = model.layers[0].gate.e_score_correction_bias
-    bias.copy_(b0)
+    block = model.layers[0]
+    block.gate.e_score_correction_bias.copy_(b0)
     balancer = QuantileBalancer(model)
-    feed(model, s_NE, k)
-    balancer.observe(valid_mask=torch.zeros(N, dtype=torch.bool))
-    stats = balancer.step()
-    assert torch.equal(bias, b0)
+    stats = balancer.step()  # a step with nothing counted
+    assert torch.equal(block.gate.e_score_correction_bias, b0)
     assert stats["tokens"] == 0 and stats["maxvio"] == 0.0
-    balancer.step()  # a step with nothing observed
-    assert torch.equal(bias, b0)
 
-    # padding rows hold extreme scores; with the mask they must not matter
-    valid_N = torch.rand(N, generator=torch.Generator().manual_seed(8)) < 0.7
-    padded_NE = torch.where(valid_N[:, None], s_NE, torch.linspace(1, 0, E, dtype=torch.float64))
-    masked, plain = moe_stack(E, k), moe_stack(E, k)
-    for m in (masked, plain):
-        m.layers[0].gate.e_score_correction_bias.copy_(b0)
-    bal_masked, bal_plain = QuantileBalancer(masked), QuantileBalancer(plain)
-    feed(masked, padded_NE, k)
-    bal_masked.observe(valid_mask=valid_N.reshape(20, 30))
-    feed(plain, s_NE[valid_N], k)
-    bal_plain.observe()
-    assert bal_masked.step() == bal_plain.step()
-    assert torch.equal(
-        masked.layers[0].gate.e_score_correction_bias, plain.layers[0].gate.e_score_correction_bias
-    )
-    assert not torch.equal(plain.layers[0].gate.e_score_correction_bias, b0)
+    x_BTD = torch.randn(2, 5, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        block.eval()(x_BTD)  # evaluation and generation do not count
+        assert block.routing_stats().expert_counts_E.sum().item() == 0
+        block.train()(x_BTD)
+    st = block.routing_stats()
+    assert st.expert_counts_E.sum().item() == 10 * k and st.range_fixed
+    assert st.margin_hist_EB.sum(-1).tolist() == [10] * E  # every token reaches every expert's histogram
+    assert balancer.step()["tokens"] == 10
+    assert not torch.equal(block.gate.e_score_correction_bias, b0)
+    assert block.routing_stats().expert_counts_E.sum().item() == 0  # the step reset the statistics
 
 
 def test_errors():
@@ -226,17 +210,11 @@ def test_errors():
         QuantileBalancer(model, bins=0)
     with pytest.raises(ValueError, match="no SparseMoeBlock"):
         QuantileBalancer(nn.Linear(2, 2))
-    balancer = QuantileBalancer(model)
-    with pytest.raises(RuntimeError, match="no router output"):
-        balancer.observe()
-    feed(model, skewed_scores(10, 8, seed=0), 2)
-    with pytest.raises(ValueError, match="entries"):
-        balancer.observe(valid_mask=torch.ones(11, dtype=torch.bool))
-    with pytest.raises(ValueError, match="bool"):
-        balancer.observe(valid_mask=torch.ones(10))
-    balancer.discard()
-    with pytest.raises(RuntimeError, match="no router output"):
-        balancer.observe()
+    untracked = moe_stack(8, 2).layers[0]
+    with pytest.raises(RuntimeError, match="track_routing"):
+        untracked.routing_stats()
+    with pytest.raises(ValueError, match="bins"):
+        untracked.track_routing(-1)
 
 
 # ------------------------------------------------------------------------------------------------ (e)
@@ -251,9 +229,7 @@ def test_two_micro_batches_equal_one_batch():
     bal_split, bal_whole = QuantileBalancer(split), QuantileBalancer(whole)
     for part in (s_NE[:370], s_NE[370:]):
         feed(split, part, k)
-        bal_split.observe()
     feed(whole, s_NE, k)
-    bal_whole.observe()
     assert bal_split.step() == bal_whole.step()
     for a, b in zip(split.layers, whole.layers, strict=True):
         assert torch.equal(a.gate.e_score_correction_bias, b.gate.e_score_correction_bias)
@@ -268,10 +244,8 @@ def test_state_dict_round_trip_mid_step(method):
     balancer = QuantileBalancer(model, method=method, bins=200)
     mb = [skewed_scores(N, E, seed=10 + i) for i in range(4)]
     feed(model, mb[0], k)
-    balancer.observe()
     balancer.step()
     feed(model, mb[1], k)
-    balancer.observe()
 
     state = copy.deepcopy(balancer.state_dict())
     model2 = copy.deepcopy(model)
@@ -280,10 +254,8 @@ def test_state_dict_round_trip_mid_step(method):
     assert balancer2.num_steps == 1
     for m, bal in ((model, balancer), (model2, balancer2)):
         feed(m, mb[2], k)
-        bal.observe()
         bal.step()
         feed(m, mb[3], k)
-        bal.observe()
         bal.step()
     assert balancer.last_stats == balancer2.last_stats
     for a, b in zip(model.layers, model2.layers, strict=True):
@@ -306,16 +278,13 @@ def test_real_k3_tiny_forward_updates_bias_outside_the_optimizer():
     before = [b.clone() for b in biases]
 
     ids = torch.randint(0, 8192, (2, 12), generator=torch.Generator().manual_seed(0))
-    valid = torch.ones(2, 12, dtype=torch.bool)
-    valid[1, 8:] = False  # right padding
     with torch.no_grad():
-        model(ids)
-    assert all(b.last_router_output is not None for b in blocks)
-    balancer.observe(valid_mask=valid)
-    assert all(b.last_router_output is None for b in blocks)
+        model.train()(ids)
+    assert all(b.routing_stats().expert_counts_E.sum().item() == 24 * b.gate.top_k for b in blocks)
+    assert "routing_counts_E" not in "".join(model.state_dict())  # statistics are not checkpointed
     optimizer.step()  # no grads: parameters untouched, the pre-hook runs the balancer step
     stats = balancer.last_stats
-    assert stats["tokens"] == 20 and len(stats["maxvio_per_layer"]) == 7
+    assert stats["tokens"] == 24 and len(stats["maxvio_per_layer"]) == 7
     assert stats["maxvio"] == max(stats["maxvio_per_layer"].values()) >= 0
     for b, b0 in zip(biases, before, strict=True):
         assert b.dtype == torch.float32 and torch.isfinite(b).all()
@@ -332,7 +301,6 @@ def test_single_process_gloo_group_gives_the_same_result(method, tmp_path, monke
     local, dist_model = moe_stack(E, k, layers=2), moe_stack(E, k, layers=2)
     bal_local = QuantileBalancer(local, method=method)
     feed(local, s_NE, k)
-    bal_local.observe()
     want = bal_local.step()
 
     calls = []
@@ -345,7 +313,6 @@ def test_single_process_gloo_group_gives_the_same_result(method, tmp_path, monke
     try:
         bal_dist = QuantileBalancer(dist_model, method=method)
         feed(dist_model, s_NE, k)
-        bal_dist.observe()
         got = bal_dist.step()
     finally:
         dist.destroy_process_group()
@@ -362,7 +329,6 @@ def test_rank_that_observed_nothing_applies_the_reduced_update(monkeypatch):
     busy_model, idle_model = moe_stack(E, k, layers=2), moe_stack(E, k, layers=2)
     busy = QuantileBalancer(busy_model)
     feed(busy_model, skewed_scores(N, E, seed=30), k)
-    busy.observe()
     busy_counts = busy.state_dict()["counts"]  # what the busy rank contributes to the SUM
     want = busy.step()
 
@@ -375,16 +341,6 @@ def test_rank_that_observed_nothing_applies_the_reduced_update(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ (i)
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func._schema.name] = self.counts.get(func._schema.name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def mixed_stack(shapes: list[tuple[int, int]]) -> nn.Module:
     """SparseMoeBlocks with the given (E, k) per layer."""
     model = nn.Module()
@@ -394,21 +350,18 @@ def mixed_stack(shapes: list[tuple[int, int]]) -> nn.Module:
 
 @pytest.mark.parametrize("method", ["quantile", "sign"])
 def test_layers_batched_equal_layers_alone(method, monkeypatch):
-    """Layers counted and updated together (runs of equal (E, k)) or one chunk at a time give bit for bit
-    what a balancer of each layer alone gives; batched, each run costs one scatter for loads and one for
-    histograms per micro-batch."""
+    """Layers updated together (runs of equal (E, k)) or one chunk at a time give bit for bit what a balancer
+    of each layer alone gives."""
     shapes = [(8, 2), (8, 2), (16, 2), (8, 2), (8, 4)]  # runs: layers 0-1, 2, 3, 4
     N = 300
     scores = [skewed_scores(N, E, seed=40 + i, skew=0.5 + 0.2 * i) for i, (E, _) in enumerate(shapes)]
-    valid_N = torch.rand(N, generator=torch.Generator().manual_seed(9)) < 0.8
 
     def run(model, balancer, layers):
         for _ in range(2):  # two optimizer steps, the second from the updated biases
             for mb in (slice(0, 170), slice(170, N)):
                 for i, block in zip(layers, model.layers, strict=True):
                     bias = block.gate.e_score_correction_bias
-                    block.last_router_output = route(scores[i][mb], bias, shapes[i][1])
-                balancer.observe(valid_mask=valid_N[mb])
+                    block.count_routing(route(scores[i][mb], bias, shapes[i][1]))
             stats = balancer.step()
         return stats
 
@@ -416,13 +369,6 @@ def test_layers_batched_equal_layers_alone(method, monkeypatch):
     monkeypatch.setattr(balance_module, "layers_per_chunk", lambda elements, device: len(shapes))
     together = mixed_stack(shapes)
     bal = QuantileBalancer(together, method=method, bins=100)
-    with _OpCounter() as ops:
-        for i, block in enumerate(together.layers):
-            block.last_router_output = route(scores[i], block.gate.e_score_correction_bias, shapes[i][1])
-        bal.observe()
-    bal.discard()
-    bal._counts_flat.zero_()
-    assert ops.counts["aten::scatter_add_"] == (8 if method == "quantile" else 4)  # 4 runs
     stats = run(together, bal, range(len(shapes)))
 
     monkeypatch.setattr(balance_module, "layers_per_chunk", lambda elements, device: 1)

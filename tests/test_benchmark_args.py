@@ -1,12 +1,14 @@
 """The benchmark scripts refuse bad arguments on any machine, before they ask for a GPU or time anything.
 
 ``benchmarks/kda.py`` and ``benchmarks/kda_profile.py`` need CUDA to measure; their argument checks run first,
-so a typo costs no device time. Each case runs the script as a user would and reads argparse's exit status (2)
-and message.
+so a typo costs no device time. Each case calls the script's ``parse_args`` in this process and reads
+argparse's exit status (2) and message; one case runs a script as a user would, to check that ``main`` parses
+before anything else.
 """
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +18,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / name), *args], capture_output=True, text=True, timeout=120
+@pytest.fixture(autouse=True)
+def benchmarks_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+
+def refusal(script: str, args: list[str], capsys) -> str:
+    """argparse's message when ``benchmarks/<script>.py``'s ``parse_args(args)`` refuses them (exit status 2)."""
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(script).parse_args(list(args))
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_script_refuses_a_bad_argument_before_anything_else():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kda_profile.py"), "--shape", "1,2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert result.returncode == 2 and "--shape must be four integers" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(
@@ -81,9 +100,8 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
         (["--autotune-cache", str(ROOT / "pyproject.toml")], "--autotune-cache"),
     ],
 )
-def test_kda_benchmark_refuses_bad_arguments(args, message):
-    result = run_script("kda.py", *args)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_kda_benchmark_refuses_bad_arguments(args, message, capsys):
+    assert message in refusal("kda", args, capsys)
 
 
 @pytest.mark.parametrize(
@@ -97,14 +115,12 @@ def test_kda_benchmark_refuses_bad_arguments(args, message):
         (["--shape", "1,64,2,100"], "the head dim D must be one of"),
     ],
 )
-def test_kda_profile_refuses_bad_arguments(args, message):
-    result = run_script("kda_profile.py", *args)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_kda_profile_refuses_bad_arguments(args, message, capsys):
+    assert message in refusal("kda_profile", args, capsys)
 
 
 def test_launch_setting_parsed_to_module_key_value(monkeypatch):
     """``--set MODULE:KEY=VALUE`` reads VALUE as a literal of the default's type; main applies the triple."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import kda
 
     assert kda.parse_launch_setting("chunk_function:keep_intermediates=True") == (
@@ -116,7 +132,6 @@ def test_launch_setting_parsed_to_module_key_value(monkeypatch):
 def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
     """``--tune`` picks per module the configuration with the least time summed over every swept shape, and
     drops one that failed at any shape, timed nothing or misses a shape; it refuses a key LAUNCH lacks."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import kda
 
     from openk3.ops.kda.triton import chunk_state, tile_forward
@@ -150,7 +165,6 @@ def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
 def test_every_swept_configuration_names_real_launch_keys(monkeypatch):
     """Each ``SWEEP`` configuration only sets keys its kernel module's ``LAUNCH`` has (a stale key would
     time the defaults under another name), and ``launch_config`` refuses one that does not."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import importlib
 
     import kda
@@ -165,10 +179,9 @@ def test_every_swept_configuration_names_real_launch_keys(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", ["1x10", "1x0x4x64", "axbxcxd"])
-def test_kda_cpu_benchmark_refuses_malformed_shapes(shape):
+def test_kda_cpu_benchmark_refuses_malformed_shapes(shape, capsys):
     """``benchmarks/kda_cpu.py --shapes`` wants ``BxTxHxK`` with four positive integers."""
-    result = run_script("kda_cpu.py", "--shapes", shape)
-    assert result.returncode == 2 and f"--shapes: {shape!r} is not BxTxHxK" in result.stderr, result.stderr
+    assert f"--shapes: {shape!r} is not BxTxHxK" in refusal("kda_cpu", ["--shapes", shape], capsys)
 
 
 def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
@@ -176,7 +189,6 @@ def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
     finds a result by that key directory) with its mode, and takes nothing else; a missing source has none,
     a directory given as its own destination (or linked to it) is counted without a copy, and a result that
     cannot be written is reported, not raised, after the others are copied."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import kda
 
     cache, kept = tmp_path / "triton", tmp_path / "kept"
@@ -217,7 +229,7 @@ def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
     )  # the source's mode, not the temporary file's 0600
 
 
-def test_directory_arguments_refuse_an_empty_name():
+def test_directory_arguments_refuse_an_empty_name(capsys):
     """``--out ""`` and ``--autotune-cache=`` would name the current directory unseen, and ``~nosuchuser``
     has no home: refused with a usage error, not a traceback."""
     for args, message in (
@@ -225,14 +237,12 @@ def test_directory_arguments_refuse_an_empty_name():
         (["--autotune-cache="], "give a directory name"),
         (["--out=~nosuchuser_openk3/x"], "no such user's home directory"),
     ):
-        result = run_script("kda.py", *args)
-        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert message in refusal("kda", args, capsys)
 
 
 def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
     """``--out=~/x`` (no shell expansion after ``=``) means the home directory's ``x``; ``./~`` stays a
     directory named ``~``."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.setenv("HOME", str(tmp_path))
     import kda
 

@@ -165,6 +165,7 @@ def test_eval_refuses_a_split_of_another_tokenizer(lone, tmp_path, capsys):
     assert recorded[:12] in err
 
 
+@pytest.mark.slow  # a subprocess or a trained tokenizer: ~1 min on a loaded 2-core machine
 def test_a_closed_stdout_exits_quietly(tmp_path):
     import os
     import subprocess
@@ -239,6 +240,7 @@ def test_a_runtime_bug_keeps_its_traceback(monkeypatch):
         main(["info"])
 
 
+@pytest.mark.slow  # a subprocess or a trained tokenizer: ~1 min on a loaded 2-core machine
 def test_sampling_stays_inside_the_tokenizer_vocabulary():
     """A model whose vocabulary is larger than its tokenizer's never emits ids the tokenizer lacks; with the
     full size the tokens are the unrestricted ones (same seed)."""

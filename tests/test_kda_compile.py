@@ -42,6 +42,7 @@ def _has_nvidia_backend() -> bool:
 @pytest.mark.skipif(
     not _has_nvidia_backend(), reason="needs triton with its NVIDIA backend (pip install triton)"
 )
+@pytest.mark.slow  # over 30 s on a 2-core CPU (Triton's interpreter or compiler)
 def test_every_kda_launch_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])

@@ -1,7 +1,8 @@
 """KDA ops against the float64 recurrent reference, gradient by gradient.
 
-The oracle is :func:`naive_recurrent_kda` on float64 inputs (the exact recurrence of kda_kernels reference
-§1.2). :func:`chunk_kda` (fp64 and fp32) and :func:`fused_recurrent_kda` must match it for ``o``, the final
+The oracle is :func:`naive_recurrent_kda` on float64 inputs (the exact recurrence of
+``docs/references.md#kda-recurrence``). :func:`chunk_kda` (fp64 and fp32) and :func:`fused_recurrent_kda`
+must match it for ``o``, the final
 state and every gradient: dq, dk, dv, dg, dβ, dh0, and dA_log, ddt_bias when the gate is applied in the op.
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K`` key dim, ``V`` value dim, ``N`` sequences.
@@ -28,7 +29,7 @@ H, K, V = 2, 32, 24
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "nan_empty")  # nan_empty: conftest.py
 
 
 def make_inputs(B: int, T: int, *, N: int | None = None, gate: str = "logsigmoid", seed: int = 0) -> dict:

@@ -3,7 +3,8 @@
 Two modes, chosen when this module is imported:
 
 * **GPU** (CUDA and ``triton`` present): the public ops dispatch to the kernels; bf16 inputs are checked
-  against the fp64 reference with the tolerances of issue 4 (relative RMSE: o and the final state 0.005;
+  against the fp64 reference with the tolerances of ``docs/references.md#kda-tolerances`` (relative RMSE: o
+  and the final state 0.005;
   dq, dk, dv, dh0 0.008; dg, dβ and the gate parameters 0.02), causality is checked bitwise, and every
   ``torch.empty`` buffer is pre-filled with NaN once to prove each output element is written.
 * **Interpreter** (no CUDA, ``triton`` ≥ 3.9 installed): ``TRITON_INTERPRET=1`` runs the same kernels on CPU
@@ -50,13 +51,16 @@ if INTERPRET and "openk3.ops.kda.triton.chunk_prepare" not in sys.modules:
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
 from openk3.ops.kda.triton.chunk_index import fixed_length_index  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("nan_empty")  # every torch.empty buffer NaN-filled (conftest.py)
+
 F64 = torch.float64
 BF16 = torch.bfloat16
 TOL_BF16 = {
     "o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dinitial_state": 0.008,
     "dg": 0.02, "dbeta": 0.02, "ddt_bias": 0.02, "dA_log": 0.02,
 }  # fmt: skip
-"""Relative-RMSE tolerances of issue 4 for bf16 inputs (fla's test_chunk values, kda_kernels §1.11). The
+"""Relative-RMSE tolerances for bf16 inputs (fla's test_chunk values, ``docs/references.md#kda-tolerances``).
+The
 gate parameters' gradients are sums of the per-token ``dg`` terms that largely cancel (one number per head
 for ``dA_log``), so their error is measured against the size of those terms instead of the sum's:
 :func:`gate_param_error`."""
@@ -129,7 +133,8 @@ if INTERPRET:
 
 def make_inputs(B, T, H, K, V, *, N=None, gate="init", dtype=BF16, device="cpu", seed=0) -> dict:
     """Leaves as the K3 layer feeds ``chunk_kda``: q, k, v ~ N(0, 1) (l2-normalised in the op), the raw
-    gate with ``A_log``, ``dt_bias`` (K3 init: ``dt_bias`` inverse-softplus of [1e-3, 0.1], §1.10),
+    gate with ``A_log``, ``dt_bias`` (K3 init: ``dt_bias`` inverse-softplus of [1e-3, 0.1],
+    ``docs/references.md#kda-layer-initialisation``),
     β = σ(N(0, 1)) and an fp32 initial state ~ N(0, 0.5²).
 
     ``gate``: ``init`` (raw ~ N(0, 1), ``A_log`` = log U(1, 4)), ``lb`` (every log-decay at the bound −5),
@@ -547,6 +552,7 @@ def check_non_finite_input_reaches_outputs(monkeypatch, device: str, T: int, K: 
                 assert name == "q" or not torch.isfinite(out["ht"]).all(), case
 
 
+@pytest.mark.slow  # over 30 s on a 2-core CPU (Triton's interpreter or compiler)
 @interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy on the NaN inputs
 def test_interpreter_non_finite_input_reaches_outputs(monkeypatch):
@@ -674,6 +680,7 @@ def test_gpu_chunk_beta_sigmoid_in_kernel(monkeypatch):
 # ------------------------------------------------------------------------------ interpreter (CPU, tiny)
 
 
+@pytest.mark.slow  # over 30 s on a 2-core CPU (Triton's interpreter or compiler)
 @interpreter
 def test_interpreter_chunk_beta_sigmoid_in_kernel(monkeypatch):
     """:func:`check_beta_sigmoid_in_kernel` in the interpreter (T 150, H 2, D 128)."""
@@ -701,6 +708,7 @@ def test_interpreter_chunk_varlen_fp32():
     assert torch.equal(out["ht"][1], inputs["initial_state"][1])
 
 
+@pytest.mark.slow  # over 30 s on a 2-core CPU (Triton's interpreter or compiler)
 @interpreter
 def test_interpreter_chunk_bf16_tolerances():
     """bf16 inputs (bf16 intermediates, as on the GPU) at the GPU tolerances; K = V = 128 (two key blocks)."""
@@ -708,6 +716,7 @@ def test_interpreter_chunk_bf16_tolerances():
     assert_grads_close(reference(inputs), run(triton_chunk, inputs), TOL_BF16, inputs)
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("key", ["key_block", "value_block"])
 def test_interpreter_chunk_grad_wy_blocks(monkeypatch, key):
@@ -869,6 +878,7 @@ def check_heads_first_same_bits(
         assert torch.equal(out, outs[False][name]), name
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("path", ["train", "train_chunks", "tiles"])
 def test_interpreter_heads_first_same_bits(monkeypatch, path):
@@ -884,6 +894,7 @@ def test_gpu_heads_first_same_bits(monkeypatch, path):
     check_heads_first_same_bits(monkeypatch, "cuda", path, 3000, 8, 128, 1203)
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 def test_interpreter_chunk_keep_intermediates(monkeypatch):
     """``keep_intermediates`` on gives the bits of the 64-token forward (``forward_on_tiles`` off) in the
@@ -957,6 +968,7 @@ def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, s
             assert torch.equal(out, cut[name]), (name, cu_seqlens, keep, residuals)
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 def test_interpreter_pipeline_segments_same_bits(monkeypatch):
     """The segment logic in the interpreter (no streams: the same launches one after another): T 200, the
@@ -1099,6 +1111,7 @@ def test_interpreter_out_arguments_checked():
         chunk_state_bwd(cpre, v, None, chunks, out=(dh, dv_new, dh0.double()))
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("option", LAUNCH_OPTIONS)
 def test_interpreter_chunk_launch_options_flipped(monkeypatch, option):
@@ -1446,6 +1459,7 @@ def test_interpreter_prepare_inverse_near_parallel_keys(source):
     assert prepared_inverse_error(inputs, source) < 4e-3
 
 
+@pytest.mark.slow  # exercises an alternative of a LAUNCH switch
 @interpreter
 @pytest.mark.parametrize("half", [False, True], ids=["tf32", "half_operands"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

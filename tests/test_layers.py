@@ -1,15 +1,19 @@
 """Unit tests of the K3 layers against closed forms and their own reference paths.
 
-* MLA (reference/architecture.md §1.5, §2): the absorbed path equals the naive path in fp64, without a
+* MLA (``docs/references.md#gated-nope-mla``): the absorbed path equals the naive path in fp64, without a
   cache, over a cache filled by prefill + several decode steps, and with packed documents; both are
   causal; the cache holds exactly ``kv_lora_rank + qk_rope_head_dim`` numbers per token (576 for kimi-k3).
-* Routed experts (§1.7, §4): the grouped path equals ``experts_loop_reference`` and a per-token formula,
+* Routed experts (``docs/references.md#router``, ``docs/references.md#stable-latentmoe``): the grouped path
+  equals ``experts_loop_reference`` and a per-token formula,
   in fp32 and fp64, with experts that receive no token.
-* Router (§1.7, §6): unbiased weights renormalised × ``routed_scaling_factor``; the bias moves the
+* Router (``docs/references.md#router``): unbiased weights renormalised × ``routed_scaling_factor``; the bias
+  moves the
   selection only; the cutoff is the biased (k+1)-th score; counts match a bincount.
-* SiTU-GLU (§8): closed form with β 4 / 25, |h| ≤ β₁·β₂ = 100 for huge inputs, ≈ SwiGLU near 0.
-* AttnRes mix (§3.2): a direct per-token formula in fp64.
-* ShortConvolution (§1.4): a direct formula; chunks with a cache equal one pass; ``cu_seqlens`` equals
+* SiTU-GLU (``docs/references.md#situ-glu``): closed form with β 4 / 25, |h| ≤ β₁·β₂ = 100 for huge inputs, ≈
+  SwiGLU near 0.
+* AttnRes mix (``docs/references.md#block-attention-residuals``): a direct per-token formula in fp64.
+* ShortConvolution (``docs/references.md#kda-layer``): a direct formula; chunks with a cache equal one pass;
+  ``cu_seqlens`` equals
   per-document runs (final states too).
 
 Legend: ``B`` batch, ``T`` tokens, ``S`` cached + new tokens, ``D`` width, ``C`` channels, ``N`` tokens or
@@ -240,7 +244,7 @@ def test_router_bias_moves_selection_not_weights():
 
 
 def test_router_top1_is_not_renormalised():
-    """k = 1: the weight is the raw score s (× scaling), not 1 (§1.7: renormalise only when k > 1)."""
+    """k = 1: the weight is the raw score s (× scaling), not 1 (renormalise only when k > 1)."""
     gate, x = router(1, 2.0, seed=13)
     with torch.no_grad():
         out = gate(x)

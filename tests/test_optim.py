@@ -2,7 +2,7 @@
 
 Independent references: ``torch.optim.Muon`` (plain Muon; per-head and per-expert Muon are checked by running
 it on each block as a separate parameter), ``torch.optim.AdamW``, the closed form of Newton–Schulz through an
-fp64 SVD, and the official per-head shapes of reference/architecture.md §5.
+fp64 SVD, and the official per-head shapes of ``docs/references.md#muon-and-per-head-muon``.
 Budget: about 12 s on 2 idle cores (most of it the first bf16 matmul warm-up and model builds).
 """
 
@@ -347,7 +347,7 @@ def test_partition_switches(tiny_meta):
 @pytest.mark.parametrize(
     "preset, expected",
     [
-        # reference/architecture.md §5 (torchtitan's split for K3): 96 blocks each
+        # docs/references.md#muon-and-per-head-muon (torchtitan's split for K3): 96 blocks each
         (
             "kimi-k3",
             {

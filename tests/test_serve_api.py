@@ -434,6 +434,7 @@ def test_429_when_queue_full_or_waiting_too_long(ckpt):
         assert "openk3:admission_rejections_total 2.0" in metrics
 
 
+@pytest.mark.slow  # a subprocess or a trained tokenizer: ~1 min on a loaded 2-core machine
 def test_openk3_serve_subprocess(ckpt):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -54,6 +54,7 @@ def small(corpus, out, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+@pytest.mark.slow  # trains k3-tiny for dozens of steps: minutes on a 2-core CPU
 def test_resume_is_exact(corpus, tmp_path):
     straight = train(small(corpus, tmp_path / "a"), progress=False)
     first = train(small(corpus, tmp_path / "b", stop_at_step=3), progress=False)
@@ -93,6 +94,7 @@ def test_run_folder_contents(corpus, tmp_path, capsys):
     assert summary["val_loss"] == rows[-1]["val_loss"]
 
 
+@pytest.mark.slow  # trains k3-tiny for dozens of steps: minutes on a 2-core CPU
 def test_loss_decreases_and_balancing_moves_bias(corpus, tmp_path):
     t = Trainer(
         small(corpus, tmp_path / "run", steps=12, lr=1e-2, context_schedule=[(0, 32)]), progress=False
@@ -477,6 +479,7 @@ def test_impossible_sizes_are_refused_with_their_numbers(corpus, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # trains k3-tiny for dozens of steps: minutes on a 2-core CPU
 def test_eval_default_window_fits_a_short_val_split(run1, capsys, monkeypatch):
     """Without --seq-len, eval reads windows of the run's longest training context (here 32, the same
     number as ``--seq-len 32``); a val split shorter than the window is read as one window of N − 1 targets
@@ -495,6 +498,7 @@ def test_eval_default_window_fits_a_short_val_split(run1, capsys, monkeypatch):
     assert f"({n - 1:,} tokens," in capsys.readouterr().out
 
 
+@pytest.mark.slow  # trains k3-tiny for dozens of steps: minutes on a 2-core CPU
 def test_resume_with_a_lower_lr_uses_it_from_another_folder(corpus, tmp_path, monkeypatch, capsys):
     """``--resume --lr`` (the divergence message's advice) trains at the new peak lr: the optimizer's lr at
     the next step is new_lr × lr_factor (closed form), the run differs from a same-lr resume, and the run

@@ -1,10 +1,11 @@
 """Parameter and cache accounting, from the real module tree on the meta device.
 
 Counts include persistent buffers (the router's ``e_score_correction_bias``), as the published count does
-(reference/architecture.md §7). *Active* parameters are every parameter except the input embedding (a
+(``docs/references.md#parameter-counts``). *Active* parameters are every parameter except the input embedding
+(a
 lookup) and the routed experts a token does not use: ``total − embed − (E − k)·expert·(MoE layers)``.
 
-Cache sizes per request (§1.8, PRODUCT.md):
+Cache sizes per request (``docs/references.md#caches``, ``docs/references.md#parameter-counts``):
 
 * KDA: recurrent state ``H·K·V`` plus three conv caches ``P·(W−1)`` per KDA layer; ``bf16`` counts both in
   bf16, ``fp32`` counts the recurrent state in fp32 and the conv caches in bf16 (the serving layout).
@@ -86,7 +87,8 @@ def count_parameters(config: AnyConfig) -> dict[str, int]:
 
 
 def closed_form_counts(text: KimiLinearConfig) -> dict[str, int]:
-    """The same counts from the §7 formulas (an independent check of the module tree)."""
+    """The same counts from the closed-form formulas of ``docs/references.md#parameter-counts`` (an
+    independent check of the module tree)."""
     D, V = text.hidden_size, text.vocab_size
     la = text.linear_attn_config
     counts = {"embed_tokens": V * D, "lm_head": V * D}

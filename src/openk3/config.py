@@ -1,6 +1,6 @@
 """Typed configuration for the Kimi-Linear / Kimi K3 model family.
 
-Field names are the official ``config.json`` names (reference/architecture.md §1.1–1.2):
+Field names are the official ``config.json`` names (``docs/references.md#configuration``):
 
 * :class:`KimiLinearConfig` — the text backbone, ``model_type = "kimi_linear"``. Kimi-Linear-48B uses it
   as is; Kimi K3 adds the SiTU, gated-MLA, latent-MoE and AttnRes fields (all optional).
@@ -90,7 +90,7 @@ class LinearAttnConfig:
     """``linear_attn_config``: which layers are KDA and how the KDA heads are shaped.
 
     Layer lists are **1-based**, as in the official config: layer ``i`` (0-based) is KDA iff ``i + 1`` is in
-    ``kda_layers`` (reference/architecture.md §1.1).
+    ``kda_layers`` (``docs/references.md#configuration``).
     """
 
     kda_layers: list[int]
@@ -167,7 +167,8 @@ class KimiLinearConfig:
     intermediate_size: int = 9216
     """Width of the dense FFN used below ``first_k_dense_replace`` (K3: 33792)."""
     hidden_act: str = "silu"
-    """GLU activation: ``"silu"`` (SwiGLU, Kimi-Linear) or ``"situ"`` (SiTU-GLU, K3; §8)."""
+    """GLU activation: ``"silu"`` (SwiGLU, Kimi-Linear) or ``"situ"`` (SiTU-GLU, K3;
+    ``docs/references.md#situ-glu``)."""
     activation_situ_beta: float | None = None
     """SiTU soft-cap β₁ on the gate branch (K3: 4.0)."""
     activation_situ_linear_beta: float | None = None
@@ -372,7 +373,8 @@ class KimiLinearConfig:
         return la is not None and (i + 1) in la.kda_layers
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether 0-based layer ``i`` uses the MoE block (else the dense FFN), §1.1."""
+        """Whether 0-based layer ``i`` uses the MoE block (else the dense FFN),
+        ``docs/references.md#configuration``."""
         return (
             self.num_experts is not None and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
         )

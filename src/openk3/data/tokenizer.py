@@ -3,14 +3,14 @@
 
 Trained tokenizers (:meth:`Tokenizer.train`) are GPT-2-style byte-level BPE: the ``ByteLevel`` pre-tokenizer
 (GPT-2 split regex, no prefix space) over an initial alphabet of all 256 bytes, so every string encodes and
-decodes back exactly (reference/data.md §2.4 and §5.2). Special tokens take the first ids, in this order:
+decodes back exactly (``docs/references.md#tokenizers``). Special tokens take the first ids, in this order:
 
 =====================  ====  ========================================================================
 token                  id    use
 =====================  ====  ========================================================================
 ``<|endoftext|>``      0     end of a document: written after every document in the token shards, and
                              the ``eos_id`` used to stop generation
-``<|im_start|>``       1     reserved for a chat template (ChatML role header; data.md §5.4)
+``<|im_start|>``       1     reserved for a chat template (ChatML role header)
 ``<|im_end|>``         2     reserved for a chat template (end of a chat turn)
 ``<|pad|>``            3     reserved for padding batches of unequal length
 =====================  ====  ========================================================================
@@ -20,7 +20,7 @@ Reserving the chat tokens now means supervised fine-tuning later needs no new em
 ``.tiktoken`` files (base64 token + rank per line, e.g. GPT-2's ``whisper/assets/gpt2.tiktoken`` from
 ``openai-whisper==20250625``) are loaded through ``tiktoken`` when it is installed (an optional dependency).
 Such a file holds no split regex and no special tokens; the defaults are GPT-2's (``GPT2_PAT_STR`` and
-``<|endoftext|>`` = number of ranks, i.e. 50256 for GPT-2; data.md §5.2).
+``<|endoftext|>`` = number of ranks, i.e. 50256 for GPT-2; ``docs/references.md#tokenizers``).
 
 ``text`` in encode calls is a Python ``str``; ids are Python ``int`` in ``[0, vocab_size)``.
 """
@@ -40,7 +40,8 @@ DEFAULT_SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<|pad|>")
 """Special tokens of a trained tokenizer, ids 0, 1, 2, 3 (see the module docstring)."""
 
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-"""GPT-2 (r50k_base) pre-tokenizer regex, the default for ``.tiktoken`` files (reference/data.md §5.2)."""
+"""GPT-2 (r50k_base) pre-tokenizer regex, the default for ``.tiktoken`` files
+(``docs/references.md#tokenizers``)."""
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

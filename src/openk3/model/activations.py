@@ -1,6 +1,6 @@
 """GLU activations: SwiGLU (Kimi-Linear) and SiTU-GLU (K3).
 
-SiTU-GLU (reference/architecture.md §8): with ``softcap(x, β) = β·tanh(x/β)``,
+SiTU-GLU (``docs/references.md#situ-glu``): with ``softcap(x, β) = β·tanh(x/β)``,
 ``h = softcap(g, β₁) · σ(g) · softcap(u, β₂)``; the σ factor takes the *uncapped* gate, the product is
 computed in fp32 and cast back; ``β₂ = None`` leaves the up branch uncapped. ``|h| < β₁·β₂``.
 """

@@ -1,4 +1,5 @@
-"""Block Attention Residuals (AttnRes) as K3 wires them (reference/architecture.md §3.2; arXiv 2603.15031).
+"""Block Attention Residuals (AttnRes) as K3 wires them (``docs/references.md#block-attention-residuals``;
+arXiv 2603.15031).
 
 Depth mixing replaces the residual add: each sublayer reads a softmax-weighted mix of the completed
 *block* sums ``b_0 .. b_{n-1}`` (``b_0`` = the token embedding) and the running partial sum of the current

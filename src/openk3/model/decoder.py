@@ -1,10 +1,11 @@
 """One decoder layer: a sequence mixer (KDA or MLA) and a width mixer (dense FFN or MoE).
 
-Kimi-Linear is pre-norm with residual adds (reference/architecture.md §1.6)::
+Kimi-Linear is pre-norm with residual adds (``docs/references.md#decoder-wiring``)::
 
     h = h + self_attn(input_layernorm(h));  h = h + ffn(post_attention_layernorm(h))
 
-K3 replaces both adds with Block AttnRes (§3.2). The stream is carried as ``(blocks, partial)``:
+K3 replaces both adds with Block AttnRes (``docs/references.md#block-attention-residuals``). The stream is
+carried as ``(blocks, partial)``:
 ``blocks`` are completed block sums (``b_0`` = embedding), ``partial`` is the running sum of the current
 block's sublayer outputs. For layer ``i``::
 

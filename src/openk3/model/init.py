@@ -1,4 +1,4 @@
-"""Weight initialisation (the K3 release init is unpublished; reference/architecture.md §9 item 17).
+"""Weight initialisation (the K3 release init is unpublished; ``docs/references.md#initialisation``).
 
 * Linear, embedding and routed-expert weights: normal(0, ``initializer_range``) (Kimi-Linear).
 * RMSNorm gains: 1. AttnRes pseudo-queries (``*_res_proj``): 0, so every mix starts uniform (paper).

@@ -1,6 +1,6 @@
 """Kimi Delta Attention layer (``self_attn`` of a KDA layer), as in Kimi-Linear and K3.
 
-reference/architecture.md §1.3–1.4 (official names and shapes)::
+``docs/references.md#kda-layer`` (official names and shapes: ``docs/references.md#checkpoint-names``)::
 
     q, k, v = SiLU(ShortConv(W_{q,k,v} x))                  # [B, T, H, K]
     g_raw   = f_b_proj(f_a_proj(x))                          # low-rank decay input, rank K

@@ -1,6 +1,6 @@
 """Gated NoPE Multi-head Latent Attention (``self_attn`` of an MLA layer), naive and absorbed paths.
 
-reference/architecture.md §1.5, §2 (DeepSeek-V3 ``naive``/``absorb``)::
+``docs/references.md#gated-nope-mla`` (DeepSeek-V3 ``naive``/``absorb``)::
 
     q            = q_b_proj(q_a_layernorm(q_a_proj x))  | q_proj x      # [B, T, H, n + r]
     [c | k_pe]   = kv_a_proj_with_mqa x                                 # c: kv_lora_rank, k_pe: r (shared, never rotated)

@@ -1,6 +1,6 @@
 """Stable LatentMoE (K3) and the plain MoE block (Kimi-Linear), with batched routed experts.
 
-K3 order (reference/architecture.md §4, §9 item 11)::
+K3 order (``docs/references.md#stable-latentmoe``)::
 
     r = router(x)                                  # full width D (7168)
     z = routed_expert_down_proj(x)                 # D -> latent L (3584)
@@ -29,6 +29,7 @@ from openk3.model.activations import glu
 from openk3.model.mlp import MLP
 from openk3.model.norm import RMSNorm
 from openk3.model.router import MoEGate, RouterOutput
+from openk3.model.routing_stats import COUNT_DTYPE, RoutingStats, accumulate_histogram_, histogram_range
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,8 +92,11 @@ def experts_loop_reference(experts: RoutedExperts, z_NL, weights_Nk, indices_Nk)
 class SparseMoeBlock(nn.Module):
     """``block_sparse_moe``: router + routed experts (+ latent path, K3) + shared experts.
 
-    Set ``record_router = True`` to keep the last :class:`RouterOutput` in ``last_router_output`` (what
-    Quantile Balancing reads); the block itself never changes the bias.
+    Routing statistics (:mod:`openk3.model.routing_stats`): after :meth:`track_routing`, every forward in
+    training mode adds its routing to the block's own non-persistent buffers ``routing_counts_E`` (int32
+    ``[E]``) and ``routing_margin_hist_EB`` (int32 ``[E, B]``); :meth:`routing_stats` returns views of them,
+    :meth:`reset_routing_stats` zeroes them. Load balancing reads them and writes the router's bias; the
+    block itself never changes the bias. Forwards in eval mode (evaluation, generation) are not counted.
     """
 
     def __init__(self, config) -> None:
@@ -111,14 +115,78 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self.is_latent = config.is_latent_moe
-        self.record_router = False
-        self.last_router_output: RouterOutput | None = None
+        self.register_buffer("routing_counts_E", None, persistent=False)
+        self.register_buffer("routing_margin_hist_EB", None, persistent=False)
+        self.register_buffer("routing_margin_range", None, persistent=False)  # fp64 [2]: lo, bin width
+        self.routing_range_fixed = False
+
+    # ------------------------------------------------------------------------------------ routing statistics
+    def track_routing(self, bins: int) -> None:
+        """Start counting the routing of training-mode forwards: loads, and with ``bins ≥ 1`` (and ``k < E``)
+        the histogram of required biases over ``bins`` bins. Allocates zeroed buffers on the bias's device,
+        replacing any earlier ones (call it after casting the model: ``Module.to(dtype)`` would also cast the
+        fp64 range buffer). Raises ``ValueError`` for ``bins`` that is not an int ``≥ 0``."""
+        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 0:
+            raise ValueError(f"bins={bins!r} is invalid: use an int >= 0 (0 counts the loads only)")
+        bias_E = self.gate.e_score_correction_bias
+        E, device = bias_E.shape[0], bias_E.device
+        self.routing_counts_E = torch.zeros(E, dtype=COUNT_DTYPE, device=device)
+        with_hist = bins > 0 and self.gate.top_k < E
+        self.routing_margin_hist_EB = (
+            torch.zeros(E, bins, dtype=COUNT_DTYPE, device=device) if with_hist else None
+        )
+        self.routing_margin_range = torch.zeros(2, dtype=torch.float64, device=device) if with_hist else None
+        self.routing_range_fixed = False
+
+    def routing_stats(self) -> RoutingStats:
+        """Views of the statistics counted since the last reset. Raises ``RuntimeError`` if the block does
+        not track its routing (:meth:`track_routing` not called)."""
+        if self.routing_counts_E is None:
+            raise RuntimeError("this MoE block does not track its routing: call track_routing(bins) first")
+        rng = self.routing_margin_range
+        return RoutingStats(
+            expert_counts_E=self.routing_counts_E,
+            margin_hist_EB=self.routing_margin_hist_EB,
+            margin_lo=None if rng is None else rng[0],
+            margin_width=None if rng is None else rng[1],
+            range_fixed=self.routing_range_fixed,
+            top_k=self.gate.top_k,
+        )
+
+    def fix_routing_range(self) -> None:
+        """Fix the histogram range from the current bias (done by the first counted forward after a reset;
+        load balancing calls it for a step in which this block counted nothing). No-op without a histogram."""
+        if self.routing_margin_hist_EB is not None:
+            lo, width = histogram_range(
+                self.gate.e_score_correction_bias, self.routing_margin_hist_EB.shape[1]
+            )
+            self.routing_margin_range.copy_(torch.stack([lo, width]))
+            self.routing_range_fixed = True
+
+    def reset_routing_stats(self) -> None:
+        """Zero the counts; the next counted forward fixes a new histogram range."""
+        for buf in (self.routing_counts_E, self.routing_margin_hist_EB):
+            if buf is not None:
+                buf.zero_()
+        self.routing_range_fixed = False
+
+    def count_routing(self, routing: RouterOutput) -> None:
+        """Add one routing decision to the statistics (the forward calls it in training mode); no host sync."""
+        self.routing_counts_E.add_(routing.counts_E.to(COUNT_DTYPE))
+        if self.routing_margin_hist_EB is None:
+            return
+        if not self.routing_range_fixed:
+            self.fix_routing_range()
+        r_NE = routing.cutoff_N.detach()[:, None] - routing.scores_NE.detach()  # required bias α_i − s_ij
+        ones_N = torch.ones(r_NE.shape[0], dtype=COUNT_DTYPE, device=r_NE.device)
+        lo, width = self.routing_margin_range.unbind(0)
+        accumulate_histogram_(self.routing_margin_hist_EB, r_NE, lo, width, ones_N)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         routing = self.gate(x_ND)
-        if self.record_router:
-            self.last_router_output = routing
+        if self.training and self.routing_counts_E is not None:
+            self.count_routing(routing)
         z_NL = self.routed_expert_down_proj(x_ND) if self.is_latent else x_ND
         e_NL = self.experts(z_NL, routing.weights_Nk, routing.indices_Nk)
         if self.is_latent:

@@ -1,12 +1,13 @@
 """MoE router (``block_sparse_moe.gate``): full-width sigmoid scores, bias-corrected top-k selection.
 
-Follows DeepSeek-V3 / Kimi-Linear (reference/architecture.md §1.7, §2 Gate; "noaux_tc"):
+Follows DeepSeek-V3 / Kimi-Linear ("noaux_tc"; ``docs/references.md#router``):
 
 * ``s = σ(x Wᵀ)`` in fp32 (or softmax), on the full hidden width (K3 routes at 7168, not the latent).
 * Selection uses ``s + e_score_correction_bias``; the weights use the **unbiased** ``s`` gathered at the
   chosen experts, renormalised to sum 1 (``moe_renormalize``, k > 1, +1e-20) and scaled by
   ``routed_scaling_factor``.
-* For Quantile Balancing (§6) the router also reports, without acting on it, each token's biased
+* For Quantile Balancing (``docs/references.md#quantile-balancing``) the router also reports, without acting
+  on it, each token's biased
   ``(k+1)``-th score (the cutoff α) and the per-expert token counts. The bias is a buffer that the
   balancer overwrites; no optimizer touches it.
 

@@ -1,6 +1,7 @@
 """The block pool: a fixed list of pages with reference counts, an LRU free queue and a hash index.
 
-One pool holds every page of the server (reference/systems.md §3.1 "one pool, one page size"): an MLA
+One pool holds every page of the server ("one pool, one page size",
+``docs/references.md#paged-pool-and-prefix-cache``): an MLA
 latent block is one page; a KDA state (fp32 recurrent state + conv state of every KDA layer) spans
 ``state_pages`` pages. The pool only does bookkeeping; :mod:`openk3.serve.cache_storage` holds the tensors.
 

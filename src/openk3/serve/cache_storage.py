@@ -2,7 +2,8 @@
 KDA state pages, with gather/scatter helpers for the model runner.
 
 Page layouts (``storage dtype`` = ``promote(model dtype, float32)``, so KDA states stay fp32 for bf16
-models as reference/systems.md §3.3 requires; latents of a bf16 model are stored widened, exactly)::
+models as ``docs/references.md#paged-pool-and-prefix-cache`` requires; latents of a bf16 model are stored
+widened, exactly)::
 
     MLA block page : [L_mla, bs, C + r]          latent kv_a_layernorm(c) then the unrotated k_pe
     KDA state      : state_pages pages, flat = [L_kda, H, K, V] recurrent state, then

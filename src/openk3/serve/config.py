@@ -1,7 +1,7 @@
 """Typed engine configuration: the paged cache and the scheduler (one dataclass each).
 
 Names follow vLLM (``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
-``long_prefill_token_threshold``; reference/systems.md §3.1, §4.1). Every ``__post_init__`` raises
+``long_prefill_token_threshold``; ``docs/references.md#token-budgets``). Every ``__post_init__`` raises
 ``ValueError`` naming the field and how to fix it.
 """
 
@@ -14,7 +14,8 @@ LARGE_MODEL_HIDDEN = 2048
 
 
 def default_block_size(text_config) -> int:
-    """512 tokens for large models (hidden ≥ 2048), 16 for the CPU presets (reference/systems.md §5 item 7)."""
+    """512 tokens for large models (hidden ≥ 2048), 16 for the CPU presets
+    (``docs/references.md#serving-block-size``)."""
     return 512 if text_config.hidden_size >= LARGE_MODEL_HIDDEN else 16
 
 

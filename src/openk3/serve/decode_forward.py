@@ -16,7 +16,8 @@ three differences:
   batch checked out between steps); a decode token updates them in place
   (:func:`~openk3.serve.kda_decode.kda_decode_`), a longer chunk runs the layer's forward on them and
   copies the new states in.
-* **Two-phase Block AttnRes** (reference/architecture.md §3.1 "Two-phase inference"). The pseudo-queries
+* **Two-phase Block AttnRes** (two-phase inference, ``docs/references.md#block-attention-residuals``). The
+  pseudo-queries
   do not depend on the input, so every mix that reads the same set of completed blocks is scored in one
   batched pass (phase 1: per query ``m_b = max z``, ``s_b = Σ e^{z−m_b}``, ``acc_b = Σ e^{z−m_b} v``);
   each mix then folds in the running partial sum ``v_p`` with logit ``z_p`` (phase 2, online softmax):

@@ -1,14 +1,14 @@
 """One decode token of a KDA layer for ``B`` requests, updating their gathered states in place.
 
 The same computation as :class:`~openk3.model.kda.KimiDeltaAttention` with a cache and one new token
-(reference/architecture.md §1.3–1.4), written for the server's state batch
+(``docs/references.md#kda-layer``), written for the server's state batch
 (:class:`~openk3.serve.cache_storage.StateBatch`), whose per-layer recurrent state ``[B, H, K, V]`` and conv
 caches ``[B, 3, P, W−1]`` are overwritten instead of replaced, so a decode step allocates no state-sized
 tensor:
 
 * the q/k/v short convolutions run as one depthwise step over the stacked ``[B, 3, P]`` projections (the
   taps summed in :class:`~openk3.model.short_conv.ShortConvolution`'s order), then the window shifts by one;
-* the recurrence (kda_kernels reference §1.2: ``S ← Diag(e^g) S``; ``S ← S + β k (v − Sᵀk)ᵀ``;
+* the recurrence (``docs/references.md#kda-recurrence``: ``S ← Diag(e^g) S``; ``S ← S + β k (v − Sᵀk)ᵀ``;
   ``o = Sᵀ(scale·q)``) runs on CUDA in the Triton decode kernel, which updates the state rows in place
   (:func:`~openk3.ops.kda.triton.decode.fused_recurrent_kda_decode`), elsewhere as ``mul_``/``bmm``/
   ``baddbmm_`` on the state, in the order of :func:`~openk3.ops.kda.naive.kda_step` (the reference it is

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server (``GET /metrics``), in a registry of its own (no global state).
 
-Names follow vLLM's (reference/systems.md §4.4) under the ``openk3:`` prefix: running and waiting requests,
+Names follow vLLM's (``docs/references.md#openai-api``) under the ``openk3:`` prefix: running and waiting
+requests,
 cache usage, prefix-cache query/hit tokens and hit rate, prompt/generation tokens, generated tokens per
 second (over the last ``window_s`` seconds), a time-to-first-token histogram, admission rejections.
 """

@@ -2,7 +2,8 @@
 
 One API request becomes ``prompts × n`` engine requests ("choices"). Their outputs come back on the event
 loop through an ``asyncio.Queue``; each choice has an :class:`IncrementalDetokenizer` that holds back stop
-strings. Streaming (SSE, reference/systems.md §4.4): ``data: <json>\\n\\n`` chunks, then ``data: [DONE]``;
+strings. Streaming (SSE, ``docs/references.md#openai-api``): ``data: <json>\\n\\n`` chunks, then ``data:
+[DONE]``;
 with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one extra chunk with
 ``"choices": []`` carries the usage. The response (or stream) starts only after the first output, so a
 request that is rejected while queued still gets a plain 429. When the client goes away (a stream closed

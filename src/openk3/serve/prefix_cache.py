@@ -5,7 +5,7 @@ mean equal whole prefixes; vLLM automatic prefix caching). The pool indexes two 
 (:class:`~openk3.serve.block_pool.CacheKey`): the block's MLA latents (``"mla"``) and, at selected
 boundaries, the KDA state after the block's last token (``"kda"``).
 
-Lookup (reference/systems.md §3.1 ``HybridKVCacheCoordinator.find_longest_cache_hit``, §3.2):
+Lookup (as vLLM's ``find_longest_cache_hit``; ``docs/references.md#paged-pool-and-prefix-cache``):
 
 1. left to right over the request's block hashes while the MLA block is cached → an upper bound;
 2. right to left from that bound to the deepest boundary with a KDA checkpoint → the hit.

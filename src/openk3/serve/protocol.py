@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies (pydantic) and the error object (reference/systems.md §4.4).
+"""OpenAI-compatible request bodies (pydantic) and the error object (``docs/references.md#openai-api``).
 
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 429 (queue
 full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement

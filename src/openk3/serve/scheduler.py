@@ -4,7 +4,8 @@
 (decodes, one token each, then unfinished prefills), then admits waiting requests in arrival order while
 their blocks fit (:meth:`KVCacheManager.plan_admission`: free plus evictable) and a sequence slot is free.
 Prompts are prefilled in chunks of at most ``long_prefill_token_threshold`` tokens, each cut to end at the
-request's next KDA checkpoint boundary (vLLM "align" mode, reference/systems.md §3.1), so a long prompt
+request's next KDA checkpoint boundary (vLLM "align" mode,
+``docs/references.md#paged-pool-and-prefix-cache``), so a long prompt
 never holds the whole budget and short requests keep being admitted.
 
 ``update()`` advances ``num_computed_tokens``, caches full blocks and checkpoints, appends sampled tokens

@@ -1,6 +1,6 @@
 """Per-Head Muon + AdamW in one optimizer (``KimiMuon``), and the rule that splits a model's parameters.
 
-Sources: reference/architecture.md §5 (Muon, Per-Head Muon), §1.4 end (AdamW exclusions), §9 items 15–16.
+Sources: ``docs/references.md#muon-and-per-head-muon`` (Muon, Per-Head Muon, the AdamW exclusions).
 
 **Muon** (Keller Jordan's Muon; ``torch.optim.Muon``; Moonlight, arXiv 2502.16982) for one matrix
 ``W [A, B]`` with gradient ``g``, momentum buffer ``m`` (zero at start), momentum μ = 0.95::
@@ -22,9 +22,10 @@ input maps to ``p⁵(σ/‖G‖_F)`` with ``p(s) = as + bs³ + cs⁵`` (singular
 roughly (0.5, 1.5) rather than exactly 1 (Keller Jordan's docstring). Computed in ``ns_dtype``: bf16 on
 CUDA (as in every public Muon), fp32 elsewhere by default.
 
-**Per-Head Muon** (K3 report §2.5, quoted in torchtitan's ``kimi_k3/muon.py``): the momentum of a Q/K/V
+**Per-Head Muon** (K3 report, section 2.5, quoted in torchtitan's ``kimi_k3/muon.py``): the momentum of a
+Q/K/V
 projection ``[H·d_h, d_in]`` is viewed as ``H`` blocks ``[d_h, d_in]`` and each block is orthogonalised on
-its own (batched). Decision (architecture.md §9 item 16, unspecified by the sources): the lr scale uses
+its own (batched). Decision (unspecified by the sources): the lr scale uses
 the **block** shape, ``s(d_h, d_in)``, i.e. each head is treated as the matrix Muon updates. The split
 follows torchtitan's reading: KDA ``q_proj``/``k_proj``/``v_proj`` (blocks ``[K, D]``), MLA ``q_b_proj``
 (``q_proj`` when ``q_lora_rank`` is None; blocks ``[qk_nope + qk_rope, in]``) and ``kv_b_proj`` (blocks

@@ -2,7 +2,8 @@
 
 One optimizer step (``Trainer.train_step``)::
 
-    for each of grad_accum micro-batches:  loss = CE(model(x), y) / grad_accum;  loss.backward();  qb.observe()
+    for each of grad_accum micro-batches:  loss = CE(model(x), y) / grad_accum;  loss.backward()
+        (each MoE block counts its routing in its own buffers: openk3.model.routing_stats)
     clip_grad_norm_(grad_clip);  qb.step()  (bias overwrite, one all-reduce);  optimizer.step()
 
 Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
@@ -700,8 +701,6 @@ class Trainer:
                 self._diverged("loss", value * cfg.grad_accum, cfg.lr * factor)
             loss.backward()
             total += value
-            if self.balancer:
-                self.balancer.observe()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if not math.isfinite(float(grad_norm)):
             self._diverged("gradient norm", float(grad_norm), cfg.lr * factor)
@@ -734,8 +733,6 @@ class Trainer:
         loss, tokens = validation_loss(
             self.model, self.val_set, self.config.batch_size, seq_len, max_batches, self.device, amp
         )
-        if self.balancer:
-            self.balancer.discard()
         return {"loss": loss, "ppl": math.exp(loss), "tokens": tokens}
 
     def _request_stop(self, signum, frame) -> None:

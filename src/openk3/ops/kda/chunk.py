@@ -1,6 +1,7 @@
-"""Chunked KDA for training and prefill: the WY/UT form of §1.5 in torch ops, differentiated by autograd.
+"""Chunked KDA for training and prefill: the WY/UT form in torch ops, differentiated by autograd.
 
-Per chunk of ``C`` tokens starting from state ``S₀`` (kda_kernels reference §1.5; fla ``chunk_kda`` names)::
+Per chunk of ``C`` tokens starting from state ``S₀`` (``docs/references.md#kda-chunked-form``; fla
+``chunk_kda`` names)::
 
     Γ = cumsum(g)                     K̃ = K ⊙ e^{Γ}    Q̃ = Q ⊙ e^{Γ}    K̂ = K ⊙ e^{Γ_C − Γ}
     L = Diag(β) Lkk,  Aqk             (chunk_intra.py: masked/anchored, all exponents ≤ 0)
@@ -44,7 +45,7 @@ def chunk_kda(
     chunk_size: int = 64,
     use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA by chunks (§1.5); equals :func:`~openk3.ops.kda.naive.naive_recurrent_kda` up to rounding.
+    """KDA by chunks; equals :func:`~openk3.ops.kda.naive.naive_recurrent_kda` up to rounding.
 
     Autograd gives the gradients of q, k, v, g, beta, ``initial_state`` and, with the gate in the op,
     ``A_log`` and ``dt_bias``; they are finite for any finite log-decay ≤ 0, however negative (−1e38
@@ -145,7 +146,7 @@ def _chunk_forward(x: KDAInputs, layout: ChunkLayout) -> tuple[torch.Tensor, tor
 
 
 def _wy_representation(Lkk_PHCC, k_PHCK, v_PHCV, beta_PHC, prefix_PHCK):
-    """``W = T Diag(β) (K ⊙ e^{Γ})``, ``U = T Diag(β) V`` with ``T = (I + Diag(β) Lkk)⁻¹`` (§1.5)."""
+    """``W = T Diag(β) (K ⊙ e^{Γ})``, ``U = T Diag(β) V`` with ``T = (I + Diag(β) Lkk)⁻¹``."""
     beta_PHC1 = beta_PHC.unsqueeze(-1)
     eye_CC = torch.eye(Lkk_PHCC.shape[-1], dtype=Lkk_PHCC.dtype, device=Lkk_PHCC.device)
     # the explicit inverse then matmuls beat a solve with K + V right-hand sides on CPU (fwd and bwd)

@@ -1,31 +1,30 @@
 """Intra-chunk matrices of the chunked KDA form, with no ``exp`` that can overflow into a gradient.
 
 For one chunk of ``C`` tokens with inclusive gate cumsum ``Γ_i = Σ_{t≤i} g_t`` (vector over K),
-kda_kernels reference §1.5 needs::
+``docs/references.md#kda-chunked-form`` needs::
 
     Aqk_ij = Σ_d q_id k_jd e^{Γ_id − Γ_jd}          i ≥ j   (q already carries the scale)
     Lkk_ij = Σ_d k_id k_jd e^{Γ_id − Γ_jd}          i > j   (L = Diag(β) Lkk)
 
 ``e^{Γ_i − Γ_j} ≤ 1`` for ``i ≥ j`` since every ``g ≤ 0``, but the factorised ``(q e^{Γ})(k e^{−Γ})ᵀ`` of
 fla's naive chunk form overflows (``e^{−Γ}`` is ``e^{+large}``) and its gradient turns inf·0 into NaN
-(§1.8). Here the chunk is cut into ``S`` sub-chunks of ``R = 16`` rows (fla's ``BC``), giving ``S × S``
+(``docs/references.md#kda-gate-factors``). Here the chunk is cut into ``S`` sub-chunks of ``R = 16`` rows (fla's ``BC``), giving ``S × S``
 blocks; the rows of sub-chunk ``s`` are anchored at ``c_s = a_s + o``, where ``a_s`` is ``Γ`` at the last
 row of sub-chunk ``s − 1`` and ``o = −λ/2`` a constant (``λ`` = :data:`FACTORISED_SPAN_LIMIT`, 80 nats in
 fp32), so ``e^{Γ_i − Γ_j} = e^{Γ_i − c_s} · e^{c_s − Γ_j}`` with a row factor ``≤ e^{λ/2}``:
 
-* blocks ``(s, u)`` with ``u < s``: the column factor ``e^{c_s − Γ_j}`` is ≤ 1 (§1.5 step 3b, the anchor
+* blocks ``(s, u)`` with ``u < s``: the column factor ``e^{c_s − Γ_j}`` is ≤ 1 (the anchor
   at the row sub-chunk's start);
 * diagonal ``R × R`` blocks: the column factor ``e^{c_s − Γ_j}`` stays within ``e^{±λ/2}`` while the gates
   of the sub-chunk up to row ``j`` sum to at least ``−λ`` in every channel (always for K3's ``lb = −5``
-  gate: 16 rows of at most 5 nats; fla's ``safe_gate`` with a shifted row-0 anchor, §1.7). A wider column
+  gate: 16 rows of at most 5 nats; fla's ``safe_gate`` with a shifted row-0 anchor, ``docs/references.md#kda-gate-factors``). A wider column
   (the unbounded Kimi-Linear gate can give any) takes, for its entries, the sum of exactly the gates each
-  pair spans, set to −inf on and above the diagonal *before* ``exp`` (fla's token-parallel path, §1.5
-  step 3a).
+  pair spans, set to −inf on and above the diagonal *before* ``exp`` (fla's token-parallel path).
 
 **Causal, bit for bit**: the anchor is a constant and a column's form depends on its own and earlier gates
 only, so row ``i`` of every matrix (and, through it, every output and gradient before a position ``t``)
 is the same bits whatever the tokens at or after ``t`` hold; anchoring at a later row would let rounding
-carry future gates into past outputs (the leak 0.6.0 of fla mended, §1.7).
+carry future gates into past outputs (the leak 0.6.0 of fla mended, ``docs/references.md#kda-gate-factors``).
 
 Entries above the diagonal (possibly inf in a factorised block) are dropped by a select, never multiplied by
 0; the diagonal ``i = j`` is the exact ``q_i·k_i``.

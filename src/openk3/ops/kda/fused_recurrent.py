@@ -1,4 +1,5 @@
-"""Decode-time KDA: the recurrence of §1.2, vectorised over sequences and heads, looping only over tokens.
+"""Decode-time KDA: the recurrence of ``docs/references.md#kda-recurrence``, vectorised over sequences and
+heads, looping only over tokens.
 
 Meant for a few new tokens per sequence (typically one) on top of a cached state; for long prompts use
 :func:`~openk3.ops.kda.chunk.chunk_kda`. It shares :func:`~openk3.ops.kda.naive.kda_step` with the
@@ -36,7 +37,7 @@ def fused_recurrent_kda(
     lower_bound: float | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA by the recurrence, for decoding (fla ``fused_recurrent_kda``, kda_kernels reference §1.9).
+    """KDA by the recurrence, for decoding (fla ``fused_recurrent_kda``, ``docs/references.md#kda-decode``).
 
     Arguments, shapes, dtypes and errors are those of :func:`~openk3.ops.kda.naive.naive_recurrent_kda`:
     q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; ``initial_state`` and the returned

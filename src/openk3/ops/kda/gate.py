@@ -1,6 +1,7 @@
 """KDA decay gates: raw pre-activation → per-channel log-decay ``g ≤ 0`` (natural log).
 
-Two gates, both per head ``h`` and channel ``k`` (kda_kernels reference §1.3; fla ``fla/ops/kda/gate.py``):
+Two gates, both per head ``h`` and channel ``k`` (``docs/references.md#kda-gates``; fla
+``fla/ops/kda/gate.py``):
 
 * Kimi-Linear (unbounded, ``lower_bound=None``): ``g = −exp(A_log_h) · softplus(g_raw + dt_bias)``, in
   ``(−∞, 0)``;

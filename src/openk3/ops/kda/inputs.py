@@ -1,6 +1,7 @@
 """Argument checks and preparation shared by the three KDA ops (naive, chunk, fused_recurrent).
 
-Every op takes the same tensors (fla ``chunk_kda`` naming, kda_kernels reference §1.4) and first turns them
+Every op takes the same tensors (fla ``chunk_kda`` naming, ``docs/references.md#kda-op-arguments``) and first
+turns them
 into :class:`KDAInputs`: cast to the compute dtype, q/k optionally L2-normalised, q multiplied by ``scale``,
 the gate optionally applied, the sequences described by their lengths.
 

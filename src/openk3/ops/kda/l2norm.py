@@ -8,13 +8,15 @@ from __future__ import annotations
 import torch
 
 L2NORM_EPS = 1e-6
-"""fla's ``l2norm_fwd`` epsilon, added to ``Σx²`` under the square root (kda_kernels reference §1.4)."""
+"""fla's ``l2norm_fwd`` epsilon, added to ``Σx²`` under the square root
+(``docs/references.md#kda-op-arguments``)."""
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """Return ``x / sqrt(Σ_d x_d² + eps)`` over the last dim.
 
-    This is fla's ``use_qk_l2norm_in_kernel`` normalisation (kda_kernels reference §1.4), which differs from
+    This is fla's ``use_qk_l2norm_in_kernel`` normalisation (``docs/references.md#kda-op-arguments``), which
+    differs from
     ``F.normalize`` (that one divides by ``max(‖x‖, 1e-12)``).
 
     Args:

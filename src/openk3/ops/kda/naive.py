@@ -1,6 +1,6 @@
 """Reference KDA: the token-by-token recurrence, in float64 when the inputs are float64.
 
-Per head, with state ``S ∈ R^{K×V}`` (kda_kernels reference §1.2; Kimi Linear, arXiv 2510.26692)::
+Per head, with state ``S ∈ R^{K×V}`` (``docs/references.md#kda-recurrence``; Kimi Linear, arXiv 2510.26692)::
 
     S ← Diag(exp(g_t)) S                       # decay first, per key channel
     S ← S + (β_t k_t) ⊗ (v_t − Sᵀ k_t)         # delta rule on the decayed state
@@ -28,7 +28,7 @@ def kda_step(
     g_NHK: torch.Tensor,
     beta_NH: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the KDA recurrence (§1.2) for ``N`` sequences at once; out of place, differentiable.
+    """One token of the KDA recurrence for ``N`` sequences at once; out of place, differentiable.
 
     Args:
         S_NHKV: state before the token.
@@ -80,7 +80,7 @@ def naive_recurrent_kda(
     lower_bound: float | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA by the per-token recurrence (§1.2): the exact, slow reference; differentiable by autograd.
+    """KDA by the per-token recurrence: the exact, slow reference; differentiable by autograd.
 
     Args:
         q, k: ``[B, T, H, K]``.
