@@ -1662,8 +1662,8 @@ largest, so its relative RMSE over so few numbers swings by seed: 0.012."""
 
 def gate_grad_inputs(B, T, H, K, *, gate="normal", N=None, device="cpu", seed=0) -> dict:
     """bf16 q, k, v (l2-normalised in the op), raw gate and β = σ(N(0, 1)); fp32 ``A_log`` ~ 0.3·N(0, 1),
-    ``dt_bias`` ~ 0.5·N(0, 1) (issue 28's distribution, both far from the K3 init so the gate's derivative is
-    large) and initial state ~ N(0, 0.5²). ``gate``: one of :data:`GATE_GRAD_CASES`."""
+    ``dt_bias`` ~ 0.5·N(0, 1) (both far from the K3 init, so the gate's derivative is large; docs/LOG.md,
+    2026-12-01) and initial state ~ N(0, 0.5²). ``gate``: one of :data:`GATE_GRAD_CASES`."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, std=1.0):
@@ -1749,8 +1749,7 @@ gpu_and_fla = pytest.mark.skipif(
     f"(CUDA {HAS_CUDA}, triton {HAS_TRITON}, fla {HAS_FLA})",
 )
 FLA_RATIO = 1.5
-"""Each of our gradients' relative RMSE against fp64 may be at most this times fla's in the same run (issue
-28), plus ``1e-6`` for gradients that both give as 0 (saturated gates)."""
+"""Each of our gradients' relative RMSE against fp64 may be at most this times fla's in the same run, plus ``1e-6`` for gradients that both give as 0 (saturated gates)."""
 
 
 @gpu_and_fla
