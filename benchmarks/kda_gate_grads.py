@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("kda_gate_grads.py needs a CUDA GPU (it compares with fla's Triton kernels)")
     import fla
-    import test_kda_triton as t
 
     import openk3
+    import test_kda_triton as t
     from openk3.ops.kda import chunk_kda
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     for T, H, gate in parse_cases(args.cases):
         if time.perf_counter() - start > args.budget_s:
-            print(f"budget of {args.budget_s:.0f} s spent: cases from T{T} H{H} {gate} on not run", flush=True)
+            print(
+                f"budget of {args.budget_s:.0f} s spent: cases from T{T} H{H} {gate} on not run", flush=True
+            )
             break
         inputs = t.gate_grad_inputs(1, T, H, 128, gate=gate, device="cuda", seed=T + H)
         ref = t.reference(inputs)
@@ -108,7 +110,9 @@ def main(argv: list[str] | None = None) -> None:
             + f"  worst {worst:.2f}",
             flush=True,
         )
-        (args.out / "kda_gate_grads_h200.json").write_text(json.dumps(dict(header=header, rows=rows), indent=1))
+        (args.out / "kda_gate_grads_h200.json").write_text(
+            json.dumps(dict(header=header, rows=rows), indent=1)
+        )
         (args.out / "kda_gate_grads_h200.md").write_text(markdown(rows, header))
 
 
