@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -99,8 +100,17 @@ def _load_for_inference(ckpt: str, device: str):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from openk3.train.console import pipe_safe_output
+
+    # a closed pipe (`| tee log` killed by the same Ctrl-C, `| head`) must not stop the save or the resume line
+    with pipe_safe_output():
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from openk3.train.run_lock import check_run_free
     from openk3.train.schedule import parse_context_schedule
     from openk3.train.state import latest_checkpoint, load_trainer_state
     from openk3.train.trainer import TrainConfig, train
@@ -116,6 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         given["sample_prompt"] = None
     if args.resume:
         out = given.get("out", TrainConfig.out)
+        check_run_free(Path(out))  # a run in progress is named before its checkpoints are looked for
         saved = load_trainer_state(latest_checkpoint(Path(out)))["train_config"]
         config = TrainConfig.from_dict({**saved, **given})
     else:
@@ -443,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openk3: error: {why}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
+        with contextlib.suppress(OSError):  # stderr may be a closed pipe too
+            print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
         return 130
 
 
