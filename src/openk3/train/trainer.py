@@ -57,6 +57,7 @@ from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.optim import build_optimizer
+from openk3.train.run_lock import LOCK_NAME, acquire_run_lock
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
     latest_checkpoint,
@@ -460,7 +461,7 @@ def check_fresh_run_folder(run_dir: Path) -> None:
     openk3 run folder (none of :data:`RUN_MARKERS`): training would scatter its files among someone else's
     (``--out /``, ``--out ''`` = the current folder, a model or checkpoint folder)."""
     try:
-        entries = {p.name for p in run_dir.iterdir()}
+        entries = {p.name for p in run_dir.iterdir()} - {LOCK_NAME}
     except FileNotFoundError:
         return
     except (OSError, UnicodeError) as e:
@@ -512,6 +513,23 @@ class Trainer:
         self.run_dir = Path(config.out)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ValueError(f"--out {self.run_dir} is a file, not a run folder: choose another --out")
+        if not resume:  # a stranger's folder is refused before a lock file is put in it
+            check_fresh_run_folder(self.run_dir)
+        # one training per run folder (train.lock), taken before any check reads the folder's run
+        self._lock = acquire_run_lock(self.run_dir) if self.run_dir.is_dir() else None
+        try:
+            self._start(config, resume, progress)
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def release_lock(self) -> None:
+        """Give back the run folder's ``train.lock`` (:mod:`openk3.train.run_lock`); :meth:`fit` does at its end."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _start(self, config: TrainConfig, resume: bool, progress: bool) -> None:
         if not resume and (self.run_dir / "checkpoints" / "latest").exists():
             raise ValueError(
                 f"{self.run_dir} already holds a run with checkpoints: continue it with --resume, "
@@ -541,6 +559,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except (OSError, UnicodeError) as e:
             raise ValueError(f"cannot create the run folder --out {self.run_dir}: {_os_reason(e)}") from None
+        if self._lock is None:
+            self._lock = acquire_run_lock(self.run_dir)
         if progress:
             action = "resuming the run" if resume else "training"
             print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
@@ -548,6 +568,7 @@ class Trainer:
             self._setup(config, resume, progress)
         except BaseException:
             if created is not None:  # a run that never started leaves no folder behind (only ours was there)
+                self.release_lock()
                 shutil.rmtree(created, ignore_errors=True)
             raise
 
@@ -761,6 +782,7 @@ class Trainer:
             bar.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.release_lock()
         plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         return {
             "checkpoint": str(ckpt),

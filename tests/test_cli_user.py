@@ -1,0 +1,127 @@
+"""What a new user hits on the command line: a closed output pipe, two runs in one folder, the server's
+optional dependencies and port, prompts past the context, the data summary, help texts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from openk3.cli import main
+from openk3.train.state import latest_checkpoint
+
+TEXT = [
+    "ROMEO. But soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n",
+    "HAMLET. To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
+    "MACBETH. Tomorrow, and tomorrow, and tomorrow,\nCreeps in this petty pace from day to day,\n",
+    "LEAR. Blow, winds, and crack your cheeks! rage! blow!\nYou cataracts and hurricanoes, spout\n",
+]
+
+SMALL = ["--batch-size", "2", "--context-schedule", "0:32", "--warmup-steps", "0", "--no-sample"]
+"""Flags of a small, fast run (2 × 32 tokens per step)."""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    for i, text in enumerate(TEXT * 2):
+        (folder / f"work{i}.txt").write_text(text * 40)
+    return folder
+
+
+def _env() -> dict:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {
+        **os.environ,
+        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _spawn(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "openk3.cli", *args], env=_env(), **kw)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the trainer exited ({proc.returncode}) or timed out before the condition held")
+        time.sleep(0.1)
+
+
+def _steps_logged(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_a_closed_output_pipe_still_saves_and_resumes(corpus, tmp_path):
+    """`openk3 train ... | tee log` and Ctrl-C: the group's SIGINT kills the reader first, so every later write
+    to stdout fails; the trainer still finishes the step, saves, and prints the resume line on stderr."""
+    run = tmp_path / "run"
+    args = ["train", "--data", str(corpus), "--out", str(run), "--steps", "100000", "--save-every", "100000"]
+    with open(tmp_path / "stderr", "w") as err:
+        proc = _spawn([*args, "--eval-every", "100000", *SMALL], stdout=subprocess.PIPE, stderr=err)
+        _wait_for(lambda: _steps_logged(run) >= 1, proc)
+        proc.stdout.close()  # the reader exits, as tee does on the same Ctrl-C
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
+    assert code == 130, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+    ckpt = latest_checkpoint(run)
+    saved = int(ckpt.name.split("-")[1])
+    assert "Ctrl-C: finishing this step and saving a checkpoint" in err
+    assert f"stopped at step {saved}; continue with: openk3 train --out {run} --resume" in err
+    assert not (run / "train.lock").exists()
+    assert main(["train", "--out", str(run), "--resume", "--steps", str(saved + 1), "--no-sample"]) == 0
+    assert (run / "checkpoints" / f"step-{saved + 1:06d}").is_dir()
+
+
+@pytest.mark.slow
+def test_a_second_training_in_the_same_folder_is_refused_naming_the_first(corpus, tmp_path, capsys):
+    import socket
+
+    run = tmp_path / "run"
+    args = ["train", "--data", str(corpus), "--out", str(run), "--steps", "100000", "--save-every", "100000"]
+    proc = _spawn(
+        [*args, "--eval-every", "100000", *SMALL], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        _wait_for(lambda: (run / "train.lock").exists() and (run / "train.lock").read_text().strip(), proc)
+        before = _steps_logged(run)
+        holder = f"pid {proc.pid} on host {socket.gethostname()} since "
+        for extra in ([], ["--resume"]):  # a new run and a resume of the same folder, both refused at once
+            assert main([*args, *SMALL, *extra]) == 2
+            err = capsys.readouterr().err
+            assert f"openk3: error: run folder {run} is in use by another training ({holder}" in err
+            assert "wait for it to end or stop it, or choose another --out" in err
+        _wait_for(lambda: _steps_logged(run) > before, proc)  # the first run goes on, its log intact
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (run / "train.lock").exists()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # one run's rows, none interleaved
+    # a lock left by a run killed with -9 (no process holds it any more) is taken over with a line saying so
+    saved = int(latest_checkpoint(run).name.split("-")[1])
+    stale = {"pid": 4194999, "host": socket.gethostname(), "started": "2026-12-01 00:00:00 +0000"}
+    (run / "train.lock").write_text(json.dumps(stale))
+    assert main(["train", "--out", str(run), "--resume", "--steps", str(saved + 1), "--no-sample"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"recovered a stale run lock in {run}: pid 4194999 on host {stale['host']} since "
+        "2026-12-01 00:00:00 +0000 no longer holds it"
+    ) in out
+    assert not (run / "train.lock").exists()
