@@ -18,7 +18,30 @@ def port_number(text: str) -> int:
     return port
 
 
+SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+"""Modules the server imports, and their PyPI names (base dependencies of openk3, also the ``serve`` extra)."""
+
+
+def check_server_modules() -> None:
+    """Raise ``ValueError`` naming the missing PyPI packages and the install command when a module of
+    :data:`SERVER_MODULES` cannot be imported (an install older than these dependencies)."""
+    import importlib
+
+    missing = []
+    for module, package in SERVER_MODULES.items():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError:
+            missing.append(package)
+    if missing:
+        raise ValueError(
+            f'openk3 serve needs {", ".join(missing)}, not installed here: pip install -e ".[serve]" '
+            f"(or pip install {' '.join(missing)})"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_server_modules()
     import torch
 
     from openk3.serve.config import CacheConfig, EngineConfig, SchedulerConfig
