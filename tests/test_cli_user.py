@@ -125,3 +125,53 @@ def test_a_second_training_in_the_same_folder_is_refused_naming_the_first(corpus
         "2026-12-01 00:00:00 +0000 no longer holds it"
     ) in out
     assert not (run / "train.lock").exists()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A k3-tiny checkpoint (random weights) with a small BPE tokenizer, outside any run folder."""
+    import openk3
+    from openk3.data import Tokenizer
+    from openk3.presets import get_preset
+
+    folder = tmp_path_factory.mktemp("ckpt") / "k3-tiny"
+    openk3.save_pretrained(openk3.build_model(get_preset("k3-tiny"), seed=0), folder)
+    Tokenizer.train([t * 20 for t in TEXT], 300).save(folder)
+    return folder
+
+
+def test_serve_without_its_packages_names_the_install(ckpt, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed: import raises
+    assert main(["serve", "--ckpt", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        'openk3: error: openk3 serve needs uvicorn, not installed here: pip install -e ".[serve]" '
+        "(or pip install uvicorn)\n"
+    )
+
+
+@pytest.mark.slow
+def test_serve_port_0_prints_the_bound_port(ckpt):
+    import urllib.request
+
+    proc = _spawn(["serve", "--ckpt", str(ckpt), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("openk3 serve: model 'k3-tiny' on http://127.0.0.1:"), line
+        base = line.split(" on ")[1].split()[0]
+        port = int(base.rsplit(":", 1)[1].split("/")[0])
+        assert port > 0
+        deadline = time.monotonic() + 60
+        while True:  # uvicorn starts accepting right after the line
+            try:
+                with urllib.request.urlopen(f"{base}/models", timeout=5) as r:
+                    models = json.loads(r.read())
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        assert [m["id"] for m in models["data"]] == ["k3-tiny"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
