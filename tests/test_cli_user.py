@@ -175,3 +175,20 @@ def test_serve_port_0_prints_the_bound_port(ckpt):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def test_generate_refuses_tokens_past_the_context(ckpt, capsys):
+    from openk3.config import load_config, text_config_of
+    from openk3.data import Tokenizer
+
+    limit = text_config_of(load_config(ckpt)).max_position_embeddings  # 65536 for k3-tiny
+    n = len(Tokenizer.load(ckpt).encode("ROMEO:"))
+    args = ["generate", "--ckpt", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens"]
+    assert main([*args, "100000000"]) == 2
+    assert capsys.readouterr().err == (
+        f"openk3: error: the model's maximum context length is {limit:,} tokens (max_position_embeddings in "
+        f"{ckpt}); the prompt ({n:,} tokens) and --max-new-tokens 100,000,000 ask for {n + 100000000:,}: "
+        f"use --max-new-tokens {limit - n} or less\n"
+    )
+    assert main([*args, "2", "--temperature", "0"]) == 0  # within the context: generated
+    assert capsys.readouterr().out.startswith("ROMEO:")

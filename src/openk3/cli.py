@@ -192,10 +192,36 @@ def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, s
     sys.stdout.write("\n")
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
+    """Raise ``ValueError`` when a prompt of ``prompt_tokens`` tokens and ``max_new_tokens`` new ones do not
+    fit the model's context of ``limit`` tokens (its ``max_position_embeddings``, read from ``where``), as
+    the server refuses such a request with a 400."""
+    if prompt_tokens + max_new_tokens <= limit:
+        return
+    fix = (
+        f"use --max-new-tokens {limit - prompt_tokens} or less"
+        if prompt_tokens < limit
+        else "use a shorter prompt"
+    )
+    raise ValueError(
+        f"the model's maximum context length is {limit:,} tokens ({where}); the prompt ({prompt_tokens:,} "
+        f"tokens) and --max-new-tokens {max_new_tokens:,} ask for {prompt_tokens + max_new_tokens:,}: {fix}"
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    # the sampling flags were checked by their argparse types; the prompt is checked before the (slow) load
+    from openk3.checkpoint import checkpoint_with_tokenizer
+    from openk3.config import text_config_of
+    from openk3.data import Tokenizer
+
+    # the sampling flags were checked by their argparse types; the prompt and its length are checked before
+    # the (slow) model load
     _check_prompt(args.prompt)
-    model, tokenizer, _ = _load_for_inference(args.ckpt, args.device)
+    folder = checkpoint_with_tokenizer(args.ckpt)
+    limit = text_config_of(load_config(folder)).max_position_embeddings
+    prompt_tokens = len(Tokenizer.load(folder).encode(args.prompt))
+    check_context(prompt_tokens, args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
+    model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     _stream_text(
         model,
         tokenizer,
