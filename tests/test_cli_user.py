@@ -192,3 +192,52 @@ def test_generate_refuses_tokens_past_the_context(ckpt, capsys):
     )
     assert main([*args, "2", "--temperature", "0"]) == 0  # within the context: generated
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_tokens_read_sums_the_context_schedule():
+    from openk3.train.run_summary import tokens_read
+    from openk3.train.schedule import seq_len_at
+
+    schedule = [(0, 32), (3, 48), (7, 64)]
+    for first, last in [(0, 10), (0, 3), (2, 8), (5, 6), (7, 20), (4, 4)]:
+        brute = sum(5 * seq_len_at(s, schedule) for s in range(first, last))
+        assert tokens_read(first, last, schedule, 5) == brute
+    assert tokens_read(0, 10**9, [(0, 128)], 16) == 10**9 * 16 * 128  # O(schedule), not O(steps)
+
+
+@pytest.mark.slow
+def test_train_prints_the_data_the_run_and_redraws_the_plot(corpus, tmp_path, capsys, monkeypatch):
+    import openk3.train.trainer as trainer
+    from openk3.train.schedule import seq_len_at
+
+    drawn = []  # metrics rows present at each redraw of loss.png
+    plot = trainer.plot_metrics
+
+    def recording_plot(metrics, png):
+        drawn.append(len(Path(metrics).read_text().splitlines()))
+        plot(metrics, png)
+
+    monkeypatch.setattr(trainer, "plot_metrics", recording_plot)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(corpus), "--out", str(run), "--steps", "6", "--eval-every", "2"]
+    args += ["--batch-size", "2", "--context-schedule", "0:32,3:48", "--warmup-steps", "0", "--no-sample"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    manifest = json.loads((run / "data" / "data.json").read_text())
+    n_train, n_val = manifest["splits"]["train"]["num_tokens"], manifest["splits"]["val"]["num_tokens"]
+    vocab = json.loads((run / "data" / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert "data: read 8 file(s) (8 text, 0 JSONL), " in out
+    assert f"data: the tokenizer has {len(vocab):,} ids, the model 8,192" in out
+    assert f"data: split {n_train:,} train / {n_val:,} val tokens ({n_val / (n_train + n_val):.1%} val" in out
+    read = sum(2 * seq_len_at(s, [(0, 32), (3, 48)]) for s in range(6))  # 3 × 64 + 3 × 96 = 480
+    assert f"data: steps 0-6 read {read:,} train tokens = {read / n_train:.2f} epoch(s)" in out
+    assert out.index("data: read") < out.index(f"training in {run}")  # inputs checked before the line
+    assert drawn == [2, 4, 6]  # at the evaluations of steps 2 and 4, and at the end
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "run: at step 6 after 00:00:" in out
+    assert f"({read:,} train tokens read, " in out
+    assert f"; final train loss {rows[-1]['loss']:.4f} nats/token" in out
+    # openk3 eval shows its progress: the val split in the run's windows (48 tokens, 2 per batch)
+    assert main(["eval", "--ckpt", str(run)]) == 0
+    batches = -(-((n_val - 1) // 48) // 2)
+    assert f"{batches}/{batches}" in capsys.readouterr().err

@@ -289,7 +289,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if seq_len is None:  # at most N - 1 (a val split shorter than one window)
         seq_len = max(1, min(run_seq_len or DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
     batch_size = args.batch_size or run_batch or DEFAULT_EVAL_BATCH_SIZE
-    loss, count = validation_loss(model, dataset, batch_size, seq_len, args.max_batches, device=args.device)
+    loss, count = validation_loss(
+        model, dataset, batch_size, seq_len, args.max_batches, device=args.device, progress=True
+    )
     print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} ({count:,} tokens, {val_path})")
     return 0
 

@@ -58,6 +58,7 @@ from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.optim import build_optimizer
 from openk3.train.run_lock import LOCK_NAME, acquire_run_lock
+from openk3.train.run_summary import data_lines, end_lines, tokens_read
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
     latest_checkpoint,
@@ -207,6 +208,7 @@ def validation_loss(
     max_batches: int | None = None,
     device: str | torch.device = "cpu",
     amp_dtype: torch.dtype | None = None,
+    progress: bool = False,
 ) -> tuple[float, int]:
     """Mean next-token cross-entropy (nats/token) of ``model`` on ``dataset``, and the target-token count.
 
@@ -214,13 +216,19 @@ def validation_loss(
     ``max_batches=None`` every non-overlapping window of the split, so ``tokens = ((N − 1) // seq_len) ·
     seq_len``. The loss is the sum of the per-token losses (fp32) over the count, so batch sizes do not weight
     it. ``amp_dtype`` runs the forward under ``torch.autocast`` (e.g. ``torch.bfloat16`` on CUDA). The model
-    is called as is (call ``model.eval()`` first). Used by ``openk3 eval`` and the trainer. Raises
+    is called as is (call ``model.eval()`` first). ``progress`` shows a progress bar of the batches (on
+    stderr; ``openk3 eval``). Used by ``openk3 eval`` and the trainer. Raises
     ``ValueError`` when no window is evaluated (``max_batches < 1`` or a split shorter than ``seq_len + 1``).
     """
     device = torch.device(device)
     total, count = 0.0, 0
+    batches = dataset.iter_sequential(batch_size, seq_len, max_batches)
+    if progress:
+        total = -(-dataset.num_windows(seq_len) // batch_size)
+        total = total if max_batches is None else min(total, max_batches)
+        batches = tqdm(batches, total=total, unit="batch", desc="eval", dynamic_ncols=True)
     with torch.no_grad():
-        for x_BT, y_BT in dataset.iter_sequential(batch_size, seq_len, max_batches):
+        for x_BT, y_BT in batches:
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits_BTV = model(x_BT.to(device)).logits
             total += F.cross_entropy(
@@ -561,9 +569,6 @@ class Trainer:
             raise ValueError(f"cannot create the run folder --out {self.run_dir}: {_os_reason(e)}") from None
         if self._lock is None:
             self._lock = acquire_run_lock(self.run_dir)
-        if progress:
-            action = "resuming the run" if resume else "training"
-            print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
         try:
             self._setup(config, resume, progress)
         except BaseException:
@@ -571,6 +576,10 @@ class Trainer:
                 self.release_lock()
                 shutil.rmtree(created, ignore_errors=True)
             raise
+        if progress:  # after the inputs were read and checked
+            print("\n".join(data_lines(self.data, config, self.step)))
+            action = "resuming the run" if resume else "training"
+            print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
 
     def _setup(self, config: TrainConfig, resume: bool, progress: bool) -> None:
         self.progress = progress
@@ -773,6 +782,7 @@ class Trainer:
             total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True
         )
         last_eval: dict = {}
+        first_step, start = self.step, time.perf_counter()
         try:  # the handler stays installed through the final save: a second Ctrl-C aborts it too (atomic)
             self._loop(bar, last_eval)
             ckpt = self.save()
@@ -784,6 +794,10 @@ class Trainer:
                 signal.signal(sig, handler)
             self.release_lock()
         plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        seconds = time.perf_counter() - start
+        tokens = tokens_read(first_step, self.step, cfg.context_schedule, cfg.batch_size * cfg.grad_accum)
+        if self.progress:
+            print("\n".join(end_lines(self.step, seconds, tokens, self.losses.get(self.step))))
         return {
             "checkpoint": str(ckpt),
             "step": self.step,
@@ -815,6 +829,8 @@ class Trainer:
                 )
                 row.update(last_eval)
             self.metrics.write(row)
+            if self.step % cfg.eval_every == 0 and self.step < cfg.steps:  # a live plot, redrawn at each eval
+                plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
             bar.update(1)
             bar.set_postfix(
                 loss=f"{row['loss']:.3f}",
