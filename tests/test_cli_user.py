@@ -231,7 +231,7 @@ def test_train_prints_the_data_the_run_and_redraws_the_plot(corpus, tmp_path, ca
     assert f"data: split {n_train:,} train / {n_val:,} val tokens ({n_val / (n_train + n_val):.1%} val" in out
     read = sum(2 * seq_len_at(s, [(0, 32), (3, 48)]) for s in range(6))  # 3 × 64 + 3 × 96 = 480
     assert f"data: steps 0-6 read {read:,} train tokens = {read / n_train:.2f} epoch(s)" in out
-    assert out.index("data: read") < out.index(f"training in {run}")  # inputs checked before the line
+    assert out.index(f"training in {run}") < out.index("data: read")
     assert drawn == [2, 4, 6]  # at the evaluations of steps 2 and 4, and at the end
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "run: at step 6 after 00:00:" in out
@@ -241,3 +241,84 @@ def test_train_prints_the_data_the_run_and_redraws_the_plot(corpus, tmp_path, ca
     assert main(["eval", "--ckpt", str(run)]) == 0
     batches = -(-((n_val - 1) // 48) // 2)
     assert f"{batches}/{batches}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_one_input_txt_a_corpus_prompt_and_a_resume_with_another_batch(tmp_path, capsys):
+    """nanoGPT habits: one ``input.txt`` as the corpus; the end-of-run sample starts from that corpus's text
+    (not ``ROMEO:``), ``--sample-prompt`` sets it; a resume with another ``--batch-size`` says so."""
+    from openk3.data import TokenDataset, Tokenizer
+
+    text = "".join(TEXT) * 40
+    (tmp_path / "input.txt").write_text(text)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(tmp_path / "input.txt"), "--out", str(run), "--steps", "1"]
+    args += ["--batch-size", "2", "--context-schedule", "0:32", "--warmup-steps", "0"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    manifest = json.loads((run / "data" / "data.json").read_text())
+    cut = text.index("\n", round(0.9 * len(text))) + 1
+    assert manifest["splits"]["val"]["documents"] == [f"input.txt[{cut}:]"]
+    tokenizer = Tokenizer.load(run / "data" / "tokenizer")
+    ids = TokenDataset(run / "data" / "val.bin").tokens_N[:8]
+    prompt = tokenizer.decode([int(i) for i in ids]).split("\n")[0]
+    assert prompt and text[cut:].startswith(prompt)
+    assert out.split("--- sample (temperature 0.8, top-p 0.95, seed 0) ---\n")[1].startswith(prompt)
+    resume = ["train", "--out", str(run), "--resume", "--steps", "2", "--batch-size", "4"]
+    assert main([*resume, "--sample-prompt", "HAMLET."]) == 0
+    out = capsys.readouterr().out
+    assert "resuming at step 1 with batch_size 2 → 4 (the run's value until now)" in out
+    assert out.split("seed 0) ---\n")[1].startswith("HAMLET.")
+
+
+def test_a_missing_corpus_is_named_before_the_run_is_announced(tmp_path, capsys):
+    args = ["train", "--data", str(tmp_path / "nothing.txt"), "--out", str(tmp_path / "run"), "--no-sample"]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and str(tmp_path / "nothing.txt") in err
+    assert not (tmp_path / "run").exists()
+
+
+def _flags(parser):
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def test_every_flag_has_help_and_its_default():
+    import dataclasses
+
+    from openk3.cli import build_parser
+    from openk3.train.trainer import TrainConfig
+
+    parser = build_parser()
+    for name, sub in parser.commands.items():
+        for action in _flags(sub):
+            text = sub.formatter_class(sub.prog)._get_help_string(action) or ""
+            assert text.strip(), f"openk3 {name} {action.option_strings[0]} has no help text"
+            if action.default not in (None, False):
+                assert "default" in text, (
+                    f"openk3 {name} {action.option_strings[0]} does not show its default"
+                )
+    # the train flags (argparse default None: a resume keeps the run's values) state TrainConfig's defaults
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING
+    }
+    train = parser.commands["train"]
+    for action in _flags(train):
+        if action.dest in defaults and action.dest not in ("sample_prompt", "data", "tokenizer"):
+            assert f"default {defaults[action.dest]}" in action.help, action.option_strings[0]
+    schedule = ",".join(f"{s}:{t}" for s, t in TrainConfig().context_schedule)
+    assert f"(default '{schedule}')" in next(a.help for a in _flags(train) if a.dest == "context_schedule")
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys; from openk3.cli import main\n"
+        "try: main(['--help'])\nexcept SystemExit: pass\n"
+        "try: main(['serve', '--help'])\nexcept SystemExit: pass\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert done.stderr.strip().splitlines()[-1] == "False"
+    assert "openk3 serve" not in done.stdout or "--ckpt" in done.stdout

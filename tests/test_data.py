@@ -151,8 +151,13 @@ def test_split_by_document():
     assert len({split_documents(docs, 0.1, seed=s)[1][0].name for s in range(20)}) > 1
     assert [len(p) for p in split_documents(docs, 0.9)] == [1, 9]  # at least one train document
     assert [len(p) for p in split_documents(docs[:2], 0.01)] == [1, 1]  # at least one val document
-    with pytest.raises(ValueError, match="at least 2"):
-        split_documents(docs[:1], 0.1)
+    # one document (nanoGPT's input.txt): its text is cut at the first line start past 90%
+    one = Document("input.txt", "".join(f"line {i}\n" for i in range(100)))  # 10 × 7 + 90 × 8 = 790 chars
+    train, val = split_documents([one], 0.1)
+    assert [d.name for d in train + val] == ["input.txt[:718]", "input.txt[718:]"]  # 711 = round(0.9 × 790)
+    assert train[0].text + val[0].text == one.text and val[0].text.startswith("line 91\n")
+    with pytest.raises(ValueError, match=r"the corpus is one document \(tiny.txt, 3 characters\), too short"):
+        split_documents([Document("tiny.txt", "a\nb")], 0.1)
     with pytest.raises(ValueError, match="val_fraction"):
         split_documents(docs, 0.0)
 

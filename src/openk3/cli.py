@@ -10,7 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-from openk3.accounting import accounting_report
 from openk3.config import load_config
 from openk3.presets import PRESETS, get_preset
 
@@ -74,6 +73,8 @@ def _print_info(report: dict) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from openk3.accounting import accounting_report
+
     config = load_config(args.config) if args.config else get_preset(args.preset)
     report = accounting_report(config)
     if args.json:
@@ -149,9 +150,29 @@ def _train(args: argparse.Namespace) -> int:
         return 130 if not config.stop_at_step else 0
     if config.sample_prompt:
         model, tokenizer, _ = _load_for_inference(summary["checkpoint"], config.device)
+        prompt = config.sample_prompt
+        if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
+            prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
         print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
-        _stream_text(model, tokenizer, config.sample_prompt, 200, 0.8, 0.95, config.seed, config.device)
+        _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
     return 0
+
+
+CORPUS_PROMPT_TOKENS = 8
+"""Tokens of the val split that start the end-of-run sample of a run on a corpus of one's own."""
+
+
+def _corpus_prompt(run: Path, tokenizer) -> str:
+    """The text of the first :data:`CORPUS_PROMPT_TOKENS` tokens of ``run``'s val split, up to its first line
+    end; ``""`` when the split cannot be read."""
+    from openk3.data import TokenDataset
+
+    try:
+        ids = TokenDataset(run / "data" / "val.bin").tokens_N[:CORPUS_PROMPT_TOKENS]
+    except (OSError, ValueError):
+        return ""
+    text = tokenizer.decode([int(i) for i in ids if int(i) != tokenizer.eos_id]).rstrip("\ufffd")
+    return text.split("\n")[0] if text.split("\n")[0].strip() else text.strip()
 
 
 def _check_prompt(prompt: str) -> None:
@@ -296,6 +317,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help when it has a default and its help does not say it already
+    (``None`` and ``False`` defaults are not shown: those flags say what happens without them)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (``openk3 train: error: … (see openk3 train --help)``)
     instead of the usage block and the error; subcommand parsers inherit it."""
@@ -303,6 +335,10 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser] | None = None
     """Subcommand parsers by name (set on the top-level parser), so an unknown option is reported by the
     subcommand it was given to (``openk3 train: error: unrecognized arguments: --bogus``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -340,15 +376,22 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", help="text/JSONL file, folder or glob (default: Shakespeare's complete works)")
     tr.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: train a byte-level BPE)")
     tr.add_argument("--out", help="run folder (default runs/k3-tiny)")
-    tr.add_argument("--steps", type=_steps, help="optimizer steps (at most 10^9)")
-    tr.add_argument("--batch-size", dest="batch_size", type=_positive_int, help="sequences per step")
-    tr.add_argument("--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step")
+    tr.add_argument("--steps", type=_steps, help="optimizer steps, at most 10^9 (default 200)")
+    tr.add_argument(
+        "--batch-size",
+        dest="batch_size",
+        type=_positive_int,
+        help="sequences per micro-batch, also the eval batch size (default 16)",
+    )
+    tr.add_argument(
+        "--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step (default 1)"
+    )
     tr.add_argument(
         "--context-schedule",
         dest="context_schedule",
-        help="progressive context, e.g. '0:128,150:256' (step:seq_len,...)",
+        help="progressive context, step:seq_len,... from step 0 (default '0:64,60:128')",
     )
-    tr.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    tr.add_argument("--lr", type=_positive_float, help="peak learning rate of Muon and AdamW (default 0.003)")
     tr.add_argument(
         "--grad-clip", dest="grad_clip", type=_positive_float, help="max global gradient norm (default 1.0)"
     )
@@ -358,16 +401,37 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         help="linear warmup steps (default 20), clamped to at most 25%% of --steps",
     )
-    tr.add_argument("--schedule", choices=["cosine", "wsd"])
+    tr.add_argument(
+        "--schedule",
+        choices=["cosine", "wsd"],
+        help="learning-rate schedule after the warmup (default cosine)",
+    )
     tr.add_argument(
         "--balance", choices=["quantile", "sign", "none"], help="MoE balancing (default quantile)"
     )
-    tr.add_argument("--eval-every", dest="eval_every", type=_positive_int)
-    tr.add_argument("--save-every", dest="save_every", type=_positive_int)
-    tr.add_argument("--seed", type=_seed)
-    tr.add_argument("--device", choices=["cpu", "cuda"])
+    tr.add_argument(
+        "--eval-every",
+        dest="eval_every",
+        type=_positive_int,
+        help="steps between evaluations on a fixed val subset, each redrawing loss.png (default 50)",
+    )
+    tr.add_argument(
+        "--save-every", dest="save_every", type=_positive_int, help="steps between checkpoints (default 100)"
+    )
+    tr.add_argument(
+        "--seed", type=_seed, help="seed of the weights, the data split and the batches (default 0)"
+    )
+    tr.add_argument(
+        "--device", choices=["cpu", "cuda"], help="cpu (fp32) or cuda (bf16 autocast) (default cpu)"
+    )
     tr.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
+    tr.add_argument(
+        "--sample-prompt",
+        dest="sample_prompt",
+        help="prompt of the sample printed at the end (default: 'ROMEO:' on the default corpus, else the "
+        "first tokens of the val split)",
     )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     tr.set_defaults(func=cmd_train)
@@ -376,12 +440,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--ckpt", required=True, help="checkpoint folder or run folder (uses its latest checkpoint)"
     )
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", dest="max_new_tokens", type=_positive_int, default=200)
-    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-p", dest="top_p", type=_top_p, default=1.0)
-    gen.add_argument("--seed", type=_seed, default=None)
-    gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument(
+        "--max-new-tokens",
+        dest="max_new_tokens",
+        type=_positive_int,
+        default=200,
+        help="tokens to generate at most (prompt + these within the model's context)",
+    )
+    gen.add_argument("--temperature", type=_temperature, default=0.8, help="sampling temperature, 0 = greedy")
+    gen.add_argument(
+        "--top-p", dest="top_p", type=_top_p, default=1.0, help="nucleus sampling: keep this probability mass"
+    )
+    gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: a random one)")
+    gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
@@ -409,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="read only the first N batches (default: every window of the split)",
     )
-    ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     ev.set_defaults(func=cmd_eval)
 
     from openk3.serve.cli import add_serve_parser  # light: heavy imports happen when `serve` runs

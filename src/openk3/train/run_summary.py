@@ -58,3 +58,20 @@ def end_lines(step: int, seconds: float, tokens: int, train_loss: float | None) 
     if train_loss is not None:
         line += f"; final train loss {train_loss:.4f} nats/token"
     return [line]
+
+
+RESUME_FIELDS = ("batch_size", "grad_accum", "context_schedule", "eval_every", "eval_batches", "save_every")
+"""TrainConfig fields a resume may change (besides ``steps`` and ``lr``, announced with the schedule)."""
+
+
+def resume_changes(step: int, saved: dict, config) -> list[str]:
+    """One line per field of :data:`RESUME_FIELDS` whose value in ``config`` differs from the run's saved
+    train config ``saved`` (JSON: the context schedule as lists): what changes from ``step`` on."""
+    lines = []
+    for name in RESUME_FIELDS:
+        old, new = saved.get(name), getattr(config, name)
+        if name == "context_schedule" and old is not None:
+            old = [tuple(pair) for pair in old]
+        if old is not None and old != new:
+            lines.append(f"resuming at step {step} with {name} {old} → {new} (the run's value until now)")
+    return lines

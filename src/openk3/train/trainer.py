@@ -58,7 +58,7 @@ from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.optim import build_optimizer
 from openk3.train.run_lock import LOCK_NAME, acquire_run_lock
-from openk3.train.run_summary import data_lines, end_lines, tokens_read
+from openk3.train.run_summary import data_lines, end_lines, resume_changes, tokens_read
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
     latest_checkpoint,
@@ -224,9 +224,9 @@ def validation_loss(
     total, count = 0.0, 0
     batches = dataset.iter_sequential(batch_size, seq_len, max_batches)
     if progress:
-        total = -(-dataset.num_windows(seq_len) // batch_size)
-        total = total if max_batches is None else min(total, max_batches)
-        batches = tqdm(batches, total=total, unit="batch", desc="eval", dynamic_ncols=True)
+        n_batches = -(-dataset.num_windows(seq_len) // batch_size)
+        n_batches = n_batches if max_batches is None else min(n_batches, max_batches)
+        batches = tqdm(batches, total=n_batches, unit="batch", desc="eval", dynamic_ncols=True)
     with torch.no_grad():
         for x_BT, y_BT in batches:
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -555,8 +555,10 @@ class Trainer:
             check_resume_model(self.run_dir, ckpt, saved.get("preset"), config)
             check_resume_data(self.run_dir, saved, config)
             steps_note = check_resume_steps(self.run_dir, int(state["step"]), saved, config)
-            if steps_note:
-                print(steps_note)
+            for line in ([steps_note] if steps_note else []) + resume_changes(
+                int(state["step"]), saved, config
+            ):
+                print(line)
             self._resume_from = (ckpt, state)
             self.saved = (int(state["step"]), ckpt)
         check_memory(get_preset(config.preset), config)  # before any folder or shard is written
@@ -570,16 +572,19 @@ class Trainer:
         if self._lock is None:
             self._lock = acquire_run_lock(self.run_dir)
         try:
+            if config.data is not None:  # a missing corpus is named before the run is announced
+                resolve_inputs(config.data)
+            if progress:
+                action = "resuming the run" if resume else "training"
+                print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
             self._setup(config, resume, progress)
         except BaseException:
             if created is not None:  # a run that never started leaves no folder behind (only ours was there)
                 self.release_lock()
                 shutil.rmtree(created, ignore_errors=True)
             raise
-        if progress:  # after the inputs were read and checked
-            print("\n".join(data_lines(self.data, config, self.step)))
-            action = "resuming the run" if resume else "training"
-            print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
+        if progress:
+            print("\n".join(data_lines(self.data, config, self.step)), flush=True)
 
     def _setup(self, config: TrainConfig, resume: bool, progress: bool) -> None:
         self.progress = progress
