@@ -30,11 +30,14 @@ other commands that need no model do not import torch."""
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'openk3' has no attribute {name!r}")
-    if module == f"openk3.{name}":  # a submodule
-        return importlib.import_module(module)
-    return getattr(importlib.import_module(module), name)
+    if module is not None and module != f"openk3.{name}":
+        return getattr(importlib.import_module(module), name)
+    try:  # a submodule (openk3.generate, openk3.presets, ...), as an eager import would have bound it
+        return importlib.import_module(f"openk3.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"openk3.{name}":
+            raise
+        raise AttributeError(f"module 'openk3' has no attribute {name!r}") from None
 
 
 __version__ = "0.1.0"
