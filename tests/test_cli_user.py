@@ -322,3 +322,29 @@ def test_help_does_not_import_torch():
     )
     assert done.stderr.strip().splitlines()[-1] == "False"
     assert "openk3 serve" not in done.stdout or "--ckpt" in done.stdout
+
+
+@pytest.mark.slow
+def test_tensorboard_events_mirror_the_metrics(corpus, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    args = ["train", "--data", str(corpus), "--out", str(run), "--steps", "4", "--eval-every", "2"]
+    assert main([*args, *SMALL, "--tensorboard"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
+    val = [(e.step, e.value) for e in events.Scalars("val/loss_subset")]
+    assert val == [(2, pytest.approx(rows[1]["val_loss_subset"], rel=1e-6))]
+    assert [e.step for e in events.Scalars("val/loss")] == [4]
+    # without the package: one line naming the install, before any work
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert main([*args[:-4], "--out", str(tmp_path / "other"), "--tensorboard", *SMALL]) == 2
+    assert 'needs the tensorboard package: pip install -e ".[tensorboard]"' in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

@@ -121,6 +121,10 @@ def _train(args: argparse.Namespace) -> int:
         for k, v in vars(args).items()
         if v is not None and k in {f.name for f in dataclasses.fields(TrainConfig)}
     }
+    if args.tensorboard:  # before any slow work
+        from openk3.train.metrics import check_tensorboard
+
+        check_tensorboard()
     if args.context_schedule is not None:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
@@ -434,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
         "first tokens of the val split)",
     )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+    tr.add_argument(
+        "--tensorboard",
+        action="store_true",
+        default=None,
+        help="also log the metrics as TensorBoard events in OUT/tensorboard (tensorboard --logdir OUT); "
+        'needs pip install -e ".[tensorboard]"',
+    )
     tr.set_defaults(func=cmd_train)
 
     gen = sub.add_parser("generate", help="stream text from a checkpoint")

@@ -148,6 +148,8 @@ class TrainConfig:
     """Printed with a short greedy-ish sample at the end (``None`` to skip)."""
     stop_at_step: int | None = None
     """Stop (with a checkpoint) after this many steps, as Ctrl-C would; for tests and chunked runs."""
+    tensorboard: bool = False
+    """Also log ``metrics.jsonl``'s scalars as TensorBoard events in ``<out>/tensorboard``."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field and the bad value (ints must be ints, floats finite)."""
@@ -624,7 +626,11 @@ class Trainer:
         self.step = 0
         if resume:
             self._resume()
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
+        self.metrics = MetricsLog(
+            self.run_dir / "metrics.jsonl",
+            resume_step=self.step if resume else None,
+            tensorboard_dir=self.run_dir / "tensorboard" if config.tensorboard else None,
+        )
         if resume:  # the losses logged so far, for a divergence message
             rows = self.metrics.kept
             self.losses = {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))}
@@ -797,6 +803,7 @@ class Trainer:
             bar.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.metrics.close()
             self.release_lock()
         plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         seconds = time.perf_counter() - start
