@@ -348,3 +348,76 @@ def test_tensorboard_events_mirror_the_metrics(corpus, tmp_path, capsys, monkeyp
     assert main([*args[:-4], "--out", str(tmp_path / "other"), "--tensorboard", *SMALL]) == 2
     assert 'needs the tensorboard package: pip install -e ".[tensorboard]"' in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+def test_eval_on_raw_text_uses_the_checkpoints_tokenizer(ckpt, tmp_path, capsys):
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    import openk3
+    from openk3.data import Tokenizer
+
+    text = tmp_path / "input.txt"
+    text.write_text(TEXT[2] * 3)
+    assert (
+        main(["eval", "--ckpt", str(ckpt), "--data", str(text), "--seq-len", "16", "--batch-size", "2"]) == 0
+    )
+    printed = capsys.readouterr().out
+    tok = Tokenizer.load(ckpt)
+    ids = tok.encode(text.read_text()) + [tok.eos_id]
+    n = (len(ids) - 1) // 16
+    w = torch.tensor(ids[: n * 16 + 1])
+    with torch.no_grad():
+        logits = openk3.from_pretrained(ckpt)(w[:-1].view(n, 16)).logits.double()
+    want = F.cross_entropy(logits.flatten(0, 1), w[1:]).item()
+    assert (
+        f"val loss {want:.4f} nats/token, perplexity {math.exp(want):.2f} ({n * 16:,} tokens, {text})"
+        in printed
+    )
+
+
+def test_generate_chat_prompt_file_stdin_and_samples(ckpt, tmp_path, capsys, monkeypatch):
+    import io
+
+    import torch
+
+    import openk3
+    from openk3.data import Tokenizer
+    from openk3.serve.chat_template import ChatTemplate
+
+    tok = Tokenizer.load(ckpt)
+    model = openk3.from_pretrained(ckpt)
+    base = ["generate", "--ckpt", str(ckpt), "--max-new-tokens", "6", "--temperature", "0"]
+
+    def greedy_text(ids, stop):
+        out = openk3.generate.generate(model, torch.tensor([ids]), 6, vocab_size=tok.vocab_size)[0].tolist()
+        cut = next((i for i, t in enumerate(out) if t in stop), len(out))
+        return tok.decode(out[:cut])
+
+    # --chat: the prompt is a user turn of the chat template; the reply alone is printed
+    template = ChatTemplate.from_folder(tok, ckpt)
+    ids = template.encode([{"role": "user", "content": "To be"}])
+    assert main([*base, "--chat", "--prompt", "To be"]) == 0
+    assert capsys.readouterr().out == greedy_text(ids, template.stop_token_ids) + "\n"
+    # --prompt-file and --prompt - (stdin) give the same continuation as --prompt
+    plain = "ROMEO. But soft"
+    want = plain + greedy_text(tok.encode(plain), {tok.eos_id}) + "\n"
+    (tmp_path / "p.txt").write_text(plain)
+    assert main([*base, "--prompt-file", str(tmp_path / "p.txt")]) == 0
+    assert capsys.readouterr().out == want
+    monkeypatch.setattr(sys, "stdin", io.StringIO(plain))
+    assert main([*base, "--prompt", "-"]) == 0
+    assert capsys.readouterr().out == want
+    # --num-samples: seeds --seed + i, each one the sample of that seed
+    sampled = ["--temperature", "1.0", "--max-new-tokens", "4", "--prompt", plain]
+    assert main([*base, *sampled, "--num-samples", "2", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    singles = []
+    for seed in (5, 6):
+        assert main([*base, *sampled, "--seed", str(seed)]) == 0
+        singles.append(capsys.readouterr().out)
+    assert out == f"--- sample 1/2 ---\n{singles[0]}--- sample 2/2 ---\n{singles[1]}"
+    assert main([*base, "--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    assert f"cannot read --prompt-file {tmp_path / 'missing.txt'}" in capsys.readouterr().err

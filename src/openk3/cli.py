@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from openk3.config import load_config
@@ -191,22 +192,27 @@ def _check_prompt(prompt: str) -> None:
         ) from None
 
 
-def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, device) -> None:
+def _stream_text(
+    model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, device, ids=None, stop=None
+) -> None:
+    """Write ``prompt`` then its continuation to stdout as it is generated. ``ids``: the prompt's token ids
+    when they are not ``tokenizer.encode(prompt)`` (a chat prompt; then ``prompt`` is what is echoed, possibly
+    ""); ``stop``: ids that end the text (default: the eos id)."""
     import torch
 
     from openk3.generate import stream
 
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(prompt) if ids is None else ids
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     sys.stdout.write(prompt)
     produced: list[int] = []
     shown = ""
     x = torch.tensor([ids], device=device)
-    stop = {tokenizer.eos_id}
+    stop = {tokenizer.eos_id} if stop is None else stop
     for tok in stream(model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size):
         token = int(tok[0, 0])
-        if token == tokenizer.eos_id:
+        if token in stop:
             break
         produced.append(token)
         text = tokenizer.decode(produced)
@@ -234,36 +240,70 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, where: st
     )
 
 
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text: ``--prompt TEXT``, ``--prompt -`` (stdin) or ``--prompt-file PATH`` (UTF-8)."""
+    if args.prompt_file is not None:
+        try:
+            raw = Path(args.prompt_file).read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"--prompt-file {args.prompt_file} is not UTF-8 text (byte 0x{raw[e.start]:02x} at {e.start})"
+            ) from None
+    if args.prompt == "-":
+        return sys.stdin.read()
+    _check_prompt(args.prompt)
+    return args.prompt
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.checkpoint import checkpoint_with_tokenizer
     from openk3.config import text_config_of
     from openk3.data import Tokenizer
+    from openk3.serve.chat_template import ChatTemplate
 
     # the sampling flags were checked by their argparse types; the prompt and its length are checked before
     # the (slow) model load
-    _check_prompt(args.prompt)
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise ValueError("the prompt is empty")
     folder = checkpoint_with_tokenizer(args.ckpt)
+    tokenizer = Tokenizer.load(folder)
+    stop = None
+    if args.chat:  # one user turn in the checkpoint's chat template; only the reply is printed
+        template = ChatTemplate.from_folder(tokenizer, folder)
+        ids, stop, echo = template.encode([{"role": "user", "content": prompt}]), template.stop_token_ids, ""
+    else:
+        ids, echo = tokenizer.encode(prompt), prompt
     limit = text_config_of(load_config(folder)).max_position_embeddings
-    prompt_tokens = len(Tokenizer.load(folder).encode(args.prompt))
-    check_context(prompt_tokens, args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
+    check_context(len(ids), args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
-    _stream_text(
-        model,
-        tokenizer,
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_p,
-        args.seed,
-        args.device,
-    )
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}/{args.num_samples} ---")
+        seed = None if args.seed is None else (args.seed + i) % 2**63
+        _stream_text(
+            model,
+            tokenizer,
+            echo,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            seed,
+            args.device,
+            ids=ids,
+            stop=stop,
+        )
     return 0
 
 
 def _eval_split(folder: Path, data: str | None) -> Path:
-    """The token split ``openk3 eval`` reads: ``--data`` (a ``.bin``, or a folder holding ``val.bin``), else
-    the ``data/val.bin`` of the run that holds checkpoint ``folder``. Raises ``FileNotFoundError`` /
-    ``ValueError`` saying what to pass instead."""
+    """The data ``openk3 eval`` reads: ``--data`` (a ``.bin`` split, a folder holding ``val.bin``, or text
+    to tokenize: any other file, folder or glob), else the ``data/val.bin`` of the run that holds checkpoint
+    ``folder``. Raises ``FileNotFoundError`` saying what to pass instead."""
     hint = "pass --data path/to/val.bin (a token split written by `openk3 train` into RUN/data/)"
     if data is None:
         if folder.parent.name != "checkpoints":
@@ -278,13 +318,6 @@ def _eval_split(folder: Path, data: str | None) -> Path:
     path = Path(data)
     if path.is_dir() and (path / "val.bin").is_file():
         return path / "val.bin"
-    if path.suffix != ".bin":
-        raise ValueError(
-            f"--data {data} is not a token split (.bin): openk3 eval reads the token ids written by "
-            "`openk3 train` (RUN/data/val.bin, with its val.json). To evaluate a text file, tokenize it with "
-            "the checkpoint's tokenizer first: openk3.data.prepare_data(TEXT, out_dir=DIR, vocab_size=V, "
-            "tokenizer=CKPT) writes DIR/val.bin"
-        )
     return path
 
 
@@ -302,11 +335,25 @@ def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from openk3.data import TokenDataset
     from openk3.train.state import latest_checkpoint
-    from openk3.train.trainer import validation_loss
 
     folder = latest_checkpoint(args.ckpt)
     val_path = _eval_split(folder, args.data)
-    dataset = TokenDataset(val_path)
+    with tempfile.TemporaryDirectory(prefix="openk3-eval-") as tmp:
+        if val_path.suffix != ".bin":  # raw text: tokenized with the checkpoint's tokenizer, all of it
+            from openk3.checkpoint import checkpoint_with_tokenizer
+            from openk3.data import Tokenizer
+            from openk3.data.text_split import write_text_split
+
+            tokenizer = Tokenizer.load(checkpoint_with_tokenizer(str(folder)))
+            dataset = TokenDataset(write_text_split(args.data, tokenizer, Path(tmp) / "text.bin"))
+        else:
+            dataset = TokenDataset(val_path)
+        return _evaluate(args, folder, val_path, dataset)
+
+
+def _evaluate(args: argparse.Namespace, folder: Path, val_path: Path, dataset) -> int:
+    from openk3.train.trainer import validation_loss
+
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
     run_seq_len, run_batch = _run_eval_shape(folder)  # defaults: the windows the run's evaluations read
@@ -451,7 +498,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--ckpt", required=True, help="checkpoint folder or run folder (uses its latest checkpoint)"
     )
-    gen.add_argument("--prompt", required=True, help="text to continue")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text to continue; - reads it from stdin")
+    what.add_argument("--prompt-file", dest="prompt_file", help="a UTF-8 text file holding the prompt")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message in the checkpoint's chat template; print only the reply",
+    )
+    gen.add_argument(
+        "--num-samples",
+        dest="num_samples",
+        type=_positive_int,
+        default=1,
+        help="samples of the same prompt (sample i uses --seed + i)",
+    )
     gen.add_argument(
         "--max-new-tokens",
         dest="max_new_tokens",
@@ -469,7 +530,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     ev.add_argument("--ckpt", required=True, help="checkpoint folder or run folder")
-    ev.add_argument("--data", help="a token split (.bin); default: the run's data/val.bin")
+    ev.add_argument(
+        "--data",
+        help="a token split (.bin), or text (a file, folder or glob) tokenized with the checkpoint's tokenizer "
+        "(default: the run's data/val.bin)",
+    )
     ev.add_argument(
         "--seq-len",
         dest="seq_len",
