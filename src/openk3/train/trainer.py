@@ -5,7 +5,8 @@ One optimizer step (``Trainer.train_step``)::
     for each of grad_accum micro-batches:  loss = CE(model(x), y) / grad_accum;  loss.backward();  qb.observe()
     clip_grad_norm_(grad_clip);  qb.step()  (bias overwrite, one all-reduce);  optimizer.step()
 
-Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
+While a :class:`Trainer` runs, its run folder holds ``train.lock`` (:mod:`openk3.train.run_lock`): a second
+trainer on the same folder is refused naming the first. Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
 fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C or SIGTERM) a
 checkpoint is written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest
 checkpoint with the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything
