@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Quickstart command 1: install, train k3-tiny on Shakespeare (CPU, about 10 minutes), then sample.
+# Arguments go to `openk3 train`. Run again on a folder that already holds a run, it skips training and samples
+# (start fresh with `rm -r RUN` or another --out; continue an interrupted run with --resume).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # torch's OpenMP threads spin while they wait: fastest on idle cores, about 2x slower when another job keeps a
@@ -8,6 +10,21 @@ if [ -z "${OMP_WAIT_POLICY:-}" ] && awk '{ exit !($1 >= 1.0) }' /proc/loadavg 2>
   export OMP_WAIT_POLICY=PASSIVE
 fi
 bash scripts/install.sh
-openk3 train "$@"
-echo "--- sample: openk3 generate --ckpt runs/k3-tiny ---"
-openk3 generate --ckpt runs/k3-tiny --prompt "KING HENRY:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
+run=runs/k3-tiny
+resume=0
+args=("$@")
+for i in "${!args[@]}"; do
+  case "${args[$i]}" in
+    --out) run=${args[$((i + 1))]:-$run} ;;
+    --out=*) run=${args[$i]#--out=} ;;
+    --resume) resume=1 ;;
+  esac
+done
+if [ "$resume" = 0 ] && [ -f "$run/checkpoints/latest" ]; then
+  echo "$run already holds a trained run: skipping training, sampling from it."
+  echo "  start fresh: rm -r $run (or pass --out runs/NEW); continue an interrupted run: add --resume"
+else
+  openk3 train "$@"
+fi
+echo "--- sample: openk3 generate --ckpt $run ---"
+openk3 generate --ckpt "$run" --prompt "KING HENRY:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0

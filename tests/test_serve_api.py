@@ -749,3 +749,87 @@ def test_a_busy_port_is_one_line_before_loading(ckpt, capsys):
     captured = capsys.readouterr()
     assert f"cannot listen on 127.0.0.1:{port}" in captured.err
     assert "openk3 serve: model" not in captured.out
+
+
+def _reference_logprobs(ckpt, prompt_ids: list[int], n: int, vocab: int):
+    """Greedy ids and the log-probabilities (float64 log_softmax of the fp32 logits of one whole-sequence
+    forward, over the tokenizer's ids) at each generated position."""
+    model = openk3.from_pretrained(ckpt).eval()
+    out = openk3.generate.greedy(model, torch.tensor([prompt_ids]), n)[0].tolist()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + out])).logits[0, len(prompt_ids) - 1 : -1, :vocab]
+    return out, torch.log_softmax(logits.double(), dim=-1)
+
+
+def test_completion_logprobs_match_the_model_streamed_or_not(ckpt, client, reference):
+    tok = reference.tokenizer
+    ids = tok.encode(PROMPT)
+    out, logp = _reference_logprobs(ckpt, ids, 6, tok.vocab_size)
+    cut = next((i for i, t in enumerate(out) if t == tok.eos_id), len(out))
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in out[:cut]]
+    assert lp.token_logprobs == pytest.approx([logp[i, t].item() for i, t in enumerate(out[:cut])], abs=1e-4)
+    for i, top in enumerate(lp.top_logprobs):
+        values, best = logp[i].topk(3)
+        want = {tok.decode([t]): v for t, v in zip(best.tolist(), values.tolist())}
+        assert top.keys() >= want.keys() and len(top) <= 4  # the 3 most likely (and the sampled one)
+        assert [top[k] for k in want] == pytest.approx(list(want.values()), abs=1e-4)
+        assert top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])  # greedy: the sampled one is the best
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens) == r.choices[0].text
+    chunks = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, stream=True
+    )
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    # logprobs=0: the sampled token's only; without logprobs: null
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=0)
+    assert [list(t) for t in r.choices[0].logprobs.top_logprobs] == [[t] for t in lp.tokens[:2]]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs_match_the_model(ckpt, server, client, reference):
+    tok = reference.tokenizer
+    messages = [{"role": "user", "content": TEXT[0]}]
+    ids = server.serving.chat_template.encode(messages)
+    out, logp = _reference_logprobs(ckpt, ids, 5, tok.vocab_size)
+    stops = set(server.serving.chat_template.stop_token_ids)
+    cut = next((i for i, t in enumerate(out) if t in stops), len(out))
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t]) for t in out[:cut]]
+    assert [c.logprob for c in content] == pytest.approx(
+        [logp[i, t].item() for i, t in enumerate(out[:cut])], abs=1e-4
+    )
+    for i, c in enumerate(content):
+        values, best = logp[i].topk(2)
+        assert [e.token for e in c.top_logprobs] == [tok.decode([t]) for t in best.tolist()]
+        assert [e.logprob for e in c.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+        assert c.bytes == list(c.token.encode("utf-8"))
+    streamed = [
+        e for chunk in client.chat.completions.create(**kwargs, stream=True) for ch in chunk.choices
+        if ch.logprobs for e in ch.logprobs.content
+    ]  # fmt: skip
+    assert [e.token for e in streamed] == [c.token for c in content]
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "path,fields,message",
+    [
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "less than or equal to 20"),
+        ("/v1/completions", {"logprobs": 21}, "less than or equal to 20"),
+        ("/v1/completions", {"logprobs": -1}, "greater than or equal to 0"),
+    ],
+)
+def test_bad_logprobs_are_400(server, path, fields, message):
+    base = {"model": MODEL}
+    base.update(
+        {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    status, data = _post(server, path, json.dumps({**base, **fields}).encode())
+    assert status == 400 and message in data["error"]["message"], data

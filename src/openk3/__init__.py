@@ -8,11 +8,37 @@ Main entry points::
     model = openk3.build_model(openk3.get_preset("k3-tiny"))
 """
 
-from openk3 import generate
-from openk3.checkpoint import CheckpointMismatchError, from_pretrained, save_pretrained
-from openk3.config import KimiK3Config, KimiLinearConfig, LinearAttnConfig, load_config
-from openk3.model import KimiCache, build_model
-from openk3.presets import PRESETS, get_preset
+import importlib
+
+_EXPORTS = {
+    "generate": "openk3.generate",
+    "CheckpointMismatchError": "openk3.checkpoint",
+    "from_pretrained": "openk3.checkpoint",
+    "save_pretrained": "openk3.checkpoint",
+    "KimiK3Config": "openk3.config",
+    "KimiLinearConfig": "openk3.config",
+    "LinearAttnConfig": "openk3.config",
+    "load_config": "openk3.config",
+    "KimiCache": "openk3.model",
+    "build_model": "openk3.model",
+    "PRESETS": "openk3.presets",
+    "get_preset": "openk3.presets",
+}
+"""Public names and the module each comes from; imported on first use (PEP 562), so ``openk3 --help`` and
+other commands that need no model do not import torch."""
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is not None and module != f"openk3.{name}":
+        return getattr(importlib.import_module(module), name)
+    try:  # a submodule (openk3.generate, openk3.presets, ...), as an eager import would have bound it
+        return importlib.import_module(f"openk3.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"openk3.{name}":
+            raise
+        raise AttributeError(f"module 'openk3' has no attribute {name!r}") from None
+
 
 __version__ = "0.1.0"
 

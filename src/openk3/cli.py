@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-from openk3.accounting import accounting_report
 from openk3.config import load_config
 from openk3.presets import PRESETS, get_preset
 
@@ -73,6 +74,8 @@ def _print_info(report: dict) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from openk3.accounting import accounting_report
+
     config = load_config(args.config) if args.config else get_preset(args.preset)
     report = accounting_report(config)
     if args.json:
@@ -99,8 +102,17 @@ def _load_for_inference(ckpt: str, device: str):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from openk3.train.console import pipe_safe_output
+
+    # a closed pipe (`| tee log` killed by the same Ctrl-C, `| head`) must not stop the save or the resume line
+    with pipe_safe_output():
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from openk3.train.run_lock import check_run_free
     from openk3.train.schedule import parse_context_schedule
     from openk3.train.state import latest_checkpoint, load_trainer_state
     from openk3.train.trainer import TrainConfig, train
@@ -110,12 +122,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         for k, v in vars(args).items()
         if v is not None and k in {f.name for f in dataclasses.fields(TrainConfig)}
     }
+    if args.tensorboard:  # before any slow work
+        from openk3.train.metrics import check_tensorboard
+
+        check_tensorboard()
     if args.context_schedule is not None:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
         given["sample_prompt"] = None
     if args.resume:
         out = given.get("out", TrainConfig.out)
+        check_run_free(Path(out))  # a run in progress is named before its checkpoints are looked for
         saved = load_trainer_state(latest_checkpoint(Path(out)))["train_config"]
         config = TrainConfig.from_dict({**saved, **given})
     else:
@@ -138,9 +155,29 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 130 if not config.stop_at_step else 0
     if config.sample_prompt:
         model, tokenizer, _ = _load_for_inference(summary["checkpoint"], config.device)
+        prompt = config.sample_prompt
+        if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
+            prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
         print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
-        _stream_text(model, tokenizer, config.sample_prompt, 200, 0.8, 0.95, config.seed, config.device)
+        _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
     return 0
+
+
+CORPUS_PROMPT_TOKENS = 8
+"""Tokens of the val split that start the end-of-run sample of a run on a corpus of one's own."""
+
+
+def _corpus_prompt(run: Path, tokenizer) -> str:
+    """The text of the first :data:`CORPUS_PROMPT_TOKENS` tokens of ``run``'s val split, up to its first line
+    end; ``""`` when the split cannot be read."""
+    from openk3.data import TokenDataset
+
+    try:
+        ids = TokenDataset(run / "data" / "val.bin").tokens_N[:CORPUS_PROMPT_TOKENS]
+    except (OSError, ValueError):
+        return ""
+    text = tokenizer.decode([int(i) for i in ids if int(i) != tokenizer.eos_id]).rstrip("\ufffd")
+    return text.split("\n")[0] if text.split("\n")[0].strip() else text.strip()
 
 
 def _check_prompt(prompt: str) -> None:
@@ -155,22 +192,27 @@ def _check_prompt(prompt: str) -> None:
         ) from None
 
 
-def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, device) -> None:
+def _stream_text(
+    model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, device, ids=None, stop=None
+) -> None:
+    """Write ``prompt`` then its continuation to stdout as it is generated. ``ids``: the prompt's token ids
+    when they are not ``tokenizer.encode(prompt)`` (a chat prompt; then ``prompt`` is what is echoed, possibly
+    ""); ``stop``: ids that end the text (default: the eos id)."""
     import torch
 
     from openk3.generate import stream
 
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(prompt) if ids is None else ids
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     sys.stdout.write(prompt)
     produced: list[int] = []
     shown = ""
     x = torch.tensor([ids], device=device)
-    stop = {tokenizer.eos_id}
+    stop = {tokenizer.eos_id} if stop is None else stop
     for tok in stream(model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size):
         token = int(tok[0, 0])
-        if token == tokenizer.eos_id:
+        if token in stop:
             break
         produced.append(token)
         text = tokenizer.decode(produced)
@@ -181,27 +223,87 @@ def _stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_p, s
     sys.stdout.write("\n")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    # the sampling flags were checked by their argparse types; the prompt is checked before the (slow) load
-    _check_prompt(args.prompt)
-    model, tokenizer, _ = _load_for_inference(args.ckpt, args.device)
-    _stream_text(
-        model,
-        tokenizer,
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_p,
-        args.seed,
-        args.device,
+def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
+    """Raise ``ValueError`` when a prompt of ``prompt_tokens`` tokens and ``max_new_tokens`` new ones do not
+    fit the model's context of ``limit`` tokens (its ``max_position_embeddings``, read from ``where``), as
+    the server refuses such a request with a 400."""
+    if prompt_tokens + max_new_tokens <= limit:
+        return
+    fix = (
+        f"use --max-new-tokens {limit - prompt_tokens} or less"
+        if prompt_tokens < limit
+        else "use a shorter prompt"
     )
+    raise ValueError(
+        f"the model's maximum context length is {limit:,} tokens ({where}); the prompt ({prompt_tokens:,} "
+        f"tokens) and --max-new-tokens {max_new_tokens:,} ask for {prompt_tokens + max_new_tokens:,}: {fix}"
+    )
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text: ``--prompt TEXT``, ``--prompt -`` (stdin) or ``--prompt-file PATH`` (UTF-8)."""
+    if args.prompt_file is not None:
+        try:
+            raw = Path(args.prompt_file).read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"--prompt-file {args.prompt_file} is not UTF-8 text (byte 0x{raw[e.start]:02x} at {e.start})"
+            ) from None
+    if args.prompt == "-":
+        return sys.stdin.read()
+    _check_prompt(args.prompt)
+    return args.prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from openk3.checkpoint import checkpoint_with_tokenizer
+    from openk3.config import text_config_of
+    from openk3.data import Tokenizer
+    from openk3.serve.chat_template import ChatTemplate
+
+    # the sampling flags were checked by their argparse types; the prompt and its length are checked before
+    # the (slow) model load
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    folder = checkpoint_with_tokenizer(args.ckpt)
+    tokenizer = Tokenizer.load(folder)
+    stop = None
+    if args.chat:  # one user turn in the checkpoint's chat template; only the reply is printed
+        template = ChatTemplate.from_folder(tokenizer, folder)
+        ids, stop, echo = template.encode([{"role": "user", "content": prompt}]), template.stop_token_ids, ""
+    else:
+        ids, echo = tokenizer.encode(prompt), prompt
+    limit = text_config_of(load_config(folder)).max_position_embeddings
+    check_context(len(ids), args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
+    model, tokenizer, _ = _load_for_inference(str(folder), args.device)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}/{args.num_samples} ---")
+        seed = None if args.seed is None else (args.seed + i) % 2**63
+        _stream_text(
+            model,
+            tokenizer,
+            echo,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            seed,
+            args.device,
+            ids=ids,
+            stop=stop,
+        )
     return 0
 
 
 def _eval_split(folder: Path, data: str | None) -> Path:
-    """The token split ``openk3 eval`` reads: ``--data`` (a ``.bin``, or a folder holding ``val.bin``), else
-    the ``data/val.bin`` of the run that holds checkpoint ``folder``. Raises ``FileNotFoundError`` /
-    ``ValueError`` saying what to pass instead."""
+    """The data ``openk3 eval`` reads: ``--data`` (a ``.bin`` split, a folder holding ``val.bin``, or text
+    to tokenize: any other file, folder or glob), else the ``data/val.bin`` of the run that holds checkpoint
+    ``folder``. Raises ``FileNotFoundError`` saying what to pass instead."""
     hint = "pass --data path/to/val.bin (a token split written by `openk3 train` into RUN/data/)"
     if data is None:
         if folder.parent.name != "checkpoints":
@@ -216,13 +318,6 @@ def _eval_split(folder: Path, data: str | None) -> Path:
     path = Path(data)
     if path.is_dir() and (path / "val.bin").is_file():
         return path / "val.bin"
-    if path.suffix != ".bin":
-        raise ValueError(
-            f"--data {data} is not a token split (.bin): openk3 eval reads the token ids written by "
-            "`openk3 train` (RUN/data/val.bin, with its val.json). To evaluate a text file, tokenize it with "
-            "the checkpoint's tokenizer first: openk3.data.prepare_data(TEXT, out_dir=DIR, vocab_size=V, "
-            "tokenizer=CKPT) writes DIR/val.bin"
-        )
     return path
 
 
@@ -240,11 +335,25 @@ def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from openk3.data import TokenDataset
     from openk3.train.state import latest_checkpoint
-    from openk3.train.trainer import validation_loss
 
     folder = latest_checkpoint(args.ckpt)
     val_path = _eval_split(folder, args.data)
-    dataset = TokenDataset(val_path)
+    with tempfile.TemporaryDirectory(prefix="openk3-eval-") as tmp:
+        if val_path.suffix != ".bin":  # raw text: tokenized with the checkpoint's tokenizer, all of it
+            from openk3.checkpoint import checkpoint_with_tokenizer
+            from openk3.data import Tokenizer
+            from openk3.data.text_split import write_text_split
+
+            tokenizer = Tokenizer.load(checkpoint_with_tokenizer(str(folder)))
+            dataset = TokenDataset(write_text_split(args.data, tokenizer, Path(tmp) / "text.bin"))
+        else:
+            dataset = TokenDataset(val_path)
+        return _evaluate(args, folder, val_path, dataset)
+
+
+def _evaluate(args: argparse.Namespace, folder: Path, val_path: Path, dataset) -> int:
+    from openk3.train.trainer import validation_loss
+
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
     run_seq_len, run_batch = _run_eval_shape(folder)  # defaults: the windows the run's evaluations read
@@ -252,9 +361,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if seq_len is None:  # at most N - 1 (a val split shorter than one window)
         seq_len = max(1, min(run_seq_len or DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
     batch_size = args.batch_size or run_batch or DEFAULT_EVAL_BATCH_SIZE
-    loss, count = validation_loss(model, dataset, batch_size, seq_len, args.max_batches, device=args.device)
+    loss, count = validation_loss(
+        model, dataset, batch_size, seq_len, args.max_batches, device=args.device, progress=True
+    )
     print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} ({count:,} tokens, {val_path})")
     return 0
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help when it has a default and its help does not say it already
+    (``None`` and ``False`` defaults are not shown: those flags say what happens without them)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -264,6 +386,10 @@ class _Parser(argparse.ArgumentParser):
     commands: dict[str, argparse.ArgumentParser] | None = None
     """Subcommand parsers by name (set on the top-level parser), so an unknown option is reported by the
     subcommand it was given to (``openk3 train: error: unrecognized arguments: --bogus``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -301,15 +427,22 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", help="text/JSONL file, folder or glob (default: Shakespeare's complete works)")
     tr.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: train a byte-level BPE)")
     tr.add_argument("--out", help="run folder (default runs/k3-tiny)")
-    tr.add_argument("--steps", type=_steps, help="optimizer steps (at most 10^9)")
-    tr.add_argument("--batch-size", dest="batch_size", type=_positive_int, help="sequences per step")
-    tr.add_argument("--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step")
+    tr.add_argument("--steps", type=_steps, help="optimizer steps, at most 10^9 (default 200)")
+    tr.add_argument(
+        "--batch-size",
+        dest="batch_size",
+        type=_positive_int,
+        help="sequences per micro-batch, also the eval batch size (default 16)",
+    )
+    tr.add_argument(
+        "--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step (default 1)"
+    )
     tr.add_argument(
         "--context-schedule",
         dest="context_schedule",
-        help="progressive context, e.g. '0:128,150:256' (step:seq_len,...)",
+        help="progressive context, step:seq_len,... from step 0 (default '0:64,60:128')",
     )
-    tr.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    tr.add_argument("--lr", type=_positive_float, help="peak learning rate of Muon and AdamW (default 0.003)")
     tr.add_argument(
         "--grad-clip", dest="grad_clip", type=_positive_float, help="max global gradient norm (default 1.0)"
     )
@@ -319,35 +452,89 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         help="linear warmup steps (default 20), clamped to at most 25%% of --steps",
     )
-    tr.add_argument("--schedule", choices=["cosine", "wsd"])
+    tr.add_argument(
+        "--schedule",
+        choices=["cosine", "wsd"],
+        help="learning-rate schedule after the warmup (default cosine)",
+    )
     tr.add_argument(
         "--balance", choices=["quantile", "sign", "none"], help="MoE balancing (default quantile)"
     )
-    tr.add_argument("--eval-every", dest="eval_every", type=_positive_int)
-    tr.add_argument("--save-every", dest="save_every", type=_positive_int)
-    tr.add_argument("--seed", type=_seed)
-    tr.add_argument("--device", choices=["cpu", "cuda"])
+    tr.add_argument(
+        "--eval-every",
+        dest="eval_every",
+        type=_positive_int,
+        help="steps between evaluations on a fixed val subset, each redrawing loss.png (default 50)",
+    )
+    tr.add_argument(
+        "--save-every", dest="save_every", type=_positive_int, help="steps between checkpoints (default 100)"
+    )
+    tr.add_argument(
+        "--seed", type=_seed, help="seed of the weights, the data split and the batches (default 0)"
+    )
+    tr.add_argument(
+        "--device", choices=["cpu", "cuda"], help="cpu (fp32) or cuda (bf16 autocast) (default cpu)"
+    )
     tr.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
     )
+    tr.add_argument(
+        "--sample-prompt",
+        dest="sample_prompt",
+        help="prompt of the sample printed at the end (default: 'ROMEO:' on the default corpus, else the "
+        "first tokens of the val split)",
+    )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+    tr.add_argument(
+        "--tensorboard",
+        action="store_true",
+        default=None,
+        help="also log the metrics as TensorBoard events in OUT/tensorboard (tensorboard --logdir OUT); "
+        'needs pip install -e ".[tensorboard]"',
+    )
     tr.set_defaults(func=cmd_train)
 
     gen = sub.add_parser("generate", help="stream text from a checkpoint")
     gen.add_argument(
         "--ckpt", required=True, help="checkpoint folder or run folder (uses its latest checkpoint)"
     )
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", dest="max_new_tokens", type=_positive_int, default=200)
-    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-p", dest="top_p", type=_top_p, default=1.0)
-    gen.add_argument("--seed", type=_seed, default=None)
-    gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text to continue; - reads it from stdin")
+    what.add_argument("--prompt-file", dest="prompt_file", help="a UTF-8 text file holding the prompt")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message in the checkpoint's chat template; print only the reply",
+    )
+    gen.add_argument(
+        "--num-samples",
+        dest="num_samples",
+        type=_positive_int,
+        default=1,
+        help="samples of the same prompt (sample i uses --seed + i)",
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        dest="max_new_tokens",
+        type=_positive_int,
+        default=200,
+        help="tokens to generate at most (prompt + these within the model's context)",
+    )
+    gen.add_argument("--temperature", type=_temperature, default=0.8, help="sampling temperature, 0 = greedy")
+    gen.add_argument(
+        "--top-p", dest="top_p", type=_top_p, default=1.0, help="nucleus sampling: keep this probability mass"
+    )
+    gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: a random one)")
+    gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     ev.add_argument("--ckpt", required=True, help="checkpoint folder or run folder")
-    ev.add_argument("--data", help="a token split (.bin); default: the run's data/val.bin")
+    ev.add_argument(
+        "--data",
+        help="a token split (.bin), or text (a file, folder or glob) tokenized with the checkpoint's tokenizer "
+        "(default: the run's data/val.bin)",
+    )
     ev.add_argument(
         "--seq-len",
         dest="seq_len",
@@ -370,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="read only the first N batches (default: every window of the split)",
     )
-    ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     ev.set_defaults(func=cmd_eval)
 
     from openk3.serve.cli import add_serve_parser  # light: heavy imports happen when `serve` runs
@@ -443,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openk3: error: {why}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
+        with contextlib.suppress(OSError):  # stderr may be a closed pipe too
+            print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
         return 130
 
 

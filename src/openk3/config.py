@@ -489,6 +489,7 @@ def config_from_dict(data: dict[str, Any]) -> AnyConfig:
             f"known model types: {known}"
         )
     kind = data["model_type"]
+    data = {k: v for k, v in data.items() if k != "auto_map"}  # transformers' remote-code map, see hf_remote
     if kind == "kimi_k3":
         return KimiK3Config.from_dict(data)
     if kind == "kimi_linear":

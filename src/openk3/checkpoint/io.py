@@ -34,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from openk3.checkpoint.hf_remote import REMOTE_FILES, write_remote_code
 from openk3.checkpoint.names import (
     QUANTIZED_SUFFIXES,
     SKIPPED_PREFIXES,
@@ -50,7 +51,7 @@ LATEST = "latest"
 """Text file in a run's ``checkpoints`` folder holding the name of the newest checkpoint folder."""
 TRAINER_STATE_FILE = "trainer_state.pt"
 """The file that makes a model folder a training checkpoint (:mod:`openk3.train.state`)."""
-MODEL_FILES = ("*.safetensors", INDEX_FILE, "config.json")
+MODEL_FILES = ("*.safetensors", INDEX_FILE, "config.json", *REMOTE_FILES)
 """Name patterns (``fnmatch``, case-sensitive) of an earlier save's model files: :func:`save_pretrained`
 drops them from a folder it replaces (the new save writes its own)."""
 TOKENIZER_FILES = (
@@ -177,6 +178,7 @@ def save_pretrained(
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint folder follows the umask
     try:
         save_config(model.config, tmp)
+        write_remote_code(tmp)  # config.json auto_map + the code transformers loads with trust_remote_code
         weight_map, total = {}, 0
         n = len(shards)
         for i, shard in enumerate(shards, start=1):

@@ -475,6 +475,21 @@ def _split_key(seed: int, name: str) -> bytes:
     return hashlib.sha256(f"{seed}\0{name}".encode()).digest()
 
 
+def _split_inside(doc: Document, val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """(train, val) of a one-document corpus: see :func:`split_documents`."""
+    text = doc.text
+    cut = round((1 - val_fraction) * len(text))
+    newline = text.find("\n", cut)
+    cut = newline + 1 if 0 <= newline < len(text) - 1 else cut
+    train, val = text[:cut], text[cut:]
+    if not train.strip() or not val.strip():
+        raise ValueError(
+            f"the corpus is one document ({doc.name}, {len(text):,} characters), too short to hold out "
+            f"val_fraction={val_fraction} of it: give a longer text or several files"
+        )
+    return [Document(f"{doc.name}[:{cut}]", train)], [Document(f"{doc.name}[{cut}:]", val)]
+
+
 def split_documents(
     docs: list[Document], val_fraction: float = 0.1, seed: int = 0
 ) -> tuple[list[Document], list[Document]]:
@@ -482,17 +497,20 @@ def split_documents(
 
     Documents are ranked by ``sha256(f"{seed}\\0{name}")``; the first ``n_val = round(val_fraction · n)``,
     clamped to ``[1, n − 1]``, go to val. The split depends only on the names and ``seed`` (not on file order
-    or content). Both lists keep the input order. Raises ``ValueError`` for ``val_fraction`` outside (0, 1) or
-    fewer than 2 documents (no document could be held out).
+    or content). Both lists keep the input order.
+
+    A corpus of one document (nanoGPT's single ``input.txt``) is split inside it instead: its text up to the
+    first line start at or after character ``round((1 − val_fraction) · len)`` (that character itself when no
+    newline follows) is train, the rest val, named ``"<name>[:cut]"`` and ``"<name>[cut:]"``. Raises
+    ``ValueError`` for ``val_fraction`` outside (0, 1), no document, or one document too short for both parts.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction!r} must lie strictly between 0 and 1")
     n = len(docs)
+    if n == 1:
+        return _split_inside(docs[0], val_fraction)
     if n < 2:
-        raise ValueError(
-            f"the corpus has {n} usable document(s); a train/val split by document needs at least 2 "
-            "(split a large file into several files, or use JSONL with one document per line)"
-        )
+        raise ValueError("the corpus has no usable document")
     n_val = min(max(round(val_fraction * n), 1), n - 1)
     ranked = sorted(range(n), key=lambda i: _split_key(seed, docs[i].name))
     val_ids = set(ranked[:n_val])

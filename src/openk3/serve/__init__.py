@@ -28,9 +28,27 @@ Files (one concept each)::
 The HTTP parts need ``fastapi``, ``uvicorn`` and ``prometheus-client``; the engine needs only torch.
 """
 
-from openk3.serve.config import CacheConfig, EngineConfig, SchedulerConfig
-from openk3.serve.engine import LLMEngine
-from openk3.serve.request import Request, RequestOutput, SamplingParams
+import importlib
+
+_EXPORTS = {
+    "CacheConfig": "openk3.serve.config",
+    "EngineConfig": "openk3.serve.config",
+    "SchedulerConfig": "openk3.serve.config",
+    "LLMEngine": "openk3.serve.engine",
+    "Request": "openk3.serve.request",
+    "RequestOutput": "openk3.serve.request",
+    "SamplingParams": "openk3.serve.request",
+}
+"""Public names and their modules, imported on first use (PEP 562): ``openk3 --help`` reads the serve
+flags without importing torch."""
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'openk3.serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "CacheConfig",

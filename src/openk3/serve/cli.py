@@ -18,7 +18,30 @@ def port_number(text: str) -> int:
     return port
 
 
+SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+"""Modules the server imports, and their PyPI names (base dependencies of openk3, also the ``serve`` extra)."""
+
+
+def check_server_modules() -> None:
+    """Raise ``ValueError`` naming the missing PyPI packages and the install command when a module of
+    :data:`SERVER_MODULES` cannot be imported (an install older than these dependencies)."""
+    import importlib
+
+    missing = []
+    for module, package in SERVER_MODULES.items():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError:
+            missing.append(package)
+    if missing:
+        raise ValueError(
+            f'openk3 serve needs {", ".join(missing)}, not installed here: pip install -e ".[serve]" '
+            f"(or pip install {' '.join(missing)})"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_server_modules()
     import torch
 
     from openk3.serve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -68,7 +91,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         dest="model_name",
         help="model id in the API (default: the name of the --ckpt folder, e.g. k3-tiny for runs/k3-tiny)",
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
     g = p.add_argument_group("cache")
     g.add_argument(
@@ -93,15 +116,27 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         default=d_cache.checkpoint_interval,
         help="KDA state checkpoint every N blocks (0: last only)",
     )
-    g.add_argument("--no-prefix-caching", dest="no_prefix_caching", action="store_true")
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="no_prefix_caching",
+        action="store_true",
+        help="do not reuse the cache of a shared prompt prefix across requests",
+    )
     g = p.add_argument_group("scheduler")
     g.add_argument(
         "--max-num-batched-tokens",
         dest="max_num_batched_tokens",
         type=int,
         default=d_sched.max_num_batched_tokens,
+        help="tokens one engine step runs at most (prefill chunks and decodes together)",
     )
-    g.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=d_sched.max_num_seqs)
+    g.add_argument(
+        "--max-num-seqs",
+        dest="max_num_seqs",
+        type=int,
+        default=d_sched.max_num_seqs,
+        help="requests running at once",
+    )
     g.add_argument(
         "--max-waiting",
         dest="max_waiting",
@@ -114,8 +149,15 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         dest="long_prefill_token_threshold",
         type=int,
         default=d_sched.long_prefill_token_threshold,
+        help="prompt tokens per step of one request's prefill (a long prompt is split in chunks)",
     )
-    g.add_argument("--max-model-len", dest="max_model_len", type=int, default=d_sched.max_model_len)
+    g.add_argument(
+        "--max-model-len",
+        dest="max_model_len",
+        type=int,
+        default=d_sched.max_model_len,
+        help="prompt + generated tokens of one request at most (beyond it: 400)",
+    )
     g.add_argument(
         "--queue-timeout",
         dest="queue_timeout",

@@ -24,7 +24,7 @@ from openk3.generate import sample_next
 from openk3.model.cache import KDACache, KimiCache, MLACache
 from openk3.serve.cache_storage import CacheStorage
 from openk3.serve.decode_forward import PagedForward
-from openk3.serve.request import Request
+from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -75,8 +75,10 @@ class ModelRunner:
             logits_BV = logits_BV[rows]
         if self.sample_vocab_size is not None:
             logits_BV = logits_BV[:, : self.sample_vocab_size]
-        tokens = sample_tokens([chunks[i].request for i in rows], logits_BV)
-        sampled.update({chunks[i].request.request_id: t for i, t in zip(rows, tokens)})
+        requests = [chunks[i].request for i in rows]
+        tokens = sample_tokens(requests, logits_BV)
+        sampled.update({r.request_id: t for r, t in zip(requests, tokens)})
+        record_logprobs(requests, logits_BV, tokens)
 
     def prefill_packed(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """First chunks (nothing cached yet) of ``N`` requests packed into one forward with ``cu_seqlens``
@@ -116,3 +118,20 @@ def sample_tokens(requests: list[Request], logits_BV: torch.Tensor) -> list[int]
                 int(sample_next(logits_BV[i : i + 1], sp.temperature, sp.top_p, request.generator)[0, 0])
             )
     return out
+
+
+def record_logprobs(requests: list[Request], logits_BV: torch.Tensor, tokens: list[int]) -> None:
+    """Set ``sampled_logprobs`` of each request that asked for ``logprobs``: ``log_softmax`` (fp32) of its
+    row of raw logits at the sampled token, and its ``logprobs`` most likely tokens."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return
+    logp_BV = torch.log_softmax(logits_BV[rows].float(), dim=-1)
+    k = max(requests[i].sampling_params.logprobs for i in rows)
+    top_val_BK, top_id_BK = logp_BV.topk(k, dim=-1) if k else (logp_BV[:, :0], logp_BV[:, :0].long())
+    chosen = logp_BV.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp_BV.device))[:, 0]
+    chosen, top_val_BK, top_id_BK = chosen.tolist(), top_val_BK.tolist(), top_id_BK.tolist()
+    for b, i in enumerate(rows):
+        n = requests[i].sampling_params.logprobs
+        top = tuple(zip(top_id_BK[b][:n], top_val_BK[b][:n]))
+        requests[i].sampled_logprobs = TokenLogprobs(tokens[i], chosen[b], top)

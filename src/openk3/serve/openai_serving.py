@@ -39,12 +39,20 @@ from openk3.serve.chat_template import ChatTemplate
 from openk3.serve.detokenizer import IncrementalDetokenizer
 from openk3.serve.metrics import ServerMetrics
 from openk3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
-from openk3.serve.request import Request, RequestOutput, SamplingParams
+from openk3.serve.request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from openk3.serve.scheduler import QueueFullError
 
 DISCONNECT_POLL_S = 0.5
 CLIENT_CLOSED_STATUS = 499
 """Status logged for a non-streaming request whose client went away (nobody receives it)."""
+
+
+def _logprobs_of(req) -> int | None:
+    """``SamplingParams.logprobs`` of a completions (``logprobs``: int) or chat (``logprobs``: bool with
+    ``top_logprobs``) request."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 class ClientDisconnectedError(Exception):
@@ -72,6 +80,10 @@ class _Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     started: bool = False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Of the choice's tokens so far (stop tokens excluded), when the request asked for them."""
+    sent_logprobs: int = 0
+    """How many of ``logprobs`` a stream has sent."""
 
 
 @dataclass
@@ -182,7 +194,9 @@ class OpenAIServing:
             for k in range(req.n):
                 index = p * req.n + k
                 seed = None if req.seed is None else (req.seed + k) % 2**64
-                params = SamplingParams(max_tokens[p], req.temperature, req.top_p, seed, frozenset(stop_ids))
+                params = SamplingParams(
+                    max_tokens[p], req.temperature, req.top_p, seed, frozenset(stop_ids), _logprobs_of(req)
+                )
                 detok = IncrementalDetokenizer(self.tokenizer, req.stop_strings, self.hidden_ids | stop_ids)
                 choices.append(_Choice(index, p, Request(f"{base}-{index}", ids, params), detok))
         call = _Call(choices, [len(ids) for ids in prompts])
@@ -237,6 +251,8 @@ class OpenAIServing:
             self.metrics.ttft.observe(time.monotonic() - call.arrival)
         choice.num_tokens += len(out.new_token_ids)
         choice.num_cached_tokens = out.num_cached_tokens
+        stop_ids = choice.request.sampling_params.stop_token_ids
+        choice.logprobs += [lp for lp in out.new_logprobs or () if lp.token_id not in stop_ids]
         text, stopped = choice.detok.push(out.new_token_ids)
         if stopped:
             choice.finish_reason = "stop"
@@ -327,27 +343,75 @@ class OpenAIServing:
                     {
                         "index": c.index,
                         "message": {"role": "assistant", "content": c.text},
-                        "logprobs": None,
+                        "logprobs": self._logprobs_json(c, chat, 0),
                         "finish_reason": c.finish_reason,
                     }
                 )
             else:
                 body["choices"].append(
-                    {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "logprobs": self._logprobs_json(c, chat, 0),
+                        "finish_reason": c.finish_reason,
+                    }
                 )
         return JSONResponse(body)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _logprobs_json(self, choice: _Choice, chat: bool, start: int) -> dict | None:
+        """The OpenAI ``logprobs`` object of ``choice.logprobs[start:]`` (``None`` when not requested).
+
+        Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``. Completions (legacy
+        format): ``tokens``, ``token_logprobs``, ``top_logprobs`` (per position a dict of the most likely
+        tokens and the sampled one) and ``text_offset`` (characters of the completion text before each
+        token). A token's text is its own decoding, which is U+FFFD for a piece of a multi-byte character."""
+        if choice.request.sampling_params.logprobs is None:
+            return None
+        items = choice.logprobs[start:]
+        if chat:
+            content = []
+            for lp in items:
+                top = [self._chat_entry(t, v) for t, v in lp.top]
+                content.append({**self._chat_entry(lp.token_id, lp.logprob), "top_logprobs": top})
+            return {"content": content}
+        tokens = [self._token_text(lp.token_id) for lp in items]
+        offset = sum(len(self._token_text(lp.token_id)) for lp in choice.logprobs[:start])
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        top = []
+        for lp, text in zip(items, tokens):
+            entry = {self._token_text(t): v for t, v in lp.top}
+            entry.setdefault(text, lp.logprob)
+            top.append(entry)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _chunk(
         self, cid, created, chat: bool, choice: _Choice, text: str, finish: str | None, usage: bool
     ) -> dict:
+        logprobs = self._logprobs_json(choice, chat, choice.sent_logprobs)
+        choice.sent_logprobs = len(choice.logprobs)
         if chat:
             delta = {"content": text} if text or finish is None else {}
             if not choice.started:
                 delta = {"role": "assistant", "content": text}
                 choice.started = True
-            entry = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            entry = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            entry = {"index": choice.index, "text": text, "logprobs": None, "finish_reason": finish}
+            entry = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         payload = {
             "id": cid,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -365,7 +429,10 @@ class OpenAIServing:
             event = first
             while True:
                 choice, text = event
-                if text is not None and (text or choice.finish_reason or (chat and not choice.started)):
+                fresh = len(choice.logprobs) > choice.sent_logprobs  # a token whose text is held back
+                if text is not None and (
+                    text or fresh or choice.finish_reason or (chat and not choice.started)
+                ):
                     yield _sse(self._chunk(cid, created, chat, choice, text, choice.finish_reason, usage))
                 if call.done:
                     break

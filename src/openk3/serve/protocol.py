@@ -2,7 +2,7 @@
 
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 429 (queue
 full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement
-(``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` other than ``n``,
+(``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` other than ``n``,
 ``response_format`` other than text, tools) are refused with 400 naming the field when they ask for
 something other than the no-op default, rather than silently ignored; unknown extra fields are ignored, as
 OpenAI does. Booleans are strict (``"stream": "yes"`` is refused), floats must be finite, text must be
@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from openk3.serve.request import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -152,7 +154,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, strict=True)
     echo: bool = Field(False, strict=True)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    """The sampled token's log-probability and the ``logprobs`` most likely tokens' at each position."""
     suffix: str | None = None
     best_of: int | None = None
 
@@ -192,10 +195,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of is not supported by this server (omit it or set it equal to n)")
         return v
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, v, info):
-        if v not in (None, False):  # echo=false and logprobs=0 are the defaults
+        if v not in (None, False):  # echo=false is the default
             raise ValueError(f"{info.field_name} is not supported by this server")
         return v
 
@@ -233,13 +236,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1, strict=True)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool | None = Field(None, strict=True)
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    """With ``logprobs``: the most likely tokens listed at each position (0 to 20)."""
     tools: list | None = None
     functions: list | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
 
-    @field_validator("top_logprobs", "functions", "logprobs", "tools")
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    @field_validator("functions", "tools")
     @classmethod
     def _unsupported(cls, v, info):
         if v:

@@ -38,11 +38,32 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()
     """Generating any of these ends the request (the token is not part of the text)."""
+    logprobs: int | None = None
+    """``None``: no log-probabilities; ``k`` >= 0: each sampled token's log-probability and the ``k`` most
+    likely tokens' (:class:`TokenLogprobs`), from the model's raw logits (before temperature and top-p, as
+    vLLM's default ``raw_logprobs``)."""
 
     def __post_init__(self) -> None:
         from openk3.generate import check_sampling
 
         check_sampling(self.temperature, self.top_p, self.max_tokens)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token (``top_logprobs``; OpenAI's and vLLM's default limit)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (natural log, fp32 ``log_softmax`` of the raw logits) at one sampled position."""
+
+    token_id: int
+    logprob: float
+    """Of the sampled token."""
+    top: tuple[tuple[int, float], ...]
+    """The ``SamplingParams.logprobs`` most likely tokens, most likely first: ``(token id, logprob)``."""
 
 
 @dataclass
@@ -57,6 +78,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    """One per ``new_token_ids`` entry when the request asked for ``logprobs``."""
 
 
 @dataclass(eq=False)
@@ -76,6 +99,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    sampled_logprobs: TokenLogprobs | None = None
+    """Log-probabilities of the token the runner sampled in this step (``logprobs`` requested), handed to
+    the step's :class:`RequestOutput` by the scheduler."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -204,6 +204,7 @@ class Scheduler:
                 request.status = status
                 self.kv.free(request)
                 self.running.remove(request)
+            logprobs, request.sampled_logprobs = request.sampled_logprobs, None
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -212,6 +213,7 @@ class Scheduler:
                     status.value if status else None,
                     request.num_prompt_tokens,
                     request.num_cached_tokens,
+                    new_logprobs=None if logprobs is None else [logprobs],
                 )
             )
         return outputs

@@ -102,9 +102,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = listen_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         self.server = ServingServer(config, getattr(app.state, "serving", None))
@@ -130,34 +128,41 @@ class BackgroundServer:
         self.sock.close()
 
 
-def check_address(host: str, port: int) -> None:
-    """Raise ``ValueError`` naming ``host:port`` when it cannot be listened on (in use, not local, no
-    permission), before the model is loaded."""
-    import socket
-
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (``port=0``: a free port the system picks; read it with
+    ``getsockname()``), for uvicorn to serve on. Raises ``ValueError`` naming ``host:port`` when it cannot be
+    listened on (in use, not local, no permission), before the model is loaded."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, address = infos[0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-            sock.bind(address)
+        sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def run_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
     """Serve a checkpoint until interrupted (``openk3 serve``); raises ``ValueError`` when ``host:port``
-    cannot be listened on (checked before loading the model)."""
-    check_address(host, port)
-    app, serving = load_server(ckpt, **kwargs)
-    print(
-        f"openk3 serve: model {serving.config.model_name!r} on http://{host}:{port}/v1 "
-        f"({serving.engine.engine.pool.num_blocks} cache blocks of "
-        f"{serving.engine.engine.storage.layout.block_size} tokens)",
-        flush=True,
-    )
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
-    )
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after its shutdown
-        ServingServer(config, serving).run()
+    cannot be listened on (checked before loading the model). The printed address has the bound port (the
+    one the system picked for ``port=0``)."""
+    with listen_socket(host, port) as sock:
+        app, serving = load_server(ckpt, **kwargs)
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        print(
+            f"openk3 serve: model {serving.config.model_name!r} on http://{shown}:{bound}/v1 "
+            f"({serving.engine.engine.pool.num_blocks} cache blocks of "
+            f"{serving.engine.engine.storage.layout.block_size} tokens)",
+            flush=True,
+        )
+        config = uvicorn.Config(
+            app, host=host, port=bound, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+        )
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after its shutdown
+            ServingServer(config, serving).run(sockets=[sock])

@@ -7,12 +7,41 @@ import math
 import os
 from pathlib import Path
 
+TENSORBOARD_SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "seq_len": "train/seq_len",
+    "maxvio": "train/maxvio",
+    "val_loss_subset": "val/loss_subset",
+    "val_loss": "val/loss",
+}
+"""``metrics.jsonl`` keys mirrored to TensorBoard, and their tags."""
+
 
 class MetricsLog:
-    """Append-only JSONL log. Rows with ``step`` > ``resume_step`` are dropped when resuming."""
+    """Append-only JSONL log. Rows with ``step`` > ``resume_step`` are dropped when resuming.
 
-    def __init__(self, path: str | os.PathLike, resume_step: int | None = None) -> None:
+    ``tensorboard_dir``: also write each row's :data:`TENSORBOARD_SCALARS` there as TensorBoard events
+    (``torch.utils.tensorboard.SummaryWriter``; events past ``resume_step`` are purged on a resume). Raises
+    ``ValueError`` naming the install command when the ``tensorboard`` package is missing."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        resume_step: int | None = None,
+        tensorboard_dir: str | os.PathLike | None = None,
+    ) -> None:
         self.path = Path(path)
+        self.writer = None
+        if tensorboard_dir is not None:
+            check_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(
+                str(tensorboard_dir), purge_step=None if resume_step is None else resume_step + 1
+            )
         self.kept: list[dict] = []
         """Rows kept from an earlier part of the run (when resuming)."""
         if resume_step is not None and self.path.exists():
@@ -26,6 +55,28 @@ class MetricsLog:
         """Append ``row`` as one JSON line; non-finite floats are written as ``null`` (valid JSON)."""
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
+        if self.writer is not None:
+            for key, tag in TENSORBOARD_SCALARS.items():
+                if isinstance(row.get(key), (int, float)):
+                    self.writer.add_scalar(tag, row[key], row["step"])
+            if any(k.startswith("val_loss") for k in row):
+                self.writer.flush()  # live in TensorBoard at each evaluation
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (the JSONL file is closed after every row)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def check_tensorboard() -> None:
+    """Raise ``ValueError`` naming the install command when the ``tensorboard`` package is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(
+            '--tensorboard needs the tensorboard package: pip install -e ".[tensorboard]" (or pip install tensorboard)'
+        )
 
 
 def _finite_or_null(value):

@@ -6,7 +6,8 @@ One optimizer step (``Trainer.train_step``)::
         (each MoE block counts its routing in its own buffers: openk3.model.routing_stats)
     clip_grad_norm_(grad_clip);  qb.step()  (bias overwrite, one all-reduce);  optimizer.step()
 
-Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
+While a :class:`Trainer` runs, its run folder holds ``train.lock`` (:mod:`openk3.train.run_lock`): a second
+trainer on the same folder is refused naming the first. Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
 fp32, CUDA under bf16 autocast. Every ``save_every`` steps (and at the end, and on Ctrl-C or SIGTERM) a
 checkpoint is written (:mod:`openk3.train.state`). ``resume=True`` continues from the run folder's latest
 checkpoint with the same next-step loss as an uninterrupted run; it refuses (``ValueError``, before anything
@@ -58,6 +59,8 @@ from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.optim import build_optimizer
+from openk3.train.run_lock import LOCK_NAME, acquire_run_lock
+from openk3.train.run_summary import data_lines, end_lines, resume_changes, tokens_read
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
     latest_checkpoint,
@@ -147,6 +150,8 @@ class TrainConfig:
     """Printed with a short greedy-ish sample at the end (``None`` to skip)."""
     stop_at_step: int | None = None
     """Stop (with a checkpoint) after this many steps, as Ctrl-C would; for tests and chunked runs."""
+    tensorboard: bool = False
+    """Also log ``metrics.jsonl``'s scalars as TensorBoard events in ``<out>/tensorboard``."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field and the bad value (ints must be ints, floats finite)."""
@@ -207,6 +212,7 @@ def validation_loss(
     max_batches: int | None = None,
     device: str | torch.device = "cpu",
     amp_dtype: torch.dtype | None = None,
+    progress: bool = False,
 ) -> tuple[float, int]:
     """Mean next-token cross-entropy (nats/token) of ``model`` on ``dataset``, and the target-token count.
 
@@ -214,13 +220,19 @@ def validation_loss(
     ``max_batches=None`` every non-overlapping window of the split, so ``tokens = ((N − 1) // seq_len) ·
     seq_len``. The loss is the sum of the per-token losses (fp32) over the count, so batch sizes do not weight
     it. ``amp_dtype`` runs the forward under ``torch.autocast`` (e.g. ``torch.bfloat16`` on CUDA). The model
-    is called as is (call ``model.eval()`` first). Used by ``openk3 eval`` and the trainer. Raises
+    is called as is (call ``model.eval()`` first). ``progress`` shows a progress bar of the batches (on
+    stderr; ``openk3 eval``). Used by ``openk3 eval`` and the trainer. Raises
     ``ValueError`` when no window is evaluated (``max_batches < 1`` or a split shorter than ``seq_len + 1``).
     """
     device = torch.device(device)
     total, count = 0.0, 0
+    batches = dataset.iter_sequential(batch_size, seq_len, max_batches)
+    if progress:
+        n_batches = -(-dataset.num_windows(seq_len) // batch_size)
+        n_batches = n_batches if max_batches is None else min(n_batches, max_batches)
+        batches = tqdm(batches, total=n_batches, unit="batch", desc="eval", dynamic_ncols=True)
     with torch.no_grad():
-        for x_BT, y_BT in dataset.iter_sequential(batch_size, seq_len, max_batches):
+        for x_BT, y_BT in batches:
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits_BTV = model(x_BT.to(device)).logits
             total += F.cross_entropy(
@@ -461,7 +473,7 @@ def check_fresh_run_folder(run_dir: Path) -> None:
     openk3 run folder (none of :data:`RUN_MARKERS`): training would scatter its files among someone else's
     (``--out /``, ``--out ''`` = the current folder, a model or checkpoint folder)."""
     try:
-        entries = {p.name for p in run_dir.iterdir()}
+        entries = {p.name for p in run_dir.iterdir()} - {LOCK_NAME}
     except FileNotFoundError:
         return
     except (OSError, UnicodeError) as e:
@@ -513,6 +525,23 @@ class Trainer:
         self.run_dir = Path(config.out)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ValueError(f"--out {self.run_dir} is a file, not a run folder: choose another --out")
+        if not resume:  # a stranger's folder is refused before a lock file is put in it
+            check_fresh_run_folder(self.run_dir)
+        # one training per run folder (train.lock), taken before any check reads the folder's run
+        self._lock = acquire_run_lock(self.run_dir) if self.run_dir.is_dir() else None
+        try:
+            self._start(config, resume, progress)
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def release_lock(self) -> None:
+        """Give back the run folder's ``train.lock`` (:mod:`openk3.train.run_lock`); :meth:`fit` does at its end."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _start(self, config: TrainConfig, resume: bool, progress: bool) -> None:
         if not resume and (self.run_dir / "checkpoints" / "latest").exists():
             raise ValueError(
                 f"{self.run_dir} already holds a run with checkpoints: continue it with --resume, "
@@ -530,8 +559,10 @@ class Trainer:
             check_resume_model(self.run_dir, ckpt, saved.get("preset"), config)
             check_resume_data(self.run_dir, saved, config)
             steps_note = check_resume_steps(self.run_dir, int(state["step"]), saved, config)
-            if steps_note:
-                print(steps_note)
+            for line in ([steps_note] if steps_note else []) + resume_changes(
+                int(state["step"]), saved, config
+            ):
+                print(line)
             self._resume_from = (ckpt, state)
             self.saved = (int(state["step"]), ckpt)
         check_memory(get_preset(config.preset), config)  # before any folder or shard is written
@@ -542,15 +573,22 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except (OSError, UnicodeError) as e:
             raise ValueError(f"cannot create the run folder --out {self.run_dir}: {_os_reason(e)}") from None
-        if progress:
-            action = "resuming the run" if resume else "training"
-            print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
+        if self._lock is None:
+            self._lock = acquire_run_lock(self.run_dir)
         try:
+            if config.data is not None:  # a missing corpus is named before the run is announced
+                resolve_inputs(config.data)
+            if progress:
+                action = "resuming the run" if resume else "training"
+                print(f"{action} in {self.run_dir} (metrics.jsonl, loss.png, checkpoints/)", flush=True)
             self._setup(config, resume, progress)
         except BaseException:
             if created is not None:  # a run that never started leaves no folder behind (only ours was there)
+                self.release_lock()
                 shutil.rmtree(created, ignore_errors=True)
             raise
+        if progress:
+            print("\n".join(data_lines(self.data, config, self.step)), flush=True)
 
     def _setup(self, config: TrainConfig, resume: bool, progress: bool) -> None:
         self.progress = progress
@@ -590,7 +628,11 @@ class Trainer:
         self.step = 0
         if resume:
             self._resume()
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resume else None)
+        self.metrics = MetricsLog(
+            self.run_dir / "metrics.jsonl",
+            resume_step=self.step if resume else None,
+            tensorboard_dir=self.run_dir / "tensorboard" if config.tensorboard else None,
+        )
         if resume:  # the losses logged so far, for a divergence message
             rows = self.metrics.kept
             self.losses = {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))}
@@ -749,6 +791,7 @@ class Trainer:
             total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True
         )
         last_eval: dict = {}
+        first_step, start = self.step, time.perf_counter()
         try:  # the handler stays installed through the final save: a second Ctrl-C aborts it too (atomic)
             self._loop(bar, last_eval)
             ckpt = self.save()
@@ -758,7 +801,13 @@ class Trainer:
             bar.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.metrics.close()
+            self.release_lock()
         plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        seconds = time.perf_counter() - start
+        tokens = tokens_read(first_step, self.step, cfg.context_schedule, cfg.batch_size * cfg.grad_accum)
+        if self.progress:
+            print("\n".join(end_lines(self.step, seconds, tokens, self.losses.get(self.step))))
         return {
             "checkpoint": str(ckpt),
             "step": self.step,
@@ -790,6 +839,8 @@ class Trainer:
                 )
                 row.update(last_eval)
             self.metrics.write(row)
+            if self.step % cfg.eval_every == 0 and self.step < cfg.steps:  # a live plot, redrawn at each eval
+                plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
             bar.update(1)
             bar.set_postfix(
                 loss=f"{row['loss']:.3f}",

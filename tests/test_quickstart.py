@@ -1,0 +1,61 @@
+"""scripts/quickstart.sh run a second time: it samples from the run it finds instead of failing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A copy of the scripts with ``openk3`` and the installer's python replaced by recorders."""
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name in ("openk3", "fakepython"):
+        tool = bin_ / name
+        tool.write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls"\n')
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return tmp_path
+
+
+def _quickstart(repo: Path, *args: str) -> tuple[str, list[str]]:
+    env = {**os.environ, "PATH": f"{repo / 'bin'}:{os.environ['PATH']}", "PYTHON": "fakepython"}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    out = subprocess.run(
+        ["bash", str(repo / "scripts" / "quickstart.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    calls = (repo / "calls").read_text().splitlines()
+    (repo / "calls").unlink()
+    return out, [c for c in calls if c.startswith("openk3")]
+
+
+def test_quickstart_trains_then_on_a_second_run_only_samples(repo):
+    _, calls = _quickstart(repo)
+    assert calls[0] == "openk3 train"
+    assert calls[1].startswith("openk3 generate --ckpt runs/k3-tiny ")
+    (repo / "runs" / "k3-tiny" / "checkpoints").mkdir(parents=True)
+    (repo / "runs" / "k3-tiny" / "checkpoints" / "latest").write_text("step-000200\n")
+    out, calls = _quickstart(repo)
+    assert [c.split()[1] for c in calls] == ["generate"]
+    assert "runs/k3-tiny already holds a trained run: skipping training, sampling from it." in out
+    assert "start fresh: rm -r runs/k3-tiny (or pass --out runs/NEW)" in out
+    _, calls = _quickstart(repo, "--resume", "--steps", "300")  # an explicit resume still trains
+    assert calls[0] == "openk3 train --resume --steps 300"
+    _, calls = _quickstart(repo, "--out", "runs/other", "--steps", "20")  # another folder: trained, sampled
+    assert calls == [
+        "openk3 train --out runs/other --steps 20",
+        calls[1],
+    ] and calls[1].startswith("openk3 generate --ckpt runs/other ")
