@@ -305,6 +305,25 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch-size", dest="batch_size", type=_positive_int, help="sequences per step")
     tr.add_argument("--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step")
     tr.add_argument(
+        "--micro-batch-size",
+        dest="micro_batch_size",
+        type=_positive_int,
+        help="sequences per forward/backward (default: --batch-size on CPU, the memory planner's pick on CUDA)",
+    )
+    tr.add_argument(
+        "--activation-checkpointing",
+        dest="activation_checkpointing",
+        choices=["auto", "none", "selective", "full"],
+        help="per decoder layer (default auto: none on CPU, the memory planner's pick on CUDA)",
+    )
+    tr.add_argument(
+        "--compile",
+        dest="compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each decoder layer (default: on for CUDA, off on CPU)",
+    )
+    tr.add_argument(
         "--context-schedule",
         dest="context_schedule",
         help="progressive context, e.g. '0:128,150:256' (step:seq_len,...)",
@@ -393,8 +412,8 @@ def _silence_stdout() -> None:
 
 
 OOM_ADVICE = {
-    "train": "use a smaller --batch-size, a shorter --context-schedule, --grad-accum to split the batch, "
-    "or a smaller --preset",
+    "train": "use a smaller --micro-batch-size (the step keeps its batch), --activation-checkpointing "
+    "selective or full, a shorter --context-schedule, or a smaller --preset",
     "generate": "use a shorter --prompt (prefill memory grows with its length) or fewer --max-new-tokens",
     "eval": "use a smaller --batch-size or --seq-len",
     "serve": "use a smaller --pool-mib / --num-blocks or --max-model-len",
