@@ -123,9 +123,15 @@ def test_planner_refuses_a_micro_batch_that_cannot_fit_and_suggests_one():
     message = str(err.value)
     assert "training k3-1b with micro-batches of 16 × 2048 tokens" in message
     assert "40.0 GiB available on cuda" in message
-    suggested = int(re.search(r"--micro-batch-size (\d+)", message).group(1))
-    mode = re.search(r"--activation-checkpointing (\w+):", message).group(1)
-    assert estimate_memory(config, suggested, 2048, mode, "cuda").total <= budget
+    # the largest micro-batch that fits without checkpointing, and a larger one with checkpointing
+    same = re.search(r"use --micro-batch-size (\d+) \((\w+) checkpointing", message)
+    assert same.group(2) == "none"
+    mb = int(same.group(1))
+    assert estimate_memory(config, mb, 2048, "none", "cuda").total <= budget
+    assert estimate_memory(config, 2 * mb, 2048, "none", "cuda").total > budget
+    other = re.search(r"or --micro-batch-size (\d+) --activation-checkpointing (\w+)", message)
+    assert int(other.group(1)) > mb
+    assert estimate_memory(config, int(other.group(1)), 2048, other.group(2), "cuda").total <= budget
     with pytest.raises(ValueError, match=r"micro-batch 3 does not divide the batch of 16"):
         plan_memory(config, 16, 2048, budget, "cuda", micro_batch=3)
     with pytest.raises(ValueError, match=r"needs at least [\d,.]+ GiB .*more than the 1.0 GiB"):

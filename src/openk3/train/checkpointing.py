@@ -80,7 +80,7 @@ def _layer_step(plain, attn_res: bool, mode: str, compile: bool):
             kwargs = {"context_fn": context} if context is not None else {}
             return checkpoint(run, partial, *blocks, cu_seqlens=cu_seqlens, use_reentrant=False, **kwargs)
 
-    return torch.compile(step) if compile else step
+    return torch.compile(step, dynamic=False) if compile else step  # static shapes: one graph per layer
 
 
 def wrap_decoder_layers(model: torch.nn.Module, checkpointing: str = "none", compile: bool = False) -> None:

@@ -188,12 +188,21 @@ def plan_memory(
         for mode in modes:
             if est(micro_batch, mode).total <= budget:
                 return MemoryPlan(micro_batch, global_batch // micro_batch, mode, est(micro_batch, mode))
-        options = [(best(m) or 0, m) for m in MODES]
-        mb, mode = max(options, key=lambda o: (o[0], -MODES.index(o[1])))
+        hints = []
+        same = max(((best(m) or 0, m) for m in modes), key=lambda o: o[0])
+        if same[0]:
+            hints.append(
+                f"--micro-batch-size {same[0]} ({same[1]} checkpointing: {est(same[0], same[1]).describe()})"
+            )
+        other = max(((best(m) or 0, m) for m in MODES), key=lambda o: (o[0], -MODES.index(o[1])))
+        if other[0] > same[0]:
+            hints.append(
+                f"--micro-batch-size {other[0]} --activation-checkpointing {other[1]} "
+                f"({est(other[0], other[1]).describe()})"
+            )
         hint = (
-            f"use --micro-batch-size {mb} (with --activation-checkpointing {mode}: "
-            f"{est(mb, mode).describe()})"
-            if mb
+            "use " + " or ".join(hints)
+            if hints
             else "no micro-batch fits: use a smaller --preset or a shorter context"
         )
         raise ValueError(
