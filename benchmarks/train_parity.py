@@ -1,6 +1,7 @@
 """Training-level check of the Triton KDA path: the same run with the Triton kernels and with the torch ops.
 
-Three runs of ``openk3 train``'s :class:`~openk3.train.trainer.Trainer` on the same text:
+Three runs of ``openk3 train``'s :class:`~openk3.train.trainer.Trainer` on the same text and tokenizer
+(trained once), at once, one process each:
 
 * ``triton``: the default dispatch (the Triton chunked KDA on CUDA), seed 0;
 * ``torch``: the KDA layers forced onto the torch chunked ops (same seed, so the same initial weights and
@@ -32,6 +33,7 @@ import contextlib
 import json
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,17 +58,13 @@ def torch_kda_path():
         kda_chunk.use_triton_chunk, kda_layer.use_train_op = saved
 
 
-def run(name: str, args, seed: int, folder: Path, tokenizer: str | None, torch_path: bool) -> dict:
-    out = folder / f"seed{seed}"  # runs of one seed share the token shards (prepared once)
-    for entry in ("checkpoints", "metrics.jsonl", "train_config.json", "loss.png"):
-        shutil.rmtree(out / entry, ignore_errors=True) if (out / entry).is_dir() else (out / entry).unlink(
-            missing_ok=True
-        )
+def run(args) -> dict:
+    """One run (``--run NAME`` in a child process): trains and returns its losses, val loss and seconds."""
     config = TrainConfig(
         preset=args.preset,
         data=args.data,
-        tokenizer=tokenizer,
-        out=str(out),
+        tokenizer=args.tokenizer,
+        out=str(Path(args.folder) / args.run.replace(" ", "_").replace(",", "")),
         steps=args.steps,
         batch_size=args.batch_size,
         context_schedule=[(0, args.seq_len)],
@@ -75,24 +73,53 @@ def run(name: str, args, seed: int, folder: Path, tokenizer: str | None, torch_p
         eval_every=10**9,
         final_eval_batches=args.eval_batches,
         save_every=10**9,
-        seed=seed,
+        seed=args.seed,
         device=args.device,
         compile=False,
         sample_prompt=None,
     )
     start = time.perf_counter()
-    with torch_kda_path() if torch_path else contextlib.nullcontext():
+    with torch_kda_path() if args.torch_path else contextlib.nullcontext():
         trainer = Trainer(config, progress=False)
         summary = trainer.fit()
     seconds = time.perf_counter() - start
     losses = [trainer.losses[s] for s in sorted(trainer.losses)]
-    print(f"{name}: {seconds:.0f} s, last-50 loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True)
-    return {
-        "losses": losses,
-        "val_loss": summary.get("val_loss"),
-        "seconds": seconds,
-        "tokenizer": str(trainer.data.tokenizer_dir),
-    }
+    print(
+        f"{args.run}: {seconds:.0f} s, last-50 loss {sum(losses[-50:]) / len(losses[-50:]):.4f}", flush=True
+    )
+    return {"losses": losses, "val_loss": summary.get("val_loss"), "seconds": seconds}
+
+
+RUNS = (("triton", 0, False), ("torch", 0, True), ("torch, seed 1", 1, True))
+"""(name, seed, torch path) of the three runs."""
+
+
+def run_all(args, folder: Path) -> dict:
+    """The tokenizer is trained once (on seed 0's split); then the three runs train at once, each in its own
+    process (small models leave the GPU mostly idle between kernel launches, so they overlap well)."""
+    from openk3.config import text_config_of
+    from openk3.data import prepare_data
+    from openk3.presets import get_preset
+
+    vocab = text_config_of(get_preset(args.preset)).vocab_size
+    tokenizer = prepare_data(args.data, out_dir=folder / "tokenizer", vocab_size=vocab, progress=False)
+    children = []
+    for name, seed, torch_path in RUNS:
+        out = folder / f"{name.replace(' ', '_').replace(',', '')}.json"
+        cmd = [
+            sys.executable, __file__, "--run", name, "--seed", str(seed), "--folder", str(folder),
+            "--tokenizer", str(tokenizer.tokenizer_dir), "--result", str(out), "--preset", args.preset,
+            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+            "--lr", str(args.lr), "--warmup", str(args.warmup), "--eval-batches", str(args.eval_batches),
+            "--device", args.device,
+        ] + (["--data", args.data] if args.data else []) + (["--torch-path"] if torch_path else [])  # fmt: skip
+        children.append((name, out, subprocess.Popen(cmd)))
+    runs = {}
+    for name, out, child in children:
+        if child.wait() != 0:
+            raise SystemExit(f"run {name!r} failed (exit status {child.returncode})")
+        runs[name] = json.loads(out.read_text())
+    return runs
 
 
 def smooth(xs: list[float], width: int) -> list[float]:
@@ -121,6 +148,12 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out-prefix", default="benchmarks/results/train_parity_h200")
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # a child process: one run
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--torch-path", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: k3-tiny, 6 steps, batch 2 × 32")
     args = parser.parse_args()
     if args.quick:
@@ -130,14 +163,16 @@ def main() -> None:
             args.out_prefix = str(Path(tempfile.mkdtemp()) / "train_parity_cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run on a GPU machine, or pass --quick for a CPU smoke run")
+    if args.run is not None:
+        Path(args.result).write_text(json.dumps(run(args)))
+        return
     folder = Path(tempfile.mkdtemp(prefix="openk3_parity_"))
+    start = time.perf_counter()
     try:
-        runs = {"triton": run("triton", args, 0, folder, None, torch_path=False)}
-        tok = runs["triton"]["tokenizer"]  # one tokenizer for all three (trained once, on seed 0's split)
-        runs["torch"] = run("torch", args, 0, folder, tok, torch_path=True)
-        runs["torch, seed 1"] = run("torch_seed1", args, 1, folder, tok, torch_path=True)
+        runs = run_all(args, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    wall = time.perf_counter() - start
     width = min(20, args.steps)
     curves = {k: smooth(r["losses"], width) for k, r in runs.items()}
     diff = rms_diff(curves["triton"], curves["torch"])
@@ -154,7 +189,8 @@ def main() -> None:
         "rms_diff_triton_torch": diff,
         "rms_diff_torch_seeds": spread,
         "agree": diff <= spread,
-        "runs": {k: {kk: vv for kk, vv in r.items() if kk != "tokenizer"} for k, r in runs.items()},
+        "wall_seconds": wall,
+        "runs": runs,
     }
     with contextlib.suppress(ImportError):
         import triton
@@ -181,7 +217,8 @@ def main() -> None:
         f"Command: `{results['command']}`",
         "",
         f"GPU {results['gpu']}, torch {results['torch']}, triton {results.get('triton')}; {args.preset}, "
-        f"{args.steps} steps of {args.batch_size} × {args.seq_len} tokens, data: {results['data']}",
+        f"{args.steps} steps of {args.batch_size} × {args.seq_len} tokens, data: {results['data']}; the three "
+        f"runs trained at once (one process each), {wall:.0f} s in all",
         "",
         "| run | KDA path | seed | last-50-step train loss | final val loss | seconds |",
         "|---|---|---|---|---|---|",

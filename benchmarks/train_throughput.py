@@ -254,8 +254,8 @@ KDA_KERNELS = re.compile(
 CLASSES = (
     ("KDA kernels", KDA_KERNELS),
     ("communication", re.compile(r"nccl", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("GEMM (dense + grouped experts)", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|gemv|grouped|_mm_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot", re.I)),
+    ("GEMM (dense + grouped experts)", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|gemv|grouped|_mm_|::mm$|addmm|bmm", re.I)),
     ("MoE dispatch (sort, gather, scatter)", re.compile(r"sort|scatter|gather|index|cumsum|radix|histc|bincount", re.I)),
 )  # fmt: skip
 
@@ -390,6 +390,59 @@ def section(results: dict, name: str, start: float, budget_s: float, fn):
     return out
 
 
+def sections(args, device, results: dict) -> None:
+    """The five sections in order of importance; the JSON and Markdown are rewritten after each, so a run cut
+    short by a time limit keeps what it measured."""
+    start = time.perf_counter()
+    compile = not args.no_compile
+    budget = int(args.memory_gb * 1e9)
+    held = {}
+
+    def main_row():
+        row, held["k3"] = planned_row(args.preset, get_preset(args.preset), args, device, budget, compile)
+        results["rows"]["k3"] = row
+
+    section(results, "planned run", start, args.budget_s, main_row)
+    if "k3" in held:
+        results["profile"] = section(
+            results, "profile", start, args.budget_s, lambda: profile_step(*held["k3"])
+        )
+    held.clear()
+    free(device)
+    finish(results, args)
+    compare_args = argparse.Namespace(**{**vars(args), "batch_size": args.compare_batch})
+
+    def compare_rows():
+        config = get_preset(args.compare_preset)
+        row, _ = planned_row(args.compare_preset, config, compare_args, device, 10**15, compile)
+        results["rows"]["compare"] = row
+        free(device)
+        if not args.skip_hf:
+            text = text_config_of(config)
+            batches = random_batches(text.vocab_size, args.compare_batch, args.seq_len, device)
+            hf = hf_row(text, batches, args, results)
+            if hf is not None:
+                results["rows"]["hf"] = hf
+
+    section(results, "comparison", start, args.budget_s, compare_rows)
+    free(device)
+    finish(results, args)
+
+    def dense_row():
+        config = dense_yardstick(get_preset(args.preset))
+        row, _ = planned_row(f"{args.preset} dense yardstick", config, args, device, budget, compile)
+        results["rows"]["dense"] = row
+
+    section(results, "dense yardstick", start, args.budget_s, dense_row)
+    free(device)
+    finish(results, args)
+    total = device_memory_bytes(args.device) if device.type == "cuda" else int(args.memory_gb * 1e9)
+    results["largest"] = section(
+        results, "largest model", start, args.budget_s, lambda: largest_trainable(args, device, total)
+    )
+    finish(results, args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -415,12 +468,10 @@ def main() -> None:
     if args.quick:
         args.device, args.preset, args.compare_preset = "cpu", "k3-tiny", "k3-tiny"
         args.batch_size, args.seq_len, args.compare_batch, args.steps, args.warmup = 4, 64, 2, 1, 1
-        args.memory_gb, args.depths, args.no_compile = 2.0, [8, 12], True
+        args.memory_gb, args.depths, args.no_compile, args.budget_s = 2.0, [8, 12], True, 3600.0
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run on a GPU machine, or pass --quick for a CPU smoke run")
     device = torch.device(args.device)
-    compile = not args.no_compile
-    start = time.perf_counter()
     results = {
         "command": "python benchmarks/train_throughput.py " + " ".join(sys.argv[1:]),
         "gpu": torch.cuda.get_device_name()
@@ -441,50 +492,7 @@ def main() -> None:
         results["triton"] = triton.__version__
     except ImportError:
         results["triton"] = None
-    budget = int(args.memory_gb * 1e9)
-    held = {}
-
-    def main_row():
-        row, held["k3"] = planned_row(args.preset, get_preset(args.preset), args, device, budget, compile)
-        results["rows"]["k3"] = row
-
-    section(results, "planned run", start, args.budget_s, main_row)
-    if "k3" in held:
-        results["profile"] = section(
-            results, "profile", start, args.budget_s, lambda: profile_step(*held["k3"])
-        )
-    held.clear()
-    free(device)
-
-    def dense_row():
-        config = dense_yardstick(get_preset(args.preset))
-        row, _ = planned_row(f"{args.preset} dense yardstick", config, args, device, budget, compile)
-        results["rows"]["dense"] = row
-
-    section(results, "dense yardstick", start, args.budget_s, dense_row)
-    free(device)
-
-    compare_args = argparse.Namespace(**{**vars(args), "batch_size": args.compare_batch})
-
-    def compare_rows():
-        config = get_preset(args.compare_preset)
-        row, _ = planned_row(args.compare_preset, config, compare_args, device, 10**15, compile)
-        results["rows"]["compare"] = row
-        free(device)
-        if not args.skip_hf:
-            text = text_config_of(config)
-            batches = random_batches(text.vocab_size, args.compare_batch, args.seq_len, device)
-            hf = hf_row(text, batches, args, results)
-            if hf is not None:
-                results["rows"]["hf"] = hf
-
-    section(results, "comparison", start, args.budget_s, compare_rows)
-    free(device)
-    total = device_memory_bytes(args.device) if device.type == "cuda" else int(args.memory_gb * 1e9)
-    results["largest"] = section(
-        results, "largest model", start, args.budget_s, lambda: largest_trainable(args, device, total)
-    )
-    finish(results, args)
+    sections(args, device, results)
 
 
 def finish(results: dict, args) -> None:

@@ -1,5 +1,5 @@
 """The Triton KDA training op as torch custom ops (``openk3.ops.kda.triton.train_op``) against the
-autograd Function it wraps, in Triton's CPU interpreter (the GPU runs the same code).
+autograd Function it wraps: on the GPU, or in Triton's CPU interpreter on a machine without one.
 
 The custom ops must give the very bits of :func:`chunk_kda_triton` (the same kernels), trace under
 ``torch.compile(fullgraph=True)`` without a graph break, and their fake implementations must give the real
@@ -25,12 +25,15 @@ INTERPRET = (
 if INTERPRET and "openk3.ops.kda.triton.chunk_prepare" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. imported below
 
-import test_kda_triton  # noqa: E402, F401  (patches the interpreter's dots and casts to behave as on the GPU)
+if INTERPRET:
+    import test_kda_triton  # noqa: F401  (patches the interpreter's dots and casts to behave as on the GPU)
 from openk3.ops.kda.triton.train_op import chunk_kda_train  # noqa: E402
 
+GPU = torch.cuda.is_available() and HAS_TRITON
+DEVICE = "cuda" if GPU else "cpu"
 pytestmark = pytest.mark.skipif(
-    not INTERPRET or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs triton >= 3.9 in interpreter mode on a CPU-only machine (the GPU tests cover CUDA)",
+    not (GPU or (INTERPRET and os.environ.get("TRITON_INTERPRET") == "1")),
+    reason="needs a CUDA GPU with triton, or triton >= 3.9 in interpreter mode on a CPU-only machine",
 )
 
 
@@ -40,7 +43,7 @@ def _inputs(dtype=torch.float32, B=1, T=40, H=2, K=32, seed=0):
     beta = torch.randn(B, T, H, generator=g)
     A_log = 0.3 * torch.randn(H, generator=g)
     dt_bias = 0.5 * torch.randn(H * K, generator=g)
-    return [t.requires_grad_() for t in (q, k, v, gate, beta, A_log, dt_bias)]
+    return [t.to(DEVICE).requires_grad_() for t in (q, k, v, gate, beta, A_log, dt_bias)]
 
 
 def _reference(q, k, v, gate, beta, A_log, dt_bias):
@@ -67,7 +70,7 @@ def _run(fn, inputs, do):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_custom_op_equals_the_autograd_function(dtype):
     inputs = _inputs(dtype)
-    do = torch.randn(inputs[2].shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    do = torch.randn(inputs[2].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     want = _run(_reference, inputs, do)
     got = _run(_op, inputs, do)
     names = ("o", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")
@@ -76,10 +79,13 @@ def test_custom_op_equals_the_autograd_function(dtype):
         assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max():.3g}"
 
 
-def test_custom_op_compiles_without_graph_break():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_custom_op_compiles_without_graph_break(backend):
+    if backend == "inductor" and not GPU:
+        pytest.skip("inductor on the interpreter's CPU tensors compiles C++ for minutes; run on the GPU")
     inputs = _inputs(B=2, T=24)
-    do = torch.randn(inputs[2].shape, generator=torch.Generator().manual_seed(2))
-    compiled = torch.compile(_op, backend="aot_eager", fullgraph=True)
+    do = torch.randn(inputs[2].shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    compiled = torch.compile(_op, backend=backend, fullgraph=True)
     want = _run(_reference, inputs, do)
     got = _run(compiled, inputs, do)
     for a, b in zip(got, want, strict=True):
