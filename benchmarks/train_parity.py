@@ -179,7 +179,7 @@ def main() -> None:
     spread = rms_diff(curves["torch"], curves["torch, seed 1"])
     results = {
         "command": "python benchmarks/train_parity.py " + " ".join(sys.argv[1:]),
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none (CPU)",
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "preset": args.preset,
