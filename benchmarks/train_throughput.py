@@ -324,6 +324,7 @@ def largest_trainable(args, device, total_bytes: int) -> dict:
 def free(device) -> None:
     import gc
 
+    torch._dynamo.reset()  # compiled graphs and their guards hold the previous model's layers
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -180,3 +180,24 @@ def test_train_config_refuses_bad_memory_settings():
         TrainConfig(activation_checkpointing="half")
     with pytest.raises(ValueError, match=r"TrainConfig.compile='yes'"):
         TrainConfig(compile="yes")
+
+
+def test_activation_estimate_is_within_a_factor_of_what_autograd_keeps():
+    """The estimate against the bytes autograd saves (unique storages, parameters left out) for k3-tiny,
+    2 × 256 tokens, fp32 on CPU (the torch KDA ops, which keep more than the GPU's Triton op): within 2×."""
+    config = openk3.get_preset("k3-tiny")
+    x = torch.randint(0, config.text_config.vocab_size, (2, 257), generator=torch.Generator().manual_seed(0))
+    model = openk3.build_model(config, seed=0)
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lm = model.language_model
+        lm_head_loss(lm.model(x[:, :-1]), lm.lm_head.weight, x[:, 1:])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(n for ptr, n in storages.items() if ptr not in params)
+    estimate = estimate_memory(config, 2, 256, "none", "cpu").activations
+    assert 0.5 * measured < estimate < 2 * measured, (estimate, measured)
