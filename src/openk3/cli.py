@@ -412,8 +412,8 @@ def _silence_stdout() -> None:
 
 
 OOM_ADVICE = {
-    "train": "use a smaller --micro-batch-size (the step keeps its batch), --activation-checkpointing "
-    "selective or full, a shorter --context-schedule, or a smaller --preset",
+    "train": "use a smaller --micro-batch-size (the step keeps its batch) or --batch-size, "
+    "--activation-checkpointing selective or full, a shorter --context-schedule, or a smaller --preset",
     "generate": "use a shorter --prompt (prefill memory grows with its length) or fewer --max-new-tokens",
     "eval": "use a smaller --batch-size or --seq-len",
     "serve": "use a smaller --pool-mib / --num-blocks or --max-model-len",
