@@ -1,55 +1,61 @@
-"""Training throughput on one GPU: openk3 ``k3-small`` vs a same-size Hugging Face ``kimi_linear`` model.
+"""Training throughput and memory on one GPU: what ``openk3 train --device cuda`` runs, in one process.
 
-Both models train in bf16 autocast with fp32 master weights on the same random token batches. One openk3
-step is what ``openk3 train`` runs: forward + cross-entropy + backward, then Quantile Balancing
-(``step``: quantiles, bias overwrite, maxvio; the histogram counting runs inside the MoE blocks' forward) and the Per-Head Muon + AdamW step; each part is
-timed separately (CUDA events) and tokens/s counts all three. transformers runs forward + backward + fused
-AdamW (it has no balancer). It uses flash-linear-attention's kernels when ``fla`` imports (carry
-``fla-core`` and ``flash-linear-attention`` wheels), otherwise its pure-PyTorch KDA (reported in the
-output). The Hugging Face model has no K3 features (AttnRes, latent MoE, gated MLA, SiTU), so it is
-matched on width, depth, heads, expert count, top-k and vocabulary; both parameter counts are printed.
+Sections (each records its numbers, or its error, and the run goes on; ``--budget-s`` skips what would start
+after the time budget):
 
-``--compile`` runs each openk3 decoder layer under ``torch.compile`` with the KDA kernel call left eager
-(a graph break around ``chunk_kda``, patched in this process only): norms, AttnRes mixes, SiTU, router and
-MoE glue fuse into fewer kernels. Off by default (checked end to end on the CPU only); the first two steps
-compile every layer (each layer is its own graph): keep ``--warmup`` >= 2 (default 3).
-``--no-balancer`` leaves Quantile Balancing out.
-``--count-ops`` adds, per phase of one eager openk3 step, the dispatched non-view aten ops (about one
-kernel launch each) and the host reads (``.item()``-like ops and device-to-host copies: syncs on a GPU).
+1. ``--preset`` (default ``k3-1b``) at a global batch of ``--batch-size × --seq-len`` (16 × 2048): the memory
+   planner (:func:`openk3.train.memory.plan_memory`, budget ``--memory-gb``, default 60) picks micro-batch,
+   accumulation and checkpointing; compiled decoder layers with the Triton KDA custom op, the fused
+   LM-head loss, Per-Head Muon + AdamW, Quantile Balancing, one host sync per step
+   (:func:`openk3.train.step.accumulate_gradients`, as the trainer). Reported: tokens/s, MFU, the
+   estimate and the measured peak (``torch.cuda.max_memory_allocated``), time per phase (CUDA events).
+2. A profile of one step of that model (``torch.profiler``): device time per kernel class (GEMM, KDA
+   kernels, MoE dispatch, attention, other; communication is 0 on one GPU).
+3. The dense yardstick: the same model with every MoE replaced by a dense SwiGLU MLP of the same active
+   parameters (KDA/MLA, AttnRes kept), same batch and planner: its MFU and K3's ratio to it.
+4. ``--compare-preset`` (``k3-small``) at ``--compare-batch`` × ``--seq-len`` against transformers'
+   ``kimi_linear`` of the same shape, with fla's kernels when ``fla`` imports (forward + backward + fused
+   AdamW; it has no balancer); the ratio of tokens/s.
+5. The largest ``k3_shaped(depth)`` model whose estimate fits 90% of the GPU, confirmed with two steps at
+   micro-batch 1 with full checkpointing (stepping down a size when that runs out of memory).
 
 MFU = 6 · active parameters · tokens/s / peak bf16 dense FLOP/s (attention score FLOPs not counted;
 ``--peak-tflops`` default 989, the H200 SXM datasheet value).
 
-Usage (on a CUDA machine; add ``--compile`` for the compiled variant)::
+GPU (about 7 minutes on an H200)::
 
-    python benchmarks/train_throughput.py --preset k3-small --batch-size 4 --seq-len 2048 --steps 10 \
-        --json benchmarks/results/train_throughput_h200.json --md benchmarks/results/train_throughput_h200.md
+    python benchmarks/train_throughput.py --json benchmarks/results/train_throughput_h200.json \
+        --md benchmarks/results/train_throughput_h200.md
 
-CPU smoke run (CPU bf16 autocast; checks the script end to end, the numbers mean nothing)::
+CPU smoke run (k3-tiny, a few tiny steps, every section; the numbers mean nothing)::
 
-    python benchmarks/train_throughput.py --device cpu --preset k3-tiny --batch-size 1 --seq-len 64 \
-        --steps 2 --warmup 1
+    python benchmarks/train_throughput.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import re
+import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
-import openk3.model.kda as kda_layer
-from openk3.accounting import count_parameters
-from openk3.model.modeling import KimiLinearModel
-from openk3.presets import get_preset
+from openk3.accounting import closed_form_counts
+from openk3.config import KimiLinearConfig, text_config_of
+from openk3.presets import get_preset, k3_shaped
 from openk3.train.balance import QuantileBalancer
+from openk3.train.checkpointing import wrap_decoder_layers
+from openk3.train.memory import device_memory_bytes, estimate_memory, plan_memory
 from openk3.train.optim import build_optimizer
+from openk3.train.step import accumulate_gradients
 
 
 def hf_config_like(text):
@@ -90,118 +96,238 @@ def hf_config_like(text):
 
 
 class PhaseTimer:
-    """Marks between the phases of a step: CUDA events on a GPU (device time), ``perf_counter`` on the CPU."""
+    """Named marks through a step: CUDA events on a GPU (device time), ``perf_counter`` on the CPU; the time
+    from one mark to the next counts for the first mark's name."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list = []
 
-    def mark(self) -> None:
+    def mark(self, name: str = "") -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append(event)
+            self.marks.append((name, event))
         else:
-            self.marks.append(time.perf_counter())
+            self.marks.append((name, time.perf_counter()))
 
-    def seconds(self) -> list[float]:
-        """Durations between consecutive marks (synchronises the GPU)."""
+    def seconds(self) -> dict[str, float]:
+        """Seconds per name (synchronises the GPU)."""
         if self.cuda:
             torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
-        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        out: dict[str, float] = {}
+        for (name, a), (_, b) in zip(self.marks, self.marks[1:], strict=False):
+            out[name] = out.get(name, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out
 
 
 def training_step(model, optimizer, x, y, balancer, mark) -> torch.Tensor:
-    """One bf16-autocast step; ``mark()`` runs before the forward and after each of the three phases
-    (fwd+bwd, balancer, optimizer). Returns the loss."""
-    mark()
+    """One step of the transformers model (bf16 autocast, full logits, no balancer)."""
+    mark("fwd_bwd")
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         out = model(x)
         logits = out.logits if hasattr(out, "logits") else out
     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     loss.backward()
-    mark()
-    if balancer is not None:
-        balancer.step()
-    mark()
+    mark("optimizer")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    mark()
+    mark("end")
     return loss
 
 
-def time_training(model, optimizer, batches, steps: int, warmup: int, balancer=None) -> dict:
-    """Mean seconds per fwd+bwd, balancer step and optimizer step over ``steps`` timed steps."""
+def time_training(model, optimizer, batches, steps: int, warmup: int) -> dict:
+    """Mean seconds per phase of the transformers model over ``steps`` timed steps."""
     device = batches[0][0].device
-    parts: dict[str, list[float]] = {"fwd_bwd_s": [], "balancer_s": [], "optimizer_s": []}
+    parts: dict[str, list[float]] = {}
     for i in range(warmup + steps):
         timer = PhaseTimer(device)
-        loss = training_step(model, optimizer, *batches[i % len(batches)], balancer, timer.mark)
+        loss = training_step(model, optimizer, *batches[i % len(batches)], None, timer.mark)
         if i >= warmup:
-            for key, seconds in zip(parts, timer.seconds(), strict=True):
-                parts[key].append(seconds)
+            for key, seconds in timer.seconds().items():
+                parts.setdefault(key, []).append(seconds)
         elif device.type == "cuda":
             torch.cuda.synchronize()
-    return {key: sum(v) / len(v) for key, v in parts.items()} | {"last_loss": loss.item()}
+    phases = {f"{k}_s": sum(v) / len(v) for k, v in parts.items()}
+    return {"phases": phases, "step_s": sum(phases.values()), "last_loss": loss.item()}
 
 
-class OpCounter(TorchDispatchMode):
-    """Per phase of a step: dispatched aten ops that are not views (≈ kernel launches on a GPU) and host
-    reads (``_local_scalar_dense``, ``nonzero``, device-to-host copies: each one a sync on a GPU)."""
-
-    PHASES = ("fwd_bwd", "balancer", "optimizer")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.marks = 0
-        self.ops = dict.fromkeys(self.PHASES, 0)
-        self.host_reads = dict.fromkeys(self.PHASES, 0)
-
-    def mark(self) -> None:
-        self.marks += 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        phase = self.PHASES[min(max(self.marks - 1, 0), 2)]
-        if not func.is_view:
-            self.ops[phase] += 1
-        name = func._schema.name
-        to_host = (
-            name == "aten::_to_copy"
-            and str(kwargs.get("device", "")) == "cpu"
-            and isinstance(args[0], torch.Tensor)
-            and args[0].device.type != "cpu"
-        )
-        if name in ("aten::_local_scalar_dense", "aten::nonzero") or to_host:
-            self.host_reads[phase] += 1
-        return func(*args, **kwargs)
+def openk3_step(model, optimizer, balancer, x, y, micro_batch: int, mark) -> torch.Tensor:
+    """One step as :class:`~openk3.train.trainer.Trainer` runs it: micro-batches, gradient clipping, the
+    step's one host sync (loss and norm), Quantile Balancing, the optimizer."""
+    total = accumulate_gradients(
+        model,
+        x,
+        y,
+        micro_batch,
+        mark=lambda p: mark(p if p != "end" else "clip_sync"),
+    )
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    loss, _ = torch.stack([total, norm.to(total)]).tolist()
+    mark("balancer")
+    if balancer is not None:
+        balancer.step()
+    mark("optimizer")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mark("end")
+    return loss
 
 
-def count_ops(model, optimizer, batches, balancer=None) -> dict:
-    """Dispatched ops and host reads of one (eager) training step, per phase."""
-    counter = OpCounter()
-    with counter:
-        training_step(model, optimizer, *batches[0], balancer, counter.mark)
-    return {"dispatched_ops": counter.ops, "host_reads": counter.host_reads}
+def time_openk3(model, optimizer, balancer, batches, micro_batch: int, steps: int, warmup: int) -> dict:
+    """Mean seconds per phase over ``steps`` timed steps after ``warmup`` (compilation), and the peak memory
+    of the timed steps."""
+    device = batches[0][0].device
+    for i in range(warmup):
+        openk3_step(model, optimizer, balancer, *batches[i % len(batches)], micro_batch, lambda p: None)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    parts: dict[str, list[float]] = {}
+    for i in range(steps):
+        timer = PhaseTimer(device)
+        loss = openk3_step(model, optimizer, balancer, *batches[i % len(batches)], micro_batch, timer.mark)
+        for key, seconds in timer.seconds().items():
+            parts.setdefault(key, []).append(seconds)
+    phases = {f"{k}_s": sum(v) / len(v) for k, v in parts.items()}
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    return {"phases": phases, "step_s": sum(phases.values()), "last_loss": loss, "peak_bytes": peak}
 
 
-def compile_non_kda(model) -> None:
-    """``torch.compile`` every decoder layer's forward; the KDA kernels stay eager (a graph break each).
+def random_batches(vocab: int, batch: int, seq_len: int, device, count: int = 2) -> list:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (batch, seq_len + 1), generator=g).to(device)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
 
-    Layers differ in kind (KDA/MLA, dense/MoE) and in AttnRes block count, so each gets its own graphs:
-    the recompile limit is raised to cover them.
-    """
-    kda_layer.chunk_kda = torch.compiler.disable(kda_layer.chunk_kda)
-    kda_layer.fused_recurrent_kda = torch.compiler.disable(kda_layer.fused_recurrent_kda)
-    backbone = next(m for m in model.modules() if isinstance(m, KimiLinearModel))
-    limit = 8 * len(backbone.layers)
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
-    for layer in backbone.layers:
-        name = "forward_attn_res" if backbone.config.uses_attn_res else "forward_residual"
-        setattr(layer, name, torch.compile(getattr(layer, name)))
+
+def dense_yardstick(config) -> KimiLinearConfig:
+    """``config``'s text model with every MoE block replaced by a dense SwiGLU MLP, the width solved so the
+    active parameters match (:func:`openk3.accounting.closed_form_counts`); KDA/MLA layers and AttnRes kept."""
+    text = text_config_of(config)
+    data = text.to_dict()
+    data.update(
+        num_experts=None, hidden_act="silu", activation_situ_beta=None, activation_situ_linear_beta=None,
+        routed_expert_hidden_size=None, latent_moe_use_norm=False, first_k_dense_replace=0, intermediate_size=1,
+    )  # fmt: skip
+    base = closed_form_counts(KimiLinearConfig.from_dict(data))["active"]
+    target = closed_form_counts(text)["active"]
+    per_column = 3 * text.hidden_size * text.num_hidden_layers
+    data["intermediate_size"] = max(1, 1 + round((target - base) / per_column))
+    return KimiLinearConfig.from_dict(data)
+
+
+def planned_row(name: str, config, args, device, budget: int, compile: bool) -> tuple[dict, tuple]:
+    """Plan, build, compile and time ``config`` at the global batch; returns the row and (model, optimizer,
+    balancer, batches, micro-batch) for the profile."""
+    text = text_config_of(config)
+    plan = plan_memory(config, args.batch_size, args.seq_len, budget, device.type, name=name)
+    counts = closed_form_counts(text)
+    model = openk3.build_model(config, device=device, seed=0)
+    wrap_decoder_layers(model, plan.checkpointing, compile)
+    balancer = QuantileBalancer(model) if text.num_experts else None
+    optimizer = build_optimizer(model, lr=1e-3)
+    batches = random_batches(text.vocab_size, args.batch_size, args.seq_len, device)
+    print(f"{name}: {plan}", flush=True)
+    t = time_openk3(model, optimizer, balancer, batches, plan.micro_batch, args.steps, args.warmup)
+    row = {
+        "model": f"openk3 {name}" + (" (compiled layers)" if compile else " (eager)"),
+        "optimizer": "Per-Head Muon + AdamW" + (" + QB" if balancer else ""),
+        "params": counts["total"],
+        "active_params": counts["active"],
+        "micro_batch": plan.micro_batch,
+        "grad_accum": plan.grad_accum,
+        "checkpointing": plan.checkpointing,
+        "estimate_bytes": plan.estimate.total,
+        **t,
+    }
+    return row, (model, optimizer, balancer, batches, plan.micro_batch)
+
+
+KDA_KERNELS = re.compile(
+    r"^(tile_prepare|tile_recurrence|pair_prepare|chunk_from_tiles|chunk_prepare|chunk_state_fwd|"
+    r"chunk_state_bwd|chunk_grad_wy_value|chunk_grad_wy_key|chunk_grad_intra)_kernel"
+)
+CLASSES = (
+    ("KDA kernels", KDA_KERNELS),
+    ("communication", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot", re.I)),
+    ("GEMM (dense + grouped experts)", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|gemv|grouped|_mm_|::mm$|addmm|bmm", re.I)),
+    ("MoE dispatch (sort, gather, scatter)", re.compile(r"sort|scatter|gather|index|cumsum|radix|histc|bincount", re.I)),
+)  # fmt: skip
+
+
+def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
+    """Device time per kernel class of one step (``torch.profiler``), in seconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        openk3_step(model, optimizer, balancer, *batches[0], micro_batch, lambda p: None)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    totals = {name: 0.0 for name, _ in CLASSES} | {"other (norms, activations, optimizer, glue)": 0.0}
+    cuda = torch.cuda.is_available()
+    for event in prof.events():
+        if cuda and "CUDA" not in str(getattr(event, "device_type", "")):
+            continue
+        if not cuda and (event.cpu_children or not event.name.startswith("aten::")):
+            continue  # CPU smoke run: leaf aten ops stand in for kernels
+        seconds = event.time_range.elapsed_us() / 1e6
+        for name, pattern in CLASSES:
+            if pattern.search(event.name):
+                totals[name] += seconds
+                break
+        else:
+            totals["other (norms, activations, optimizer, glue)"] += seconds
+    return totals
+
+
+def two_steps(config, args, device) -> dict:
+    """Two steps of ``config`` at micro-batch 1 with full checkpointing, eager; the second is timed."""
+    model = openk3.build_model(config, device=device, seed=0)
+    wrap_decoder_layers(model, "full", compile=False)
+    optimizer = build_optimizer(model, lr=1e-4)
+    batches = random_batches(config.text_config.vocab_size, 1, args.seq_len, device)
+    return time_openk3(model, optimizer, QuantileBalancer(model), batches, 1, 1, 1)
+
+
+def largest_trainable(args, device, total_bytes: int) -> dict:
+    """The largest ``k3_shaped(depth)`` whose estimate (micro-batch 1, full checkpointing) fits 90% of the
+    device, confirmed by two steps; a depth that runs out of memory is reported and the next smaller tried."""
+    budget = int(0.9 * total_bytes)
+
+    def estimate(depth: int) -> int:
+        return estimate_memory(k3_shaped(depth), 1, args.seq_len, "full", device.type).total
+
+    tried = []
+    for depth in sorted((d for d in args.depths if estimate(d) <= budget), reverse=True):
+        config = k3_shaped(depth)
+        counts = closed_form_counts(config.text_config)
+        try:
+            t = two_steps(config, args, device)
+        except torch.OutOfMemoryError as err:
+            tried.append({"depth": depth, "error": str(err).splitlines()[0]})
+            free(device)
+            continue
+        return {
+            "depth": depth, "params": counts["total"], "active_params": counts["active"],
+            "peak_bytes": t["peak_bytes"], "step_s": t["step_s"], "estimate_bytes": estimate(depth),
+            "tried": tried,
+        }  # fmt: skip
+    return {"depth": None, "tried": tried}
+
+
+def free(device) -> None:
+    import gc
+
+    torch._dynamo.reset()  # compiled graphs and their guards hold the previous model's layers
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def hf_row(text, batches, args, results: dict) -> dict | None:
@@ -239,168 +365,218 @@ def hf_row(text, batches, args, results: dict) -> dict | None:
         "optimizer": "AdamW (fused)" if fused else "AdamW",
         "params": hf_total,
         "active_params": int(hf_active),
+        "micro_batch": batches[0][0].shape[0],
+        "grad_accum": 1,
+        "checkpointing": "none",
         **t,
     }
+
+
+def section(results: dict, name: str, start: float, budget_s: float, fn):
+    """Run ``fn()``; record its error (and go on) or skip it when the time budget is spent."""
+    if time.perf_counter() - start > budget_s:
+        results["errors"][name] = f"skipped: the {budget_s:.0f} s budget was spent"
+        print(f"{name}: skipped (time budget)", flush=True)
+        return None
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as err:  # noqa: BLE001  (a benchmark section reports its failure and the run goes on)
+        results["errors"][name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        traceback.print_exc()
+        out = None
+    results["section_seconds"][name] = time.perf_counter() - t0
+    print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def sections(args, device, results: dict) -> None:
+    """The five sections in order of importance; the JSON and Markdown are rewritten after each, so a run cut
+    short by a time limit keeps what it measured."""
+    start = time.perf_counter()
+    compile = not args.no_compile
+    budget = int(args.memory_gb * 1e9)
+    held = {}
+
+    def main_row():
+        row, held["k3"] = planned_row(args.preset, get_preset(args.preset), args, device, budget, compile)
+        results["rows"]["k3"] = row
+
+    section(results, "planned run", start, args.budget_s, main_row)
+    if "k3" in held:
+        results["profile"] = section(
+            results, "profile", start, args.budget_s, lambda: profile_step(*held["k3"])
+        )
+    held.clear()
+    free(device)
+    finish(results, args)
+    compare_args = argparse.Namespace(**{**vars(args), "batch_size": args.compare_batch})
+
+    def compare_rows():
+        config = get_preset(args.compare_preset)
+        row, _ = planned_row(args.compare_preset, config, compare_args, device, 10**15, compile)
+        results["rows"]["compare"] = row
+        free(device)
+        if not args.skip_hf:
+            text = text_config_of(config)
+            batches = random_batches(text.vocab_size, args.compare_batch, args.seq_len, device)
+            hf = hf_row(text, batches, args, results)
+            if hf is not None:
+                results["rows"]["hf"] = hf
+
+    section(results, "comparison", start, args.budget_s, compare_rows)
+    free(device)
+    finish(results, args)
+
+    def dense_row():
+        config = dense_yardstick(get_preset(args.preset))
+        row, _ = planned_row(f"{args.preset} dense yardstick", config, args, device, budget, compile)
+        results["rows"]["dense"] = row
+
+    section(results, "dense yardstick", start, args.budget_s, dense_row)
+    free(device)
+    finish(results, args)
+    total = device_memory_bytes(args.device) if device.type == "cuda" else int(args.memory_gb * 1e9)
+    results["largest"] = section(
+        results, "largest model", start, args.budget_s, lambda: largest_trainable(args, device, total)
+    )
+    finish(results, args)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--preset", default="k3-small")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--preset", default="k3-1b")
+    parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--memory-gb", type=float, default=60.0, help="the planner's budget (10^9 bytes)")
+    parser.add_argument("--compare-preset", default="k3-small")
+    parser.add_argument("--compare-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--depths", type=int, nargs="+", default=[24, 28, 32, 36, 40])
+    parser.add_argument("--budget-s", type=float, default=390.0, help="start no section after this many s")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the openk3 decoder layers (KDA kernels eager)"
-    )
-    parser.add_argument(
-        "--no-balancer", action="store_true", help="leave Quantile Balancing out of the openk3 step"
-    )
-    parser.add_argument(
-        "--count-ops",
-        action="store_true",
-        help="also count dispatched ops and host reads of one eager openk3 step, per phase",
-    )
+    parser.add_argument("--no-compile", action="store_true", help="eager decoder layers")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: k3-tiny, batch 4 × 64, 1 step")
     parser.add_argument("--json")
     parser.add_argument("--md")
     args = parser.parse_args()
+    if args.quick:
+        args.device, args.preset, args.compare_preset = "cpu", "k3-tiny", "k3-tiny"
+        args.batch_size, args.seq_len, args.compare_batch, args.steps, args.warmup = 4, 64, 2, 1, 1
+        args.memory_gb, args.depths, args.no_compile, args.budget_s = 2.0, [8, 12], True, 3600.0
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU: run on a GPU machine, or pass --device cpu for a smoke run")
+        raise SystemExit("no CUDA GPU: run on a GPU machine, or pass --quick for a CPU smoke run")
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    config = get_preset(args.preset)
-    text = openk3.config.text_config_of(config)
-    tokens = args.batch_size * args.seq_len
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(4):
-        ids = torch.randint(0, text.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(device)
-        batches.append((ids[:, :-1], ids[:, 1:]))
-    counts = count_parameters(config)
     results = {
+        "command": "python benchmarks/train_throughput.py " + " ".join(sys.argv[1:]),
         "gpu": torch.cuda.get_device_name()
         if device.type == "cuda"
         else f"none (CPU, {os.cpu_count()} cores)",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "preset": args.preset,
-        "batch_size": args.batch_size,
-        "seq_len": args.seq_len,
+        "batch": f"{args.batch_size} x {args.seq_len}",
+        "memory_budget_gb": args.memory_gb,
         "peak_tflops": args.peak_tflops,
-        "compile": args.compile,
-        "balancer": not args.no_balancer,
-        "rows": [],
+        "rows": {},
+        "errors": {},
+        "section_seconds": {},
     }
     try:
         import triton
 
         results["triton"] = triton.__version__
     except ImportError:
-        pass
+        results["triton"] = None
+    sections(args, device, results)
 
-    model = openk3.build_model(config, device=device, seed=0)
-    balancer = None if args.no_balancer else QuantileBalancer(model)
-    optimizer = build_optimizer(model, lr=1e-3)
-    if args.compile:
-        compile_non_kda(model)
-    print(f"openk3 {args.preset}: timing {args.steps} steps after {args.warmup} warm-up", flush=True)
-    t = time_training(model, optimizer, batches, args.steps, args.warmup, balancer)
-    results["rows"].append(
-        {
-            "model": f"openk3 {args.preset}" + (" (torch.compile)" if args.compile else ""),
-            "optimizer": "Per-Head Muon + AdamW" + ("" if args.no_balancer else " + QB"),
-            "params": counts["total"],
-            "active_params": counts["active"],
-            **t,
-        }
-    )
-    if args.count_ops and not args.compile:
-        results["rows"][-1].update(count_ops(model, optimizer, batches, balancer))
-    print("openk3:", results["rows"][-1], flush=True)
-    del model, optimizer, balancer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
-    if not args.skip_hf:
-        row = hf_row(text, batches, args, results)
-        if row is not None:
-            results["rows"].append(row)
-            print("transformers:", row, flush=True)
-
-    for row in results["rows"]:
-        step = row["fwd_bwd_s"] + row["balancer_s"] + row["optimizer_s"]
-        row["tokens_per_s"] = tokens / step
-        row["tokens_per_s_fwd_bwd"] = tokens / row["fwd_bwd_s"]
+def finish(results: dict, args) -> None:
+    tokens = {
+        "k3": args.batch_size,
+        "dense": args.batch_size,
+        "compare": args.compare_batch,
+        "hf": args.compare_batch,
+    }
+    for key, row in results["rows"].items():
+        row["tokens_per_s"] = tokens[key] * args.seq_len / row["step_s"]
         row["mfu"] = 6 * row["active_params"] * row["tokens_per_s"] / (args.peak_tflops * 1e12)
-    if len(results["rows"]) == 2:
-        results["ratio_tokens_per_s"] = (
-            results["rows"][0]["tokens_per_s"] / results["rows"][1]["tokens_per_s"]
-        )
-        results["ratio_fwd_bwd"] = (
-            results["rows"][0]["tokens_per_s_fwd_bwd"] / results["rows"][1]["tokens_per_s_fwd_bwd"]
-        )
-
+    rows = results["rows"]
+    if "k3" in rows and "dense" in rows:
+        results["mfu_ratio_dense_over_k3"] = rows["dense"]["mfu"] / rows["k3"]["mfu"]
+    if "compare" in rows and "hf" in rows:
+        results["ratio_vs_transformers"] = rows["compare"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
     lines = [
-        f"GPU {results['gpu']}, torch {results['torch']}, triton {results.get('triton')}, "
-        f"transformers {results.get('transformers')}, fla {results.get('fla')}; "
-        f"batch {args.batch_size} × {args.seq_len} tokens, bf16 autocast",
+        f"Command: `{results['command']}`",
         "",
-        "| model | optimizer | params | active | fwd+bwd ms | balancer ms | opt ms | tokens/s | MFU |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"GPU {results['gpu']}, torch {results['torch']}, triton {results.get('triton')}, transformers "
+        f"{results.get('transformers')}, fla {results.get('fla')}; bf16 autocast, fp32 master weights; MFU = "
+        f"6 · active params · tokens/s / {args.peak_tflops:g} TFLOP/s",
+        "",
+        "| model | optimizer | params | active | batch | micro × accum | checkpointing | step ms | tokens/s | MFU "
+        "| est. GB | peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results["rows"]:
+    for key, r in rows.items():
+        batch = tokens[key]
+        peak = "–" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 1e9:.1f}"
+        est = "–" if r.get("estimate_bytes") is None else f"{r['estimate_bytes'] / 1e9:.1f}"
         lines.append(
-            f"| {r['model']} | {r['optimizer']} | {r['params'] / 1e6:.1f}M | {r['active_params'] / 1e6:.1f}M | "
-            f"{r['fwd_bwd_s'] * 1e3:.1f} | {r['balancer_s'] * 1e3:.1f} | {r['optimizer_s'] * 1e3:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | "
-            f"{r['mfu'] * 100:.1f}% |"
+            f"| {r['model']} | {r['optimizer']} | {r['params'] / 1e6:,.0f}M | {r['active_params'] / 1e6:,.0f}M | "
+            f"{batch} × {args.seq_len} | {r['micro_batch']} × {r['grad_accum']} | {r['checkpointing']} | "
+            f"{r['step_s'] * 1e3:,.0f} | {r['tokens_per_s']:,.0f} | {r['mfu'] * 100:.1f}% | {est} | {peak} |"
         )
-    for r in results["rows"]:
-        if "dispatched_ops" in r:
-            ops, reads = r["dispatched_ops"], r["host_reads"]
-            lines += [
-                "",
-                f"{r['model']}, one eager step: dispatched non-view ops "
-                + ", ".join(f"{k} {v:,}" for k, v in ops.items())
-                + "; host reads "
-                + ", ".join(f"{k} {v}" for k, v in reads.items()),
-            ]
-    if "ratio_tokens_per_s" in results:
-        lines.append("")
+    lines += ["", "Time per phase (ms per step, CUDA events):", ""]
+    names = sorted({k for r in rows.values() for k in r["phases"]})
+    lines += [
+        "| model | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for r in rows.values():
         lines.append(
-            f"openk3 / transformers tokens/s: {results['ratio_tokens_per_s']:.2f}× "
-            f"(fwd+bwd only: {results['ratio_fwd_bwd']:.2f}×)"
+            f"| {r['model']} | " + " | ".join(f"{r['phases'].get(n, 0) * 1e3:,.1f}" for n in names) + " |"
         )
+    if results.get("profile"):
+        prof = results["profile"]
+        whole = sum(prof.values()) or math.nan
+        lines += ["", f"Device time of one {args.preset} step by kernel class (torch.profiler):", ""]
+        lines += ["| kernels | ms | share |", "|---|---|---|"]
+        lines += [f"| {k} | {v * 1e3:,.1f} | {v / whole * 100:.1f}% |" for k, v in prof.items()]
+    if "mfu_ratio_dense_over_k3" in results:
+        lines += [
+            "",
+            f"Dense yardstick MFU / K3 MFU: {results['mfu_ratio_dense_over_k3']:.2f}× (target ≤ 1.5×)",
+        ]
+    if "ratio_vs_transformers" in results:
+        lines += ["", f"openk3 {args.compare_preset} / transformers kimi_linear tokens/s: "
+                  f"{results['ratio_vs_transformers']:.2f}× (target ≥ 2×)"]  # fmt: skip
+    big = results.get("largest")
+    if big and big.get("depth"):
+        peak = "–" if big["peak_bytes"] is None else f"{big['peak_bytes'] / 1e9:.1f} GB"
+        lines += ["", f"Largest model that trains here: k3_shaped({big['depth']}) ({big['params'] / 1e9:.2f}B "
+                  f"parameters, {big['active_params'] / 1e9:.2f}B active), micro-batch 1 × {args.seq_len}, full "
+                  f"checkpointing: peak {peak} (estimate {big['estimate_bytes'] / 1e9:.1f} GB), "
+                  f"{big['step_s']:.2f} s per step"]  # fmt: skip
+    if big and big.get("tried"):
+        lines += [
+            "",
+            "Out of memory: " + "; ".join(f"depth {t['depth']}: {t['error']}" for t in big["tried"]),
+        ]
+    if results["errors"]:
+        lines += ["", "Sections that failed or were skipped:", ""]
+        lines += [f"- {k}: {v}" for k, v in results["errors"].items()]
     text_out = "\n".join(lines)
-    print(text_out)
+    print(text_out, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     if args.md:
         with open(args.md, "w") as f:
-            f.write(f"Command: `python benchmarks/train_throughput.py {command_flags(args)}`\n\n{text_out}\n")
-
-
-def command_flags(args) -> str:
-    """The flags that reproduce this run (output paths left out)."""
-    flags = [
-        f"--preset {args.preset}",
-        f"--batch-size {args.batch_size}",
-        f"--seq-len {args.seq_len}",
-        f"--steps {args.steps}",
-        f"--warmup {args.warmup}",
-    ]
-    flags += ["--device cpu"] if args.device == "cpu" else []
-    flags += ["--compile"] if args.compile else []
-    flags += ["--no-balancer"] if args.no_balancer else []
-    flags += ["--count-ops"] if args.count_ops else []
-    flags += ["--skip-hf"] if args.skip_hf else []
-    return " ".join(flags)
+            f.write(text_out + "\n")
 
 
 if __name__ == "__main__":

@@ -438,6 +438,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step (default 1)"
     )
     tr.add_argument(
+        "--micro-batch-size",
+        dest="micro_batch_size",
+        type=_positive_int,
+        help="sequences per forward/backward (default: --batch-size on CPU, the memory planner's pick on CUDA)",
+    )
+    tr.add_argument(
+        "--activation-checkpointing",
+        dest="activation_checkpointing",
+        choices=["auto", "none", "selective", "full"],
+        help="per decoder layer (default auto: none on CPU, the memory planner's pick on CUDA)",
+    )
+    tr.add_argument(
+        "--compile",
+        dest="compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each decoder layer (default: on for CUDA, off on CPU)",
+    )
+    tr.add_argument(
         "--context-schedule",
         dest="context_schedule",
         help="progressive context, step:seq_len,... from step 0 (default '0:64,60:128')",
@@ -580,8 +599,8 @@ def _silence_stdout() -> None:
 
 
 OOM_ADVICE = {
-    "train": "use a smaller --batch-size, a shorter --context-schedule, --grad-accum to split the batch, "
-    "or a smaller --preset",
+    "train": "use a smaller --micro-batch-size (the step keeps its batch) or --batch-size, "
+    "--activation-checkpointing selective or full, a shorter --context-schedule, or a smaller --preset",
     "generate": "use a shorter --prompt (prefill memory grows with its length) or fewer --max-new-tokens",
     "eval": "use a smaller --batch-size or --seq-len",
     "serve": "use a smaller --pool-mib / --num-blocks or --max-model-len",

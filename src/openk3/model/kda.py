@@ -11,7 +11,8 @@
     y       = o_proj(RMSNorm_head(o) ⊙ σ(G))                 # G = g_proj x (K3) | g_b_proj(g_a_proj x)
 
 ``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
-The chunked op runs for training and prefill; with a cache and few new tokens outside training the
+The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
+:func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`, which ``torch.compile`` traces); with a cache and few new tokens outside training the
 recurrent decode op runs instead.
 
 Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``.
@@ -26,6 +27,7 @@ from openk3.model.cache import KDACache
 from openk3.model.norm import GatedRMSNorm
 from openk3.model.short_conv import ShortConvolution
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda
+from openk3.ops.kda.triton.train_op import chunk_kda_train, use_train_op
 
 A_LOG_STORED = 128
 """Length of the stored ``A_log`` (official K3 layout); the layer uses the first H entries."""
@@ -81,6 +83,12 @@ class KimiDeltaAttention(nn.Module):
         g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, H, K) for t in (q_BTP, k_BTP, v_BTP))
+        gate = dict(A_log=self.A_log[:H], dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+        if use_train_op(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate, cache=cache,
+                        cu_seqlens=cu_seqlens):  # fmt: skip
+            o_BTHK = chunk_kda_train(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate)
+            return self._output(x_BTD, o_BTHK)
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
         o_BTHK, state = kda(
@@ -100,6 +108,11 @@ class KimiDeltaAttention(nn.Module):
         )
         if keep:
             cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
+        return self._output(x_BTD, o_BTHK)
+
+    def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:
+        """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` ``[B, T, D]`` for the op's output ``o_BTHK``."""
+        B, T, H, K = o_BTHK.shape
         gate_BTP = self.g_proj(x_BTD) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
         o_BTHK = self.o_norm(o_BTHK.to(x_BTD.dtype), gate_BTP.view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))

@@ -2,9 +2,15 @@
 
 One optimizer step (``Trainer.train_step``)::
 
-    for each of grad_accum micro-batches:  loss = CE(model(x), y) / grad_accum;  loss.backward()
+    for each of n micro-batches:  loss = CE(lm_head(model(x)), y) / n;  loss.backward()
         (each MoE block counts its routing in its own buffers: openk3.model.routing_stats)
-    clip_grad_norm_(grad_clip);  qb.step()  (bias overwrite, one all-reduce);  optimizer.step()
+    clip_grad_norm_(grad_clip);  one host sync (loss, norm);  qb.step()  (bias overwrite, one all-reduce);  optimizer.step()
+
+A step draws ``batch_size × grad_accum`` sequences and runs them in micro-batches of ``micro_batch_size``
+(default: ``batch_size`` on CPU, :func:`openk3.train.memory.plan_memory`'s choice on CUDA, which also picks
+the activation checkpointing; a size that cannot fit is refused before anything is written, with a micro-batch
+that fits). The loss fuses the LM head by chunks of tokens (:mod:`openk3.train.loss`); on CUDA each decoder
+layer is compiled (:mod:`openk3.train.checkpointing`).
 
 While a :class:`Trainer` runs, its run folder holds ``train.lock`` (:mod:`openk3.train.run_lock`): a second
 trainer on the same folder is refused naming the first. Schedules come from :mod:`openk3.train.schedule` (warmup + cosine or WSD; progressive context). CPU runs in
@@ -57,6 +63,8 @@ from openk3.data.corpus import resolve_inputs, source_records
 from openk3.model import build_model
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
+from openk3.train.checkpointing import wrap_decoder_layers
+from openk3.train.memory import MemoryPlan, device_memory_bytes, plan_memory
 from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.optim import build_optimizer
 from openk3.train.run_lock import LOCK_NAME, acquire_run_lock
@@ -69,6 +77,7 @@ from openk3.train.state import (
     save_checkpoint,
     set_rng_state,
 )
+from openk3.train.step import accumulate_gradients
 
 
 def _check_int(name: str, value, minimum: int | None, maximum: int | None = None) -> None:
@@ -117,6 +126,15 @@ class TrainConfig:
     batch_size: int = 16
     """Sequences per micro-batch (>= 1); also the evaluation batch size."""
     grad_accum: int = 1
+    """Micro-batches per step: a step draws ``batch_size × grad_accum`` sequences (the global batch)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward, dividing the global batch; ``None``: ``batch_size`` on CPU, the memory
+    planner's choice on CUDA (:func:`openk3.train.memory.plan_memory`)."""
+    activation_checkpointing: str = "auto"
+    """Per decoder layer: ``none``, ``selective``, ``full`` (:mod:`openk3.train.checkpointing`) or ``auto``
+    (``none`` on CPU, the memory planner's choice on CUDA)."""
+    compile: bool | None = None
+    """``torch.compile`` each decoder layer; ``None``: on for CUDA, off on CPU."""
     context_schedule: list[tuple[int, int]] = field(default_factory=lambda: [(0, 64), (60, 128)])
     """Progressive context: ``(start_step, seq_len)`` pairs."""
     lr: float = 3e-3
@@ -164,6 +182,20 @@ class TrainConfig:
         _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if self.stop_at_step is not None:
             _check_int("stop_at_step", self.stop_at_step, minimum=1)
+        if self.micro_batch_size is not None:
+            _check_int("micro_batch_size", self.micro_batch_size, minimum=1)
+            if (self.batch_size * self.grad_accum) % self.micro_batch_size:
+                raise ValueError(
+                    f"TrainConfig.micro_batch_size={self.micro_batch_size} does not divide the batch of "
+                    f"batch_size × grad_accum = {self.batch_size * self.grad_accum} sequences"
+                )
+        if self.activation_checkpointing not in ("auto", "none", "selective", "full"):
+            raise ValueError(
+                f"TrainConfig.activation_checkpointing={self.activation_checkpointing!r}: use 'auto', 'none', "
+                "'selective' or 'full'"
+            )
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"TrainConfig.compile={self.compile!r}: use true, false or null (auto)")
         seq_len = max(t for _, t in self.context_schedule)
         tokens = self.batch_size * self.grad_accum * seq_len
         if tokens > MAX_TOKENS_PER_STEP:
@@ -432,36 +464,23 @@ def training_memory_floor(model_config, batch_size: int, seq_len: int) -> dict[s
     return {"state": params * 16, "logits": batch_size * seq_len * vocab * 12}
 
 
-def device_memory_bytes(device: str) -> int | None:
-    """Total memory of ``device`` in bytes: physical RAM for ``"cpu"``, the GPU's for ``"cuda"``; ``None``
-    when it cannot be read."""
-    try:
-        if device == "cuda":
-            return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        return None
-
-
-def check_memory(model_config, config: TrainConfig) -> None:
-    """Raise ``ValueError`` when :func:`training_memory_floor` of the run exceeds the device's memory, so an
-    impossible size (``--preset kimi-k3`` on a laptop, ``--batch-size 100000000``) fails at once with its
-    numbers instead of in an allocator."""
+def check_memory(model_config, config: TrainConfig) -> MemoryPlan:
+    """The :class:`~openk3.train.memory.MemoryPlan` of the run (micro-batch, accumulation, checkpointing);
+    raises ``ValueError`` when its estimate exceeds 90% of the device's memory, so an impossible size
+    (``--preset kimi-k3`` on a laptop, ``--batch-size 100000000``) fails at once with its numbers and a
+    micro-batch that fits instead of in an allocator. On CPU the micro-batch defaults to ``batch_size`` and
+    the checkpointing to ``none``."""
     total = device_memory_bytes(config.device)
-    if total is None:
-        return
     seq_len = max(t for _, t in config.context_schedule)
-    need = training_memory_floor(model_config, config.batch_size, seq_len)
-    if sum(need.values()) <= total:
-        return
-    gib = 2**30
-    raise ValueError(
-        f"training {config.preset} with micro-batches of {config.batch_size} × {seq_len} tokens needs at least "
-        f"{sum(need.values()) / gib:,.1f} GiB (parameters, gradients and optimizer state "
-        f"{need['state'] / gib:,.1f} GiB; logits {need['logits'] / gib:,.1f} GiB), more than the "
-        f"{total / gib:,.1f} GiB of {config.device} memory: use a smaller --preset or --batch-size (with "
-        "--grad-accum for the same tokens per step) or a shorter context"
-    )
+    cuda = config.device == "cuda"
+    micro = config.micro_batch_size if config.micro_batch_size is not None or cuda else config.batch_size
+    mode = config.activation_checkpointing
+    mode = "none" if mode == "auto" and not cuda else mode
+    budget = int(0.9 * total) if total is not None else 2**62
+    return plan_memory(
+        model_config, config.batch_size * config.grad_accum, seq_len, budget, config.device, micro, mode,
+        name=config.preset,
+    )  # fmt: skip
 
 
 RUN_MARKERS = ("train_config.json", "checkpoints", "data", "metrics.jsonl")
@@ -565,7 +584,7 @@ class Trainer:
                 print(line)
             self._resume_from = (ckpt, state)
             self.saved = (int(state["step"]), ckpt)
-        check_memory(get_preset(config.preset), config)  # before any folder or shard is written
+        self.plan = check_memory(get_preset(config.preset), config)  # before any folder is written
         if not resume:
             check_fresh_run_folder(self.run_dir)
         created = first_missing_folder(self.run_dir)
@@ -611,6 +630,19 @@ class Trainer:
         self.train_set, self.val_set = TokenDataset(self.data.train_path), TokenDataset(self.data.val_path)
         torch.manual_seed(config.seed)
         self.model = build_model(self.model_config, device=self.device, seed=config.seed)
+        compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        wrap_decoder_layers(self.model, self.plan.checkpointing, compile)
+        if progress:
+            p = self.plan
+            print(
+                f"micro-batches of {p.micro_batch} × {max(t for _, t in config.context_schedule)} tokens, "
+                f"{p.grad_accum} per step, activation checkpointing {p.checkpointing}"
+                f"{', compiled layers' if compile else ''}; estimated peak {p.estimate.describe()}",
+                flush=True,
+            )
+        top = max(int(self.train_set.tokens_N.max()), int(self.val_set.tokens_N.max()))
+        if top >= vocab:  # checked once here, so the step's forward skips its per-call check (a host sync)
+            raise ValueError(f"the token shards hold id {top}, outside the model's vocabulary [0, {vocab})")
         self.optimizer = build_optimizer(self.model, lr=config.lr, weight_decay=config.weight_decay)
         for group in self.optimizer.param_groups:
             group["peak_lr"] = group["lr"]
@@ -714,16 +746,6 @@ class Trainer:
         self.step = int(state["step"])
 
     # -------------------------------------------------------------------------------------------- loop
-    def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
-
-    def _loss(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            logits = self.model(x_BT.to(self.device)).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), y_BT.to(self.device).flatten())
-
     def train_step(self) -> dict:
         cfg = self.config
         seq_len = seq_len_at(self.step, cfg.context_schedule)
@@ -735,17 +757,13 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         x_BT, y_BT = next(self.batches)
-        total = 0.0
-        for x_mb, y_mb in zip(x_BT.chunk(cfg.grad_accum), y_BT.chunk(cfg.grad_accum)):
-            loss = self._loss(x_mb, y_mb) / cfg.grad_accum
-            value = loss.item()
-            if not math.isfinite(value) or value * cfg.grad_accum > self.blowup_loss:
-                self._diverged("loss", value * cfg.grad_accum, cfg.lr * factor)
-            loss.backward()
-            total += value
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        if not math.isfinite(float(grad_norm)):
-            self._diverged("gradient norm", float(grad_norm), cfg.lr * factor)
+        total_ = accumulate_gradients(self.model, x_BT, y_BT, self.plan.micro_batch)
+        grad_norm_ = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        total, grad_norm = torch.stack([total_, grad_norm_.to(total_)]).tolist()  # the step's one host sync
+        if not math.isfinite(total) or total > self.blowup_loss:
+            self._diverged("loss", total, cfg.lr * factor)
+        if not math.isfinite(grad_norm):
+            self._diverged("gradient norm", grad_norm, cfg.lr * factor)
         stats = self.balancer.step() if self.balancer else {}
         self.optimizer.step()
         self.step += 1
@@ -756,7 +774,7 @@ class Trainer:
             "loss": total,
             "lr": cfg.lr * factor,
             "seq_len": seq_len,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "tokens_per_s": x_BT.numel() / elapsed,
             "maxvio": stats.get("maxvio"),
             "maxvio_per_layer": stats.get("maxvio_per_layer"),
