@@ -1,0 +1,46 @@
+"""Per-Head Muon on sharded parameters: the single-device :class:`~openk3.train.optim.KimiMuon` update.
+
+FSDP2 shards every matrix by rows (``Shard(0)``), and a shard boundary need not fall between head blocks
+(a ``[H·d_h, d_in]`` projection over ``W`` ranks splits a head whenever ``H·d_h/W`` is not a multiple of
+``d_h``). Newton–Schulz on a shard would orthogonalise the wrong matrix (the ZeRO bug DeepSpeed fixed,
+issues #7807/#8090). Here:
+
+* momentum, Nesterov and weight decay run on the local shards (``torch._foreach_*`` on DTensors: momentum
+  stays sharded, no communication);
+* the update matrix is gathered whole (``DTensor.full_tensor``: one all-gather per parameter), viewed as
+  head blocks or experts exactly as on one device, and orthogonalised in the same same-shape buckets,
+  so every rank computes the single-device result bit for bit;
+* each rank keeps the rows of its own shard (``distribute_tensor(..., src_data_rank=None)``: no
+  communication) and applies them to its local parameter.
+
+Newton–Schulz runs once per optimizer step, on the gradient accumulated over all micro-batches (the
+optimizer only sees ``p.grad`` at ``step``). Every rank runs every NS (the ``full_tensor`` baseline);
+owner-based placement (each matrix orthogonalised on one rank, then scattered) and expert matrices
+orthogonalised where EP places them are the next steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from openk3.train.optim import KimiMuon
+
+
+class ShardedKimiMuon(KimiMuon):
+    """:class:`KimiMuon` for DTensor (FSDP2 / EP) parameters; plain tensors are updated as on one device.
+
+    Same constructor, param groups and state dict as :class:`KimiMuon` (state tensors are DTensors with
+    the parameter's placements). All ranks of a parameter's mesh must call :meth:`step` together.
+    """
+
+    def _whole(self, u: torch.Tensor) -> torch.Tensor:
+        return u.full_tensor() if isinstance(u, DTensor) else u
+
+    def _update_target(self, p: torch.Tensor, o_bMN: torch.Tensor, u_bMN: torch.Tensor):
+        if not isinstance(p, DTensor):
+            return super()._update_target(p, o_bMN, u_bMN)
+        full = o_bMN.reshape(p.shape)
+        return p.to_local(), distribute_tensor(
+            full, p.device_mesh, p.placements, src_data_rank=None
+        ).to_local()
