@@ -21,10 +21,12 @@ orthogonalised where EP places them are the next steps.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from openk3.train.optim import KimiMuon
+from openk3.train.optim import KimiMuon, build_optimizer
 
 
 class ShardedKimiMuon(KimiMuon):
@@ -44,3 +46,10 @@ class ShardedKimiMuon(KimiMuon):
         return p.to_local(), distribute_tensor(
             full, p.device_mesh, p.placements, src_data_rank=None
         ).to_local()
+
+
+def build_sharded_optimizer(model, **kwargs) -> ShardedKimiMuon:
+    """:func:`~openk3.train.optim.build_optimizer`'s groups and settings, as a :class:`ShardedKimiMuon`."""
+    single = build_optimizer(model, **kwargs)
+    names = set(inspect.signature(KimiMuon.__init__).parameters) - {"self", "params"}
+    return ShardedKimiMuon(single.param_groups, **{k: v for k, v in single.defaults.items() if k in names})
