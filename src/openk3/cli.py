@@ -114,6 +114,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
         given["sample_prompt"] = None
+    if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
+        from openk3.dist.train import train_distributed
+
+        summary = train_distributed(
+            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume
+        )
+        if summary["rank"] == 0:
+            print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
+        return 0
     if args.resume:
         out = given.get("out", TrainConfig.out)
         saved = load_trainer_state(latest_checkpoint(Path(out)))["train_config"]
@@ -331,6 +340,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
     )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+    tr.add_argument(
+        "--dp-shard", dest="dp_shard", type=_positive_int, help="FSDP2 shard degree (under torchrun)"
+    )
+    tr.add_argument(
+        "--dp-replicate", dest="dp_replicate", type=_positive_int, help="HSDP replicas (torchrun)"
+    )
+    tr.add_argument(
+        "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
+    )
     tr.set_defaults(func=cmd_train)
 
     gen = sub.add_parser("generate", help="stream text from a checkpoint")
