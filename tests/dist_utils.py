@@ -80,6 +80,15 @@ def run_world(
     if failed:
         r = min(failed)
         raise AssertionError(f"rank {r} of {world_size} failed:\n{failed[r]}")
+    died = {
+        r: procs[r].exitcode
+        for r in range(world_size)
+        if r not in got and procs[r].exitcode not in (None, -9)
+    }
+    if died:
+        raise AssertionError(
+            f"ranks {sorted(died)} of {world_size} exited without a result (exit codes {died})"
+        )
     missing = [r for r in range(world_size) if r not in got]
     if missing:
         raise AssertionError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s")

@@ -35,6 +35,11 @@ class ExpertParallelExperts(RoutedExperts):
             raise ValueError(f"num_experts={E} is not divisible by ep={R}")
         self.ep_mesh = ep_mesh
         self.num_experts = E
+        self.grad_scale = 1.0
+        """Factor on the weight gradients. Each rank's experts collect the gradients of every EP rank's tokens;
+        under FSDP's data-parallel mean (each rank's loss a mean over its own tokens, gradients averaged
+        over ``efsdp`` only) :func:`openk3.dist.fsdp.shard_model` sets ``1/ep`` so expert gradients are
+        not ``ep`` times too large."""
         for name in ("w1", "w3", "w2"):
             full = getattr(experts, name)
             local = torch.empty((E // R, *full.shape[1:]), dtype=full.dtype, device=full.device)
@@ -46,9 +51,22 @@ class ExpertParallelExperts(RoutedExperts):
     def forward(self, z_NL: torch.Tensor, weights_Nk: torch.Tensor, indices_Nk: torch.Tensor) -> torch.Tensor:
         group = self.ep_mesh.get_group()
         d = dispatch(z_NL, indices_Nk, self.num_experts, group)
-        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (_ScaleGrad.apply(_local(w), self.grad_scale) for w in (self.w1, self.w3, self.w2))
         y_QL = grouped_expert_ffn(self.config, d.x_QL, w1, w3, w2, d.offs_P, d.expert_Q)
         return combine(y_QL, weights_Nk, d, group, z_NL.shape[0])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` (exact for a power of two)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.scale == 1.0 else grad * ctx.scale), None
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ def shard_model(
     for layer in decoder_layers(model):
         moe = getattr(layer, "block_sparse_moe", None)
         if meshes.expert is not None and moe is not None and hasattr(moe, "experts"):
+            moe.experts.grad_scale = 1.0 / meshes.dims.ep  # FSDP averages experts over efsdp only
             fully_shard(moe.experts, mesh=meshes.expert_fsdp, mp_policy=mp)
         fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp)
         for method in LAYER_FORWARDS:  # the model calls these, not ``layer(...)``
