@@ -1,5 +1,6 @@
-"""A rank that dies mid-step: the others fail within the collective timeout naming it, and the last
-checkpoint stays intact (the interrupted save never appears under its final name)."""
+"""A rank that dies mid-step: the launcher names it, the survivor fails within the collective timeout
+instead of hanging, and the last checkpoint stays intact (the interrupted save never appears under its
+final name)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def test_rank_dies_mid_save(tmp_path):
         raise AssertionError("the world finished although rank 1 died")
     assert "ranks [1] of 2 exited without a result (exit codes {1: 3})" in report, report
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    assert rank0["error"] is not None and rank0["seconds"] < 60, rank0
-    assert "1" in rank0["error"], f"the surviving rank's error does not name rank 1: {rank0['error']}"
+    # the survivor fails at once (gloo: "Connection reset by peer"), well within its 20 s collective timeout;
+    # gloo's message names the peer's address, not its rank: the launcher names the rank (line above)
+    assert rank0["error"] is not None and rank0["seconds"] < 20, rank0
     assert (tmp_path / "step-000001" / "meta.json").is_file(), "the last finished checkpoint is gone"
     assert not (tmp_path / "step-000002").exists(), "an interrupted save appeared under its final name"
     assert sorted(p.name for p in tmp_path.glob("step-*") if not p.name.endswith(".tmp")) == ["step-000001"]
