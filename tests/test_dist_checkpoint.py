@@ -7,7 +7,8 @@ parameters, the Muon momenta and AdamW moments, and the router biases all came b
 the step's gradient is summed in another association (``(g₀+g₁)/2`` per rank pair vs a running sum), so the
 bound is fp32 roundings (2e-6 relative; measured ≤ 1e-7); a control that resumes the model without its
 optimizer state must be off by far more (Muon momentum 0.95). In the same launch: a
-checkpoint of another model is refused naming the field, and an unfinished save (no ``meta.json``) too.
+checkpoint of another model is refused naming the field, an unfinished save (no ``meta.json``) too, and the
+Hugging Face export of the resumed sharded model loads on one device with the same logits.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from dist_utils import run_world
+from openk3.checkpoint import from_pretrained
 from openk3.dist.balance import data_process_group
-from openk3.dist.checkpoint import load_checkpoint, save_checkpoint
+from openk3.dist.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from openk3.dist.fsdp import build_sharded_model
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
@@ -80,6 +82,12 @@ def _resume_world(rank, world, path):
     batches = _batches()
     _step(model, opt, balancer, batches[extra["data_position"]], rank, world)
     losses = _chunk_losses(model, batches[3], rank, world)
+    # the Hugging Face export of the sharded model: the same logits from a plain single-device load
+    export_hf(model, path + "-hf", tokenizer=None)
+    with torch.no_grad():
+        sharded_logits = model(batches[3][:1, :-1]).logits
+        hf_logits = from_pretrained(path + "-hf")(batches[3][:1, :-1]).logits
+    exported = torch.equal(sharded_logits, hf_logits)
     # control: the model alone, with a fresh optimizer (what a resume that lost the optimizer state gives)
     model, opt, balancer = _setup(world, k3_shaped(4, vocab_size=256))
     fresh = build_sharded_optimizer(model, lr=1e-2, ns_dtype=torch.float32)
@@ -95,12 +103,13 @@ def _resume_world(rank, world, path):
             load_checkpoint(bad_path, m, o, b)
         except (ValueError, FileNotFoundError) as e:
             errors.append(str(e))
-    return extra, losses, control, errors
+    return extra, losses, control, errors, exported
 
 
 def _check(saved, resumed):
     path, losses = saved[0]
-    extra, resumed_losses, control, errors = resumed[0]
+    extra, resumed_losses, control, errors, exported = resumed[0]
+    assert exported, "the Hugging Face export gives other logits than the sharded model"
     assert extra == {"step": 2, "data_position": 2}
     assert resumed_losses == pytest.approx(losses, rel=2e-6, abs=0), f"{resumed_losses} vs {losses}"
     assert max(abs(a - b) for a, b in zip(control, losses, strict=True)) > 1e-4, "optimizer state not tested"
