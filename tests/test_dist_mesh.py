@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from openk3.dist.mesh import ParallelDims
+from openk3.dist.plan import plan
 from openk3.presets import get_preset
 
 
@@ -61,8 +62,9 @@ FAKE_WORLD = textwrap.dedent(
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     apply_expert_parallel(model, meshes)
     w1 = blocks[0].experts.w1
+    local = sum(getattr(b.experts, w).to_local().numel() for b in blocks for w in ("w1", "w3", "w2"))
     print(len(blocks), tuple(w1.shape), tuple(w1.to_local().shape), w1.placements,
-          meshes.ep.get_local_rank(), meshes.expert_fsdp.size(), meshes.fsdp.size())
+          meshes.ep.get_local_rank(), meshes.expert_fsdp.size(), meshes.fsdp.size(), local)
     """
 )
 
@@ -75,3 +77,30 @@ def test_kimi_k3_expert_layout_on_fake_world():
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip()
     assert line.startswith("92 (896, 3072, 3584) (14, 3072, 3584) (Shard(dim=0),) 6 8 512"), line
+    # openk3 plan's expert share agrees with the real EP placements (before FSDP's efsdp split)
+    budget = plan(get_preset("kimi-k3"), ParallelDims(world_size=512, dp_shard=512, ep=64), 4096)
+    assert budget.expert_params // 64 == int(line.split()[-1])
+    assert budget.experts_per_rank == 14
+
+
+def test_plan_small_model_by_hand():
+    """k3-shaped depth 4 on 2 GPUs, no EP: every share is half the model; the numbers by hand."""
+    from openk3.model.modeling import build_model
+    from openk3.presets import k3_shaped
+    from openk3.train.optim import partition_parameters
+
+    config = k3_shaped(4, vocab_size=256)
+    model = build_model(config, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    adamw = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        for r in partition_parameters(model)
+        if r.name == n and r.kind == "adamw"
+    )
+    b = plan(config, ParallelDims(world_size=2), tokens_per_gpu=64)
+    assert b.params_bytes == b.grads_bytes == 4 * total / 2
+    assert b.optimizer_bytes == 4 * (total + adamw) / 2  # Muon: 1 value, AdamW: 2 values per parameter
+    assert b.ep_comm_bytes == 0
+    assert b.ep_buffer_bytes == 64 * 1 * 64 * 2  # S·K rows (K = 1) of the latent width 64, bf16
+    assert b.fsdp_comm_bytes == (2 * 2 + 4) * total / 2  # gathers fwd+bwd (bf16), reduce-scatter (fp32)
