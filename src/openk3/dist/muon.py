@@ -9,14 +9,15 @@ issues #7807/#8090). Here:
   stays sharded, no communication);
 * the update matrix is gathered whole (``DTensor.full_tensor``: one all-gather per parameter), viewed as
   head blocks or experts exactly as on one device, and orthogonalised in the same same-shape buckets,
-  so every rank computes the single-device result bit for bit;
+  so every rank computes the single-device result bit for bit; stacked experts sharded only along the
+  expert axis (EP, FSDP dim 0) already hold whole matrices and are orthogonalised where they live;
 * each rank keeps the rows of its own shard (``distribute_tensor(..., src_data_rank=None)``: no
   communication) and applies them to its local parameter.
 
 Newton–Schulz runs once per optimizer step, on the gradient accumulated over all micro-batches (the
-optimizer only sees ``p.grad`` at ``step``). Every rank runs every NS (the ``full_tensor`` baseline);
-owner-based placement (each matrix orthogonalised on one rank, then scattered) and expert matrices
-orthogonalised where EP places them are the next steps.
+optimizer only sees ``p.grad`` at ``step``). Every rank runs the NS of every dense matrix (the
+``full_tensor`` baseline); owner-based placement (each matrix orthogonalised on one rank, then scattered)
+is the next step.
 """
 
 from __future__ import annotations
@@ -24,9 +25,20 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP's dim-0 shard of an EP shard
 
 from openk3.train.optim import KimiMuon, build_optimizer
+
+
+def whole_matrices_locally(t: DTensor) -> bool:
+    """Whether every local shard of ``t`` is a stack of whole matrices: a 3-D expert stack ``[E, F, L]``
+    split only along the expert axis (EP ``Shard(0)``, FSDP's dim-0 shards), so Newton–Schulz runs where
+    the experts live, with no gather."""
+    return t.ndim == 3 and all(
+        isinstance(pl, Replicate) or (isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0)
+        for pl in t.placements
+    )
 
 
 class ShardedKimiMuon(KimiMuon):
@@ -37,11 +49,16 @@ class ShardedKimiMuon(KimiMuon):
     """
 
     def _whole(self, u: torch.Tensor) -> torch.Tensor:
-        return u.full_tensor() if isinstance(u, DTensor) else u
+        if not isinstance(u, DTensor):
+            return u
+        return u.to_local() if whole_matrices_locally(u) else u.full_tensor()
 
     def _update_target(self, p: torch.Tensor, o_bMN: torch.Tensor, u_bMN: torch.Tensor):
         if not isinstance(p, DTensor):
             return super()._update_target(p, o_bMN, u_bMN)
+        if whole_matrices_locally(p):
+            local = p.to_local()
+            return local, o_bMN.reshape(local.shape)
         full = o_bMN.reshape(p.shape)
         return p.to_local(), distribute_tensor(
             full, p.device_mesh, p.placements, src_data_rank=None
