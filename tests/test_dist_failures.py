@@ -9,7 +9,6 @@ import os
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from dist_utils import run_world
@@ -39,7 +38,6 @@ def _dies_mid_save(rank, world, folder):
     (Path(folder) / "rank0.json").write_text(json.dumps({"error": error, "seconds": seconds}))
 
 
-@pytest.mark.slow
 def test_rank_dies_mid_save(tmp_path):
     try:
         run_world(_dies_mid_save, 2, str(tmp_path), timeout=200, pg_timeout=20)

@@ -141,7 +141,6 @@ def _check(results, world):
             assert r0["losses"] == pytest.approx(r0["ref_losses"], rel=1e-6)
 
 
-@pytest.mark.slow  # ~20 s of CPU over 2 processes, 60 s wall on a loaded 2-core machine
 def test_fsdp_steps_equal_one_process():
     _check(run_world(_fsdp_world, 2, "gloo", timeout=240), 2)
 

@@ -69,7 +69,6 @@ FAKE_WORLD = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 def test_kimi_k3_expert_layout_on_fake_world():
     """512 ranks, ep = 64: each of the 92 MoE blocks' experts is a [896, 3072, 3584] DTensor, 14 local per
     rank (rank 70 is EP rank 6 of its group); experts shard over efsdp = 8, the rest over 512."""
