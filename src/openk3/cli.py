@@ -101,6 +101,33 @@ def _load_for_inference(ckpt: str, device: str):
     return from_pretrained(folder, device=device), tokenizer, folder
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from openk3.dist.mesh import ParallelDims
+    from openk3.dist.plan import GIB, plan
+
+    dims = ParallelDims(
+        world_size=args.gpus, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, ep=args.ep
+    )
+    b = plan(get_preset(args.preset), dims, args.tokens)
+    print(
+        f"{args.preset} on {args.gpus} GPUs: dp_replicate {dims.dp_replicate} × dp_shard {dims.dp_shard}, "
+        f"ep {dims.ep} (efsdp {dims.efsdp}, {b.experts_per_rank} experts per EP rank), {args.tokens} tokens/GPU"
+    )
+    rows = [
+        ("parameters (fp32)", b.params_bytes),
+        ("gradients (fp32)", b.grads_bytes),
+        ("optimizer state (fp32)", b.optimizer_bytes),
+        ("unsharded layers (bf16, 2 in flight)", b.unsharded_bytes),
+        ("EP receive buffer per MoE layer (bf16, S·K rows)", b.ep_buffer_bytes),
+        ("FSDP/HSDP traffic per step", b.fsdp_comm_bytes),
+        ("EP traffic per step", b.ep_comm_bytes),
+    ]
+    for name, value in rows:
+        print(f"  {name:50s} {value / GIB:10.2f} GiB")
+    print("  activations                                        not estimated yet")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from openk3.train.console import pipe_safe_output
 
@@ -130,6 +157,15 @@ def _train(args: argparse.Namespace) -> int:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
         given["sample_prompt"] = None
+    if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
+        from openk3.dist.train import train_distributed
+
+        summary = train_distributed(
+            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume
+        )
+        if summary["rank"] == 0:
+            print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
+        return 0
     if args.resume:
         out = given.get("out", TrainConfig.out)
         check_run_free(Path(out))  # a run in progress is named before its checkpoints are looked for
@@ -511,7 +547,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="also log the metrics as TensorBoard events in OUT/tensorboard (tensorboard --logdir OUT); "
         'needs pip install -e ".[tensorboard]"',
     )
+    tr.add_argument(
+        "--dp-shard", dest="dp_shard", type=_positive_int, help="FSDP2 shard degree (under torchrun)"
+    )
+    tr.add_argument(
+        "--dp-replicate", dest="dp_replicate", type=_positive_int, help="HSDP replicas (torchrun)"
+    )
+    tr.add_argument(
+        "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
+    )
     tr.set_defaults(func=cmd_train)
+
+    pl = sub.add_parser("plan", help="per-GPU memory and traffic of a distributed layout (no GPU needed)")
+    pl.add_argument("--preset", choices=sorted(PRESETS), default="kimi-k3", help="model to plan for")
+    pl.add_argument("--gpus", type=_positive_int, required=True, help="world size (number of GPUs)")
+    pl.add_argument(
+        "--dp-shard", dest="dp_shard", type=int, default=-1, help="FSDP2 shard degree (-1: what is left)"
+    )
+    pl.add_argument(
+        "--dp-replicate", dest="dp_replicate", type=_positive_int, default=1, help="HSDP replicas"
+    )
+    pl.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel degree")
+    pl.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per GPU per micro-batch")
+    pl.set_defaults(func=cmd_plan)
 
     gen = sub.add_parser("generate", help="stream text from a checkpoint")
     gen.add_argument(

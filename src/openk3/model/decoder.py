@@ -50,6 +50,11 @@ class KimiDecoderLayer(nn.Module):
             self.self_attention_res_norm, self.self_attention_res_proj = make_res_pair(D, config.rms_norm_eps)
             self.mlp_res_norm, self.mlp_res_proj = make_res_pair(D, config.rms_norm_eps)
 
+    @property
+    def opens_block(self) -> bool:
+        """Whether this layer starts a new AttnRes block (its input partial sum becomes a closed block)."""
+        return self.layer_idx % self.block_size == 0
+
     def ffn(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.mlp(x_BTD) if hasattr(self, "mlp") else self.block_sparse_moe(x_BTD)
 
@@ -61,15 +66,19 @@ class KimiDecoderLayer(nn.Module):
     def forward_attn_res(
         self, blocks: list[torch.Tensor], partial_BTD: torch.Tensor, cache=None, cu_seqlens=None
     ) -> torch.Tensor:
-        """K3 wiring (Block AttnRes). Appends to ``blocks`` in place; returns the new partial sum."""
+        """K3 wiring (Block AttnRes); returns the new partial sum.
+
+        ``blocks`` is read, never changed: when this layer opens a new block (:attr:`opens_block`) the caller
+        appends ``partial_BTD`` to its list after the call (FSDP2 hands hooked methods copies of their list
+        arguments, so an in-place append would be lost)."""
         if blocks:
             h_BTD = attn_res_mix(
                 blocks, partial_BTD, self.self_attention_res_norm, self.self_attention_res_proj
             )
         else:
             h_BTD = partial_BTD
-        if self.layer_idx % self.block_size == 0:
-            blocks.append(partial_BTD)
+        if self.opens_block:
+            blocks = [*blocks, partial_BTD]
             partial_BTD = None
         a_BTD = self.self_attn(self.input_layernorm(h_BTD), cache, cu_seqlens)
         partial_BTD = a_BTD if partial_BTD is None else partial_BTD + a_BTD

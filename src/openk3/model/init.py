@@ -39,27 +39,36 @@ def _init_kda(m: KimiDeltaAttention, generator) -> None:
 def init_weights(model: nn.Module, config, seed: int | None = None) -> None:
     """Initialise every parameter and buffer of ``model`` in place (CPU generator; deterministic with seed)."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    std = config.initializer_range
+    for name, m in model.named_modules():
+        init_module_(name, m, config.initializer_range, gen)
+
+
+@torch.no_grad()
+def init_module_(name: str, m: nn.Module, std: float, gen: torch.Generator | None) -> None:
+    """Initialise the direct parameters and buffers of one module ``m`` (named ``name``), drawing from ``gen``.
+
+    :func:`init_weights` calls this for every module in ``named_modules`` order; a sharded model replays
+    the same order one module at a time (``openk3.dist.fsdp.materialize``) and so draws the same numbers.
+    """
 
     def normal_(t: torch.Tensor) -> None:
         t.copy_(torch.randn(t.shape, generator=gen) * std)
 
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            if name.endswith("_res_proj"):
-                m.weight.zero_()
-            else:
-                normal_(m.weight)
-        elif isinstance(m, RMSNorm):
-            m.weight.fill_(1.0)
-        elif isinstance(m, ShortConvolution):
-            bound = 1 / math.sqrt(m.kernel_size)  # kaiming_uniform(a=√5) on fan_in = W
-            m.weight.copy_(torch.rand(m.weight.shape, generator=gen) * 2 * bound - bound)
-        elif isinstance(m, KimiDeltaAttention):
-            _init_kda(m, gen)
-        elif isinstance(m, RoutedExperts):
-            for w in (m.w1, m.w2, m.w3):
-                normal_(w)
-        elif isinstance(m, MoEGate):
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        if name.endswith("_res_proj"):
+            m.weight.zero_()
+        else:
             normal_(m.weight)
-            m.e_score_correction_bias.zero_()
+    elif isinstance(m, RMSNorm):
+        m.weight.fill_(1.0)
+    elif isinstance(m, ShortConvolution):
+        bound = 1 / math.sqrt(m.kernel_size)  # kaiming_uniform(a=√5) on fan_in = W
+        m.weight.copy_(torch.rand(m.weight.shape, generator=gen) * 2 * bound - bound)
+    elif isinstance(m, KimiDeltaAttention):
+        _init_kda(m, gen)
+    elif isinstance(m, RoutedExperts):
+        for w in (m.w1, m.w2, m.w3):
+            normal_(w)
+    elif isinstance(m, MoEGate):
+        normal_(m.weight)
+        m.e_score_correction_bias.zero_()

@@ -94,7 +94,10 @@ class KimiLinearModel(nn.Module):
             blocks: list[torch.Tensor] = []
             partial = h_BTD
             for layer, c in zip(self.layers, layer_caches):
+                closed = partial if layer.opens_block else None
                 partial = layer.forward_attn_res(blocks, partial, c, cu_seqlens)
+                if closed is not None:
+                    blocks.append(closed)
             h_BTD = attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
         else:
             for layer, c in zip(self.layers, layer_caches):

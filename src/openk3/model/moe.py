@@ -43,6 +43,18 @@ def _grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tenso
     return torch.bmm(w_EOI[expert_M], x_MI.unsqueeze(-1)).squeeze(-1)
 
 
+def grouped_expert_ffn(config, x_ML, w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M) -> torch.Tensor:
+    """The GLU experts on rows sorted by expert: ``w2_e · glu(w1_e x, w3_e x)`` for row ``x`` of expert ``e``.
+
+    ``offs_E`` (int32 ``[E]``) is the cumulative row count per expert, ``expert_M`` the expert of each row.
+    Shared by :class:`RoutedExperts` and the expert-parallel module (``openk3.dist``), which passes its local
+    experts and the rows it received. Returns ``[M, L]`` in ``x_ML.dtype``.
+    """
+    gate_MF = _grouped_linear(x_ML, w1_EFL, offs_E, expert_M)
+    up_MF = _grouped_linear(x_ML, w3_EFL, offs_E, expert_M)
+    return _grouped_linear(glu(config, gate_MF, up_MF), w2_ELF, offs_E, expert_M)
+
+
 class RoutedExperts(nn.Module):
     """``E`` SiTU/SwiGLU experts stored stacked: ``w1, w3 [E, F, L]`` and ``w2 [E, L, F]``."""
 
@@ -66,11 +78,7 @@ class RoutedExperts(nn.Module):
             0, expert_M, torch.ones_like(expert_M)
         )
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        x_ML = z_NL[token_M]
-        gate_MF = _grouped_linear(x_ML, self.w1, offs_E, expert_M)
-        up_MF = _grouped_linear(x_ML, self.w3, offs_E, expert_M)
-        h_MF = glu(self.config, gate_MF, up_MF)
-        y_ML = _grouped_linear(h_MF, self.w2, offs_E, expert_M)
+        y_ML = grouped_expert_ffn(self.config, z_NL[token_M], self.w1, self.w3, self.w2, offs_E, expert_M)
         w_M = weights_Nk.reshape(-1)[order_M].to(y_ML.dtype)
         out_NL = torch.zeros_like(z_NL)
         return out_NL.index_add_(0, token_M, y_ML * w_M[:, None])

@@ -392,6 +392,7 @@ class KimiMuon(Optimizer):
                 torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
             ns_key = (group["ns_coefficients"], group["ns_steps"], group["ns_eps"], group["ns_dtype"])
             for p, u in zip(params, updates, strict=True):
+                u = self._whole(u)
                 if group["kind"] == "muon_per_head":
                     u = u.reshape(group["heads"], -1, u.shape[-1])  # [H, d_h, d_in]
                 u_bMN = u.reshape(-1, *u.shape[-2:])
@@ -409,16 +410,22 @@ class KimiMuon(Optimizer):
                 items, O_bMN.split([u.shape[0] for _, _, u in items]), strict=True
             ):
                 _, targets, outs = per_group.setdefault(id(group), (group, [], []))
-                o_bMN = o_bMN.to(p.dtype)
-                if p.is_contiguous():  # update through a [b, M, N] view: same shapes for the foreach op
-                    targets.append(p.view(u.shape))
-                    outs.append(o_bMN)
-                else:
-                    targets.append(p)
-                    outs.append(o_bMN.reshape(p.shape))
+                target, out = self._update_target(p, o_bMN.to(p.dtype), u)
+                targets.append(target)
+                outs.append(out)
             for group, targets, outs in per_group.values():
                 scale = muon_lr_scale(M, N, group["adjust_lr_fn"])
                 torch._foreach_add_(targets, outs, alpha=-group["lr"] * scale)
+
+    def _whole(self, u: torch.Tensor) -> torch.Tensor:
+        """The whole update matrix Newton–Schulz must see (a sharded optimizer gathers it here)."""
+        return u
+
+    def _update_target(self, p: torch.Tensor, o_bMN: torch.Tensor, u_bMN: torch.Tensor):
+        """``(tensor to update, its update)`` for parameter ``p`` and its orthogonalised ``o_bMN``."""
+        if p.is_contiguous():  # update through a [b, M, N] view: same shapes for the foreach op
+            return p.view(u_bMN.shape), o_bMN
+        return p, o_bMN.reshape(p.shape)
 
     def _adamw_step(self, group: dict) -> None:
         """``torch.optim.AdamW``'s arithmetic through its functional form: the fused kernel on CUDA (step

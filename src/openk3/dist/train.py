@@ -1,0 +1,195 @@
+"""The distributed training loop behind ``torchrun --nproc_per_node N -m openk3 train --dp-shard A --ep B``.
+
+Each rank: the process group from torchrun's environment (gloo on the CPU, NCCL on CUDA, bounded collective
+timeout), the meshes, the sharded model (:func:`~openk3.dist.fsdp.build_sharded_model`), the sharded
+optimizer and the balancer over the data group. The data are the single-process run's: rank 0 prepares the
+shards first, then every rank draws the same global batch (``batch_size × grad_accum`` sequences, where
+``batch_size`` is the *global* micro-batch, :class:`~openk3.data.RandomBatches`, one seed) and takes its
+slice, so the data position is one integer and resuming on another world size reads the same tokens. Loss, learning rate and gradient norm are the
+single-process trainer's (:mod:`openk3.train.schedule`); gradients are clipped with one total norm over
+every mesh (dense and expert parameters together). Checkpoints are DCP folders
+(:mod:`openk3.dist.checkpoint`) under ``<out>/checkpoints/``; ``--resume`` takes the newest finished one.
+Rank 0 prints one line per step and writes ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from openk3.config import text_config_of
+from openk3.data import RandomBatches, TokenDataset, prepare_data
+from openk3.dist.balance import data_process_group
+from openk3.dist.checkpoint import load_checkpoint, save_checkpoint
+from openk3.dist.fsdp import build_sharded_model
+from openk3.dist.mesh import ParallelDims, build_meshes
+from openk3.dist.muon import build_sharded_optimizer
+from openk3.presets import get_preset
+from openk3.train.balance import QuantileBalancer
+from openk3.train.schedule import lr_factor, seq_len_at
+
+COLLECTIVE_TIMEOUT_S = 300
+"""A collective that waits longer (a rank died or hangs) fails on every other rank with an error."""
+
+
+def init_from_env(device: str) -> None:
+    """Initialise the default process group from torchrun's variables (a world of one without them)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def clip_grad_norm_(params, max_norm: float) -> float:
+    """Clip every gradient with one total L2 norm over all meshes (dense and expert DTensors, plain tensors).
+
+    Each mesh's parameters give a partial norm (a DTensor reduced with ``full_tensor``); the total is
+    ``sqrt(Σ partial²)``. Returns the norm before clipping (one host sync).
+    """
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p.grad)
+    squares = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    if total > max_norm and math.isfinite(total):
+        scale = max_norm / (total + 1e-6)
+        for grads in by_mesh.values():
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
+    return total
+
+
+def latest_distributed_checkpoint(run_dir: Path) -> Path | None:
+    folders = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "meta.json").is_file())
+    return folders[-1] if folders else None
+
+
+def train_distributed(
+    config, dp_shard: int = -1, dp_replicate: int = 1, ep: int = 1, resume: bool = False
+) -> dict:
+    """Train ``config`` (a :class:`~openk3.train.trainer.TrainConfig`) on the torchrun world; returns the
+    last step's ``{"step", "loss", "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any
+    allocation) when the mesh does not divide the world or the model."""
+    init_from_env(config.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims(world_size=world, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
+    model_config = get_preset(config.preset)
+    dims.check_model(text_config_of(model_config))
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
+    )
+    run_dir = Path(config.out)
+    prepare = dict(
+        out_dir=run_dir / "data", vocab_size=text_config_of(model_config).vocab_size, seed=config.seed
+    )
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_data(config.data, val_fraction=config.val_fraction, progress=True, **prepare)
+    dist.barrier()
+    data = prepare_data(config.data, val_fraction=config.val_fraction, progress=False, **prepare)
+    meshes = build_meshes(dims, device.type)
+    param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_sharded_model(model_config, meshes, device, seed=config.seed, param_dtype=param_dtype)
+    optimizer = build_sharded_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    peak = [g["lr"] for g in optimizer.param_groups]
+    balancer = None
+    if config.balance != "none" and text_config_of(model_config).num_experts:
+        balancer = QuantileBalancer(model, method=config.balance, process_group=data_process_group(meshes))
+    if config.batch_size % world:
+        raise ValueError(
+            f"--batch-size {config.batch_size} (global sequences per micro-batch) is not divisible by world_size={world}"
+        )
+    per_rank = config.batch_size // world * config.grad_accum
+    batches = RandomBatches(
+        TokenDataset(data.train_path), per_rank * world, config.context_schedule[0][1], config.seed
+    )
+    step, checkpoint = 0, None
+    if resume:
+        checkpoint = latest_distributed_checkpoint(run_dir)
+        if checkpoint is None:
+            raise ValueError(f"--resume: {run_dir}/checkpoints holds no finished distributed checkpoint")
+        extra = load_checkpoint(checkpoint, model, optimizer, balancer)
+        step, batches.step = extra["step"], extra["data_position"]
+    metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115 - closed below
+    loss_value = float("nan")
+    last = config.stop_at_step or config.steps
+    try:
+        while step < last:
+            start = time.perf_counter()
+            batches.seq_len = seq_len_at(step, config.context_schedule)
+            factor = lr_factor(step, config.steps, config.warmup_steps, config.min_lr_ratio, config.schedule)
+            for group, lr in zip(optimizer.param_groups, peak, strict=True):
+                group["lr"] = lr * factor
+            x_BT, y_BT = next(batches)
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            optimizer.zero_grad(set_to_none=True)
+            local = torch.zeros((), device=device)
+            for x_mb, y_mb in zip(x_BT[mine].chunk(config.grad_accum), y_BT[mine].chunk(config.grad_accum)):
+                logits = model(x_mb.to(device)).logits
+                loss = (
+                    F.cross_entropy(logits.float().flatten(0, 1), y_mb.to(device).flatten())
+                    / config.grad_accum
+                )
+                loss.backward()
+                local += loss.detach()
+                if balancer:
+                    balancer.observe()
+            grad_norm = clip_grad_norm_(model.parameters(), config.grad_clip)
+            stats = balancer.step() if balancer else {}
+            optimizer.step()
+            step += 1
+            dist.all_reduce(local)
+            loss_value = local.item() / world
+            if rank == 0:
+                row = {
+                    "step": step,
+                    "loss": loss_value,
+                    "lr": config.lr * factor,
+                    "grad_norm": grad_norm,
+                    "maxvio": stats.get("maxvio"),
+                    "tokens_per_s": x_BT.numel() / (time.perf_counter() - start),
+                    "world_size": world,
+                }
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                print(
+                    f"step {step} loss {loss_value:.4f} grad_norm {grad_norm:.3f} lr {row['lr']:.2e}",
+                    flush=True,
+                )
+            if step % config.save_every == 0 or step == last:
+                checkpoint = save_checkpoint(
+                    run_dir / "checkpoints",
+                    step,
+                    model,
+                    optimizer,
+                    balancer,
+                    extra={"data_position": batches.step},
+                )
+    finally:
+        if metrics:
+            metrics.close()
+    return {
+        "step": step,
+        "loss": loss_value,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "rank": rank,
+    }
