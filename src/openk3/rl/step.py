@@ -77,7 +77,8 @@ class PolicyTrainer:
             Trajectory(p, self.config.max_tokens, dict(m)) for p, m in zip(prompts, metas) for _ in range(G)
         ]
         done, _ = self.rollout.run(self.engine, trajs)
-        assert len(done) == len(trajs)  # synchronous (λ = 1): every rollout finishes
+        if len(done) != len(trajs):  # synchronous (λ = 1): every rollout finishes
+            raise RuntimeError(f"synchronous rollout finished {len(done)} of {len(trajs)} trajectories")
         rewards, dropped = [], 0
         for t in trajs:
             try:
