@@ -182,13 +182,24 @@ def test_real_cuda_graph_replay_scores_zero():
     def replayed(x, w):
         if "g" not in state:
             state["x"], state["w"] = x.clone(), w.clone()
+
+            def body():
+                return state["x"] * torch.rsqrt((state["x"] ** 2).mean(-1, keepdim=True) + 1e-5) * state["w"]
+
+            side = torch.cuda.Stream()  # warm up on a side stream before capture (torch.cuda.graphs docs)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body()
+            torch.cuda.current_stream().wait_stream(side)
             state["g"] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(state["g"]):
-                state["y"] = (
-                    state["x"] * torch.rsqrt((state["x"] ** 2).mean(-1, keepdim=True) + 1e-5) * state["w"]
-                )
+                state["y"] = body()
         state["g"].replay()
         return state["y"]
 
-    assert ev.evaluate(replayed).reward == 0.0
-    assert 0.3 < ev.evaluate(honest).reward < 0.75
+    result = ev.evaluate(replayed)
+    assert result.reward == 0.0 and "graph_replay" in result.hacks
+    state.clear()
+    assert ev.correctness(replayed)  # the runtime checks alone catch it too (stale or reused output)
+    result = ev.evaluate(honest)  # unfused ops: correct, slower than the fused expert on a GPU
+    assert result.correct and 0 < result.reward <= 0.75 and result.t_roof < result.t_expert

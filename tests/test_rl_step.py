@@ -84,3 +84,15 @@ def test_posttrain_cli_parses():
     assert args.quick and args.recipe == "demo" and callable(args.func)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["posttrain", "--recipe", "other"])
+
+
+@pytest.mark.slow
+def test_demo_quick_runs_end_to_end(tmp_path):
+    from openk3.rl.recipe import Demo, quick_config
+
+    cfg = quick_config()
+    Demo(cfg, tmp_path).run()
+    for name in ("sft", "rl-add-high", "rl-add-low", "rl-chain-medium", "mopd"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+    text = (tmp_path / "results.md").read_text()
+    assert text.count("\n| add |") == 3 and text.count("\n| chain |") == 3

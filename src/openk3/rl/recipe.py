@@ -172,19 +172,28 @@ class Demo:
             )
         t0 = time.monotonic()
         hist = []
-        chunk = max(1, cfg.sft_steps // 4)
-        done = 0
-        while done < cfg.sft_steps:
-            n = min(chunk, cfg.sft_steps - done)
-            losses = sft(model, examples, n, cfg.sft_batch, cfg.sft_lr, seed=cfg.seed + done)
-            done += n
-            model.eval()
+        every = max(1, cfg.sft_steps // 6)
+
+        def on_eval(step: int, losses: list[float]) -> None:
+            recent = losses[-every:]
             ev = {f"{d}/acc": self.evaluate(model, d, "high")["accuracy"] for d in DOMAINS}
-            hist.append({"step": done, "loss": sum(losses) / len(losses), **ev})
+            hist.append({"step": step, "loss": sum(recent) / len(recent), **ev})
             self.log(
-                f"[sft] step {done}/{cfg.sft_steps} loss {hist[-1]['loss']:.3f} "
+                f"[sft] step {step}/{cfg.sft_steps} loss {hist[-1]['loss']:.3f} "
                 + " ".join(f"{k} {v:.2f}" for k, v in ev.items())
             )
+
+        sft(
+            model,
+            examples,
+            cfg.sft_steps,
+            cfg.sft_batch,
+            cfg.sft_lr,
+            cfg.seed,
+            on_eval,
+            every,
+        )
+        model.eval()
         self.history["sft"] = hist
         self.log(f"[sft] {time.monotonic() - t0:.0f} s")
         return model

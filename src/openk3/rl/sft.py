@@ -4,6 +4,7 @@ tokens (the prompt is context only), AdamW."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,10 +19,13 @@ def sft(
     batch_size: int,
     lr: float,
     seed: int = 0,
-    log_every: int = 0,
+    on_eval: Callable[[int, list[float]], None] | None = None,
+    eval_every: int = 0,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` batches drawn from ``examples``; returns the loss per step
-    (nats per response token). Raises ``ValueError`` for no examples or steps/batch below 1."""
+    (nats per response token). The learning rate warms up over 20 steps and decays linearly to a tenth.
+    ``on_eval(step, losses)`` runs every ``eval_every`` steps and after the last, with the model in eval
+    mode. Raises ``ValueError`` for no examples or steps/batch below 1."""
     if not examples or steps < 1 or batch_size < 1:
         raise ValueError(
             f"sft needs examples, steps >= 1 and batch_size >= 1; got {len(examples)}, {steps}, {batch_size}"
@@ -41,6 +45,8 @@ def sft(
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if log_every and (step + 1) % log_every == 0:
-            print(f"  sft step {step + 1}/{steps} loss {loss:.3f}", flush=True)
+        if on_eval is not None and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == steps):
+            model.eval()
+            on_eval(step + 1, losses)
+            model.train()
     return losses
