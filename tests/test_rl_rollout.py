@@ -121,3 +121,17 @@ def test_bad_config():
         PartialRolloutConfig(finish_fraction=0.0)
     with pytest.raises(ValueError, match="old_segments"):
         PartialRolloutConfig(old_segments="drop")
+
+
+def test_more_trajectories_than_the_waiting_queue(model):
+    cfg = config()
+    cfg.scheduler.max_waiting = 2
+    eng = RolloutEngine(model, cfg, RolloutSampling(temperature=0.0))
+    ps = prompts(5, seed=6)
+    trajs = eng.generate([Trajectory(p, 3) for p in ps])
+    for p, t in zip(ps, trajs):
+        assert t.response_ids == greedy(model, torch.tensor([p]), 3)[0].tolist()
+    partial = PartialRollout(PartialRolloutConfig(finish_fraction=0.2))
+    done, stats = partial.run(eng, [Trajectory(p, 6) for p in ps])
+    assert stats.finished + stats.paused == 5 and not eng.pending
+    eng.sync_weights(model)  # nothing left queued

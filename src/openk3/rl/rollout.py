@@ -134,6 +134,8 @@ class RolloutEngine:
         self.sample_vocab_size = sample_vocab_size
         self.version = 0
         self._ids = itertools.count()
+        self.pending: list[Request] = []
+        """Requests beyond the engine's waiting-queue bound, admitted as the queue drains."""
         self._build()
 
     def _build(self) -> None:
@@ -146,7 +148,7 @@ class RolloutEngine:
         """Copy ``trainer_model``'s parameters and buffers into the engine's model; returns the new version.
 
         Raises ``RuntimeError`` while requests are running (pause them first)."""
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_unfinished_requests() or self.pending:
             raise RuntimeError("sync_weights: the engine still has requests; pause or finish them first")
         self.model.load_state_dict(trainer_model.state_dict())
         self.version += 1
@@ -154,7 +156,8 @@ class RolloutEngine:
         return self.version
 
     def submit(self, trajectory: Trajectory) -> str:
-        """Queue ``trajectory``: the prompt plus everything generated so far, for the tokens left."""
+        """Queue ``trajectory``: the prompt plus everything generated so far, for the tokens left. Requests
+        beyond the engine's waiting-queue bound wait in :attr:`pending` and enter as the queue drains."""
         left = trajectory.max_tokens - trajectory.num_generated
         if left < 1:
             raise ValueError("submit: the trajectory has no tokens left")
@@ -167,13 +170,22 @@ class RolloutEngine:
             stop_token_ids=self.sampling.stop_token_ids,
         )
         rid = f"rl-{i}"
-        self.engine.add_request(Request(rid, trajectory.prompt_ids + trajectory.response_ids, params))
+        self.pending.append(Request(rid, trajectory.prompt_ids + trajectory.response_ids, params))
+        self._admit_pending()
         trajectory.segments.append(Segment(version=self.version))
         return rid
+
+    def _admit_pending(self) -> None:
+        room = self.config.scheduler.max_waiting - len(self.engine.scheduler.waiting)
+        if room > 0 and self.pending:
+            for request in self.pending[:room]:
+                self.engine.add_request(request)
+            del self.pending[:room]
 
     def step(self, active: dict[str, Trajectory]) -> list[Trajectory]:
         """One engine step; appends the new tokens to their trajectories; returns those that finished."""
         done = []
+        self._admit_pending()
         for out in self.engine.step():
             traj = active.get(out.request_id)
             if traj is None:
@@ -198,8 +210,13 @@ class RolloutEngine:
 
     def abort(self, active: dict[str, Trajectory]) -> None:
         """Stop every active request; their trajectories keep the tokens generated so far."""
+        queued = {r.request_id for r in self.pending}
+        self.pending.clear()
         for rid in list(active):
-            self.engine.abort_request(rid)
+            if rid in queued:
+                del active[rid]
+            else:
+                self.engine.abort_request(rid)
         while self.engine.has_unfinished_requests() or active:
             self.step(active)
             if not self.engine.has_unfinished_requests():
