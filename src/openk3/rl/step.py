@@ -88,8 +88,13 @@ class PolicyTrainer:
                 dropped += 1
         r_PG = torch.tensor(rewards).view(len(prompts), G)
         adv_PG, keep_PG = masked_group_advantages(r_PG)
+        temperature = self.engine.sampling.temperature or 1.0  # the behaviour log-probs' temperature
         logp_BT, mask_BT = response_logprobs(
-            self.model, [t.prompt_ids for t in trajs], [t.response_ids for t in trajs]
+            self.model,
+            [t.prompt_ids for t in trajs],
+            [t.response_ids for t in trajs],
+            temperature,
+            self.engine.sample_vocab_size,
         )
         T = mask_BT.shape[1]
         behav_BT = torch.zeros_like(logp_BT)
