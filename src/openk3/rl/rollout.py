@@ -144,13 +144,14 @@ class RolloutEngine:
         self.engine.runner = self.runner
 
     @torch.no_grad()
-    def sync_weights(self, trainer_model: nn.Module) -> int:
-        """Copy ``trainer_model``'s parameters and buffers into the engine's model; returns the new version.
+    def sync_weights(self, source: nn.Module | dict[str, torch.Tensor]) -> int:
+        """Copy the trainer's parameters and buffers (a module or its ``state_dict``) into the engine's
+        model; returns the new version.
 
-        Raises ``RuntimeError`` while requests are running (pause them first)."""
+        Raises ``RuntimeError`` while requests are running or queued (pause them first)."""
         if self.engine.has_unfinished_requests() or self.pending:
             raise RuntimeError("sync_weights: the engine still has requests; pause or finish them first")
-        self.model.load_state_dict(trainer_model.state_dict())
+        self.model.load_state_dict(source if isinstance(source, dict) else source.state_dict())
         self.version += 1
         self._build()
         return self.version

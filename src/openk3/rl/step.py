@@ -20,7 +20,7 @@ from torch import nn
 
 from openk3.rl.logprobs import response_logprobs
 from openk3.rl.loss import LossConfig, policy_loss
-from openk3.rl.partial_rollout import PartialRollout, PartialRolloutConfig, train_mask
+from openk3.rl.partial_rollout import train_mask
 from openk3.rl.rollout import RolloutEngine, Trajectory
 
 
@@ -57,12 +57,15 @@ def masked_group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> tupl
 
 
 class PolicyTrainer:
-    """The trainer's model, its optimiser, and the rollout engine it feeds."""
+    """The trainer's model, its optimiser, and the rollouts it feeds.
+
+    ``engine`` is a :class:`~openk3.rl.rollout.RolloutEngine` in this process, or anything with the same
+    ``generate``, ``sync_weights``, ``version``, ``sampling`` and ``sample_vocab_size`` (the Ray actors of
+    :mod:`openk3.rl.ray_workers`)."""
 
     def __init__(self, model: nn.Module, engine: RolloutEngine, config: RLConfig) -> None:
         self.model, self.engine, self.config = model, engine, config
         self.opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        self.rollout = PartialRollout(PartialRolloutConfig(finish_fraction=1.0))
 
     def step(
         self,
@@ -76,9 +79,9 @@ class PolicyTrainer:
         trajs = [
             Trajectory(p, self.config.max_tokens, dict(m)) for p, m in zip(prompts, metas) for _ in range(G)
         ]
-        done, _ = self.rollout.run(self.engine, trajs)
-        if len(done) != len(trajs):  # synchronous (λ = 1): every rollout finishes
-            raise RuntimeError(f"synchronous rollout finished {len(done)} of {len(trajs)} trajectories")
+        trajs = self.engine.generate(trajs)
+        if not all(t.finished for t in trajs):
+            raise RuntimeError("synchronous rollout returned unfinished trajectories")
         rewards, dropped = [], 0
         for t in trajs:
             try:
