@@ -324,7 +324,6 @@ class Demo:
                 "step": step + 1,
                 "reward": stats["dense_reward"],
                 "length": stats["length"],
-                "over_budget": 0.0,
             }
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.mopd_steps:
                 model.eval()
