@@ -45,19 +45,19 @@ class DemoConfig:
 
     depth: int = 4
     """K3-shaped depth (``k3_shaped``; 8 is k3-tiny)."""
-    sft_steps: int = 450
+    sft_steps: int = 900
     sft_batch: int = 32
     sft_lr: float = 2e-3
-    high_steps: int = 10
-    effort_steps: int = 6
-    mopd_steps: int = 12
+    high_steps: int = 20
+    effort_steps: int = 12
+    mopd_steps: int = 24
     prompts_per_step: int = 6
     group_size: int = 6
     rl_lr: float = 5e-5
     max_tokens: int = 24
     train_problems: int = 48
     eval_problems: int = 24
-    eval_every: int = 5
+    eval_every: int = 6
     rho: float = 0.5
     r_max: float = 2.0
     efforts: EffortLevels = field(
