@@ -640,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     from openk3.serve.cli import add_serve_parser  # light: heavy imports happen when `serve` runs
 
     add_serve_parser(sub)
+    from openk3.rl.cli import add_posttrain_parser  # light: the recipe is imported when it runs
+
+    add_posttrain_parser(sub)
     return parser
 
 

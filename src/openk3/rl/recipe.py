@@ -1,0 +1,398 @@
+"""The demo recipe: K3's post-training pipeline end to end on a CPU.
+
+1. **SFT** a K3-shaped base on both domains (:mod:`openk3.rl.tasks`), each problem written at a random effort
+   whose tag is *not* tied to the format (the base cannot follow the tag yet).
+2. **RL experts**, one per (domain, effort): the high-effort expert first, on correctness alone; its correct
+   lengths on the training problems give ``b0(x)`` (fixed from then on); the medium and low experts start from
+   it and train with the budget reward, ``τ`` annealed from 1 to the effort's value.
+3. **MOPD**: a student starting from the SFT base samples prompts of every (domain, effort); each token is
+   rewarded by the clipped log-ratio against the teacher of that (domain, effort).
+
+Each stage writes a plot (``<out>/<stage>.png``: reward, length, over-budget fraction and held-out accuracy
+against steps) and ``<out>/results.md`` holds the final table: held-out accuracy and mean length per domain
+and effort, student against teacher (greedy decoding).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import openk3
+from openk3.rl.loss import LossConfig
+from openk3.rl.rewards.budget import BudgetTable, EffortLevels, TauSchedule, budget_limit, budget_reward
+from openk3.rl.rewards.mopd import Teacher, TeacherRegistry, mopd_reward, teacher_logprobs
+from openk3.rl.rollout import RolloutEngine, RolloutSampling, Trajectory
+from openk3.rl.sft import sft
+from openk3.rl.step import PolicyTrainer, RLConfig
+from openk3.rl.tasks import DOMAINS, EFFORTS, CharTokenizer, Problem, is_correct, sample_problem, solution
+from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
+
+
+@dataclass
+class DemoConfig:
+    """Sizes of the demo (the defaults are the measured default run, ``docs/LOG.md``). Steps count optimiser
+    updates; an RL step samples ``prompts_per_step × group_size`` rollouts of at most ``max_tokens`` tokens;
+    ``high_steps`` per high-effort expert, ``effort_steps`` per medium/low expert; the held-out accuracy is
+    measured every ``eval_every`` steps on ``eval_problems`` problems per domain (greedy)."""
+
+    depth: int = 4
+    """K3-shaped depth (``k3_shaped``; 8 is k3-tiny)."""
+    sft_steps: int = 900
+    sft_batch: int = 32
+    sft_lr: float = 2e-3
+    high_steps: int = 20
+    effort_steps: int = 12
+    mopd_steps: int = 24
+    prompts_per_step: int = 6
+    group_size: int = 6
+    rl_lr: float = 5e-5
+    max_tokens: int = 24
+    train_problems: int = 48
+    eval_problems: int = 24
+    eval_every: int = 6
+    rho: float = 0.5
+    r_max: float = 2.0
+    efforts: EffortLevels = field(
+        default_factory=lambda: EffortLevels((("low", 0.4), ("medium", 0.75), ("high", 2.0)))
+    )
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "sft_steps",
+            "high_steps",
+            "effort_steps",
+            "mopd_steps",
+            "prompts_per_step",
+            "train_problems",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_problems < 1 or self.eval_every < 1:
+            raise ValueError("eval_problems and eval_every must be >= 1")
+        if tuple(self.efforts.names) != ("low", "medium", "high"):
+            raise ValueError(f"the demo's efforts are low, medium, high; got {self.efforts.names}")
+
+
+def quick_config() -> DemoConfig:
+    """A few minutes on 2 CPU cores: every stage runs, too short to learn much."""
+    return DemoConfig(
+        sft_steps=40, sft_batch=16, high_steps=2, effort_steps=2, mopd_steps=3, prompts_per_step=2,
+        group_size=4, train_problems=8, eval_problems=4, eval_every=2,
+    )  # fmt: skip
+
+
+def engine_config(max_tokens: int) -> EngineConfig:
+    return EngineConfig(
+        CacheConfig(block_size=8, num_blocks=1024, checkpoint_interval=1),
+        SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=128, long_prefill_token_threshold=64,
+                        max_model_len=64 + max_tokens),
+    )  # fmt: skip
+
+
+class Demo:
+    def __init__(self, config: DemoConfig, out_dir: Path) -> None:
+        self.cfg, self.out = config, Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tok = CharTokenizer()
+        rng = random.Random(config.seed)
+        self.train = {d: self._unique(d, config.train_problems, rng, set()) for d in DOMAINS}
+        seen = {p.id for ps in self.train.values() for p in ps}
+        self.eval = {d: self._unique(d, config.eval_problems, rng, seen) for d in DOMAINS}
+        self.budgets = BudgetTable(config.rho)
+        self.history: dict[str, list[dict]] = {}
+        self.log_lines: list[str] = []
+
+    @staticmethod
+    def _unique(domain, n, rng, seen) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            p = sample_problem(domain, rng)
+            if p.id not in seen:
+                seen.add(p.id)
+                out.append(p)
+        return out
+
+    def log(self, text: str) -> None:
+        print(text, flush=True)
+        self.log_lines.append(text)
+
+    def engine(self, model, temperature: float) -> RolloutEngine:
+        return RolloutEngine(
+            model,
+            engine_config(self.cfg.max_tokens),
+            RolloutSampling(temperature, frozenset({self.tok.stop_id}), self.cfg.seed),
+        )
+
+    # ---- evaluation ------------------------------------------------------------------------------------
+    def evaluate(self, model, domain: str, effort: str) -> dict[str, float]:
+        """Greedy accuracy and mean length (tokens) on the held-out problems of ``domain`` at ``effort``."""
+        eng = self.engine(model, 0.0)
+        probs = self.eval[domain]
+        trajs = eng.generate(
+            [Trajectory(self.tok.encode(p.prompt(effort)), self.cfg.max_tokens) for p in probs]
+        )
+        acc = [is_correct(p, self.tok.decode(t.response_ids)) for p, t in zip(probs, trajs)]
+        lengths = [t.num_generated for t in trajs]
+        return {"accuracy": sum(acc) / len(acc), "length": sum(lengths) / len(lengths)}
+
+    # ---- stages ----------------------------------------------------------------------------------------
+    def stage_sft(self) -> torch.nn.Module:
+        cfg = self.cfg
+        text = openk3.presets.k3_shaped(cfg.depth, vocab_size=self.tok.vocab_size)
+        model = openk3.build_model(text, seed=cfg.seed)
+        rng = random.Random(cfg.seed + 1)
+        examples = []
+        for d in DOMAINS:
+            for p in self.train[d]:
+                for tag in EFFORTS:
+                    written = rng.choice(EFFORTS)  # the tag does not decide the format yet
+                    examples.append(
+                        (
+                            self.tok.encode(p.prompt(tag)),
+                            self.tok.encode(solution(p, written)) + [self.tok.stop_id],
+                        )
+                    )
+        # more problems than the RL pool, so the base learns arithmetic, not a lookup table
+        extra = random.Random(cfg.seed + 2)
+        held = {p.id for ps in self.eval.values() for p in ps}
+        while len(examples) < 40 * len(DOMAINS) * cfg.train_problems:
+            d = extra.choice(DOMAINS)
+            p = sample_problem(d, extra)
+            if p.id in held:
+                continue
+            examples.append(
+                (
+                    self.tok.encode(p.prompt(extra.choice(EFFORTS))),
+                    self.tok.encode(solution(p, extra.choice(EFFORTS))) + [self.tok.stop_id],
+                )
+            )
+        t0 = time.monotonic()
+        hist = []
+        every = max(1, cfg.sft_steps // 6)
+
+        def on_eval(step: int, losses: list[float]) -> None:
+            recent = losses[-every:]
+            ev = {f"{d}/acc": self.evaluate(model, d, "high")["accuracy"] for d in DOMAINS}
+            hist.append({"step": step, "loss": sum(recent) / len(recent), **ev})
+            self.log(
+                f"[sft] step {step}/{cfg.sft_steps} loss {hist[-1]['loss']:.3f} "
+                + " ".join(f"{k} {v:.2f}" for k, v in ev.items())
+            )
+
+        sft(
+            model,
+            examples,
+            cfg.sft_steps,
+            cfg.sft_batch,
+            cfg.sft_lr,
+            cfg.seed,
+            on_eval,
+            every,
+        )
+        model.eval()
+        self.history["sft"] = hist
+        self.log(f"[sft] {time.monotonic() - t0:.0f} s")
+        return model
+
+    def _rl(self, name: str, init, domain: str, effort: str, steps: int, tau_schedule: TauSchedule | None):
+        cfg = self.cfg
+        model = copy.deepcopy(init).train()
+        engine = self.engine(model, 1.0)
+        trainer = PolicyTrainer(
+            model, engine, RLConfig(cfg.group_size, cfg.max_tokens, cfg.rl_lr, loss=LossConfig())
+        )
+        rng = random.Random(100 * cfg.seed + 10 * DOMAINS.index(domain) + EFFORTS.index(effort))
+        hist = []
+        for step in range(steps):
+            problems = rng.sample(self.train[domain], min(cfg.prompts_per_step, len(self.train[domain])))
+            tau = tau_schedule(step) if tau_schedule else None
+            over: list[bool] = []
+            stats, _ = trainer.step(
+                [self.tok.encode(p.prompt(effort)) for p in problems],
+                [{"problem": p} for p in problems],
+                functools.partial(self.outcome, tau=tau, over=over),
+            )
+            row = {"step": step + 1, "reward": stats["reward"], "length": stats["length"],
+                   "over_budget": sum(over) / len(over) if over else 0.0, "tau": tau}  # fmt: skip
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
+                model.eval()
+                row.update(self.evaluate(model, domain, effort))
+                model.train()
+            hist.append(row)
+            self.log(
+                f"[{name}] "
+                + " ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+            )
+        self.history[name] = hist
+        return model.eval()
+
+    def outcome(self, t: Trajectory, tau: float | None, over: list[bool]) -> float:
+        """Correctness (1/0), or the budget reward at ``tau``; appends whether ``t`` was over budget."""
+        p = t.meta["problem"]
+        correct = float(is_correct(p, self.tok.decode(t.response_ids)))
+        if tau is None:
+            return correct
+        b = self.budgets.get(p.id)
+        over.append(b is not None and t.num_generated > budget_limit(b, tau))
+        return budget_reward(correct, t.num_generated, b, tau)
+
+    def estimate_budgets(self, expert, domain: str) -> None:
+        """b0(x) from the high-effort expert: ρ-percentile of its correct lengths over G samples per problem."""
+        eng = self.engine(expert, 1.0)
+        G = self.cfg.group_size
+        trajs = eng.generate(
+            [
+                Trajectory(self.tok.encode(p.prompt("high")), self.cfg.max_tokens, {"p": p})
+                for p in self.train[domain]
+                for _ in range(G)
+            ]
+        )
+        have = 0
+        for i, p in enumerate(self.train[domain]):
+            group = trajs[i * G : (i + 1) * G]
+            got = self.budgets.estimate(
+                p.id,
+                [t.num_generated for t in group],
+                [is_correct(p, self.tok.decode(t.response_ids)) for t in group],
+            )
+            have += got is not None
+        self.log(f"[budget] {domain}: b0 for {have}/{len(self.train[domain])} problems")
+
+    def stage_experts(self, base) -> dict[tuple[str, str], torch.nn.Module]:
+        cfg, experts = self.cfg, {}
+        for d in DOMAINS:
+            high = self._rl(f"rl-{d}-high", base, d, "high", cfg.high_steps, None)
+            experts[(d, "high")] = high
+            self.estimate_budgets(high, d)
+            for e in ("medium", "low"):
+                sched = TauSchedule(1.0, cfg.efforts.tau(e), anneal_steps=max(1, int(0.6 * cfg.effort_steps)))
+                experts[(d, e)] = self._rl(f"rl-{d}-{e}", high, d, e, cfg.effort_steps, sched)
+        return experts
+
+    def stage_mopd(self, base, experts) -> torch.nn.Module:
+        cfg = self.cfg
+        registry = TeacherRegistry(self.tok.tokenizer_id)
+        for (d, e), m in experts.items():
+            registry.register(d, e, Teacher(m, self.tok.tokenizer_id, f"{d}-{e}"))
+        model = copy.deepcopy(base).train()
+        engine = self.engine(model, 1.0)
+        trainer = PolicyTrainer(
+            model, engine, RLConfig(cfg.group_size, cfg.max_tokens, cfg.rl_lr, loss=LossConfig())
+        )
+        rng = random.Random(cfg.seed + 7)
+        hist = []
+
+        def dense(trajs: list[Trajectory]) -> torch.Tensor:
+            T = max(t.num_generated for t in trajs)
+            s_BT = torch.zeros(len(trajs), T)
+            t_BT = torch.zeros(len(trajs), T)
+            m_BT = torch.zeros(len(trajs), T)
+            for b, t in enumerate(trajs):
+                n = t.num_generated
+                s_BT[b, :n] = torch.tensor(t.behaviour_logprobs)
+                m_BT[b, :n] = 1
+            for key in {(t.meta["domain"], t.meta["effort"]) for t in trajs}:
+                rows = [b for b, t in enumerate(trajs) if (t.meta["domain"], t.meta["effort"]) == key]
+                lp = teacher_logprobs(
+                    registry.get(*key),
+                    [trajs[b].prompt_ids for b in rows],
+                    [trajs[b].response_ids for b in rows],
+                )
+                for i, b in enumerate(rows):
+                    t_BT[b, : lp.shape[1]] = lp[i]
+            return mopd_reward(t_BT, s_BT, m_BT, cfg.r_max)
+
+        for step in range(cfg.mopd_steps):
+            keys = [(rng.choice(DOMAINS), rng.choice(EFFORTS)) for _ in range(cfg.prompts_per_step)]
+            problems = [rng.choice(self.train[d]) for d, _ in keys]
+            stats, _ = trainer.step(
+                [self.tok.encode(p.prompt(e)) for p, (_, e) in zip(problems, keys)],
+                [{"domain": d, "effort": e} for d, e in keys],
+                lambda t: 0.0,
+                dense,
+            )
+            row = {
+                "step": step + 1,
+                "reward": stats["dense_reward"],
+                "length": stats["length"],
+            }
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.mopd_steps:
+                model.eval()
+                accs = [self.evaluate(model, d, e)["accuracy"] for d in DOMAINS for e in EFFORTS]
+                row["accuracy"] = sum(accs) / len(accs)
+                model.train()
+            hist.append(row)
+            self.log(
+                "[mopd] "
+                + " ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+            )
+        self.history["mopd"] = hist
+        return model.eval()
+
+    # ---- outputs ---------------------------------------------------------------------------------------
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        for name, hist in self.history.items():
+            keys = [
+                k
+                for k in ("loss", "reward", "length", "over_budget", "accuracy", "add/acc", "chain/acc")
+                if any(k in r for r in hist)
+            ]
+            fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8))
+            for ax, k in zip(axes if len(keys) > 1 else [axes], keys):
+                pts = [(r["step"], r[k]) for r in hist if r.get(k) is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
+                ax.set_title(k)
+                ax.set_xlabel("step")
+            fig.suptitle(name)
+            fig.tight_layout()
+            fig.savefig(self.out / f"{name}.png", dpi=80)
+            plt.close(fig)
+
+    def table(self, experts, student) -> str:
+        lines = [
+            "| domain | effort | teacher acc | teacher len | student acc | student len |",
+            "|---|---|---|---|---|---|",
+        ]
+        rows = []
+        for d in DOMAINS:
+            for e in EFFORTS:
+                t = self.evaluate(experts[(d, e)], d, e)
+                s = self.evaluate(student, d, e)
+                rows.append({"domain": d, "effort": e, "teacher": t, "student": s})
+                lines.append(
+                    f"| {d} | {e} | {t['accuracy']:.2f} | {t['length']:.1f} | {s['accuracy']:.2f} | {s['length']:.1f} |"
+                )
+        (self.out / "table.json").write_text(json.dumps(rows, indent=1))
+        return "\n".join(lines)
+
+    def run(self) -> str:
+        t0 = time.monotonic()
+        base = self.stage_sft()
+        experts = self.stage_experts(base)
+        student = self.stage_mopd(base, experts)
+        table = self.table(experts, student)
+        wall = time.monotonic() - t0
+        self.plot()
+        cfg = asdict(self.cfg)
+        cfg["efforts"] = dict(self.cfg.efforts.taus)
+        text = f"# openk3 posttrain --recipe demo\n\nwall time {wall:.0f} s\n\nconfig: `{json.dumps(cfg)}`\n\n{table}\n"
+        (self.out / "results.md").write_text(text)
+        (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
+        (self.out / "log.txt").write_text("\n".join(self.log_lines) + "\n")
+        self.log(table)
+        self.log(f"wall time {wall:.0f} s; outputs in {self.out}")
+        return table

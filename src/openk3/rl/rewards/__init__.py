@@ -1,0 +1,1 @@
+"""Rewards: effort budget, multi-teacher on-policy distillation, GenRM tournaments, kernels."""

@@ -1,0 +1,128 @@
+"""One on-policy RL update: sample groups from the rollout engine, score them, take one optimiser step on
+the token-mean loss (:mod:`openk3.rl.loss`), and sync the new weights into the engine.
+
+Rewards come from two callables: ``outcome(trajectory) → float`` (one number per rollout, group-normalised
+into the advantage) and optionally ``dense(trajectories) → [B, T]`` (a per-token reward added to the
+advantage with discount 0, e.g. MOPD). An outcome function that raises drops that rollout (its tokens do
+not train) and is counted in the statistics; training continues. A group with fewer than two surviving
+rollouts does not train.
+
+Legend: ``P`` prompts, ``G`` samples per prompt, ``B = P·G`` rollouts, ``T`` response tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from openk3.rl.logprobs import response_logprobs
+from openk3.rl.loss import LossConfig, policy_loss
+from openk3.rl.partial_rollout import train_mask
+from openk3.rl.rollout import RolloutEngine, Trajectory
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    group_size: int = 8
+    max_tokens: int = 32
+    lr: float = 3e-4
+    grad_clip: float = 1.0
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2 (a group of one has no advantage), got {self.group_size}"
+            )
+        if self.max_tokens < 1 or not self.lr > 0 or not self.grad_clip > 0:
+            raise ValueError("max_tokens must be >= 1, lr > 0 and grad_clip > 0")
+
+
+def masked_group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A_PG, keep_PG)``: group-normalised advantages over the finite rewards of each group (NaN marks a
+    dropped rollout); groups with fewer than two finite rewards are not kept."""
+    keep_PG = torch.isfinite(rewards_PG)
+    n_P = keep_PG.sum(1, keepdim=True)
+    r_PG = torch.where(keep_PG, rewards_PG, torch.zeros_like(rewards_PG))
+    mean_P = r_PG.sum(1, keepdim=True) / n_P.clamp_min(1)
+    var_P = (torch.where(keep_PG, r_PG - mean_P, torch.zeros_like(r_PG)) ** 2).sum(
+        1, keepdim=True
+    ) / n_P.clamp_min(1)
+    adv_PG = torch.where(keep_PG, (r_PG - mean_P) / (var_P.sqrt() + eps), torch.zeros_like(r_PG))
+    keep_PG = keep_PG & (n_P >= 2)
+    return adv_PG, keep_PG
+
+
+class PolicyTrainer:
+    """The trainer's model, its optimiser, and the rollouts it feeds.
+
+    ``engine`` is a :class:`~openk3.rl.rollout.RolloutEngine` in this process, or anything with the same
+    ``generate``, ``sync_weights``, ``version``, ``sampling`` and ``sample_vocab_size`` (the Ray actors of
+    :mod:`openk3.rl.ray_workers`)."""
+
+    def __init__(self, model: nn.Module, engine: RolloutEngine, config: RLConfig) -> None:
+        self.model, self.engine, self.config = model, engine, config
+        self.opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    def step(
+        self,
+        prompts: list[list[int]],
+        metas: list[dict],
+        outcome: Callable[[Trajectory], float],
+        dense: Callable[[list[Trajectory]], torch.Tensor] | None = None,
+    ) -> tuple[dict[str, float], list[Trajectory]]:
+        """Sample ``G`` rollouts per prompt, update once, sync; returns statistics and the rollouts."""
+        G = self.config.group_size
+        trajs = [
+            Trajectory(p, self.config.max_tokens, dict(m)) for p, m in zip(prompts, metas) for _ in range(G)
+        ]
+        trajs = self.engine.generate(trajs)
+        if not all(t.finished for t in trajs):
+            raise RuntimeError("synchronous rollout returned unfinished trajectories")
+        rewards, dropped = [], 0
+        for t in trajs:
+            try:
+                rewards.append(float(outcome(t)))
+            except Exception:  # a broken reward drops its rollout, never the run
+                rewards.append(float("nan"))
+                dropped += 1
+        r_PG = torch.tensor(rewards).view(len(prompts), G)
+        adv_PG, keep_PG = masked_group_advantages(r_PG)
+        temperature = self.engine.sampling.temperature or 1.0  # the behaviour log-probs' temperature
+        logp_BT, mask_BT = response_logprobs(
+            self.model,
+            [t.prompt_ids for t in trajs],
+            [t.response_ids for t in trajs],
+            temperature,
+            self.engine.sample_vocab_size,
+        )
+        T = mask_BT.shape[1]
+        behav_BT = torch.zeros_like(logp_BT)
+        for b, t in enumerate(trajs):
+            behav_BT[b, : t.num_generated] = torch.tensor(t.behaviour_logprobs)
+            mask_BT[b, : t.num_generated] *= torch.tensor(train_mask(t, self.engine.version, "correct"))
+        mask_BT = mask_BT * keep_PG.reshape(-1, 1).float()
+        adv_BT = adv_PG.reshape(-1, 1).expand(-1, T).clone()
+        dense_mean = 0.0
+        if dense is not None:
+            d_BT = dense(trajs)
+            adv_BT = adv_BT + d_BT
+            dense_mean = float((d_BT * mask_BT).sum() / mask_BT.sum().clamp_min(1))
+        stats = {
+            "reward": float(torch.nanmean(r_PG)),
+            "length": sum(t.num_generated for t in trajs) / len(trajs),
+            "dropped_rollouts": float(dropped),
+            "dense_reward": dense_mean,
+        }
+        if mask_BT.sum() > 0:
+            loss, loss_stats = policy_loss(logp_BT, behav_BT, adv_BT, mask_BT, self.config.loss)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            self.opt.step()
+            stats.update(loss=loss.item(), **loss_stats)
+        self.engine.sync_weights(self.model)
+        return stats, trajs

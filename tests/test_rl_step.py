@@ -1,0 +1,98 @@
+"""One RL update end to end on a tiny model: group advantages over surviving rollouts, a reward that raises
+drops its rollout and training continues, the engine gets the new weights; the demo's tasks and CLI."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import openk3
+from openk3.cli import build_parser
+from openk3.rl.rollout import RolloutEngine, RolloutSampling
+from openk3.rl.step import PolicyTrainer, RLConfig, masked_group_advantages
+from openk3.rl.tasks import (
+    DOMAINS,
+    EFFORTS,
+    CharTokenizer,
+    is_correct,
+    parse_answer,
+    sample_problem,
+    solution,
+)
+from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_masked_group_advantages_hand_values():
+    nan = float("nan")
+    r = torch.tensor([[1.0, 0.0, nan, 1.0], [1.0, nan, nan, nan]])
+    adv, keep = masked_group_advantages(r, eps=0.0)
+    # group 0 over {1, 0, 1}: mean 2/3, population std √2/3 → (1/3)/(√2/3) = 1/√2, (−2/3)/(√2/3) = −√2
+    torch.testing.assert_close(adv[0], torch.tensor([2**-0.5, -(2**0.5), 0.0, 2**-0.5]))
+    assert keep.tolist() == [[True, True, False, True], [False, False, False, False]]
+
+
+def test_step_drops_a_raising_reward_and_syncs():
+    tok = CharTokenizer()
+    model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=tok.vocab_size), seed=0)
+    cfg = EngineConfig(
+        CacheConfig(block_size=8, num_blocks=400),
+        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32),
+    )
+    engine = RolloutEngine(model, cfg, RolloutSampling(1.0, frozenset({tok.stop_id}), seed=0))
+    trainer = PolicyTrainer(model, engine, RLConfig(group_size=4, max_tokens=6, lr=1e-3))
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def outcome(t):
+        calls.append(t)
+        if len(calls) == 2:
+            raise RuntimeError("reward service down")
+        return float(len(calls) % 2)
+
+    prompts = [tok.encode("HA12+34="), tok.encode("LC1+2+3+4=")]
+    stats, trajs = trainer.step(prompts, [{}, {}], outcome)
+    assert len(trajs) == 8 and stats["dropped_rollouts"] == 1.0 and "loss" in stats
+    assert engine.version == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for a, b in zip(engine.model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert all(t.versions == [0] * t.num_generated for t in trajs)
+
+
+def test_tasks_solutions_are_correct_and_lengths_ordered():
+    tok, rng = CharTokenizer(), random.Random(0)
+    for d in DOMAINS:
+        for _ in range(50):
+            p = sample_problem(d, rng)
+            lengths = []
+            for e in EFFORTS:
+                text = solution(p, e)
+                assert is_correct(p, text) and tok.decode(tok.encode(text)) == text
+                lengths.append(len(text))
+            assert lengths[0] > lengths[1] > lengths[2]  # high > medium > low
+    assert parse_answer("no bar") is None and parse_answer("|12x") is None
+    with pytest.raises(ValueError, match="alphabet"):
+        tok.encode("x")
+
+
+def test_posttrain_cli_parses():
+    args = build_parser().parse_args(["posttrain", "--recipe", "demo", "--quick", "--out", "/tmp/x"])
+    assert args.quick and args.recipe == "demo" and callable(args.func)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["posttrain", "--recipe", "other"])
+
+
+@pytest.mark.slow
+def test_demo_quick_runs_end_to_end(tmp_path):
+    from openk3.rl.recipe import Demo, quick_config
+
+    cfg = quick_config()
+    Demo(cfg, tmp_path).run()
+    for name in ("sft", "rl-add-high", "rl-add-low", "rl-chain-medium", "mopd"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+    text = (tmp_path / "results.md").read_text()
+    assert text.count("\n| add |") == 3 and text.count("\n| chain |") == 3
