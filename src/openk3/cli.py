@@ -376,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     from openk3.serve.cli import add_serve_parser  # light: heavy imports happen when `serve` runs
 
     add_serve_parser(sub)
+    from openk3.sandbox.cli import add_sandbox_parser
+
+    add_sandbox_parser(sub)
     return parser
 
 

@@ -21,18 +21,19 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
+import json
 import secrets
 import urllib.parse
 
 import httpx
-from fastapi import Body, FastAPI, Header, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from openk3.sandbox.manager import AlreadyPaused, SandboxError, SandboxManager
+from openk3.sandbox.manager import AlreadyPausedError, SandboxError, SandboxManager
 from openk3.sandbox.record import SandboxRecord
-from openk3.sandbox.store import NotFound
+from openk3.sandbox.store import NotFoundError
 
 ENVD_VERSION = "0.5.7"
 """The envd version the API reports: new enough for the SDK's default user and octet-stream uploads."""
@@ -89,7 +90,8 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
     async def api_error(request: Request, e: ApiError):
         return JSONResponse({"code": e.status, "message": str(e)}, status_code=e.status)
 
-    def owner(key: str | None) -> str:
+    def owner(request: Request) -> str:
+        key = request.headers.get("x-api-key")
         if not key:
             raise ApiError(401, "missing X-API-Key header")
         o = owner_of(key)
@@ -97,14 +99,25 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
             raise ApiError(401, "invalid API key")
         return o
 
-    def call(fn, *args, **kw):
+    async def body(request: Request) -> dict:
+        raw = await request.body()
         try:
-            return fn(*args, **kw)
-        except NotFound as e:
-            raise ApiError(404, str(e)) from e
-        except AlreadyPaused as e:
-            raise ApiError(409, str(e)) from e
+            d = json.loads(raw) if raw.strip() else {}
         except ValueError as e:
+            raise ApiError(400, f"request body is not JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ApiError(400, f"request body must be a JSON object, got {type(d).__name__}")
+        return d
+
+    async def call(fn, *args):
+        """``fn(*args)`` in the thread pool (the manager blocks on QEMU), its errors mapped to HTTP."""
+        try:
+            return await run_in_threadpool(fn, *args)
+        except NotFoundError as e:
+            raise ApiError(404, str(e)) from e
+        except AlreadyPausedError as e:
+            raise ApiError(409, str(e)) from e
+        except (ValueError, TypeError) as e:
             raise ApiError(400, str(e)) from e
         except SandboxError as e:
             raise ApiError(500, str(e)) from e
@@ -125,20 +138,20 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
 
     @app.post("/v2/sandboxes", status_code=201)
     @app.post("/sandboxes", status_code=201)
-    def create(body: dict = Body(...), x_api_key: str | None = Header(None)):
-        o = owner(x_api_key)
-        template = body.get("templateID")
+    async def create(request: Request):
+        o, b = owner(request), await body(request)
+        template = b.get("templateID")
         if not isinstance(template, str) or not template:
             raise ApiError(400, "templateID is required")
-        on_timeout = "pause" if body.get("autoPause") else "kill"
-        r = call(manager.create, template, o, body.get("timeout"), body.get("metadata") or {},
-                 body.get("envVars") or {}, on_timeout)  # fmt: skip
+        on_timeout = "pause" if b.get("autoPause") else "kill"
+        r = await call(manager.create, template, o, b.get("timeout"), b.get("metadata") or {},
+                       b.get("envVars") or {}, on_timeout)  # fmt: skip
         return sandbox_json(r)
 
     @app.get("/v2/sandboxes")
     @app.get("/sandboxes")
-    def list_sandboxes(request: Request, x_api_key: str | None = Header(None)):
-        o = owner(x_api_key)
+    async def list_sandboxes(request: Request):
+        o = owner(request)
         states = set()
         for s in request.query_params.getlist("state"):
             states.update(x for x in s.split(",") if x)
@@ -153,59 +166,63 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
         return out
 
     @app.get("/sandboxes/{sandbox_id}")
-    def get_sandbox(sandbox_id: str, x_api_key: str | None = Header(None)):
-        return detail_json(call(manager.get, sandbox_id, owner(x_api_key)))
+    async def get_sandbox(sandbox_id: str, request: Request):
+        return detail_json(await call(manager.get, sandbox_id, owner(request)))
 
     @app.delete("/sandboxes/{sandbox_id}", status_code=204)
-    def kill(sandbox_id: str, x_api_key: str | None = Header(None)):
-        call(manager.kill, sandbox_id, owner(x_api_key))
+    async def kill(sandbox_id: str, request: Request):
+        await call(manager.kill, sandbox_id, owner(request))
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
-    def set_timeout(sandbox_id: str, body: dict = Body(...), x_api_key: str | None = Header(None)):
-        call(manager.set_timeout, sandbox_id, owner(x_api_key), body.get("timeout"))
+    async def set_timeout(sandbox_id: str, request: Request):
+        o, b = owner(request), await body(request)
+        await call(manager.set_timeout, sandbox_id, o, b.get("timeout"))
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-    def pause(sandbox_id: str, x_api_key: str | None = Header(None)):
-        call(manager.pause, sandbox_id, owner(x_api_key))
+    async def pause(sandbox_id: str, request: Request):
+        await call(manager.pause, sandbox_id, owner(request))
         return Response(status_code=204)
 
     @app.post("/sandboxes/{sandbox_id}/resume", status_code=201)
-    def resume(sandbox_id: str, body: dict = Body(default={}), x_api_key: str | None = Header(None)):
-        o = owner(x_api_key)
-        if not call(manager.resume, sandbox_id, o, body.get("timeout")):
+    async def resume(sandbox_id: str, request: Request):
+        o, b = owner(request), await body(request)
+        if not await call(manager.resume, sandbox_id, o, b.get("timeout")):
             raise ApiError(409, f"sandbox {sandbox_id!r} is already running")
-        return sandbox_json(manager.get(sandbox_id, o))
+        return sandbox_json(await call(manager.get, sandbox_id, o))
 
     @app.post("/v2/sandboxes/{sandbox_id}/connect")
     @app.post("/sandboxes/{sandbox_id}/connect")
-    def connect(sandbox_id: str, body: dict = Body(default={}), x_api_key: str | None = Header(None)):
-        o = owner(x_api_key)
-        resumed = call(manager.resume, sandbox_id, o, body.get("timeout"))
-        return JSONResponse(sandbox_json(manager.get(sandbox_id, o)), status_code=201 if resumed else 200)
+    async def connect(sandbox_id: str, request: Request):
+        o, b = owner(request), await body(request)
+        resumed = await call(manager.resume, sandbox_id, o, b.get("timeout"))
+        return JSONResponse(
+            sandbox_json(await call(manager.get, sandbox_id, o)), status_code=201 if resumed else 200
+        )
 
     @app.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-    def fork(sandbox_id: str, body: dict = Body(default={}), x_api_key: str | None = Header(None)):
-        o = owner(x_api_key)
-        results = call(manager.fork, sandbox_id, o, body.get("count") or 1, body.get("timeout"))
+    async def fork(sandbox_id: str, request: Request):
+        o, b = owner(request), await body(request)
+        results = await call(manager.fork, sandbox_id, o, b.get("count") or 1, b.get("timeout"))
         return [{"sandbox": sandbox_json(r)} if isinstance(r, SandboxRecord) else {"error": {"code": 500, "message": str(r)}}
                 for r in results]  # fmt: skip
 
     @app.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
-    def snapshot(sandbox_id: str, body: dict = Body(default={}), x_api_key: str | None = Header(None)):
-        snap = call(manager.snapshot, sandbox_id, owner(x_api_key), body.get("name"))
+    async def snapshot(sandbox_id: str, request: Request):
+        o, b = owner(request), await body(request)
+        snap = await call(manager.snapshot, sandbox_id, o, b.get("name"))
         return {"snapshotID": snap.snapshot_id, "names": snap.names}
 
     @app.get("/snapshots")
-    def list_snapshots(x_api_key: str | None = Header(None)):
-        o = owner(x_api_key)
+    async def list_snapshots(request: Request):
+        o = owner(request)
         return [{"snapshotID": s.snapshot_id, "names": s.names} for s in manager.store.all()
                 if s.owner == o and s.kind == "snapshot"]  # fmt: skip
 
     @app.delete("/templates/{ref}", status_code=204)
-    def delete_snapshot(ref: str, x_api_key: str | None = Header(None)):
-        call(manager.delete_snapshot, ref, owner(x_api_key))
+    async def delete_snapshot(ref: str, request: Request):
+        await call(manager.delete_snapshot, ref, owner(request))
         return Response(status_code=204)
 
     # -- envd proxy --------------------------------------------------------------------------------------------
@@ -223,7 +240,7 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
             return error(502, f"only the envd port {ENVD_PORT} is served")
         try:
             record, port = manager.agent_port(sandbox_id)
-        except NotFound as e:
+        except NotFoundError as e:
             return error(404, str(e))
         token = request.headers.get("x-access-token", "")
         if not secrets.compare_digest(token.encode(), record.access_token.encode()):
@@ -240,7 +257,10 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             reason = await run_in_threadpool(manager.check, sandbox_id)
-            return error(502, f"sandbox {sandbox_id}: guest agent unreachable ({type(e).__name__}){'; ' + reason if reason else ''}")
+            return error(
+                502,
+                f"sandbox {sandbox_id}: guest agent unreachable ({type(e).__name__}){'; ' + reason if reason else ''}",
+            )
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
         return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=out_headers,
                                  background=BackgroundTask(resp.aclose))  # fmt: skip

@@ -37,7 +37,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PORT = 49983
 HOME = "/root"
-ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": HOME, "LANG": "C.UTF-8"}
+ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": HOME,
+    "LANG": "C.UTF-8",
+}
 PROCS = {}  # pid -> (Popen, config dict); only touched under LOCK
 LOCK = threading.Lock()
 CONNECT_STATUS = {"invalid_argument": 400, "not_found": 404, "already_exists": 409, "resource_exhausted": 429,
@@ -92,7 +96,9 @@ def fs_stat(req):
 def fs_list(req):
     path, depth = resolve(req.get("path", "")), int(req.get("depth") or 1)
     if not os.path.isdir(path):
-        raise RpcError("not_found" if not os.path.exists(path) else "invalid_argument", f"{path} is not a directory")
+        raise RpcError(
+            "not_found" if not os.path.exists(path) else "invalid_argument", f"{path} is not a directory"
+        )
     out = []
     for dirpath, dirnames, filenames in os.walk(path):
         rel = os.path.relpath(dirpath, path)
@@ -137,7 +143,9 @@ def fs_move(req):
 
 def proc_list(req):
     with LOCK:
-        return {"processes": [{"config": cfg, "pid": pid} for pid, (p, cfg) in PROCS.items() if p.poll() is None]}
+        return {
+            "processes": [{"config": cfg, "pid": pid} for pid, (p, cfg) in PROCS.items() if p.poll() is None]
+        }
 
 
 def proc_signal(req):
@@ -194,7 +202,11 @@ class Handler(BaseHTTPRequestHandler):
         return self.rfile.read(n) if n else b""
 
     def reply(self, status, payload=None, ctype="application/json"):
-        data = b"" if payload is None else (payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+        data = (
+            b""
+            if payload is None
+            else (payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+        )
         self.send_response(status)
         if payload is not None:
             self.send_header("Content-Type", ctype)
@@ -250,10 +262,14 @@ class Handler(BaseHTTPRequestHandler):
     def write_files(self):
         body, ctype = self.body(), self.headers.get("Content-Type", "")
         if ctype.startswith("multipart/form-data"):
-            msg = email.parser.BytesParser().parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + body)
+            msg = email.parser.BytesParser().parsebytes(
+                b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + body
+            )
             items = [(part.get_filename(), part.get_payload(decode=True)) for part in msg.get_payload()]
             default = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query).get("path", [None])[0]
-            items = [(resolve(default if len(items) == 1 and default else name), data) for name, data in items]
+            items = [
+                (resolve(default if len(items) == 1 and default else name), data) for name, data in items
+            ]
         else:
             items = [(self.query_path(), body)]
         out = []

@@ -30,7 +30,15 @@ from pathlib import Path
 
 from openk3.sandbox import guest_agent
 
-MODULE_ORDER = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "failover", "net_failover", "virtio_net")
+MODULE_ORDER = (
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_blk",
+    "failover",
+    "net_failover",
+    "virtio_net",
+)
 """Kernel modules the guest needs, in load order (the cloud kernel has no modules.dep; the order follows
 each module's ``depends=``)."""
 
@@ -86,7 +94,9 @@ class ImageConfig:
         if "bash" not in self.packages or "python3" not in self.packages:
             raise ValueError(f"ImageConfig.packages must include bash and python3, got {self.packages}")
         if self.disk_mib < 512:
-            raise ValueError(f"ImageConfig.disk_mib must be >= 512 (the root file system is ~300 MiB), got {self.disk_mib}")
+            raise ValueError(
+                f"ImageConfig.disk_mib must be >= 512 (the root file system is ~300 MiB), got {self.disk_mib}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +135,9 @@ def missing_tools() -> list[str]:
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     result = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if result.returncode != 0:
-        raise RuntimeError(f"image build: {' '.join(cmd[:3])} ... failed ({result.returncode}): {result.stderr.strip()[-800:]}")
+        raise RuntimeError(
+            f"image build: {' '.join(cmd[:3])} ... failed ({result.returncode}): {result.stderr.strip()[-800:]}"
+        )
     return result
 
 
@@ -136,7 +148,9 @@ def _kernel_version(config: ImageConfig) -> str:
         line = line.strip()
         if line.startswith("Depends: linux-image-"):
             return line.split(": ", 1)[1]
-    raise RuntimeError(f"image build: apt-cache knows no kernel behind {config.kernel_package!r} (run apt-get update)")
+    raise RuntimeError(
+        f"image build: apt-cache knows no kernel behind {config.kernel_package!r} (run apt-get update)"
+    )
 
 
 def image_key(config: ImageConfig, kernel_pkg: str) -> str:
@@ -203,7 +217,9 @@ def _build_kernel(work: Path, kernel_pkg: str, out: Image) -> str:
     init.write_text(INIT_INITRAMFS.format(modules=" ".join(MODULE_ORDER)))
     init.chmod(0o755)
     files = "\n".join(str(p.relative_to(ird)) for p in sorted(ird.rglob("*"))) + "\n"
-    cpio = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], cwd=ird, input=files.encode(), capture_output=True)
+    cpio = subprocess.run(
+        ["cpio", "-o", "-H", "newc", "--quiet"], cwd=ird, input=files.encode(), capture_output=True
+    )
     if cpio.returncode != 0:
         raise RuntimeError(f"image build: cpio failed: {cpio.stderr.decode()[-400:]}")
     out.initrd.write_bytes(gzip.compress(cpio.stdout, compresslevel=1))
@@ -244,9 +260,13 @@ def build_image(config: ImageConfig | None = None, force: bool = False) -> Image
     config = config or ImageConfig()
     missing = missing_tools()
     if missing:
-        raise RuntimeError(f"image build needs {', '.join(missing)} (apt-get install qemu-utils mmdebstrap busybox-static cpio lz4)")
+        raise RuntimeError(
+            f"image build needs {', '.join(missing)} (apt-get install qemu-utils mmdebstrap busybox-static cpio lz4)"
+        )
     if os.geteuid() != 0:
-        raise RuntimeError("image build needs root (mmdebstrap --mode=root, device nodes in the root file system)")
+        raise RuntimeError(
+            "image build needs root (mmdebstrap --mode=root, device nodes in the root file system)"
+        )
     kernel_pkg = _kernel_version(config)
     out = Image(config.cache_dir / image_key(config, kernel_pkg))
     if (out.root / "image.json").exists() and not force:

@@ -36,7 +36,7 @@ from openk3.sandbox.agent_client import AgentError
 from openk3.sandbox.image import Image
 from openk3.sandbox.qemu import QemuVmm, VmmError
 from openk3.sandbox.record import SandboxRecord
-from openk3.sandbox.store import NotFound, Snapshot, SnapshotStore
+from openk3.sandbox.store import NotFoundError, Snapshot, SnapshotStore
 from openk3.sandbox.vmm import MachineSpec, RamBacking, SavedState, Vm
 
 
@@ -44,11 +44,11 @@ class SandboxError(RuntimeError):
     """An operation on a sandbox failed; the message says which and why."""
 
 
-class AlreadyPaused(SandboxError):
+class AlreadyPausedError(SandboxError):
     pass
 
 
-class SandboxFailed(NotFound):
+class SandboxFailedError(NotFoundError):
     """The sandbox is gone because its guest crashed or hung (the message has the reason)."""
 
 
@@ -108,8 +108,8 @@ class SandboxManager:
             live = self._live.get(sandbox_id)
         if live is None or live.record.owner != owner:
             if sandbox_id in self.failures and live is None:
-                raise SandboxFailed(f"sandbox {sandbox_id!r} failed: {self.failures[sandbox_id]}")
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+                raise SandboxFailedError(f"sandbox {sandbox_id!r} failed: {self.failures[sandbox_id]}")
+            raise NotFoundError(f"sandbox {sandbox_id!r} not found")
         return live
 
     def _locked(self, sandbox_id: str, owner: str) -> _Live:
@@ -118,12 +118,16 @@ class SandboxManager:
         live.lock.acquire()
         if live.gone:
             live.lock.release()
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+            raise NotFoundError(f"sandbox {sandbox_id!r} not found")
         return live
 
     def _persist(self, live: _Live) -> None:
         r, vm = live.record, live.vm
-        r.vm = None if vm is None else {"pid": vm.pid, "port": vm.agent_port, "disk": str(vm.disk), "ram": vm.ram.to_json()}
+        r.vm = (
+            None
+            if vm is None
+            else {"pid": vm.pid, "port": vm.agent_port, "disk": str(vm.disk), "ram": vm.ram.to_json()}
+        )
         r.write(self._dir(r.sandbox_id))
 
     def _remove(self, live: _Live) -> None:
@@ -142,7 +146,11 @@ class SandboxManager:
             known = set(self._live)
         gone = self.store.collect(in_use)
         for d in self.sandboxes_dir.iterdir():
-            if d.name not in known and not (d / "record.json").exists() and time.time() - d.stat().st_mtime > 600:
+            if (
+                d.name not in known
+                and not (d / "record.json").exists()
+                and time.time() - d.stat().st_mtime > 600
+            ):
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d.name)
         return gone
@@ -158,7 +166,9 @@ class SandboxManager:
             vm = None
             if record.state == "running":
                 v = record.vm or {}
-                vm = self.vmm.adopt(d, v.get("pid", -1), v.get("port", 0), Path(v.get("disk", "")), record.vm_ram())
+                vm = self.vmm.adopt(
+                    d, v.get("pid", -1), v.get("port", 0), Path(v.get("disk", "")), record.vm_ram()
+                )
                 if vm is None:
                     self.failures[record.sandbox_id] = "its VMM was gone when the server restarted"
                     shutil.rmtree(d, ignore_errors=True)
@@ -170,7 +180,7 @@ class SandboxManager:
     def build_template(self, name: str = "base") -> Snapshot:
         """Cold-boot the image, wait for the agent, warm the guest's page cache with one ``bash -l`` command,
         and freeze it as the template ``name``. Reuses an existing template of that name."""
-        with contextlib.suppress(NotFound):
+        with contextlib.suppress(NotFoundError):
             return self.store.get(name, None)
         snapshot_id, sdir = self.store.new_dir()
         disk, ram = sdir / "disk.qcow2", RamBacking(sdir / "ram.img", shared=True)
@@ -227,7 +237,7 @@ class SandboxManager:
 
     def create(self, template: str, owner: str, timeout_s: float | None = None, metadata: dict | None = None,
                env_vars: dict | None = None, on_timeout: str = "kill") -> SandboxRecord:  # fmt: skip
-        """A running sandbox restored from template or snapshot ``template``; NotFound if ``owner`` has none."""
+        """A running sandbox restored from template or snapshot ``template``; NotFoundError if ``owner`` has none."""
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
         snap = self.store.get(template, owner)
@@ -246,7 +256,7 @@ class SandboxManager:
         with self._lock:
             live = self._live.get(sandbox_id)
         if live is None or (owner is not None and live.record.owner != owner):
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+            raise NotFoundError(f"sandbox {sandbox_id!r} not found")
         return live.record, None if live.vm is None else live.vm.agent_port
 
     def kill(self, sandbox_id: str, owner: str) -> None:
@@ -280,11 +290,11 @@ class SandboxManager:
         return state
 
     def pause(self, sandbox_id: str, owner: str) -> SavedState:
-        """Save the guest and end its VMM; AlreadyPaused if it is paused."""
+        """Save the guest and end its VMM; AlreadyPausedError if it is paused."""
         live = self._locked(sandbox_id, owner)
         try:
             if live.vm is None:
-                raise AlreadyPaused(f"sandbox {sandbox_id!r} is already paused")
+                raise AlreadyPausedError(f"sandbox {sandbox_id!r} is already paused")
             return self._save(live)
         finally:
             live.lock.release()
@@ -321,7 +331,9 @@ class SandboxManager:
         finally:
             live.lock.release()
 
-    def snapshot(self, sandbox_id: str, owner: str, name: str | None = None, kind: str = "snapshot") -> Snapshot:
+    def snapshot(
+        self, sandbox_id: str, owner: str, name: str | None = None, kind: str = "snapshot"
+    ) -> Snapshot:
         """Freeze the sandbox into a new snapshot (named ``name`` if given); the sandbox goes on as its
         copy-on-write child (running if it ran, paused if it was paused)."""
         live = self._locked(sandbox_id, owner)
@@ -337,7 +349,9 @@ class SandboxManager:
         st = self._save(live) if was_running else r.saved
         snapshot_id, sdir = self.store.new_dir()
         try:
-            if st.kind == "full":  # copy-on-write memory: load it into the snapshot's own RAM file, save again
+            if (
+                st.kind == "full"
+            ):  # copy-on-write memory: load it into the snapshot's own RAM file, save again
                 vm = self.vmm.restore(d, st, st.disk, RamBacking(sdir / "ram.img", shared=True), run=False)
                 st_full, st = st, vm.save(d / f"state-{r.generation}-dev.bin")
                 st_full.stream.unlink(missing_ok=True)
@@ -354,9 +368,13 @@ class SandboxManager:
         except (VmmError, OSError) as e:
             shutil.rmtree(sdir, ignore_errors=True)
             raise SandboxError(f"snapshot of {r.sandbox_id}: {e}") from e
-        frozen = SavedState("device", sdir / "state.bin", sdir / "disk.qcow2", RamBacking(ram_path, shared=True))
+        frozen = SavedState(
+            "device", sdir / "state.bin", sdir / "disk.qcow2", RamBacking(ram_path, shared=True)
+        )
         names = [name] if name else []
-        snap = self.store.put(Snapshot(snapshot_id, names, kind, r.owner, r.base_snapshot, time.time(), frozen))
+        snap = self.store.put(
+            Snapshot(snapshot_id, names, kind, r.owner, r.base_snapshot, time.time(), frozen)
+        )
         # the sandbox goes on as a child of the snapshot
         r.generation += 1
         disk = d / f"disk-{r.generation}.qcow2"
@@ -422,7 +440,10 @@ class SandboxManager:
                 return None
             self._check_alive(live)
             if not live.gone and not agent_client.healthy(live.vm.agent_port, self.config.health_timeout_s):
-                self._fail(live, f"guest hung: its agent did not answer /health within {self.config.health_timeout_s} s")
+                self._fail(
+                    live,
+                    f"guest hung: its agent did not answer /health within {self.config.health_timeout_s} s",
+                )
         return self.failures.get(sandbox_id)
 
     def reap(self, now: float | None = None, probe: bool = False) -> dict[str, str]:

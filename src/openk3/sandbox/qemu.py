@@ -43,7 +43,9 @@ def host_tsc_khz() -> int:
         for line in f:
             if line.startswith("cpu MHz"):
                 return int(float(line.split(":")[1]) * 1000)
-    raise VmmError("cannot read the host CPU frequency from /proc/cpuinfo (needed for tsc_early_khz under TCG)")
+    raise VmmError(
+        "cannot read the host CPU frequency from /proc/cpuinfo (needed for tsc_early_khz under TCG)"
+    )
 
 
 def pick_accel(requested: str) -> str:
@@ -52,7 +54,9 @@ def pick_accel(requested: str) -> str:
     hardware = any(Path(f"/sys/module/{m}").exists() for m in ("kvm_intel", "kvm_amd"))
     has_kvm = hardware and os.access("/dev/kvm", os.R_OK | os.W_OK)
     if requested == "kvm" and not has_kvm:
-        raise VmmError("accel='kvm' asked for, but this host has no hardware KVM (kvm_intel/kvm_amd and /dev/kvm)")
+        raise VmmError(
+            "accel='kvm' asked for, but this host has no hardware KVM (kvm_intel/kvm_amd and /dev/kvm)"
+        )
     if requested == "auto":
         return "kvm" if has_kvm else "tcg"
     return requested
@@ -73,8 +77,17 @@ def _tail(path: Path, n: int = 6) -> str:
 
 
 class QemuVm(Vm):
-    def __init__(self, workdir: Path, pid: int, proc: subprocess.Popen | None, port: int, disk: Path, ram: RamBacking):
-        self.workdir, self.pid, self.proc, self.agent_port, self.disk, self.ram = workdir, pid, proc, port, disk, ram
+    def __init__(
+        self, workdir: Path, pid: int, proc: subprocess.Popen | None, port: int, disk: Path, ram: RamBacking
+    ):
+        self.workdir, self.pid, self.proc, self.agent_port, self.disk, self.ram = (
+            workdir,
+            pid,
+            proc,
+            port,
+            disk,
+            ram,
+        )
         self._qmp: Qmp | None = None
 
     @property
@@ -126,7 +139,10 @@ class QemuVm(Vm):
     def save(self, stream: Path) -> SavedState:
         try:
             q = self.qmp
-            q.execute("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": self.ram.shared}])
+            q.execute(
+                "migrate-set-capabilities",
+                capabilities=[{"capability": "x-ignore-shared", "state": self.ram.shared}],
+            )
             q.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
             q.execute("stop")
             q.execute("migrate", uri=f"exec:cat > {shlex.quote(str(stream))}")
@@ -203,15 +219,22 @@ class QemuVmm(Vmm):
     def boot(self, workdir: Path, disk: Path, ram: RamBacking) -> QemuVm:
         return self._spawn(workdir, disk, ram, incoming=False)
 
-    def restore(self, workdir: Path, state: SavedState, disk: Path, ram: RamBacking, run: bool = True) -> QemuVm:
+    def restore(
+        self, workdir: Path, state: SavedState, disk: Path, ram: RamBacking, run: bool = True
+    ) -> QemuVm:
         if state.kind == "device" and ram.path != state.ram.path:
-            raise ValueError(f"a device state restores onto its own RAM file {state.ram.path}, got {ram.path}")
+            raise ValueError(
+                f"a device state restores onto its own RAM file {state.ram.path}, got {ram.path}"
+            )
         if state.kind == "full" and not ram.shared:
             raise ValueError("a full state restores into a new shared RAM file (ram.shared=True)")
         vm = self._spawn(workdir, disk, ram, incoming=True)
         try:
             q = vm.qmp
-            q.execute("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": state.kind == "device"}])
+            q.execute(
+                "migrate-set-capabilities",
+                capabilities=[{"capability": "x-ignore-shared", "state": state.kind == "device"}],
+            )
             q.execute("migrate-incoming", uri=f"exec:cat {shlex.quote(str(state.stream))}")
             deadline = time.monotonic() + 60.0
             while (status := q.execute("query-status")["status"]) == "inmigrate":

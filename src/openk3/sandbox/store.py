@@ -21,7 +21,7 @@ from openk3.sandbox.vmm import SavedState
 KINDS = ("template", "snapshot", "fork")
 
 
-class NotFound(KeyError):
+class NotFoundError(KeyError):
     """No sandbox or snapshot by that id (or it belongs to another API key)."""
 
     def __str__(self) -> str:
@@ -85,11 +85,11 @@ class SnapshotStore:
         return out
 
     def get(self, ref: str, owner: str | None) -> Snapshot:
-        """The snapshot with id or name ``ref`` that ``owner`` may use; NotFound otherwise."""
+        """The snapshot with id or name ``ref`` that ``owner`` may use; NotFoundError otherwise."""
         for s in self.all():
             if (s.snapshot_id == ref or ref in s.names) and s.owner in (None, owner):
                 return s
-        raise NotFound(f"template or snapshot {ref!r} not found")
+        raise NotFoundError(f"template or snapshot {ref!r} not found")
 
     def delete(self, snapshot_id: str) -> None:
         shutil.rmtree(self.root / snapshot_id, ignore_errors=True)
@@ -99,7 +99,9 @@ class SnapshotStore:
         returns the deleted ids."""
         snaps = {s.snapshot_id: s for s in self.all()}
         keep = set()
-        stack = [sid for sid in in_use if sid in snaps] + [s.snapshot_id for s in snaps.values() if s.kind != "fork"]
+        stack = [sid for sid in in_use if sid in snaps] + [
+            s.snapshot_id for s in snaps.values() if s.kind != "fork"
+        ]
         while stack:
             sid = stack.pop()
             if sid in keep or sid not in snaps:
@@ -108,7 +110,9 @@ class SnapshotStore:
             if snaps[sid].parent:
                 stack.append(snaps[sid].parent)
         gone = [sid for sid in snaps if sid not in keep]
-        gone += [p.name for p in self.root.iterdir() if p.is_dir() and not (p / "meta.json").exists() and _stale(p)]
+        gone += [
+            p.name for p in self.root.iterdir() if p.is_dir() and not (p / "meta.json").exists() and _stale(p)
+        ]
         for sid in gone:
             self.delete(sid)
         return gone

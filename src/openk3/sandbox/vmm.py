@@ -34,7 +34,9 @@ class MachineSpec:
 
     def __post_init__(self):
         if self.memory_mib < 128:
-            raise ValueError(f"MachineSpec.memory_mib must be >= 128 (the guest runs python3), got {self.memory_mib}")
+            raise ValueError(
+                f"MachineSpec.memory_mib must be >= 128 (the guest runs python3), got {self.memory_mib}"
+            )
         if self.vcpus < 1:
             raise ValueError(f"MachineSpec.vcpus must be >= 1, got {self.vcpus}")
         if self.accel not in ("kvm", "tcg", "auto"):
