@@ -248,7 +248,12 @@ class Handler(BaseHTTPRequestHandler):
                     set_clock(req["timestamp"])
                 return self.reply(204)
             if route == "/files":
-                return self.reply(200, self.write_files())
+                try:
+                    return self.reply(200, self.write_files())
+                except RpcError as e:  # the /files route reports a full disk as HTTP 507, as envd does
+                    if e.code != "resource_exhausted":
+                        raise
+                    return self.reply(507, {"code": 507, "message": str(e)})
             if route == "/process.Process/Start":
                 return self.start()
             if route in UNARY:

@@ -263,14 +263,14 @@ def build_image(config: ImageConfig | None = None, force: bool = False) -> Image
         raise RuntimeError(
             f"image build needs {', '.join(missing)} (apt-get install qemu-utils mmdebstrap busybox-static cpio lz4)"
         )
-    if os.geteuid() != 0:
-        raise RuntimeError(
-            "image build needs root (mmdebstrap --mode=root, device nodes in the root file system)"
-        )
     kernel_pkg = _kernel_version(config)
     out = Image(config.cache_dir / image_key(config, kernel_pkg))
     if (out.root / "image.json").exists() and not force:
         return out
+    if os.geteuid() != 0:
+        raise RuntimeError(
+            "image build needs root (mmdebstrap --mode=root, device nodes in the root file system)"
+        )
     config.cache_dir.mkdir(parents=True, exist_ok=True)
     if out.root.exists():
         shutil.rmtree(out.root)
