@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from openk3.sandbox.store import NotFoundError, Snapshot, SnapshotStore
@@ -305,8 +306,10 @@ def test_crash_hang_killed_vmm_and_full_disk(server):
     )
     time.sleep(3)
     assert "crashed" in (manager.check(sb.sandbox_id) or "")
-    with pytest.raises(SandboxNotFoundException, match="failed"):
+    with pytest.raises(SandboxNotFoundException):
         sb.get_info()
+    r = httpx.get(f"{server['srv'].url}/sandboxes/{sb.sandbox_id}", headers={"X-API-Key": "key-a"})
+    assert r.status_code == 404 and "failed: guest crashed" in r.json()["message"]
     assert not (server["root"] / "sandboxes" / sb.sandbox_id).exists()
     # a killed VMM process
     sb = Sandbox.create("base", timeout=300)
@@ -324,11 +327,12 @@ def test_crash_hang_killed_vmm_and_full_disk(server):
     sb = Sandbox.create("base", timeout=300)
     try:
         sb.commands.run(
-            "fallocate -l $(( $(df --output=avail -B1 / | tail -1) - 4096 )) /fill; dd if=/dev/zero of=/fill2 bs=64k count=100 2>/dev/null || true"
+            # every free block, the 5% reserved for root included, then what is left byte by byte
+            "fallocate -l $(( $(stat -f -c '%f * %S' /) - 65536 )) /fill; dd if=/dev/zero of=/fill2 bs=4k 2>/dev/null; true"
         )
         with pytest.raises(NotEnoughSpaceException):
             sb.files.write("/root/big.bin", os.urandom(1 << 20))
-        assert sb.commands.run("rm /fill; echo ok").stdout == "ok\n"
+        assert sb.commands.run("rm /fill /fill2; echo ok").stdout == "ok\n"
         sb.files.write("/root/big.bin", b"x" * 1000)
         assert sb.files.read("/root/big.bin") == "x" * 1000
     finally:
@@ -363,3 +367,25 @@ def test_rm_rf_and_fork_bomb_stay_inside(server):
     finally:
         Sandbox.kill(fresh.sandbox_id)
         other.kill()
+
+
+@pytest.mark.slow
+def test_server_restart_keeps_paused_and_adopts_running(server):
+    from e2b import Sandbox
+
+    paused = Sandbox.create("base", timeout=300)
+    paused.commands.run("echo kept > /root/k")
+    paused.pause()
+    running = Sandbox.create("base", timeout=300)
+    running.commands.run("echo alive > /root/r")
+    server["srv"].stop()
+    srv = Server(server["root"], server["image"], ["key-a", "key-b"])  # a new server over the same state
+    server["srv"] = srv
+    os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url)
+    states = {s.sandbox_id: s.state.value for s in Sandbox.list().next_items()}
+    assert states[paused.sandbox_id] == "paused" and states[running.sandbox_id] == "running"
+    back = Sandbox.connect(paused.sandbox_id)
+    assert back.commands.run("cat /root/k").stdout == "kept\n"
+    assert Sandbox.connect(running.sandbox_id).commands.run("cat /root/r").stdout == "alive\n"
+    back.kill()
+    Sandbox.kill(running.sandbox_id)

@@ -171,7 +171,7 @@ class QemuVmm(Vmm):
     def __init__(self, image: Image, spec: MachineSpec, binary: str = QEMU):
         self.image, self.spec, self.binary = image, spec, binary
         self.accel = pick_accel(spec.accel)
-        append = "console=ttyS0 reboot=k panic=-1 quiet"
+        append = "console=ttyS0 reboot=t panic=-1 quiet"
         if self.accel == "tcg":
             append += f" tsc_early_khz={host_tsc_khz()} tsc=reliable"
         self.append = append
