@@ -67,53 +67,70 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
+def _true(m: SandboxManager, sid: str) -> None:
+    code, _, err = agent_client.run(m.agent_port(sid, OWNER)[1], ["/bin/true"])
+    if code != 0:
+        raise RuntimeError(f"/bin/true failed in {sid}: {err!r}")
+
+
+def _lifecycle_round(m: SandboxManager, root: Path, rows: dict, sizes: dict) -> None:
+    """One create -> commands -> pause (cow) -> resume -> pause (own) -> resume -> snapshot -> kill."""
+    t, r = _timed(lambda: m.create("base", OWNER))
+    rows["create"].append(t)
+    sid = r.sandbox_id
+    port = m.agent_port(sid, OWNER)[1]
+    _true(m, sid)
+    rows["true"] += [_timed(lambda: _true(m, sid))[0] for _ in range(5)]
+    rows["bash"] += [
+        _timed(lambda: agent_client.run(port, ["/bin/bash", "-l", "-c", "true"]))[0] for _ in range(3)
+    ]
+    t, st = _timed(lambda: m.pause(sid, OWNER))
+    rows["pause_cow"].append(t)
+    sizes["full stream"] = st.stream.stat().st_size
+    rows["resume_full"].append(_timed(lambda: (m.resume(sid, OWNER), _true(m, sid)))[0])
+    t, st = _timed(lambda: m.pause(sid, OWNER))
+    rows["pause_own"].append(t)
+    sizes["device state"] = st.stream.stat().st_size
+    sizes["paused sandbox on disk"] = _allocated(root / "sandboxes" / sid)
+    rows["resume_dev"].append(_timed(lambda: (m.resume(sid, OWNER), _true(m, sid)))[0])
+    t, snap = _timed(lambda: m.snapshot(sid, OWNER, None, "fork"))
+    rows["snapshot"].append(t)
+    sizes["snapshot"] = snap.size_bytes()
+    m.kill(sid, OWNER)
+
+
+def _fork_round(m: SandboxManager, n: int) -> tuple[int, int, float, int, int]:
+    """Fork ``n`` children of a paused parent that dirtied 32 MiB; returns (n, ok, seconds, sum RSS, sum PSS)."""
+    parent = m.create("base", OWNER)
+    cmd = ["/bin/sh", "-c", "head -c 32M /dev/urandom > /dev/shm/work"]
+    agent_client.run(m.agent_port(parent.sandbox_id, OWNER)[1], cmd)
+    m.pause(parent.sandbox_id, OWNER)  # fork from a paused parent: only the children run
+    t, kids = _timed(lambda: m.fork(parent.sandbox_id, OWNER, n))
+    ok = [k for k in kids if not isinstance(k, Exception)]
+    for k in ok:
+        _true(m, k.sandbox_id)
+    mems = [_mem(m._live[k.sandbox_id].vm.pid) for k in ok]
+    for k in ok:
+        m.kill(k.sandbox_id, OWNER)
+    m.kill(parent.sandbox_id, OWNER)
+    return n, len(ok), t, sum(x[0] for x in mems), sum(x[1] for x in mems)
+
+
 def run(args) -> str:
     image = build_image()
     root = Path(tempfile.mkdtemp(prefix="openk3-bench-", dir=args.root))
     m = SandboxManager(ManagerConfig(root=root, spec=MachineSpec(memory_mib=args.memory_mib)), image)
     t_template, tmpl = _timed(lambda: m.build_template("base"))
-    port = lambda sid: m.agent_port(sid, OWNER)[1]  # noqa: E731
-    true = lambda sid: agent_client.run(port(sid), ["/bin/true"])  # noqa: E731
     rows: dict[str, list[float]] = {k: [] for k in ("create", "true", "bash", "pause_cow", "resume_full",
                                                      "pause_own", "resume_dev", "snapshot")}  # fmt: skip
-    sizes = {}
+    sizes: dict = {}
     for _ in range(args.repeats):
-        t, r = _timed(lambda: m.create("base", OWNER))
-        rows["create"].append(t)
-        sid = r.sandbox_id
-        true(sid)
-        rows["true"] += [_timed(lambda: true(sid))[0] for _ in range(5)]
-        rows["bash"] += [_timed(lambda: agent_client.run(port(sid), ["/bin/bash", "-l", "-c", "true"]))[0] for _ in range(3)]
-        t, st = _timed(lambda: m.pause(sid, OWNER))
-        rows["pause_cow"].append(t)
-        sizes["full stream"] = st.stream.stat().st_size
-        rows["resume_full"].append(_timed(lambda: (m.resume(sid, OWNER), true(sid)))[0])
-        t, st = _timed(lambda: m.pause(sid, OWNER))
-        rows["pause_own"].append(t)
-        sizes["device state"] = st.stream.stat().st_size
-        sizes["paused sandbox on disk"] = _allocated(root / "sandboxes" / sid)
-        rows["resume_dev"].append(_timed(lambda: (m.resume(sid, OWNER), true(sid)))[0])
-        t, snap = _timed(lambda: m.snapshot(sid, OWNER, None, "fork"))
-        rows["snapshot"].append(t)
-        sizes["snapshot"] = snap.size_bytes()
-        m.kill(sid, OWNER)
-    forks = []
-    for n in args.forks:
-        parent = m.create("base", OWNER)
-        agent_client.run(port(parent.sandbox_id), ["/bin/sh", "-c", "head -c 32M /dev/urandom > /dev/shm/work"])
-        m.pause(parent.sandbox_id, OWNER)  # fork from a paused parent: only the children run
-        t, kids = _timed(lambda: m.fork(parent.sandbox_id, OWNER, n))
-        ok = [k for k in kids if not isinstance(k, Exception)]
-        for k in ok:
-            true(k.sandbox_id)
-        mems = [_mem(m._live[k.sandbox_id].vm.pid) for k in ok]
-        rss, pss = sum(x[0] for x in mems), sum(x[1] for x in mems)
-        forks.append((n, len(ok), t, rss, pss))
-        for k in ok:
-            m.kill(k.sandbox_id, OWNER)
-        m.kill(parent.sandbox_id, OWNER)
+        _lifecycle_round(m, root, rows, sizes)
+    forks = [_fork_round(m, n) for n in args.forks]
     shutil.rmtree(root, ignore_errors=True)
-    qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True).stdout.split(
+        "\n"
+    )[0]
     mib = 2**20
     lines = [
         "Command: `python benchmarks/sandbox.py --out benchmarks/results/sandbox_cpu.md`"
@@ -134,7 +151,7 @@ def run(args) -> str:
         f"| resume to first command, from device state | {_fmt(rows['resume_dev'])} | 49 ms resume |",
         f"| snapshot of a running sandbox (it goes on as a child) | {_fmt(rows['snapshot'])} | |",
     ]
-    for n, ok, t, rss, pss in forks:
+    for n, ok, t, _, _ in forks:
         lines.append(
             f"| fork N={n} (serialised), until every child answers | {1000 * t:.0f} ms total, "
             f"{1000 * t / max(ok, 1):.0f} ms per child ({ok}/{n} ok) | |"

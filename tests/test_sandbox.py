@@ -379,6 +379,7 @@ def test_server_restart_keeps_paused_and_adopts_running(server):
     running = Sandbox.create("base", timeout=300)
     running.commands.run("echo alive > /root/r")
     server["srv"].stop()
+    server["srv"].manager.shutdown(pause_running=False)  # running VMMs stay up, to be re-adopted
     srv = Server(server["root"], server["image"], ["key-a", "key-b"])  # a new server over the same state
     server["srv"] = srv
     os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url)

@@ -481,6 +481,10 @@ class SandboxManager:
             lives = list(self._live.values())
         for live in lives:
             with live.lock:
-                if pause_running and live.vm is not None and not live.gone:
+                if live.vm is None or live.gone:
+                    continue
+                if pause_running:
                     with contextlib.suppress(SandboxError):
                         self._save(live)
+                else:
+                    live.vm.release()

@@ -129,6 +129,9 @@ class QemuVm(Vm):
         else:
             while self.alive():
                 time.sleep(0.01)
+        self.release()
+
+    def release(self) -> None:
         if self._qmp is not None:
             self._qmp.close()
             self._qmp = None
@@ -158,9 +161,7 @@ class QemuVm(Vm):
         except (QmpError, OSError) as e:
             raise VmmError(f"saving {self.workdir.name}: {e}; {self.exit_reason()}") from e
         self._wait_exit(10.0)
-        if self._qmp is not None:
-            self._qmp.close()
-            self._qmp = None
+        self.release()
         kind = "device" if self.ram.shared else "full"
         return SavedState(kind, stream, self.disk, self.ram if self.ram.shared else None)
 

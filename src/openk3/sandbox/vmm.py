@@ -111,6 +111,11 @@ class Vm(abc.ABC):
         """End the VMM process at once (the guest is lost)."""
 
     @abc.abstractmethod
+    def release(self) -> None:
+        """Let go of the guest without stopping it (closes the monitor session, so a later :meth:`Vmm.adopt`
+        can connect)."""
+
+    @abc.abstractmethod
     def freeze(self) -> None:
         """Stop the vCPUs in place (the process stays; used to simulate a hung guest and for short pauses)."""
 
