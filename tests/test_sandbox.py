@@ -292,6 +292,12 @@ def test_timeout_reaps(server):
         pytest.fail("a sandbox with timeout=2 s was still there after 20 s")
     assert not (server["root"] / "sandboxes" / sb.sandbox_id).exists()
     assert _vmm_pids(server["root"] / "sandboxes" / sb.sandbox_id) == []
+    # a paused sandbox waits for its resume past its timeout
+    sb = Sandbox.create("base", timeout=3)
+    sb.pause()
+    time.sleep(5)
+    assert sb.get_info().state.value == "paused"
+    Sandbox.kill(sb.sandbox_id)
 
 
 @pytest.mark.slow

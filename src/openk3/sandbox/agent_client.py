@@ -42,12 +42,28 @@ def wait_ready(port: int, timeout_s: float, alive=lambda: True) -> float:
     return time.monotonic() - t0
 
 
-def init(port: int, env_vars: dict[str, str] | None = None, timeout_s: float = 10.0) -> None:
-    """``POST /init``: the host clock (so a restored guest is not behind) and the sandbox's env vars."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    r = httpx.post(_url(port, "/init"), json={"envVars": env_vars or {}, "timestamp": now}, timeout=timeout_s)
-    if r.status_code != 204:
-        raise AgentError(f"/init answered {r.status_code}: {r.text[:200]}")
+def init(port: int, env_vars: dict[str, str] | None, timeout_s: float, alive=lambda: True) -> float:
+    """``POST /init`` as soon as the agent answers (one request: a restored guest's first requests are slow
+    under TCG, its translation cache being empty): sets the guest clock to the host's (so a restored guest is
+    not behind) and the sandbox's env vars. Returns the seconds waited; raises AgentError like
+    :func:`wait_ready`."""
+    t0 = time.monotonic()
+    while True:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        try:
+            r = httpx.post(
+                _url(port, "/init"), json={"envVars": env_vars or {}, "timestamp": now}, timeout=5.0
+            )
+            if r.status_code != 204:
+                raise AgentError(f"/init answered {r.status_code}: {r.text[:200]}")
+            return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if not alive():
+            raise AgentError("the VMM exited before the guest agent answered")
+        if time.monotonic() - t0 > timeout_s:
+            raise AgentError(f"guest agent did not answer /init within {timeout_s} s")
+        time.sleep(0.05)
 
 
 def run(port: int, argv: list[str], timeout_s: float = 60.0) -> tuple[int, bytes, bytes]:

@@ -204,8 +204,7 @@ class SandboxManager:
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def _ready(self, vm: Vm, env_vars: dict[str, str]) -> None:
-        agent_client.wait_ready(vm.agent_port, self.config.ready_timeout_s, vm.alive)
-        agent_client.init(vm.agent_port, env_vars)
+        agent_client.init(vm.agent_port, env_vars, self.config.ready_timeout_s, vm.alive)
 
     def _start_child(self, snap: Snapshot, owner: str, template_id: str, timeout_s: float | None,
                      metadata: dict, env_vars: dict, on_timeout: str) -> SandboxRecord:  # fmt: skip
@@ -311,6 +310,8 @@ class SandboxManager:
         except (VmmError, AgentError) as e:
             if "vm" in locals():
                 vm.kill()
+            if st.kind == "full":
+                ram.path.unlink(missing_ok=True)
             raise SandboxError(f"resuming {r.sandbox_id}: {e}") from e
         live.vm, r.state, r.saved = vm, "running", None
         if st.stream.parent == d:  # the stream of a snapshot stays with the snapshot
@@ -323,6 +324,8 @@ class SandboxManager:
         try:
             if timeout_s is not None:
                 live.record.end_at = time.time() + timeout_s
+            elif live.vm is None:  # a resumed sandbox gets at least the default life
+                live.record.end_at = max(live.record.end_at, time.time() + self.config.default_timeout_s)
             if live.vm is not None:
                 self._persist(live)
                 return False
@@ -447,26 +450,26 @@ class SandboxManager:
         return self.failures.get(sandbox_id)
 
     def reap(self, now: float | None = None, probe: bool = False) -> dict[str, str]:
-        """Apply timeouts (kill, or pause where ``on_timeout="pause"``) and, with ``probe``, health-check the
-        running sandboxes. Returns {sandbox_id: what happened}."""
+        """Apply timeouts to running sandboxes (kill, or pause where ``on_timeout="pause"``; paused ones are
+        kept until resumed or killed) and, with ``probe``, health-check them. Returns {sandbox_id: what
+        happened}."""
         now = time.time() if now is None else now
         with self._lock:
             lives = list(self._live.values())
         done = {}
         for live in lives:
             r = live.record
-            if r.end_at <= now:
+            if r.end_at <= now and live.vm is not None:  # a paused sandbox waits for its resume
                 with live.lock:
-                    if live.gone:
+                    if live.gone or live.vm is None:
                         continue
-                    if r.on_timeout == "pause" and live.vm is not None:
+                    if r.on_timeout == "pause":
                         with contextlib.suppress(SandboxError):
                             self._save(live)
                             done[r.sandbox_id] = "paused (timeout)"
                             continue
-                    if r.on_timeout == "kill" or live.vm is not None:
-                        self._remove(live)
-                        done[r.sandbox_id] = "killed (timeout)"
+                    self._remove(live)
+                    done[r.sandbox_id] = "killed (timeout)"
             elif probe and live.vm is not None:
                 reason = self.check(r.sandbox_id)
                 if reason:
