@@ -25,6 +25,7 @@ jobs slow TCG guests.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -117,6 +118,7 @@ def _fork_round(m: SandboxManager, n: int) -> tuple[int, int, float, int, int]:
 
 
 def run(args) -> str:
+    load_before = os.getloadavg()[0]
     image = build_image()
     root = Path(tempfile.mkdtemp(prefix="openk3-bench-", dir=args.root))
     m = SandboxManager(ManagerConfig(root=root, spec=MachineSpec(memory_mib=args.memory_mib)), image)
@@ -137,7 +139,9 @@ def run(args) -> str:
         f" (`--repeats {args.repeats} --forks {' '.join(map(str, args.forks))}`)",
         "",
         f"Accelerator: **{m.vmm.accel.upper()}** ({qemu}, `-M microvm`, 1 vCPU, {args.memory_mib} MiB guest, "
-        "Debian 12 cloud kernel 6.1, python3 agent). Host: 2 vCPUs shared with other jobs, no hardware KVM.",
+        "Debian 12 cloud kernel 6.1, python3 agent). Host: 2 vCPUs shared with other jobs, no hardware KVM; "
+        f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+        "(above 2, guests wait for a core and every latency grows).",
         f"Template build (cold boot to agent ready, one warm-up `bash -l`, device-state save): {t_template:.1f} s.",
         "",
         "| step | openk3 (TCG) | AgentENV (published, KVM) |",

@@ -154,8 +154,10 @@ def _sha(path: Path) -> str:
 def test_commands_files_and_key_isolation(server):
     from e2b import CommandExitException, Sandbox, SandboxNotFoundException
 
-    sb = Sandbox.create("base", timeout=300)
+    sb = Sandbox.create("base", timeout=300, envs={"OPENK3_X": "x1"}, metadata={"run": "t1"})
     try:
+        assert sb.commands.run("echo $OPENK3_X").stdout == "x1\n"
+        assert sb.commands.run("echo $Y", envs={"Y": "y2"}).stdout == "y2\n"
         r = sb.commands.run("echo out; echo err >&2; python3 -c 'print(6*7)'")
         assert (r.exit_code, r.stdout, r.stderr) == (0, "out\n42\n", "err\n")
         with pytest.raises(CommandExitException) as e:
@@ -173,7 +175,7 @@ def test_commands_files_and_key_isolation(server):
         assert {e.name for e in sb.files.list("/root/notes")} == {"a.txt"}
         assert sb.files.exists("/root/notes/a.txt") and not sb.files.exists("/root/nope")
         info = sb.get_info()
-        assert info.state.value == "running" and info.template_id == "base"
+        assert info.state.value == "running" and info.template_id == "base" and info.metadata == {"run": "t1"}
         # another key sees nothing of it
         with pytest.raises(SandboxNotFoundException):
             Sandbox.connect(sb.sandbox_id, api_key="key-b")

@@ -1,6 +1,6 @@
 """The agent inside the guest: an HTTP server on port 49983 speaking the subset of the envd protocol that the
 ``e2b`` SDK uses (https://github.com/e2b-dev/E2B, ``spec/envd``), written for the guest's python3 (3.11,
-standard library only). The image builder copies this file to ``/opt/openk3/agent.py``; it runs as PID 1.
+standard library only). Its state (env vars, running commands) lives in one :class:`AgentState` on the server. The image builder copies this file to ``/opt/openk3/agent.py``; it runs as PID 1.
 
 Routes (Connect protocol, JSON codec; https://connectrpc.com/docs/protocol):
 
@@ -37,13 +37,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PORT = 49983
 HOME = "/root"
-ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": HOME,
-    "LANG": "C.UTF-8",
-}
-PROCS = {}  # pid -> (Popen, config dict); only touched under LOCK
-LOCK = threading.Lock()
+BASE_ENV = (
+    ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+    ("HOME", HOME),
+    ("LANG", "C.UTF-8"),
+)
 CONNECT_STATUS = {"invalid_argument": 400, "not_found": 404, "already_exists": 409, "resource_exhausted": 429,
                   "internal": 500}  # fmt: skip
 
@@ -141,20 +139,29 @@ def fs_move(req):
     return {"entry": entry(dst)}
 
 
-def proc_list(req):
-    with LOCK:
-        return {
-            "processes": [{"config": cfg, "pid": pid} for pid, (p, cfg) in PROCS.items() if p.poll() is None]
-        }
+class AgentState:
+    """What the agent remembers between requests: the env vars ``/init`` set and the running commands
+    (pid -> (Popen, config)), the latter only touched under ``lock``."""
+
+    def __init__(self):
+        self.env = dict(BASE_ENV)
+        self.procs = {}
+        self.lock = threading.Lock()
 
 
-def proc_signal(req):
+def proc_list(state, req):
+    with state.lock:
+        procs = state.procs.items()
+        return {"processes": [{"config": cfg, "pid": pid} for pid, (p, cfg) in procs if p.poll() is None]}
+
+
+def proc_signal(state, req):
     pid = int(req.get("process", {}).get("pid", 0))
     sig = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM}.get(req.get("signal"))
     if sig is None:
         raise RpcError("invalid_argument", f"unknown signal {req.get('signal')!r}")
-    with LOCK:
-        if pid not in PROCS:
+    with state.lock:
+        if pid not in state.procs:
             raise RpcError("not_found", f"process {pid} not found")
     try:
         os.killpg(pid, sig)
@@ -182,8 +189,8 @@ def _iso(ts):
 
 UNARY = {"/filesystem.Filesystem/Stat": fs_stat, "/filesystem.Filesystem/ListDir": fs_list,
          "/filesystem.Filesystem/MakeDir": fs_make_dir, "/filesystem.Filesystem/Remove": fs_remove,
-         "/filesystem.Filesystem/Move": fs_move, "/process.Process/List": proc_list,
-         "/process.Process/SendSignal": proc_signal}  # fmt: skip
+         "/filesystem.Filesystem/Move": fs_move}  # fmt: skip
+STATEFUL = {"/process.Process/List": proc_list, "/process.Process/SendSignal": proc_signal}
 
 
 def envelope(obj, flags=0):
@@ -243,7 +250,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if route == "/init":
                 req = json.loads(self.body() or b"{}")
-                ENV.update(req.get("envVars") or {})
+                self.server.state.env.update(req.get("envVars") or {})
                 if req.get("timestamp"):
                     set_clock(req["timestamp"])
                 return self.reply(204)
@@ -258,6 +265,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self.start()
             if route in UNARY:
                 return self.reply(200, UNARY[route](json.loads(self.body() or b"{}")))
+            if route in STATEFUL:
+                return self.reply(200, STATEFUL[route](self.server.state, json.loads(self.body() or b"{}")))
             self.reply(404, {"code": "not_found", "message": f"no route POST {route}"})
         except RpcError as e:
             self.rpc_error(e)
@@ -293,16 +302,17 @@ class Handler(BaseHTTPRequestHandler):
         flags, n = struct.unpack(">BI", raw[:5])
         req = json.loads(raw[5 : 5 + n])
         cfg = req.get("process") or {}
-        env = dict(ENV)
+        state = self.server.state
+        env = dict(state.env)
         env.update(cfg.get("envs") or {})
-        with LOCK:  # registered before the reaper can see it exit
+        with state.lock:  # registered before the reaper can see it exit
             try:
                 p = subprocess.Popen([cfg["cmd"], *cfg.get("args", [])], cwd=cfg.get("cwd") or HOME, env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)  # fmt: skip
             except OSError as e:
                 raise os_error(e, cfg.get("cmd")) from e
-            PROCS[p.pid] = (p, cfg)
+            state.procs[p.pid] = (p, cfg)
         self.send_response(200)
         self.send_header("Content-Type", "application/connect+json")
         self.end_headers()
@@ -336,11 +346,11 @@ class Handler(BaseHTTPRequestHandler):
             pass  # the client went away (background command dropped); the process keeps running
         finally:
             p.wait()
-            with LOCK:
-                PROCS.pop(p.pid, None)
+            with state.lock:
+                state.procs.pop(p.pid, None)
 
 
-def reap_orphans():
+def reap_orphans(state):
     """PID 1's duty: reap exited children that no ``Popen`` waits for (``WNOWAIT`` peeks first)."""
     while True:
         time.sleep(1.0)
@@ -350,8 +360,8 @@ def reap_orphans():
             continue
         if info is None:
             continue
-        with LOCK:
-            owned = info.si_pid in PROCS
+        with state.lock:
+            owned = info.si_pid in state.procs
         if not owned:
             try:
                 os.waitpid(info.si_pid, os.WNOHANG)
@@ -361,10 +371,12 @@ def reap_orphans():
 
 def main():
     os.chdir(HOME)
+    server = ThreadingHTTPServer(("0.0.0.0", PORT), Handler)
+    server.daemon_threads = True
+    server.state = AgentState()
     if os.getpid() == 1:
-        threading.Thread(target=reap_orphans, daemon=True).start()
-    ThreadingHTTPServer.daemon_threads = True
-    ThreadingHTTPServer(("0.0.0.0", PORT), Handler).serve_forever()
+        threading.Thread(target=reap_orphans, args=(server.state,), daemon=True).start()
+    server.serve_forever()
 
 
 if __name__ == "__main__":
