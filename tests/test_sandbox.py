@@ -400,3 +400,35 @@ def test_server_restart_keeps_paused_and_adopts_running(server):
     assert Sandbox.connect(running.sandbox_id).commands.run("cat /root/r").stdout == "alive\n"
     back.kill()
     Sandbox.kill(running.sandbox_id)
+
+
+def test_api_auth_and_bad_input_without_guests(tmp_path):
+    """The control plane's 401/400/404 answers (no guest is started: the image is a stand-in)."""
+    from fastapi.testclient import TestClient
+
+    from openk3.sandbox.api import create_app
+    from openk3.sandbox.image import Image
+    from openk3.sandbox.manager import ManagerConfig, SandboxManager
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "image.json").write_text('{"disk_mib": 1024}')
+    manager = SandboxManager(ManagerConfig(root=tmp_path / "state"), Image(tmp_path / "img"))
+    with TestClient(create_app(manager, ["k"])) as client:
+        assert client.get("/v2/sandboxes").status_code == 401
+        assert client.get("/v2/sandboxes", headers={"X-API-Key": "other"}).status_code == 401
+        key = {"X-API-Key": "k"}
+        assert client.get("/v2/sandboxes", headers=key).json() == []
+        r = client.post("/v2/sandboxes", json={}, headers=key)
+        assert r.status_code == 400 and "templateID" in r.json()["message"]
+        r = client.post("/v2/sandboxes", json={"templateID": "nope"}, headers=key)
+        assert r.status_code == 404 and "nope" in r.json()["message"]
+        for method, path in [("get", "/sandboxes/ix"), ("delete", "/sandboxes/ix"), ("post", "/sandboxes/ix/pause"),
+                             ("post", "/v2/sandboxes/ix/connect"), ("post", "/sandboxes/ix/fork")]:  # fmt: skip
+            r = client.request(method.upper(), path, headers=key, json={})
+            assert r.status_code == 404 and r.json()["code"] == 404, (method, path, r.text)
+        r = client.post("/v2/sandboxes", content=b"[1]", headers=key)
+        assert r.status_code == 400 and "JSON object" in r.json()["message"]
+        r = client.get("/health", headers={"E2b-Sandbox-Id": "ix"})  # envd traffic for an unknown sandbox
+        assert r.status_code == 404
+    with pytest.raises(ValueError, match="API key"):
+        create_app(manager, [])

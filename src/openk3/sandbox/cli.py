@@ -75,11 +75,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys = ["openk3_" + secrets.token_hex(16)]
         print(f"no --api-key given; generated one: {keys[0]}", flush=True)
     root = args.root or default_cache_dir() / "state"
+    spec = MachineSpec(memory_mib=args.memory_mib, accel=args.accel)  # bad flags fail before any work
     try:
         image = build_image(_image_config(args.cache_dir))
-        manager = SandboxManager(
-            ManagerConfig(root=root, spec=MachineSpec(memory_mib=args.memory_mib, accel=args.accel)), image
-        )
+        manager = SandboxManager(ManagerConfig(root=root, spec=spec), image)
         manager.build_template(args.template)
     except (RuntimeError, SandboxError) as e:
         print(f"openk3 sandbox: error: {e}", file=sys.stderr)
