@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from openk3.sandbox.qemu import VmmError
 from openk3.sandbox.store import NotFoundError, Snapshot, SnapshotStore
 from openk3.sandbox.vmm import MachineSpec, RamBacking, SavedState
 
@@ -263,6 +264,26 @@ def test_fork_isolation_and_snapshot_restore(server):
         restored = Sandbox.create(info.snapshot_id, timeout=300)
         try:
             assert restored.commands.run("cat /root/parent /dev/shm/m").stdout == "later\nram-before\n"
+            # each child of a fork succeeds or fails on its own: the first child's restore is made to fail
+            real, calls = manager.vmm.restore, []
+
+            def flaky(workdir, *args, **kwargs):
+                if workdir.name != restored.sandbox_id:  # a child, not the parent going on
+                    calls.append(workdir.name)
+                    if len(calls) == 1:
+                        raise VmmError("injected restore failure")
+                return real(workdir, *args, **kwargs)
+
+            manager.vmm.restore = flaky
+            try:
+                results = Sandbox.fork(restored.sandbox_id, count=2)
+            finally:
+                manager.vmm.restore = real
+            assert isinstance(results[0], Exception) and "injected" in str(results[0])
+            assert isinstance(results[1], Sandbox)
+            assert results[1].commands.run("cat /root/parent").stdout == "later\n"
+            results[1].kill()
+            assert not (server["root"] / "sandboxes" / calls[0]).exists()  # the failed child left nothing
         finally:
             restored.kill()
         assert info.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
