@@ -453,3 +453,11 @@ def test_api_auth_and_bad_input_without_guests(tmp_path):
         assert r.status_code == 404
     with pytest.raises(ValueError, match="API key"):
         create_app(manager, [])
+
+
+def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys):
+    from openk3.cli import main
+
+    assert main(["sandbox", "serve", "--memory-mib", "64", "--api-key", "k"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["openk3: error: MachineSpec.memory_mib must be >= 128 (the guest runs python3), got 64"]
