@@ -191,6 +191,101 @@ def test_chunk_very_negative_softplus_gate(dtype):
             assert (out[name].double() - ref[name]).abs().max() <= 1e-6, name
 
 
+CAUSAL_GATES = {
+    "logsigmoid": dict(gate="logsigmoid"),
+    "mixed_hard": dict(gate="mixed"),
+    "k3_in_op": dict(gate="raw", lower_bound=-5.0),
+    "softplus_in_op": dict(gate="raw", lower_bound=None),
+}
+"""Gate cases of the causality test: log-decays given (with and without −50 hard resets, which make wide
+diagonal-block columns), and the raw gate through the K3 / Kimi-Linear gates in the op."""
+
+
+def causal_run(inputs: dict, dtype: torch.dtype, t: int, lower_bound) -> dict:
+    """chunk_kda on leaf copies of ``inputs`` (cast to ``dtype``), backward of ``Σ_{i<t} o_i·do_i`` only (no
+    cotangent on later outputs or the final state); outputs and gradients before ``t``, and the gate
+    parameters' gradients (sums over every token, of which those at or after ``t`` are 0)."""
+    leaves = {n: x.to(dtype).detach().requires_grad_() for n, x in inputs.items()}
+    kw = {} if "A_log" not in inputs else dict(lower_bound=lower_bound)
+    o, _ = chunk_kda(**leaves, use_qk_l2norm_in_kernel=True, **kw)
+    do, _ = cotangents(o, o[:, :1, :, :1])
+    (o[:, :t] * do[:, :t]).sum().backward()
+    out = {"o": o[:, :t], "o_after": o[:, t:]}
+    for name, x in leaves.items():
+        past = x.grad if name in ("initial_state", "A_log", "dt_bias") else x.grad[:, :t]
+        out[f"d{name}"] = past
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", list(CAUSAL_GATES))
+@pytest.mark.parametrize("t", [1, 7, 16, 40, 64, 100])
+def test_chunk_causal_bitwise(t, case, dtype):
+    """Changing every input at or after position t (q, k, v, the gate, β) changes no output before t and
+    no gradient of an earlier input, bit for bit: forward, and backward of a loss on the outputs before t
+    (including ``dA_log``/``ddt_bias`` with the gate in the op, and ``dh0``). Positions inside a 16-token
+    sub-chunk and a 64-token chunk (1, 7, 40, 100) and at their starts (16, 64)."""
+    spec = CAUSAL_GATES[case]
+    inputs = make_inputs(2, 130, gate=spec["gate"], seed=21)
+    other = make_inputs(2, 130, gate=spec["gate"], seed=22)
+    if "lower_bound" in spec:
+        inputs |= {n: x for n, x in gate_params(spec["lower_bound"]).items() if n != "lower_bound"}
+    changed = dict(inputs)
+    for name in ("q", "k", "v", "g", "beta"):
+        changed[name] = torch.cat([inputs[name][:, :t], other[name][:, t:]], dim=1)
+    a = causal_run(inputs, dtype, t, spec.get("lower_bound"))
+    b = causal_run(changed, dtype, t, spec.get("lower_bound"))
+    assert not torch.equal(a.pop("o_after"), b.pop("o_after"))  # the change reaches the later outputs
+    for name in a:
+        assert torch.equal(a[name], b[name]), (
+            f"{name} before t={t} moved: max {(a[name] - b[name]).abs().max()}"
+        )
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("op", [chunk_kda, naive_recurrent_kda], ids=["chunk", "naive"])
+def test_k3_gate_rate_overflow_gives_fp64_limits(op, dtype):
+    """K3 gate with ``A_log = 100`` (``e^{A_log}`` overflows fp32): every log-decay is at −5 or 0 and the gate's
+    gradients are 0, as in fp64 (where they are exactly 0), not NaN; the rest matches fp64."""
+    inputs = make_inputs(1, 90, gate="raw", seed=5) | gate_params(-5.0)
+    inputs["A_log"] = torch.full_like(inputs["A_log"], 100.0)
+    ref = run(naive_recurrent_kda, inputs, F64)
+    out = run(op, inputs, dtype)
+    for name in ("dg", "dA_log", "ddt_bias"):
+        assert torch.equal(ref[name], torch.zeros_like(ref[name])), name  # the fp64 limit
+    assert_all_close(ref, out, TOL[dtype])
+
+
+def very_negative_gates(kind: str) -> tuple[dict, dict]:
+    """Inputs whose log-decays reach −1e38 or below in fp32, and their gate keywords: ``direct`` (the
+    log-decay given: logsigmoid with a fifth of the entries −1e38, whose 64-token sums overflow fp32 to −inf),
+    ``softplus`` (Kimi-Linear gate, ``A_log`` 87 and 88: rates 6e37 and 1.7e38 times softplus of a raw
+    gate ~ 2·N(0, 1))."""
+    inputs = make_inputs(1, 150, gate="raw", seed=6)
+    if kind == "direct":
+        gen = torch.Generator().manual_seed(8)
+        hard = torch.rand(inputs["g"].shape, generator=gen, dtype=F64) < 0.2
+        inputs["g"] = torch.where(hard, -1e38, F.logsigmoid(inputs["g"]))
+        return inputs, {}
+    params = gate_params(None)
+    params["A_log"][:H] = torch.tensor([87.0, 88.0], dtype=F64)
+    return inputs | params, {}
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", ["direct", "softplus"])
+def test_chunk_log_decay_below_minus_1e38(kind, dtype):
+    """Log-decays ≤ −1e38 (given, or from the Kimi-Linear gate at ``A_log`` ≥ 87): the chunk form's outputs
+    and every gradient are finite, as the recurrent ops', and match the fp64 recurrence."""
+    inputs, kw = very_negative_gates(kind)
+    ref = run(naive_recurrent_kda, inputs, F64, **kw)
+    for op in (naive_recurrent_kda, chunk_kda):
+        out = run(op, inputs, dtype, **kw)
+        for name, value in out.items():
+            assert torch.isfinite(value).all(), f"{op.__name__}: {name} not finite"
+    assert_all_close(ref, out, TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["fp64", "fp32"])
 def test_chunk_beta_one_identical_keys(dtype):
     """β = 1 with the same key at every position: each token fully overwrites the previous value."""

@@ -47,7 +47,13 @@ def chunk_kda(
     """KDA by chunks (§1.5); equals :func:`~openk3.ops.kda.naive.naive_recurrent_kda` up to rounding.
 
     Autograd gives the gradients of q, k, v, g, beta, ``initial_state`` and, with the gate in the op,
-    ``A_log`` and ``dt_bias``; they are finite for any log-decay ≤ 0, however negative.
+    ``A_log`` and ``dt_bias``; they are finite for any finite log-decay ≤ 0, however negative (−1e38
+    included, whose chunk sums overflow fp32 to −inf), and for the K3 gate saturated with ``e^{A_log}``
+    past fp32's range (:func:`~openk3.ops.kda.gate.kda_gate`), where they are fp64's limits.
+
+    The torch path is causal bit for bit: changing any input at or after position ``t`` changes no output
+    before ``t``, nor, for a loss on the outputs before ``t``, any gradient of an earlier input or of
+    ``initial_state``, ``A_log``, ``dt_bias`` (:mod:`~openk3.ops.kda.chunk_intra`: a constant anchor).
 
     On CUDA tensors with Triton installed, the K3 gate in the op (``A_log`` given, ``−5 ≤ lower_bound < 0``),
     ``chunk_size = 64``, K and V in {16, 32, 64, 128} and fp16/bf16/fp32 inputs, the Triton kernels of

@@ -35,7 +35,11 @@ def kda_gate(
 
     Returns:
         ``[..., H, K]`` log-decay, computed and returned in float32 (float64 when ``g_raw`` is float64).
-        Differentiable w.r.t. ``g_raw``, ``A_log`` and ``dt_bias``.
+        Differentiable w.r.t. ``g_raw``, ``A_log`` and ``dt_bias``. ``A_log`` is held at ``⌊ln max⌋`` of the
+        dtype (88 in fp32, 709 in fp64) before ``exp``, where ``e^{A_log}`` would otherwise overflow to inf
+        and the gradients would be 0·inf = NaN: a K3 gate saturated there has gradients 0 (fp64's limit) and
+        its log-decay changes only where ``|g_raw + dt_bias| < 1e-36``; the softplus gate's rate is
+        ``e^{88}`` there instead of inf.
 
     Raises:
         ValueError: ``g_raw`` has fewer than 2 dims, ``A_log`` is not 1-D with at least ``H`` entries,
@@ -46,7 +50,10 @@ def kda_gate(
     x_HK = g_raw.to(dtype)
     if dt_bias is not None:
         x_HK = x_HK + dt_bias.to(dtype).view(H, K)
-    rate_H1 = A_log[:H].to(dtype).exp().unsqueeze(-1)
+    # A_log held at ⌊ln(dtype max)⌋ (88 in fp32) before exp: an inf rate would make a saturated gate's
+    # gradients 0·inf = NaN where fp64 gives 0 (and the clamp's gradient is 0 there, as fp64's limit)
+    max_log_rate = math.floor(math.log(torch.finfo(dtype).max))
+    rate_H1 = A_log[:H].to(dtype).clamp(max=max_log_rate).exp().unsqueeze(-1)
     if lower_bound is None:
         return -rate_H1 * _softplus(x_HK)
     return lower_bound * torch.sigmoid(rate_H1 * x_HK)

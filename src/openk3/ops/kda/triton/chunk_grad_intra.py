@@ -16,6 +16,17 @@ channels at a time (every term is per channel until the L2 norm):
   ``dk_j += Σ_i (scale dAqk_ij q_i + β_i dL_ij k_i) e^{Γ_i−Γ_j}``;
 * ``dΓ_i += q_i ⊙ dq_i^{row} + k_i ⊙ dk_i^{row} − k_i ⊙ dk_i^{col}``.
 
+The per-step ``dg_t = Σ_{i ≥ t} dΓ_i`` keeps only the pairs ``j < t ≤ i``: every other pair enters ``+`` on its
+row side and ``−`` on its column side and must cancel. Two things make it cancel in the kernel as it does in
+exact arithmetic (otherwise, with a fast gate, the residue of the large near pairs exceeded the small true
+``dg``): the diagonal ``dAqk_ii`` (no gate in ``Aqk_ii = scale q_i·k_i``) is kept out of the tensor-core tiles,
+its ``dq``/``dk`` terms added in fp32 and its two ``dΓ`` terms (equal and opposite) left out; and the pairs
+inside one anchor block, where a fast gate's ``dg`` lives, are taken once more with the rounding remainder of
+their factors (``x − bf16(x)``, or ``x − tf32(x)`` with tf32 products; not with ``split_factors``, which
+splits every factor, nor with fp32 inputs' ``tf32x3``), against the block-diagonal part of the gradient
+tiles, so both sides carry the same pair to ~2^-16. ``dL`` is rounded once for both sides (β goes with the
+column side's keys).
+
 Then ``dg = reverse cumsum of dΓ`` within the chunk, the K3 gate backward (``dx = dg·lb·σ(z)(1 − σ(z))·
 e^{A_log}``, ``dA_log = Σ dx·(x + dt_bias)``, ``ddt_bias = Σ_t dx``, §1.3) and, after all slices (the totals
 are parked in the fp32 ``dqn``/``dkn`` buffers), the L2-norm backward ``dq = (dq̂ − q̂ (q̂·dq̂)) / ‖q‖``.
@@ -48,6 +59,7 @@ from openk3.ops.kda.triton.kernel_math import (
     load_beta,
     load_row_vec,
     load_rows,
+    round_tf32,
     row_at,
     sigmoid,
     split_bf16,
@@ -116,6 +128,25 @@ def check_launch() -> None:
 
 
 @triton.jit
+def rounding_remainder(x, BF16: tl.constexpr):
+    """What the tensor cores drop of the fp32 factor ``x``: ``x − bf16(x)`` as bf16 when ``BF16``, else
+    ``x − tf32(x)`` (fp32, exact; rounded to tf32 again by :func:`operand_dot`)."""
+    if BF16:
+        return (x - x.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    else:
+        return x - round_tf32(x)
+
+
+@triton.jit
+def operand_dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` of bf16 operands as they are, of fp32 ones at precision ``DOT``."""
+    if a.dtype == tl.bfloat16:
+        return tl.dot(a, b)
+    else:
+        return dot(a, b, DOT)
+
+
+@triton.jit
 def chunk_grad_intra_kernel(
     q, k, g, beta, A_log, dt_bias, q_rstd, k_rstd,
     dA, dL, dqn, dkn, dG, dbeta_part,
@@ -125,7 +156,7 @@ def chunk_grad_intra_kernel(
     H: tl.constexpr, HEADS_FIRST: tl.constexpr,
     DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     NB: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPLIT: tl.constexpr,
+    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPLIT: tl.constexpr, REMAINDER: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the
     per-chunk partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites
@@ -138,12 +169,16 @@ def chunk_grad_intra_kernel(
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
 
     b_dA = load_rows(dA, t0, n_valid, i_h, 0, H, BT, BT, BT) * scale
+    # the diagonal dAqk_ii (e^{Γ_i − Γ_i} = 1, no gate) apart, exact in fp32: its q and k terms cancel in dΓ
+    on_diag = o_t[:, None] == o_t[None, :]
+    b_dA_ii = tl.sum(tl.where(on_diag, b_dA, 0.0), axis=1)
+    b_dA = tl.where(on_diag, 0.0, b_dA)
     b_dL = load_rows(dL, t0, n_valid, i_h, 0, H, BT, BT, BT)
     b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
     b_rq = load_row_vec(q_rstd, t0, n_valid, i_h, H, BT)
     b_rk = load_row_vec(k_rstd, t0, n_valid, i_h, H, BT)
     b_dAt = tl.trans(b_dA)
-    b_dLt = tl.trans(b_dL * b_beta[:, None])
+    b_dLt = tl.trans(b_dL)  # β goes with the column side's keys: both sides round the same dL
     if BF16:  # the loop-invariant operand tiles, once
         b_dA, b_dL = b_dA.to(tl.bfloat16), b_dL.to(tl.bfloat16)
         b_dAt, b_dLt = b_dAt.to(tl.bfloat16), b_dLt.to(tl.bfloat16)
@@ -163,8 +198,13 @@ def chunk_grad_intra_kernel(
         acc_m = tl.zeros([BT, BK], dtype=tl.float32)
         acc_c = tl.zeros([BT, BK], dtype=tl.float32)
         a_s = tl.zeros([BK], dtype=tl.float32)
+        e_a = tl.zeros([BT, BK], dtype=tl.float32)  # a_s − Γ on each row of block s (its own row anchor)
+        e_b = tl.zeros([BT, BK], dtype=tl.float32)  # Γ − b_s on each row of block s (its own column anchor)
         for s in tl.static_range(BT // BC):
             b_s = row_at(b_G, s * BC + BC - 1, BT)
+            if REMAINDER:
+                e_a = tl.where((blk == s)[:, None], a_s[None, :] - b_G, e_a)
+                e_b = tl.where((blk == s)[:, None], b_G - b_s[None, :], e_b)
             # row block s, anchor a_s (Γ before the block)
             b_col = b_k * tl.exp2(tl.where((blk <= s)[:, None], a_s[None, :] - b_G, float("-inf")))
             b_rf = tl.exp2(tl.where((blk == s)[:, None], b_G - a_s[None, :], float("-inf")))
@@ -176,7 +216,7 @@ def chunk_grad_intra_kernel(
                 acc_q += tl.dot(b_dA, c_lo, tl.dot(b_dA, c_hi)) * b_rf
                 acc_m += tl.dot(b_dL, c_lo, tl.dot(b_dL, c_hi)) * b_rf
                 q_hi, q_lo = split_bf16(b_q * b_rows)
-                k_hi, k_lo = split_bf16(b_k * b_rows)
+                k_hi, k_lo = split_bf16(b_k * b_rows * b_beta[:, None])
                 b_c = tl.dot(b_dAt, q_lo, tl.dot(b_dAt, q_hi))
                 acc_c += tl.dot(b_dLt, k_lo, tl.dot(b_dLt, k_hi, b_c)) * b_cf
             elif BF16:  # against the factors rounded to bf16 once
@@ -184,17 +224,37 @@ def chunk_grad_intra_kernel(
                 acc_q += tl.dot(b_dA, b_cb) * b_rf
                 acc_m += tl.dot(b_dL, b_cb) * b_rf
                 b_c = tl.dot(b_dAt, (b_q * b_rows).to(tl.bfloat16))
-                acc_c += tl.dot(b_dLt, (b_k * b_rows).to(tl.bfloat16), b_c) * b_cf
+                acc_c += tl.dot(b_dLt, (b_k * b_rows * b_beta[:, None]).to(tl.bfloat16), b_c) * b_cf
             else:
                 acc_q += dot(b_dA, b_col, DOT) * b_rf
                 acc_m += dot(b_dL, b_col, DOT) * b_rf
                 b_c = dot(b_dAt, b_q * b_rows, DOT)
-                acc_c += dot(b_dLt, b_k * b_rows, DOT, b_c) * b_cf
+                acc_c += dot(b_dLt, b_k * b_rows * b_beta[:, None], DOT, b_c) * b_cf
             a_s = b_s
+        if REMAINDER:
+            # the pairs i > j of one 16-row block once more, with what the operand rounding dropped of their
+            # factors (the same fp32 values as in the loop: its bf16/tf32 rounding's remainder), so a pair's
+            # row-side and column-side terms of dΓ cancel to ~2^-16 instead of the operand's 2^-8 / 2^-11
+            same = blk[:, None] == blk[None, :]
+            b_col = b_k * tl.exp2(e_a)
+            c_lo = rounding_remainder(b_col, BF16)
+            b_rf = tl.exp2(-e_a)
+            acc_q += operand_dot(tl.where(same, b_dA, 0.0).to(b_dA.dtype), c_lo, DOT) * b_rf
+            acc_m += operand_dot(tl.where(same, b_dL, 0.0).to(b_dL.dtype), c_lo, DOT) * b_rf
+            b_rows = tl.exp2(e_b)
+            b_c = operand_dot(
+                tl.where(same, b_dAt, 0.0).to(b_dAt.dtype), rounding_remainder(b_q * b_rows, BF16), DOT
+            )
+            b_c += operand_dot(
+                tl.where(same, b_dLt, 0.0).to(b_dLt.dtype),
+                rounding_remainder(b_k * b_rows * b_beta[:, None], BF16),
+                DOT,
+            )
+            acc_c += b_c * tl.exp2(-e_b)
         b_db += tl.sum(b_k * acc_m, axis=1)
         b_dk_row = acc_m * b_beta[:, None]
-        b_dqn = load_rows(dqn, t0, n_valid, i_h, k0, H, K, BT, BK) + acc_q
-        b_dkn = load_rows(dkn, t0, n_valid, i_h, k0, H, K, BT, BK) + b_dk_row + acc_c
+        b_dqn = load_rows(dqn, t0, n_valid, i_h, k0, H, K, BT, BK) + acc_q + b_dA_ii[:, None] * b_k
+        b_dkn = load_rows(dkn, t0, n_valid, i_h, k0, H, K, BT, BK) + b_dk_row + acc_c + b_dA_ii[:, None] * b_q
         b_dG = load_rows(dG, t0, n_valid, i_h, k0, H, K, BT, BK) + b_q * acc_q + b_k * (b_dk_row - acc_c)
         c_q += tl.sum(b_q * b_dqn, axis=1)
         c_k += tl.sum(b_k * b_dkn, axis=1)
@@ -253,6 +313,8 @@ def chunk_grad_intra(
     dA_log_part = q.new_empty(P, H, dtype=torch.float32)
     ddt_part = q.new_empty(P, H, K, dtype=torch.float32)
     heads_first = kernel_math.LAUNCH["heads_first"]
+    bf16 = LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM
+    split = LAUNCH["split_factors"]
     chunk_grad_intra_kernel[chunk_grid(P, H, heads_first=heads_first)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         wy.dA, wy.dL, wy.dqn, wy.dkn, wy.dG, wy.dbeta,
@@ -262,8 +324,9 @@ def chunk_grad_intra(
         H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK,
         BK=min(K, LAUNCH["key_block"]), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        BF16=LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM,
-        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, SPLIT=LAUNCH["split_factors"],
+        BF16=bf16,
+        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, SPLIT=split,
+        REMAINDER=dot_precision(q.dtype) == "tf32" and not (bf16 and split),
         **launch_options(LAUNCH),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)
