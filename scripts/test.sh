@@ -16,6 +16,18 @@ elif [ "${CI:-}" = "true" ]; then
   select=()
 fi
 bash scripts/install.sh test
+# The sandbox tests boot microVMs: QEMU and the guest image tools come from Debian (only where apt-get runs as
+# root; elsewhere those tests skip and say why). The guest image is built once and cached in ~/.cache/openk3.
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  for tool in qemu-system-x86_64 qemu-img mmdebstrap busybox cpio lz4; do
+    if ! command -v "$tool" >/dev/null; then
+      { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+          qemu-system-x86 qemu-utils mmdebstrap busybox-static cpio lz4 e2fsprogs; } >/dev/null \
+        || echo "test.sh: apt-get install of the sandbox tools failed; the sandbox VM tests will skip"
+      break
+    fi
+  done
+fi
 # Without a CUDA GPU, the Triton kernels run in Triton's CPU interpreter (needs triton >= 3.9); a CUDA machine
 # keeps the triton that its torch build ships with.
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

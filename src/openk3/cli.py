@@ -643,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     from openk3.rl.cli import add_posttrain_parser  # light: the recipe is imported when it runs
 
     add_posttrain_parser(sub)
+    from openk3.sandbox.cli import add_sandbox_parser
+
+    add_sandbox_parser(sub)
     return parser
 
 
