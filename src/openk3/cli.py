@@ -46,6 +46,17 @@ DEFAULT_EVAL_BATCH_SIZE = 16
 """``openk3 eval``'s windows per batch when ``--batch-size`` is not given and the checkpoint is outside a run."""
 
 
+def _length_list(text: str) -> list[int]:
+    """``256,512`` → ``[256, 512]`` (each at least 32: a needle, its cue and a haystack)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 32:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths >= 32, got {text!r}")
+    return values
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -247,6 +258,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     dataset = TokenDataset(val_path)
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
+    if args.needle:
+        from openk3.synthetic.long_context import needle_eval
+
+        for row in needle_eval(model, dataset, args.needle, device=args.device):
+            print(f"needle at {row['length']:>6} tokens, depth {row['depth']:.2f}: accuracy "
+                  f"{row['accuracy']:.3f}, token accuracy {row['token_accuracy']:.3f}")  # fmt: skip
+        return 0
     run_seq_len, run_batch = _run_eval_shape(folder)  # defaults: the windows the run's evaluations read
     seq_len = args.seq_len
     if seq_len is None:  # at most N - 1 (a val split shorter than one window)
@@ -331,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
     )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+    tr.add_argument(
+        "--long-context",
+        dest="long_context",
+        action="store_const",
+        const=True,
+        help="rows of permuted corpus pieces ending in a recall of their first passage (docs/synthetic.md)",
+    )
     tr.set_defaults(func=cmd_train)
 
     gen = sub.add_parser("generate", help="stream text from a checkpoint")
@@ -371,11 +396,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="read only the first N batches (default: every window of the split)",
     )
     ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ev.add_argument(
+        "--needle",
+        type=_length_list,
+        help="needle-in-a-haystack accuracy at these context lengths instead, e.g. 256,512,1024",
+    )
     ev.set_defaults(func=cmd_eval)
 
     from openk3.serve.cli import add_serve_parser  # light: heavy imports happen when `serve` runs
+    from openk3.synthetic.cli import add_parser as add_synthetic_parser
 
     add_serve_parser(sub)
+    add_synthetic_parser(sub)
     return parser
 
 

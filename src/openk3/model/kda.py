@@ -10,6 +10,11 @@ reference/architecture.md §1.3–1.4 (official names and shapes)::
     o       = KDA(l2norm(q), l2norm(k), v, g, β)             # openk3.ops.kda, scale K^-½
     y       = o_proj(RMSNorm_head(o) ⊙ σ(G))                 # G = g_proj x (K3) | g_b_proj(g_a_proj x)
 
+Two controls of the synthetic tasks are configs of this layer (``linear_attn_config``): with
+``decay_per_channel=False`` the decay input has one entry per head, broadcast over the K channels (Gated
+DeltaNet, the same ops); with ``delta_rule=False`` too, the state update drops the delta rule
+(:mod:`openk3.ops.decay_only`).
+
 ``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
 The chunked op runs for training and prefill; with a cache and few new tokens outside training the
 recurrent decode op runs instead.
@@ -25,7 +30,8 @@ from torch import nn
 from openk3.model.cache import KDACache
 from openk3.model.norm import GatedRMSNorm
 from openk3.model.short_conv import ShortConvolution
-from openk3.ops.kda import chunk_kda, fused_recurrent_kda
+from openk3.ops.decay_only import parallel_decay_only
+from openk3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm
 
 A_LOG_STORED = 128
 """Length of the stored ``A_log`` (official K3 layout); the layer uses the first H entries."""
@@ -48,9 +54,11 @@ class KimiDeltaAttention(nn.Module):
         self.k_conv1d = ShortConvolution(P, la.short_conv_kernel_size)
         self.v_conv1d = ShortConvolution(P, la.short_conv_kernel_size)
         self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, P, bias=False)
+        gate_width = P if la.decay_per_channel else H
+        self.f_b_proj = nn.Linear(K, gate_width, bias=False)
         self.A_log = nn.Parameter(torch.empty(max(H, A_LOG_STORED), dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(gate_width, dtype=torch.float32))
+        self.delta_rule = la.delta_rule
         self.b_proj = nn.Linear(D, H, bias=False)
         if la.use_full_rank_gate:
             self.g_proj = nn.Linear(D, P, bias=False)
@@ -78,28 +86,43 @@ class KimiDeltaAttention(nn.Module):
         q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
         k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
         v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
-        g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)
+        g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)  # G = K, or 1 (one decay per head)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        if not self.delta_rule:
+            if keep or cu_seqlens is not None:
+                raise NotImplementedError("the decay-only mixer supports neither a cache nor cu_seqlens")
+            g_BTH = kda_gate(g_raw_BTHG, self.A_log, self.dt_bias, self.lower_bound).squeeze(-1)
+            q_BTHK, k_BTHK = l2norm(q_BTP.view(B, T, H, K)), l2norm(k_BTP.view(B, T, H, K))
+            o_BTHK = parallel_decay_only(
+                q_BTHK, k_BTHK, v_BTP.view(B, T, H, K), g_BTH, beta_logits_BTH.sigmoid()
+            )
+            return self._output(x_BTD, o_BTHK)
+        dt_bias = self.dt_bias if g_raw_BTHG.shape[-1] == K else self.dt_bias.repeat_interleave(K)
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
         o_BTHK, state = kda(
             q_BTP.view(B, T, H, K),
             k_BTP.view(B, T, H, K),
             v_BTP.view(B, T, H, K),
-            g_raw_BTHK,
+            g_raw_BTHG.expand(B, T, H, K),
             beta_logits_BTH,
             initial_state=cache.recurrent_state if keep else None,
             output_final_state=keep,
             cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=True,
             A_log=self.A_log[:H],
-            dt_bias=self.dt_bias,
+            dt_bias=dt_bias,
             lower_bound=self.lower_bound,
             use_beta_sigmoid_in_kernel=True,
         )
         if keep:
             cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
+        return self._output(x_BTD, o_BTHK)
+
+    def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:
+        """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` → ``[B, T, D]``."""
+        B, T, H, K = o_BTHK.shape
         gate_BTP = self.g_proj(x_BTD) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
         o_BTHK = self.o_norm(o_BTHK.to(x_BTD.dtype), gate_BTP.view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
