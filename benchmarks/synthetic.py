@@ -3,7 +3,8 @@
 Writes ``benchmarks/results/synthetic_<device>.md`` (tables), ``.json`` (every cell's curve) and ``.png``
 (exact-match accuracy against training steps, mean over seeds with the min–max band; one panel per task and
 length). Cells run in parallel worker processes (``--workers``); the JSON is rewritten after every cell, so an
-interrupted grid keeps what finished and ``--render`` redraws the table and plots from it.
+interrupted grid keeps what finished (``--budget-s`` stops it on time), and ``--render`` redraws the table and
+plots from it.
 
     python benchmarks/synthetic.py --grid cpu                          # ≤ 10 min on a 2-core CPU
     python benchmarks/synthetic.py --grid gpu --device cuda --workers 12   # one H200, ≈ 6 min
@@ -19,7 +20,6 @@ import argparse
 import json
 import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +31,9 @@ from openk3.synthetic.mixers import MixerSize
 CONTROLS = ["kda", "gdn", "decay", "mla"]
 GRIDS = {
     "cpu": dict(
-        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[64], seeds=[0],
-        steps=200, eval_every=25, eval_size=64, tokens_per_step=1024, lr=1e-2,
-        size=dict(hidden_size=64, num_layers=2, num_heads=2, head_dim=32),
+        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], seeds=[0],
+        steps=300, eval_every=25, eval_size=64, tokens_per_step=1024, lr=1e-2,
+        size=dict(hidden_size=64, num_layers=1, num_heads=2, head_dim=32),
         hybrid=None,
     ),
     "gpu": dict(
@@ -46,7 +46,8 @@ GRIDS = {
 
 
 def grid_cells(name: str, device: str) -> list[CellConfig]:
-    """The cells of grid ``name`` (hybrid cells last)."""
+    """The cells of grid ``name``, seed by seed (a budget cut loses seeds, not whole rows), the longest
+    lengths first in each seed (the slowest cells start early)."""
     g = GRIDS[name]
     common = dict(steps=g["steps"], eval_every=g["eval_every"], eval_size=g["eval_size"], lr=g["lr"])
     common.update(size=MixerSize(**g["size"]), device=device)
@@ -59,18 +60,18 @@ def grid_cells(name: str, device: str) -> list[CellConfig]:
 
     cells = [
         cell(task, mixer, length, seed)
-        for length in g["lengths"]
+        for seed in g["seeds"]
+        for length in sorted(g["lengths"], reverse=True)
         for task in g["tasks"]
         for mixer in g["mixers"]
-        for seed in g["seeds"]
     ]
     if g["hybrid"]:
         h = g["hybrid"]
-        cells += [
-            cell(task, "hybrid", h["length"], seed, extrapolate=h["extrapolate"])
-            for task in g["tasks"]
-            for seed in g["seeds"]
-        ]
+        for seed in g["seeds"]:  # each seed's hybrid cells right after that seed's controls
+            at = max(i for i, c in enumerate(cells) if c.seed == seed) + 1
+            cells[at:at] = [
+                cell(task, "hybrid", h["length"], seed, extrapolate=h["extrapolate"]) for task in g["tasks"]
+            ]
     return cells
 
 
@@ -86,23 +87,35 @@ def device_label(device: str) -> str:
     return name.split()[0] if name else "cuda"
 
 
-def run_grid(name: str, device: str, workers: int, out: Path) -> Path:
+def run_grid(name: str, device: str, workers: int, out: Path, budget_s: float | None = None) -> Path:
+    """Run grid ``name``; with ``budget_s``, stop (terminating the workers) once that many seconds have
+    passed and keep the cells finished by then. Returns the JSON's path."""
     cells = grid_cells(name, device)
     label = device_label(device)
     path = out / f"synthetic_{label}.json"
     header = {
         "grid": name, "device": label, "torch": torch.__version__, "workers": workers,
-        "command": f"python benchmarks/synthetic.py --grid {name} --device {device} --workers {workers}",
+        "command": f"python benchmarks/synthetic.py --grid {name} --device {device} --workers {workers}"
+        + (f" --budget-s {budget_s:g}" if budget_s else ""),
     }  # fmt: skip
     if device == "cuda":  # compile the Triton kernels once, before the workers share the cache
         run_cell(CellConfig(task="mqar", mixer="kda", seq_len=64, steps=1, eval_every=1, eval_size=4,
                             batch_size=2, device=device))  # fmt: skip
     results, start = [], time.perf_counter()
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        futures = {pool.submit(_run, c): c for c in cells}
-        for done in as_completed(futures):
-            r = done.result()
+    deadline = start + budget_s if budget_s else None
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pending = pool.imap_unordered(_run, cells)
+        for _ in cells:
+            left = None if deadline is None else deadline - time.perf_counter()
+            try:
+                r = pending.next(timeout=left if left is None else max(left, 0.0))
+            except multiprocessing.TimeoutError:
+                print(
+                    f"budget of {budget_s} s spent: {len(cells) - len(results)} cells not finished",
+                    flush=True,
+                )
+                pool.terminate()
+                break
             results.append(r)
             c = r["config"]
             print(
@@ -212,12 +225,13 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--workers", type=int, default=2, help="cells run at once (processes)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--budget-s", dest="budget_s", type=float, help="stop after this many seconds")
     parser.add_argument("--render", help="only redraw the table and plots of this JSON")
     args = parser.parse_args()
     if args.render:
         render(Path(args.render))
         return
-    print(run_grid(args.grid, args.device, args.workers, Path(args.out)))
+    print(run_grid(args.grid, args.device, args.workers, Path(args.out), args.budget_s))
 
 
 if __name__ == "__main__":
