@@ -19,7 +19,8 @@ DeltaNet, the same ops); with ``delta_rule=False`` too, the state update drops t
 The chunked op runs for training and prefill; with a cache and few new tokens outside training the
 recurrent decode op runs instead.
 
-Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``.
+Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``, ``G`` decay
+inputs per head (K, or 1 with one decay per head).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class KimiDeltaAttention(nn.Module):
         self.f_b_proj = nn.Linear(K, gate_width, bias=False)
         self.A_log = nn.Parameter(torch.empty(max(H, A_LOG_STORED), dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(gate_width, dtype=torch.float32))
-        self.delta_rule = la.delta_rule
+        self.decay_per_channel, self.delta_rule = la.decay_per_channel, la.delta_rule
         self.b_proj = nn.Linear(D, H, bias=False)
         if la.use_full_rank_gate:
             self.g_proj = nn.Linear(D, P, bias=False)
@@ -86,7 +87,7 @@ class KimiDeltaAttention(nn.Module):
         q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
         k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
         v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
-        g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)  # G = K, or 1 (one decay per head)
+        g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
         if not self.delta_rule:
@@ -98,7 +99,7 @@ class KimiDeltaAttention(nn.Module):
                 q_BTHK, k_BTHK, v_BTP.view(B, T, H, K), g_BTH, beta_logits_BTH.sigmoid()
             )
             return self._output(x_BTD, o_BTHK)
-        dt_bias = self.dt_bias if g_raw_BTHG.shape[-1] == K else self.dt_bias.repeat_interleave(K)
+        dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
         o_BTHK, state = kda(
