@@ -130,6 +130,29 @@ def test_gdn_and_decay_only_reduce_to_their_definitions(mixer, delta_rule):
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (got - want).abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: checks the GDN config on the Triton KDA path"
+)
+def test_gdn_on_the_triton_path_matches_the_loop():
+    """The per-head gate broadcast over channels through the Triton kernels (fp32 inputs) against the fp64 loop."""
+    from openk3.ops.kda.triton.dispatch import triton_available
+
+    if not triton_available():
+        pytest.skip("needs Triton: checks the GDN config on the Triton KDA path")
+    size = MixerSize(hidden_size=48, num_layers=1, num_heads=2, head_dim=32)
+    model = build_model(mixer_config("gdn", tasks.VOCAB_SIZE, size), device="cuda", seed=1)
+    layer = model.model.layers[0].self_attn
+    with torch.no_grad():
+        layer.f_b_proj.weight.mul_(40)
+    x_BTD = torch.randn(2, 150, 48, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = layer(x_BTD.cuda()).double().cpu()
+        want = _per_token_loop(layer.double().cpu(), x_BTD.double(), True)
+    err = float((got - want).norm() / want.norm())
+    assert err < 5e-3, err
+
+
 def test_decay_only_differs_from_gdn_on_the_same_weights():
     """Guards the loop itself: the delta rule changes the output, so the two definitions are told apart."""
     layer, x_BTD = _layer("gdn")
@@ -137,6 +160,7 @@ def test_decay_only_differs_from_gdn_on_the_same_weights():
         assert (_per_token_loop(layer, x_BTD, True) - _per_token_loop(layer, x_BTD, False)).abs().max() > 1e-3
 
 
+@pytest.mark.slow  # 58 s at a load average near 15 on the shared 2-core machine (250 steps of 32 × 32 tokens)
 def test_a_tiny_cell_learns_mqar_on_the_cpu():
     """One KDA layer, 2 key-value pairs in 32 tokens, 250 steps: the answers go from chance (1/64 per value) to
     half right, deterministic by seed."""
