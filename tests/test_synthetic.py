@@ -12,6 +12,8 @@ Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` heads, ``K`` head size.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -175,3 +177,30 @@ def test_a_tiny_cell_learns_mqar_on_the_cpu():
     # measured at seed 0: exact match 0.31, token accuracy 0.52, answer loss 5.56 → 1.64 nats
     assert final["accuracy"] >= 0.2 and final["token_accuracy"] >= 0.4, result["curve"]
     assert final["loss"] < 0.4 * start["loss"]
+
+
+def test_cli_runs_one_cell_and_writes_its_json(tmp_path, capsys):
+    from openk3.cli import main
+
+    out = tmp_path / "cell.json"
+    args = ["synthetic", "--task", "stack", "--mixer", "decay", "--seq-len", "40", "--steps", "2"]
+    args += [
+        "--eval-every",
+        "1",
+        "--eval-size",
+        "4",
+        "--hidden-size",
+        "16",
+        "--layers",
+        "1",
+        "--head-dim",
+        "8",
+    ]
+    assert main([*args, "--extrapolate", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("step ") == 3 and "stack / decay / 40 tokens / 2 items / seed 0" in printed
+    result = json.loads(out.read_text())
+    assert [p["step"] for p in result["curve"]] == [0, 1, 2] and list(result["extrapolation"]) == ["80"]
+    with pytest.raises(SystemExit):
+        main(["synthetic", "--task", "stack", "--mixer", "rwkv"])
+    assert main(["synthetic", "--task", "mqar", "--mixer", "kda", "--seq-len", "8"]) == 2  # too short
