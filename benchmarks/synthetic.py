@@ -7,7 +7,7 @@ interrupted grid keeps what finished (``--budget-s`` stops it on time), and ``--
 plots from it.
 
     python benchmarks/synthetic.py --grid cpu                          # ≤ 10 min on a 2-core CPU
-    python benchmarks/synthetic.py --grid gpu --device cuda --workers 12   # one H200, ≈ 6 min
+    python benchmarks/synthetic.py --grid gpu --device cuda --workers 12 --budget-s 300   # one H200
 
 Grids (:data:`GRIDS`): every cell sees the same tokens per step (``tokens_per_step``: fewer sequences at longer
 lengths, the same number of items per step since items grow as ``L // 32``); the hybrid trains at the shortest
@@ -45,11 +45,11 @@ GRIDS = {
 }  # fmt: skip
 
 
-def grid_cells(name: str, device: str) -> list[CellConfig]:
+def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellConfig]:
     """The cells of grid ``name``, seed by seed (a budget cut loses seeds, not whole rows), the longest
     lengths first in each seed (the slowest cells start early)."""
     g = GRIDS[name]
-    common = dict(steps=g["steps"], eval_every=g["eval_every"], eval_size=g["eval_size"], lr=g["lr"])
+    common = dict(steps=steps or g["steps"], eval_every=g["eval_every"], eval_size=g["eval_size"], lr=g["lr"])
     common.update(size=MixerSize(**g["size"]), device=device)
 
     def cell(task, mixer, length, seed, **extra) -> CellConfig:
@@ -87,16 +87,19 @@ def device_label(device: str) -> str:
     return name.split()[0] if name else "cuda"
 
 
-def run_grid(name: str, device: str, workers: int, out: Path, budget_s: float | None = None) -> Path:
+def run_grid(
+    name: str, device: str, workers: int, out: Path, budget_s: float | None = None, steps: int | None = None
+) -> Path:
     """Run grid ``name``; with ``budget_s``, stop (terminating the workers) once that many seconds have
     passed and keep the cells finished by then. Returns the JSON's path."""
-    cells = grid_cells(name, device)
+    cells = grid_cells(name, device, steps)
     label = device_label(device)
     path = out / f"synthetic_{label}.json"
     header = {
         "grid": name, "device": label, "torch": torch.__version__, "workers": workers,
         "command": f"python benchmarks/synthetic.py --grid {name} --device {device} --workers {workers}"
-        + (f" --budget-s {budget_s:g}" if budget_s else ""),
+        + (f" --budget-s {budget_s:g}" if budget_s else "")
+        + (f" --steps {steps}" if steps else ""),
     }  # fmt: skip
     if device == "cuda":  # compile the Triton kernels once, before the workers share the cache
         run_cell(CellConfig(task="mqar", mixer="kda", seq_len=64, steps=1, eval_every=1, eval_size=4,
@@ -226,12 +229,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="cells run at once (processes)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--budget-s", dest="budget_s", type=float, help="stop after this many seconds")
+    parser.add_argument("--steps", type=int, help="training steps per cell (default: the grid's)")
     parser.add_argument("--render", help="only redraw the table and plots of this JSON")
     args = parser.parse_args()
     if args.render:
         render(Path(args.render))
         return
-    print(run_grid(args.grid, args.device, args.workers, Path(args.out), args.budget_s))
+    print(run_grid(args.grid, args.device, args.workers, Path(args.out), args.budget_s, args.steps))
 
 
 if __name__ == "__main__":
