@@ -47,6 +47,17 @@ DEFAULT_EVAL_BATCH_SIZE = 16
 """``openk3 eval``'s windows per batch when ``--batch-size`` is not given and the checkpoint is outside a run."""
 
 
+def _length_list(text: str) -> list[int]:
+    """``256,512`` → ``[256, 512]`` (each at least 32: a needle, its cue and a haystack)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 32:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths >= 32, got {text!r}")
+    return values
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -392,6 +403,13 @@ def _evaluate(args: argparse.Namespace, folder: Path, val_path: Path, dataset) -
 
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
+    if args.needle:
+        from openk3.synthetic.long_context import needle_eval
+
+        for row in needle_eval(model, dataset, args.needle, device=args.device):
+            print(f"needle at {row['length']:>6} tokens, depth {row['depth']:.2f}: accuracy "
+                  f"{row['accuracy']:.3f}, token accuracy {row['token_accuracy']:.3f}")  # fmt: skip
+        return 0
     run_seq_len, run_batch = _run_eval_shape(folder)  # defaults: the windows the run's evaluations read
     seq_len = args.seq_len
     if seq_len is None:  # at most N - 1 (a val split shorter than one window)
@@ -556,6 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
     )
+    tr.add_argument(
+        "--long-context",
+        dest="long_context",
+        action="store_const",
+        const=True,
+        help="rows of permuted corpus pieces ending in a recall of their first passage (docs/synthetic.md)",
+    )
     tr.set_defaults(func=cmd_train)
 
     pl = sub.add_parser("plan", help="per-GPU memory and traffic of a distributed layout (no GPU needed)")
@@ -635,17 +660,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="read only the first N batches (default: every window of the split)",
     )
     ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
+    ev.add_argument(
+        "--needle",
+        type=_length_list,
+        help="needle-in-a-haystack accuracy at these context lengths instead, e.g. 256,512,1024",
+    )
     ev.set_defaults(func=cmd_eval)
 
-    from openk3.serve.cli import add_serve_parser  # light: heavy imports happen when `serve` runs
+    # each subcommand module is light: its heavy imports happen when it runs
+    from openk3.rl.cli import add_posttrain_parser
+    from openk3.sandbox.cli import add_sandbox_parser
+    from openk3.serve.cli import add_serve_parser
+    from openk3.synthetic.cli import add_parser as add_synthetic_parser
 
     add_serve_parser(sub)
-    from openk3.rl.cli import add_posttrain_parser  # light: the recipe is imported when it runs
-
     add_posttrain_parser(sub)
-    from openk3.sandbox.cli import add_sandbox_parser
-
     add_sandbox_parser(sub)
+    add_synthetic_parser(sub)
     return parser
 
 

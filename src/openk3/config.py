@@ -107,6 +107,12 @@ class LinearAttnConfig:
     """K3: full-rank output gate ``g_proj`` (hidden → H·d). Kimi-Linear: low-rank ``g_a_proj``/``g_b_proj``."""
     gate_lower_bound: float | None = None
     """K3: decay gate ``lb·σ(e^A·(f + dt_bias))`` with lb = −5. ``None``: Kimi-Linear softplus gate."""
+    decay_per_channel: bool = True
+    """KDA: one decay rate per key channel. False: one per head, broadcast over the channels (Gated DeltaNet,
+    the control of the synthetic tasks); ``f_b_proj`` and ``dt_bias`` then have H outputs, not H·K."""
+    delta_rule: bool = True
+    """KDA and Gated DeltaNet: the delta-rule update. False: the decay-only recurrence
+    ``S ← e^g S + β k vᵀ`` (a Mamba2-like control; needs ``decay_per_channel=False``, no cache or packing)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Unknown keys from ``config.json``, written back unchanged."""
 
@@ -130,6 +136,8 @@ class LinearAttnConfig:
                     name, "gate_lower_bound", self.gate_lower_bound, "must be negative (K3 uses -5.0)"
                 )
             self.gate_lower_bound = float(self.gate_lower_bound)
+        if not self.delta_rule and self.decay_per_channel:
+            raise _fail(name, "delta_rule", False, "the decay-only recurrence needs decay_per_channel=false")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LinearAttnConfig:
@@ -140,7 +148,12 @@ class LinearAttnConfig:
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
+        """The ``config.json`` dict; the mixer variants' fields only when they differ from KDA's default."""
+        out = _to_dict(self)
+        for key in ("decay_per_channel", "delta_rule"):
+            if out[key] is True and key not in self.extra:
+                del out[key]
+        return out
 
 
 @dataclass

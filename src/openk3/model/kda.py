@@ -10,12 +10,18 @@
     o       = KDA(l2norm(q), l2norm(k), v, g, β)             # openk3.ops.kda, scale K^-½
     y       = o_proj(RMSNorm_head(o) ⊙ σ(G))                 # G = g_proj x (K3) | g_b_proj(g_a_proj x)
 
+Two controls of the synthetic tasks are configs of this layer (``linear_attn_config``): with
+``decay_per_channel=False`` the decay input has one entry per head, broadcast over the K channels (Gated
+DeltaNet, the same ops); with ``delta_rule=False`` too, the state update drops the delta rule
+(:mod:`openk3.ops.decay_only`).
+
 ``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
 The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
 :func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`, which ``torch.compile`` traces); with a cache and few new tokens outside training the
 recurrent decode op runs instead.
 
-Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``.
+Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``, ``G`` decay
+inputs per head (K, or 1 with one decay per head).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from torch import nn
 from openk3.model.cache import KDACache
 from openk3.model.norm import GatedRMSNorm
 from openk3.model.short_conv import ShortConvolution
-from openk3.ops.kda import chunk_kda, fused_recurrent_kda
+from openk3.ops.decay_only import parallel_decay_only
+from openk3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm
 from openk3.ops.kda.triton.train_op import chunk_kda_train, use_train_op
 
 A_LOG_STORED = 128
@@ -50,9 +57,11 @@ class KimiDeltaAttention(nn.Module):
         self.k_conv1d = ShortConvolution(P, la.short_conv_kernel_size)
         self.v_conv1d = ShortConvolution(P, la.short_conv_kernel_size)
         self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, P, bias=False)
+        gate_width = P if la.decay_per_channel else H
+        self.f_b_proj = nn.Linear(K, gate_width, bias=False)
         self.A_log = nn.Parameter(torch.empty(max(H, A_LOG_STORED), dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(gate_width, dtype=torch.float32))
+        self.decay_per_channel, self.delta_rule = la.decay_per_channel, la.delta_rule
         self.b_proj = nn.Linear(D, H, bias=False)
         if la.use_full_rank_gate:
             self.g_proj = nn.Linear(D, P, bias=False)
@@ -80,11 +89,22 @@ class KimiDeltaAttention(nn.Module):
         q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
         k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
         v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
-        g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, K)
+        g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        if not self.delta_rule:
+            if keep or cu_seqlens is not None:
+                raise NotImplementedError("the decay-only mixer supports neither a cache nor cu_seqlens")
+            g_BTH = kda_gate(g_raw_BTHG, self.A_log, self.dt_bias, self.lower_bound).squeeze(-1)
+            q_BTHK, k_BTHK = l2norm(q_BTP.view(B, T, H, K)), l2norm(k_BTP.view(B, T, H, K))
+            o_BTHK = parallel_decay_only(
+                q_BTHK, k_BTHK, v_BTP.view(B, T, H, K), g_BTH, beta_logits_BTH.sigmoid()
+            )
+            return self._output(x_BTD, o_BTHK)
+        dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
         q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, H, K) for t in (q_BTP, k_BTP, v_BTP))
-        gate = dict(A_log=self.A_log[:H], dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+        g_raw_BTHK = g_raw_BTHG.expand(B, T, H, K)
+        gate = dict(A_log=self.A_log[:H], dt_bias=dt_bias, lower_bound=self.lower_bound)
         if use_train_op(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate, cache=cache,
                         cu_seqlens=cu_seqlens):  # fmt: skip
             o_BTHK = chunk_kda_train(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate)
@@ -92,9 +112,9 @@ class KimiDeltaAttention(nn.Module):
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
         o_BTHK, state = kda(
-            q_BTP.view(B, T, H, K),
-            k_BTP.view(B, T, H, K),
-            v_BTP.view(B, T, H, K),
+            q_BTHK,
+            k_BTHK,
+            v_BTHK,
             g_raw_BTHK,
             beta_logits_BTH,
             initial_state=cache.recurrent_state if keep else None,
@@ -102,7 +122,7 @@ class KimiDeltaAttention(nn.Module):
             cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=True,
             A_log=self.A_log[:H],
-            dt_bias=self.dt_bias,
+            dt_bias=dt_bias,
             lower_bound=self.lower_bound,
             use_beta_sigmoid_in_kernel=True,
         )

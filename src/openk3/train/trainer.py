@@ -62,6 +62,7 @@ from openk3.data import RandomBatches, TokenDataset, Tokenizer, data_fingerprint
 from openk3.data.corpus import resolve_inputs, source_records
 from openk3.model import build_model
 from openk3.presets import get_preset
+from openk3.synthetic.long_context import LongContextBatches
 from openk3.train.balance import QuantileBalancer
 from openk3.train.checkpointing import wrap_decoder_layers
 from openk3.train.memory import MemoryPlan, device_memory_bytes, plan_memory
@@ -166,6 +167,9 @@ class TrainConfig:
     val_fraction: float = 0.1
     sample_prompt: str | None = "ROMEO:"
     """Printed with a short greedy-ish sample at the end (``None`` to skip)."""
+    long_context: bool = False
+    """Train on long-context rows (permuted corpus pieces and a passage recalled at the end of each row,
+    :mod:`openk3.synthetic.long_context`) instead of plain random windows."""
     stop_at_step: int | None = None
     """Stop (with a checkpoint) after this many steps, as Ctrl-C would; for tests and chunked runs."""
     tensorboard: bool = False
@@ -216,6 +220,8 @@ class TrainConfig:
             hi=1.0,
             hi_ok=False,
         )
+        if not isinstance(self.long_context, bool):
+            raise ValueError(f"TrainConfig.long_context={self.long_context!r}: use true or false")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"TrainConfig.device={self.device!r}: use 'cpu' or 'cuda'")
         if self.balance not in ("quantile", "sign", "none"):
@@ -651,7 +657,7 @@ class Trainer:
             if config.balance != "none" and text_config_of(self.model_config).num_experts
             else None
         )
-        self.batches = RandomBatches(
+        self.batches = (LongContextBatches if config.long_context else RandomBatches)(
             self.train_set,
             config.batch_size * config.grad_accum,
             config.context_schedule[0][1],

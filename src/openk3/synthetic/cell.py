@@ -1,0 +1,175 @@
+"""Train and evaluate one cell of the synthetic grid: one task, one mixer, one training length, one seed.
+
+The model (:mod:`openk3.synthetic.mixers`) trains with AdamW on fresh batches (linear warmup over the first
+10% of steps, then cosine to 10% of the peak), the loss being the cross-entropy on the answer positions only.
+Every ``eval_every`` steps it is scored on a fixed held-out set drawn from another stream of the same seed:
+
+* ``accuracy``: exact match, the fraction of sequences whose every answer is the argmax prediction (teacher
+  forced, the answers before it given);
+* ``token_accuracy``: the fraction of answer tokens predicted.
+
+At the end, ``extrapolate`` lengths (multiples of the training length) are scored with the trained number
+of items, only the noise growing. Everything is deterministic given the seed on the CPU (the GPU's kernels
+may round differently from run to run).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from openk3.model.modeling import build_model
+from openk3.synthetic.mixers import MIXERS, MixerSize, mixer_config
+from openk3.synthetic.tasks import VOCAB_SIZE, check_task, default_items, make_batch, min_length
+
+FULL_ACCURACY = 0.99
+"""Exact-match accuracy counted as solved (``steps_to_full``)."""
+
+
+@dataclass
+class CellConfig:
+    task: str = "mqar"
+    mixer: str = "kda"
+    seq_len: int = 256
+    items: int | None = None
+    """Items per sequence; ``None``: :func:`~openk3.synthetic.tasks.default_items` (``seq_len // 32``)."""
+    seed: int = 0
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    eval_every: int = 50
+    eval_size: int = 128
+    """Held-out sequences scored at each evaluation."""
+    extrapolate: list[int] = field(default_factory=list)
+    """Multiples of ``seq_len`` scored at the end (e.g. ``[4, 8]``)."""
+    size: MixerSize = field(default_factory=MixerSize)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        check_task(self.task)
+        if self.mixer not in MIXERS:
+            raise ValueError(f"CellConfig.mixer={self.mixer!r} is invalid: choose one of {', '.join(MIXERS)}")
+        if isinstance(self.size, dict):
+            self.size = MixerSize(**self.size)
+        for name in ("seq_len", "steps", "batch_size", "eval_every", "eval_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CellConfig.{name}={value!r} is invalid: expected an int >= 1")
+        if self.items is None:
+            self.items = default_items(self.task, self.seq_len)
+        if self.seq_len < min_length(self.task, self.items):
+            raise ValueError(
+                f"CellConfig.seq_len={self.seq_len} is too short for {self.items} {self.task} items "
+                f"(needs {min_length(self.task, self.items)})"
+            )
+        if not all(isinstance(m, int) and m >= 1 for m in self.extrapolate):
+            raise ValueError(f"CellConfig.extrapolate={self.extrapolate!r} is invalid: expected ints >= 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"CellConfig.lr={self.lr!r} is invalid: expected a finite number > 0")
+
+
+def _to_device(batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(batch.tokens_NL).to(device), torch.from_numpy(batch.answer_NL).to(device)
+
+
+def _logits(model, tokens_NL: torch.Tensor, device: torch.device) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return model(tokens_NL[:, :-1]).logits.float()
+
+
+@torch.no_grad()
+def evaluate(model, batch, device: torch.device, micro_batch: int = 32) -> dict:
+    """``accuracy`` (exact match per sequence), ``token_accuracy`` and ``loss`` (nats per answer token)."""
+    model.eval()
+    tokens_NL, answer_NL = _to_device(batch, device)
+    exact, right, count, loss = 0, 0, 0, 0.0
+    for tok, ans in zip(tokens_NL.split(micro_batch), answer_NL.split(micro_batch)):
+        logits = _logits(model, tok, device)
+        target, mask = tok[:, 1:], ans[:, 1:]
+        hit = (logits.argmax(-1) == target) | ~mask
+        exact += int(hit.all(-1).sum())
+        right += int((hit & mask).sum())
+        count += int(mask.sum())
+        loss += float(F.cross_entropy(logits[mask], target[mask], reduction="sum"))
+    model.train()
+    n = tokens_NL.shape[0]
+    return {"accuracy": exact / n, "token_accuracy": right / count, "loss": loss / count}
+
+
+def _lr_factor(step: int, steps: int) -> float:
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> dict:
+    """Train and score one cell; returns its result (JSON-serialisable).
+
+    Keys: ``config``, ``params``, ``curve`` (``step``, ``accuracy``, ``token_accuracy``, ``loss``,
+    ``train_loss`` per evaluation, step 0 included), ``final`` (the last evaluation), ``steps_to_full``
+    (first step with accuracy ≥ :data:`FULL_ACCURACY`, or None), ``extrapolation`` (``{length: scores}``),
+    ``seconds``. ``log`` receives each curve point as it is measured."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    torch.manual_seed(config.seed)
+    model = build_model(mixer_config(config.mixer, VOCAB_SIZE, config.size), device=device, seed=config.seed)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or name.endswith(("A_log", "dt_bias")) else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.98),
+    )
+    train_rng, held_rng = np.random.default_rng([config.seed, 0]), np.random.default_rng([config.seed, 1])
+    held_out = make_batch(config.task, config.eval_size, config.seq_len, config.items, held_rng)
+    curve, steps_to_full, train_loss = [], None, float("nan")
+    start = time.perf_counter()
+    for step in range(config.steps + 1):
+        if step % config.eval_every == 0 or step == config.steps:
+            point = {"step": step, **evaluate(model, held_out, device), "train_loss": train_loss}
+            curve.append(point)
+            if log is not None:
+                log(point)
+            if steps_to_full is None and point["accuracy"] >= FULL_ACCURACY:
+                steps_to_full = step
+        if step == config.steps:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * _lr_factor(step, config.steps)
+        tokens_NL, answer_NL = _to_device(
+            make_batch(config.task, config.batch_size, config.seq_len, config.items, train_rng), device
+        )
+        logits = _logits(model, tokens_NL, device)
+        mask = answer_NL[:, 1:]
+        loss = F.cross_entropy(logits[mask], tokens_NL[:, 1:][mask])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        train_loss = loss.item()
+    extrapolation = {}
+    for multiple in config.extrapolate:
+        length = multiple * config.seq_len
+        rng = np.random.default_rng([config.seed, 2, multiple])
+        batch = make_batch(config.task, config.eval_size, length, config.items, rng)
+        extrapolation[str(length)] = evaluate(model, batch, device, micro_batch=max(1, 32 // multiple))
+    return {
+        "config": asdict(config),
+        "params": sum(p.numel() for p in model.parameters()),
+        "curve": curve,
+        "final": curve[-1],
+        "steps_to_full": steps_to_full,
+        "extrapolation": extrapolation,
+        "seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,99 @@
+"""``openk3 synthetic``: train and score one cell of the synthetic grid.
+
+    openk3 synthetic --task mqar --mixer kda --seq-len 1024
+    openk3 synthetic --task palindrome --mixer hybrid --seq-len 256 --extrapolate 4,8 --device cuda
+
+It prints the accuracy curve as it is measured and a summary line; ``--json PATH`` writes the whole result
+(:func:`openk3.synthetic.cell.run_cell`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    return values
+
+
+def _positive(cast):
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {cast.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def add_parser(sub) -> None:
+    """Register the ``synthetic`` subcommand on the top-level subparsers ``sub``."""
+    from openk3.synthetic.mixers import MIXERS
+    from openk3.synthetic.tasks import TASKS
+
+    p = sub.add_parser("synthetic", help="train and score one synthetic-task cell (palindrome, MQAR, stack)")
+    p.add_argument("--task", choices=TASKS, required=True)
+    p.add_argument("--mixer", choices=MIXERS, required=True)
+    p.add_argument("--seq-len", dest="seq_len", type=_positive(int), default=256, help="tokens per sequence")
+    p.add_argument("--items", type=_positive(int), help="items per sequence (default seq-len // 32)")
+    p.add_argument("--steps", type=_positive(int), default=600)
+    p.add_argument("--batch-size", dest="batch_size", type=_positive(int), default=32)
+    p.add_argument("--lr", type=_positive(float), default=2e-3)
+    p.add_argument("--eval-every", dest="eval_every", type=_positive(int), default=50)
+    p.add_argument("--eval-size", dest="eval_size", type=_positive(int), default=128)
+    p.add_argument(
+        "--extrapolate", type=_ints, default=[], help="multiples of seq-len scored at the end, e.g. 4,8"
+    )
+    p.add_argument("--hidden-size", dest="hidden_size", type=_positive(int), default=128)
+    p.add_argument("--layers", type=_positive(int), default=4)
+    p.add_argument("--heads", type=_positive(int), default=2)
+    p.add_argument("--head-dim", dest="head_dim", type=_positive(int), default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--json", help="write the full result to this file")
+    p.set_defaults(func=cmd_synthetic)
+
+
+def cmd_synthetic(args: argparse.Namespace) -> int:
+    from openk3.synthetic.cell import CellConfig, run_cell
+    from openk3.synthetic.mixers import MixerSize
+
+    size = MixerSize(args.hidden_size, args.layers, args.heads, args.head_dim)
+    config = CellConfig(
+        task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, seed=args.seed,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+        eval_size=args.eval_size, extrapolate=args.extrapolate, size=size, device=args.device,
+    )  # fmt: skip
+
+    def log(point: dict) -> None:
+        print(
+            f"step {point['step']:>6}  accuracy {point['accuracy']:.3f}  token accuracy "
+            f"{point['token_accuracy']:.3f}  answer loss {point['loss']:.4f}",
+            flush=True,
+        )
+
+    result = run_cell(config, log)
+    full = result["steps_to_full"]
+    print(
+        f"{args.task} / {args.mixer} / {args.seq_len} tokens / {config.items} items / seed {args.seed}: "
+        f"accuracy {result['final']['accuracy']:.3f}, "
+        f"{'full accuracy at step ' + str(full) if full is not None else 'full accuracy not reached'}, "
+        f"{result['params']:,} parameters, {result['seconds']:.1f} s"
+    )
+    for length, scores in result["extrapolation"].items():
+        print(f"  at {length} tokens ({config.items} items): accuracy {scores['accuracy']:.3f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    return 0
