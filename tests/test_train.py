@@ -474,7 +474,9 @@ def test_impossible_sizes_are_refused_with_their_numbers(corpus, tmp_path):
     assert floor["state"] == pytest.approx(16 * accounting_report(config)["total_params"], rel=1e-3)
     assert floor["logits"] == 2 * 32 * config.text_config.vocab_size * 12
     out = tmp_path / "big"
-    with pytest.raises(ValueError, match=r"training kimi-k3 .* needs (at least|about) [\d,.]+ GiB .* more than the"):
+    with pytest.raises(
+        ValueError, match=r"training kimi-k3 .* needs (at least|about) [\d,.]+ GiB .* more than the"
+    ):
         Trainer(small(corpus, out, preset="kimi-k3"), progress=False)
     assert not out.exists()
 
