@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from dist_utils import nccl_world_available, run_world
-from openk3.dist.balance import all_reduce_counts_, data_process_group
+from openk3.dist.balance import data_process_group
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import ShardedKimiMuon
 from openk3.model.modeling import build_model
@@ -113,8 +113,7 @@ def _qb_checks(rank, world, group):
         balancer = QuantileBalancer(model, process_group=pg)
         with torch.no_grad():
             for chunk in chunks:
-                model(chunk)
-                balancer.observe()
+                model(chunk)  # training mode: each MoE block counts its routing
         balancer.step()
         biases.append(torch.cat([block.gate.e_score_correction_bias for block in balancer.blocks]))
     return torch.equal(biases[0], biases[1]) and bool(biases[0].abs().sum() > 0)
@@ -125,9 +124,6 @@ def _optim_world(rank, world, backend):
     meshes = build_meshes(ParallelDims(world_size=world), device_type)
     out = _muon_checks(rank, world, meshes.fsdp)
     out["qb"] = _qb_checks(rank, world, data_process_group(meshes))
-    counts = [torch.tensor([rank + 1, 2], dtype=torch.int32), torch.tensor([10 * rank], dtype=torch.int32)]
-    all_reduce_counts_(counts, data_process_group(meshes))
-    out["counts"] = [c.tolist() for c in counts]
     return out
 
 
@@ -137,7 +133,6 @@ def _check(results, world):
         assert out[4] < 1e-6, f"accumulation 4 differs from one process by {out[4]:.3g}"
         assert out["naive"] > 1e-3, "NS on shards matched: the test cannot see a split head"
         assert out["qb"], "QB biases differ from one process"
-        assert out["counts"] == [[sum(range(1, world + 1)), 2 * world], [10 * sum(range(world))]]
 
 
 def test_sharded_muon_and_qb_equal_one_process():

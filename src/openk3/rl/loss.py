@@ -6,13 +6,13 @@ tokens (padded; ``mask_BT`` marks the real ones). Log-probs are natural-log, fp3
 Pieces (each one function):
 
 * :func:`group_advantages` — ``A_i = (r_i − mean_g r) / (std_g r + eps)`` over a prompt's group (GRPO,
-  DeepSeekMath arXiv 2402.03300 §4.1); ``scale_std=False`` keeps ``r_i − mean`` (Dr. GRPO, arXiv 2503.20783).
+  DeepSeekMath arXiv 2402.03300 sec. 4.1); ``scale_std=False`` keeps ``r_i − mean`` (Dr. GRPO, arXiv 2503.20783).
 * :func:`clipped_surrogate` — PPO's ``−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A)`` with ``ρ = π_θ/π_old``, the
-  asymmetric "clip-higher" of DAPO (arXiv 2503.14476 §3.1).
+  asymmetric "clip-higher" of DAPO (arXiv 2503.14476 sec. 3.1).
 * :func:`log_ratio_mask` — Kimi K2.5's token mask ``1[α ≤ log(π_θ/π_old) ≤ β]`` regardless of the sign of
-  A (K2.5 report arXiv 2602.02276 §4.4.2).
+  A (K2.5 report arXiv 2602.02276 sec. 4.4.2).
 * :func:`squared_log_ratio` — the Kimi K1.5/K2 per-token regulariser ``(τ/2)(log π_θ − log π_behav)²`` whose
-  gradient is ``τ(log π_θ − log π_behav)∇log π_θ`` (K1.5 arXiv 2501.12599 §2.3; K2 arXiv 2507.20534 §3.2.3;
+  gradient is ``τ(log π_θ − log π_behav)∇log π_θ`` (K1.5 arXiv 2501.12599 sec. 2.3; K2 arXiv 2507.20534 sec. 3.2.3;
   the same term is prime-rl's ``kl_tau`` and ROLL's ``kimi15``).
 * :func:`truncated_importance_weight` — TIS ``min(π_old/π_behav, C)`` detached, correcting a behaviour
   policy (the rollout engine, or an older policy version in partial rollout) that differs from the

@@ -1,7 +1,7 @@
 """Partial rollout: generation pauses once a fraction λ of the batch has finished; the unfinished
 trajectories wait with their tokens, behaviour log-probs and versions and resume in the next iteration.
 
-Kimi K1.5 (arXiv 2501.12599 §2.6.2) caps the tokens of one iteration and continues unfinished trajectories
+Kimi K1.5 (arXiv 2501.12599 sec. 2.6.2) caps the tokens of one iteration and continues unfinished trajectories
 later; slime/APRIL (arXiv 2509.18521) stop once enough groups are done and recycle the rest. Here the stop
 condition is the finished fraction: pause when ``finished ≥ ⌈λ·N⌉`` of the ``N`` trajectories in flight.
 

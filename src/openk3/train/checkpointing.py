@@ -3,8 +3,8 @@
 :func:`wrap_decoder_layers` replaces each decoder layer's stream method (``forward_attn_res`` for K3's Block
 AttnRes, ``forward_residual`` for Kimi-Linear) on the instance, for calls that record a gradient without a
 cache (training); evaluation, prefill and decoding keep the plain method. The layer's work becomes a pure
-function of tensors (``partial`` and the completed AttnRes blocks, passed as a tuple; the block a layer opens
-is appended to the caller's list outside it), which is what checkpointing and compiling need.
+function of tensors (``partial`` and the completed AttnRes blocks, passed as a tuple; the model appends the block a
+layer opens to its own list, :attr:`~openk3.model.decoder.KimiDecoderLayer.opens_block`), which is what checkpointing and compiling need.
 
 Modes (:data:`openk3.train.memory.MODES`):
 
@@ -101,19 +101,16 @@ def wrap_decoder_layers(model: torch.nn.Module, checkpointing: str = "none", com
         name = "forward_attn_res" if attn_res else "forward_residual"
         plain = getattr(layer, name)
         step = _layer_step(plain, attn_res, checkpointing, compile)
-        setattr(layer, name, _dispatcher(layer, attn_res, plain, step))
+        setattr(layer, name, _dispatcher(attn_res, plain, step))
 
 
-def _dispatcher(layer, attn_res: bool, plain, step):
+def _dispatcher(attn_res: bool, plain, step):
     if attn_res:
 
         def forward_attn_res(blocks, partial_BTD, cache=None, cu_seqlens=None):
             if cache is not None or not torch.is_grad_enabled():
                 return plain(blocks, partial_BTD, cache, cu_seqlens)
-            out = step(partial_BTD, *blocks, cu_seqlens=cu_seqlens)
-            if layer.layer_idx % layer.block_size == 0:
-                blocks.append(partial_BTD)
-            return out
+            return step(partial_BTD, *blocks, cu_seqlens=cu_seqlens)  # the caller appends a block it opens
 
         return forward_attn_res
 

@@ -2,12 +2,12 @@
 
 * ``b0(x)`` — the ρ-percentile of the lengths of *correct* responses to problem ``x`` sampled from the
   reference policy (the max-effort model), estimated once and then fixed (Kimi K2.5 arXiv 2602.02276
-  §4.4.2: ``B(x) = Percentile_ρ({|y| : y ∈ Y_correct(x)})``, "estimated once at the beginning of training").
+  sec. 4.4.2: ``B(x) = Percentile_ρ({|y| : y ∈ Y_correct(x)})``, "estimated once at the beginning of training").
   A problem with no correct sample has no budget (the reward is correctness only).
 * ``τ`` — the budget multiplier, annealed linearly from ``tau_start`` to ``tau_end`` (ThinkPrune
   arXiv 2504.01296 tightens the limit round by round), never letting ``τ·b0`` drop below the shortest
   correct length seen for ``x`` (the floor: below it no correct answer fits and accuracy collapses).
-* Reward (K2 arXiv 2507.20534 §3.2.3, per-sample token budget with a penalty):
+* Reward (K2 arXiv 2507.20534 sec. 3.2.3, per-sample token budget with a penalty):
   ``r = −1`` if ``|y| > L(x)`` with ``L(x) = max(⌊τ·b0(x)⌋, min_correct(x))``, else the task reward.
   ``|y| = L(x)`` is within budget.
 * Effort levels are τ values (:class:`EffortLevels`): the low-effort expert trains at a small τ.
