@@ -8,12 +8,12 @@ from pathlib import Path
 
 def add_posttrain_parser(sub) -> None:
     p = sub.add_parser("posttrain", help="post-training recipe: SFT → RL experts per domain × effort → MOPD")
-    p.add_argument("--recipe", choices=["demo"], required=True)
+    p.add_argument("--recipe", choices=["demo"], required=True, help="which recipe to run")
     p.add_argument("--quick", action="store_true", help="a few minutes: every stage, few steps")
     p.add_argument(
         "--out", type=Path, default=Path("runs/posttrain-demo"), help="plots, table and logs go here"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of every stage (data, init, sampling)")
     p.set_defaults(func=run)
 
 

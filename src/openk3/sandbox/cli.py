@@ -23,8 +23,8 @@ def add_sandbox_parser(sub) -> None:
     b.set_defaults(func=cmd_build_image)
 
     s = ssub.add_parser("serve", help="serve sandboxes over the E2B API (point the e2b SDK at it)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=3000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=3000, help="port to listen on")
     s.add_argument(
         "--root", type=Path, default=None, help="state directory (default ~/.cache/openk3/sandbox/state)"
     )
@@ -38,7 +38,12 @@ def add_sandbox_parser(sub) -> None:
         help="an accepted API key (repeatable; default: $OPENK3_SANDBOX_API_KEYS, comma-separated, else one new key)",
     )
     s.add_argument("--memory-mib", type=int, default=256, help="guest RAM per sandbox in MiB")
-    s.add_argument("--accel", choices=["auto", "kvm", "tcg"], default="auto")
+    s.add_argument(
+        "--accel",
+        choices=["auto", "kvm", "tcg"],
+        default="auto",
+        help="QEMU accelerator (auto: KVM when it runs)",
+    )
     s.add_argument("--template", default="base", help="name of the template booted at start")
     s.add_argument("--health-interval", type=float, default=30.0, help="seconds between guest health probes")
     s.set_defaults(func=cmd_serve)

@@ -42,24 +42,30 @@ def add_parser(sub) -> None:
     from openk3.synthetic.tasks import TASKS
 
     p = sub.add_parser("synthetic", help="train and score one synthetic-task cell (palindrome, MQAR, stack)")
-    p.add_argument("--task", choices=TASKS, required=True)
-    p.add_argument("--mixer", choices=MIXERS, required=True)
+    p.add_argument("--task", choices=TASKS, required=True, help="the synthetic task")
+    p.add_argument("--mixer", choices=MIXERS, required=True, help="the sequence mixer of every layer")
     p.add_argument("--seq-len", dest="seq_len", type=_positive(int), default=256, help="tokens per sequence")
     p.add_argument("--items", type=_positive(int), help="items per sequence (default seq-len // 32)")
-    p.add_argument("--steps", type=_positive(int), default=600)
-    p.add_argument("--batch-size", dest="batch_size", type=_positive(int), default=32)
-    p.add_argument("--lr", type=_positive(float), default=2e-3)
-    p.add_argument("--eval-every", dest="eval_every", type=_positive(int), default=50)
-    p.add_argument("--eval-size", dest="eval_size", type=_positive(int), default=128)
+    p.add_argument("--steps", type=_positive(int), default=600, help="training steps")
+    p.add_argument(
+        "--batch-size", dest="batch_size", type=_positive(int), default=32, help="sequences per step"
+    )
+    p.add_argument("--lr", type=_positive(float), default=2e-3, help="AdamW learning rate")
+    p.add_argument(
+        "--eval-every", dest="eval_every", type=_positive(int), default=50, help="steps between evaluations"
+    )
+    p.add_argument(
+        "--eval-size", dest="eval_size", type=_positive(int), default=128, help="held-out sequences"
+    )
     p.add_argument(
         "--extrapolate", type=_ints, default=[], help="multiples of seq-len scored at the end, e.g. 4,8"
     )
-    p.add_argument("--hidden-size", dest="hidden_size", type=_positive(int), default=128)
-    p.add_argument("--layers", type=_positive(int), default=4)
-    p.add_argument("--heads", type=_positive(int), default=2)
-    p.add_argument("--head-dim", dest="head_dim", type=_positive(int), default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--hidden-size", dest="hidden_size", type=_positive(int), default=128, help="model width")
+    p.add_argument("--layers", type=_positive(int), default=4, help="decoder layers")
+    p.add_argument("--heads", type=_positive(int), default=2, help="heads per mixer")
+    p.add_argument("--head-dim", dest="head_dim", type=_positive(int), default=64, help="head size")
+    p.add_argument("--seed", type=int, default=0, help="seed of data and init")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the cell trains")
     p.add_argument("--json", help="write the full result to this file")
     p.set_defaults(func=cmd_synthetic)
 
