@@ -51,7 +51,6 @@ def _step(model, opt, balancer, ids, rank, world):
     for chunk in mine:
         logits = model(chunk[:, :-1]).logits
         (F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten()) / len(mine)).backward()
-        balancer.observe()
     balancer.step()
     opt.step()
 

@@ -9,7 +9,7 @@ no ``kimi_k3`` model type of its own, so :func:`write_remote_code` gives every f
 * ``modeling_kimi_k3.py``: the openk3 model as one self-contained file (no ``import openk3``): the source of
   :data:`MODEL_SOURCES` (the config classes, the KDA reference recurrence, the model modules) with their
   ``openk3`` imports removed and the chunked/recurrent KDA ops bound to the per-token recurrence (the same
-  function up to fp32 rounding), followed by ``KimiK3ForCausalLM``, a ``PreTrainedModel`` whose module tree
+  function up to fp32 rounding; openk3's Triton training op is never taken), followed by ``KimiK3ForCausalLM``, a ``PreTrainedModel`` whose module tree
   gives the official tensor names (routed experts one module per expert, ``experts.{j}.w1``, stacked at run
   time for the grouped forward).
 
@@ -32,6 +32,7 @@ MODEL_SOURCES = (
     "ops/kda/l2norm.py",
     "ops/kda/inputs.py",
     "ops/kda/naive.py",
+    "ops/decay_only.py",
     "model/activations.py",
     "model/norm.py",
     "model/varlen.py",
@@ -95,6 +96,13 @@ except ImportError:  # loaded as a plain module, outside a package
     from configuration_kimi_k3 import KimiK3RemoteConfig
 
 chunk_kda = fused_recurrent_kda = naive_recurrent_kda  # the exact per-token recurrence
+
+
+def use_train_op(*args, **kwargs) -> bool:  # the Triton training op is openk3's own: never here
+    return False
+
+
+chunk_kda_train = None
 _StackedExperts = RoutedExperts
 
 

@@ -150,9 +150,7 @@ def train_distributed(
                     / config.grad_accum
                 )
                 loss.backward()
-                local += loss.detach()
-                if balancer:
-                    balancer.observe()
+                local += loss.detach()  # each MoE block counted its routing in the forward
             grad_norm = clip_grad_norm_(model.parameters(), config.grad_clip)
             stats = balancer.step() if balancer else {}
             optimizer.step()
