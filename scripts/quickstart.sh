@@ -22,7 +22,8 @@ for i in "${!args[@]}"; do
 done
 if [ "$resume" = 0 ] && [ -f "$run/checkpoints/latest" ]; then
   echo "$run already holds a trained run: skipping training, sampling from it."
-  echo "  start fresh: rm -r $run (or pass --out runs/NEW); continue an interrupted run: add --resume"
+  echo "  start fresh: rm -r $run (or pass --out runs/NEW); continue an interrupted run, or extend a finished one"
+  echo "  with a larger --steps: add --resume"
 else
   openk3 train "$@"
 fi

@@ -316,9 +316,9 @@ def test_timeout_reaps(server):
     assert not (server["root"] / "sandboxes" / sb.sandbox_id).exists()
     assert _vmm_pids(server["root"] / "sandboxes" / sb.sandbox_id) == []
     # a paused sandbox waits for its resume past its timeout
-    sb = Sandbox.create("base", timeout=3)
+    sb = Sandbox.create("base", timeout=8)  # room for the pause on a loaded machine
     sb.pause()
-    time.sleep(5)
+    time.sleep(10)
     assert sb.get_info().state.value == "paused"
     Sandbox.kill(sb.sandbox_id)
 
