@@ -455,6 +455,62 @@ def test_api_auth_and_bad_input_without_guests(tmp_path):
         create_app(manager, [])
 
 
+def _stand_in_manager(tmp_path: Path):
+    """A manager over a stand-in image: enough for the control plane, no guest can start."""
+    from openk3.sandbox.image import Image
+    from openk3.sandbox.manager import ManagerConfig, SandboxManager
+
+    (tmp_path / "img").mkdir(exist_ok=True)
+    (tmp_path / "img" / "image.json").write_text('{"disk_mib": 1024}')
+    return SandboxManager(ManagerConfig(root=tmp_path / "state"), Image(tmp_path / "img"))
+
+
+_SIGTERM_SERVER = """
+import sys, uvicorn
+from pathlib import Path
+from openk3.sandbox.api import create_app
+sys.path.insert(0, {tests!r})
+from test_sandbox import _stand_in_manager
+mark = Path({mark!r})
+app = create_app(_stand_in_manager(Path({tmp!r})), ["k"], on_shutdown=lambda: mark.write_text("shut down"))
+uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_app_shutdown_hook_runs_on_sigterm_and_sigint(tmp_path, sig):
+    """uvicorn re-raises SIGTERM after its shutdown, which ends the process: the hook must run before that."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mark = tmp_path / "mark"
+    code = _SIGTERM_SERVER.format(
+        tests=str(Path(__file__).parent), mark=str(mark), tmp=str(tmp_path), port=port
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if (
+                    httpx.get(f"http://127.0.0.1:{port}/v2/sandboxes", headers={"X-API-Key": "k"}).status_code
+                    == 200
+                ):
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up in 30 s")
+        p.send_signal(sig)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    assert mark.read_text() == "shut down"
+
+
 def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys):
     from openk3.cli import main
 

@@ -58,9 +58,11 @@ def _iso(t: float) -> str:
 
 
 def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: float = 1.0,
-               health_interval_s: float = 30.0) -> FastAPI:  # fmt: skip
+               health_interval_s: float = 30.0, on_shutdown=None) -> FastAPI:  # fmt: skip
     """The app over ``manager``. ``api_keys``: accepted keys (at least one). A background task applies
-    timeouts every ``reap_interval_s`` and health-checks running guests every ``health_interval_s``."""
+    timeouts every ``reap_interval_s`` and health-checks running guests every ``health_interval_s``.
+    ``on_shutdown``: called (in a thread) when the app shuts down, before the server returns: uvicorn runs it
+    on SIGINT and SIGTERM alike (it re-raises SIGTERM only afterwards, which ends the process)."""
     if not api_keys or not all(api_keys):
         raise ValueError("create_app needs at least one non-empty API key")
     owners = {owner_of(k) for k in api_keys}
@@ -83,6 +85,8 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
         yield
         task.cancel()
         await app.state.client.aclose()
+        if on_shutdown is not None:
+            await run_in_threadpool(on_shutdown)
 
     app = FastAPI(title="openk3 sandbox (E2B-compatible)", lifespan=lifespan)
 

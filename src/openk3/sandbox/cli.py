@@ -90,7 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     url = f"http://{args.host}:{args.port}"
     print(f"accelerator {manager.vmm.accel}; E2B_API_URL={url} E2B_SANDBOX_URL={url}", flush=True)
-    app = create_app(manager, keys, health_interval_s=args.health_interval)
+    # running sandboxes are paused when the app shuts down (SIGINT or SIGTERM): they survive the restart
+    app = create_app(manager, keys, health_interval_s=args.health_interval,
+                     on_shutdown=lambda: manager.shutdown(pause_running=True))  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    manager.shutdown(pause_running=True)  # running sandboxes are paused: they survive the restart
     return 0
