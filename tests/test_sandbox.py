@@ -511,6 +511,36 @@ def test_app_shutdown_hook_runs_on_sigterm_and_sigint(tmp_path, sig):
     assert mark.read_text() == "shut down"
 
 
+def test_state_root_lock_refuses_a_second_server_and_takes_over_a_stale_one(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from openk3.sandbox.lock import RootBusyError, hold_root
+
+    # a server that exited without unlocking (killed): its line is left, its flock is gone with it
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from openk3.sandbox.lock import hold_root; "
+                    f"f, _ = hold_root(Path({str(tmp_path)!r}), 'h', 1); sys.exit(0)"], check=True)  # fmt: skip
+    dead = (tmp_path / "server.lock").read_text().strip()
+    f, stale = hold_root(tmp_path, "127.0.0.1", 3000)
+    assert stale == dead and dead.endswith(" h 1")
+    assert (tmp_path / "server.lock").read_text() == f"{os.getpid()} 127.0.0.1 3000\n"
+    # a second holder in another process is refused, naming this one
+    r = subprocess.run([sys.executable, "-c", "from pathlib import Path; from openk3.sandbox.lock import hold_root; "
+                        f"hold_root(Path({str(tmp_path)!r}), 'h', 2)"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode != 0 and f"RootBusyError: state root {tmp_path} is in use" in r.stderr
+    assert f"{os.getpid()} 127.0.0.1 3000" in r.stderr
+    # the CLI refuses with one line before any work
+    from openk3.cli import main
+
+    assert main(["sandbox", "serve", "--root", str(tmp_path), "--api-key", "k"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("openk3 sandbox: error: state root") and "3000" in err[0]
+    f.close()
+    with pytest.raises(RootBusyError):  # flock is per open file: a second open in one process conflicts too
+        g, _ = hold_root(tmp_path, "a", 1)
+        hold_root(tmp_path, "b", 2)
+
+
 def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys):
     from openk3.cli import main
 

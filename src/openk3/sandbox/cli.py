@@ -72,26 +72,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from openk3.sandbox.api import create_app
     from openk3.sandbox.image import build_image, default_cache_dir
+    from openk3.sandbox.lock import RootBusyError, hold_root, release_root
     from openk3.sandbox.manager import ManagerConfig, SandboxError, SandboxManager
     from openk3.sandbox.vmm import MachineSpec
 
     keys = args.api_key or [k for k in os.environ.get("OPENK3_SANDBOX_API_KEYS", "").split(",") if k]
-    if not keys:
-        keys = ["openk3_" + secrets.token_hex(16)]
-        print(f"no --api-key given; generated one: {keys[0]}", flush=True)
     root = args.root or default_cache_dir() / "state"
     spec = MachineSpec(memory_mib=args.memory_mib, accel=args.accel)  # bad flags fail before any work
     try:
-        image = build_image(_image_config(args.cache_dir))
-        manager = SandboxManager(ManagerConfig(root=root, spec=spec), image)
-        manager.build_template(args.template)
-    except (RuntimeError, SandboxError) as e:
+        lock, stale = hold_root(root, args.host, args.port)  # one server per state root
+    except RootBusyError as e:
         print(f"openk3 sandbox: error: {e}", file=sys.stderr)
         return 1
-    url = f"http://{args.host}:{args.port}"
-    print(f"accelerator {manager.vmm.accel}; E2B_API_URL={url} E2B_SANDBOX_URL={url}", flush=True)
-    # running sandboxes are paused when the app shuts down (SIGINT or SIGTERM): they survive the restart
-    app = create_app(manager, keys, health_interval_s=args.health_interval,
-                     on_shutdown=lambda: manager.shutdown(pause_running=True))  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    try:
+        if stale:
+            print(f"taking over the state root {root} from a server that exited without unlocking "
+                  f"(pid host port: {stale})", flush=True)  # fmt: skip
+        if not keys:
+            keys = ["openk3_" + secrets.token_hex(16)]
+            print(f"no --api-key given; generated one: {keys[0]}", flush=True)
+        try:
+            image = build_image(_image_config(args.cache_dir))
+            manager = SandboxManager(ManagerConfig(root=root, spec=spec), image)
+            manager.build_template(args.template)
+        except (RuntimeError, SandboxError) as e:
+            print(f"openk3 sandbox: error: {e}", file=sys.stderr)
+            return 1
+        url = f"http://{args.host}:{args.port}"
+        print(f"accelerator {manager.vmm.accel}; E2B_API_URL={url} E2B_SANDBOX_URL={url}", flush=True)
+        # running sandboxes are paused when the app shuts down (SIGINT or SIGTERM): they survive the restart
+        app = create_app(manager, keys, health_interval_s=args.health_interval,
+                         on_shutdown=lambda: manager.shutdown(pause_running=True))  # fmt: skip
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return 0
+    finally:
+        release_root(lock)
