@@ -541,8 +541,22 @@ def test_state_root_lock_refuses_a_second_server_and_takes_over_a_stale_one(tmp_
         hold_root(tmp_path, "b", 2)
 
 
-def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys):
+def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys, tmp_path):
     from openk3.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["sandbox", "serve", "--port", "99999"])
+    assert e.value.code == 2
+    assert "argument --port: a port is 0 to 65535, got 99999" in capsys.readouterr().err
+    with socket.socket() as taken:  # a port in use fails before the image or the template (no cache is made)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["sandbox", "serve", "--port", str(port), "--root", str(tmp_path / "state"), "--api-key", "k"]
+        assert main([*args, "--cache-dir", str(tmp_path / "cache")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"openk3 sandbox: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert not (tmp_path / "cache").exists() and (tmp_path / "state" / "server.lock").read_text() == ""
 
     assert main(["sandbox", "serve", "--memory-mib", "64", "--api-key", "k"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def add_sandbox_parser(sub) -> None:
 
     s = ssub.add_parser("serve", help="serve sandboxes over the E2B API (point the e2b SDK at it)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=3000, help="port to listen on")
+    s.add_argument("--port", type=_port, default=3000, help="port to listen on (0: any free port)")
     s.add_argument(
         "--root", type=Path, default=None, help="state directory (default ~/.cache/openk3/sandbox/state)"
     )
@@ -47,6 +48,33 @@ def add_sandbox_parser(sub) -> None:
     s.add_argument("--template", default="base", help="name of the template booted at start")
     s.add_argument("--health-interval", type=float, default=30.0, help="seconds between guest health probes")
     s.set_defaults(func=cmd_serve)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it), made before the slow template boot so a port
+    in use fails at once. Raises OSError naming the address."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no wait on TIME_WAIT
+        try:
+            sock.bind(addr)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    return sock
 
 
 def _image_config(cache_dir: Path | None):
@@ -85,6 +113,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"openk3 sandbox: error: {e}", file=sys.stderr)
         return 1
     try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        release_root(lock)
+        print(f"openk3 sandbox: error: {e}", file=sys.stderr)
+        return 1
+    try:
         if stale:
             print(f"taking over the state root {root} from a server that exited without unlocking "
                   f"(pid host port: {stale})", flush=True)  # fmt: skip
@@ -98,12 +132,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (RuntimeError, SandboxError) as e:
             print(f"openk3 sandbox: error: {e}", file=sys.stderr)
             return 1
-        url = f"http://{args.host}:{args.port}"
+        url = f"http://{args.host}:{sock.getsockname()[1]}"
         print(f"accelerator {manager.vmm.accel}; E2B_API_URL={url} E2B_SANDBOX_URL={url}", flush=True)
         # running sandboxes are paused when the app shuts down (SIGINT or SIGTERM): they survive the restart
         app = create_app(manager, keys, health_interval_s=args.health_interval,
                          on_shutdown=lambda: manager.shutdown(pause_running=True))  # fmt: skip
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
         return 0
     finally:
+        sock.close()
         release_root(lock)
