@@ -192,6 +192,7 @@ def test_commands_files_and_key_isolation(server):
             sb.commands.run(probe)
     finally:
         sb.kill()
+    assert sb.is_running() is False
     # unknown ids: 404 on every route
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect("i0000000000000000")
@@ -449,8 +450,12 @@ def test_api_auth_and_bad_input_without_guests(tmp_path):
             assert r.status_code == 404 and r.json()["code"] == 404, (method, path, r.text)
         r = client.post("/v2/sandboxes", content=b"[1]", headers=key)
         assert r.status_code == 400 and "JSON object" in r.json()["message"]
-        r = client.get("/health", headers={"E2b-Sandbox-Id": "ix"})  # envd traffic for an unknown sandbox
-        assert r.status_code == 404
+        r = client.get("/files", headers={"E2b-Sandbox-Id": "ix"})  # envd traffic for an unknown sandbox
+        assert r.status_code == 404 and "'ix' not found" in r.json()["message"]
+        r = client.get(
+            "/health", headers={"E2b-Sandbox-Id": "ix"}
+        )  # what the SDK's is_running() reads as False
+        assert r.status_code == 502 and "'ix' not found" in r.json()["message"]
     with pytest.raises(ValueError, match="API key"):
         create_app(manager, [])
 

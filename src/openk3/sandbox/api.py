@@ -245,7 +245,8 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
         try:
             record, port = manager.agent_port(sandbox_id)
         except NotFoundError as e:
-            return error(404, str(e))
+            # the SDK's is_running() reads 502 on envd's health route as "not running" (E2B's proxy answers so)
+            return error(502 if request.url.path == "/health" else 404, str(e))
         token = request.headers.get("x-access-token", "")
         if not secrets.compare_digest(token.encode(), record.access_token.encode()):
             return error(401, f"wrong or missing X-Access-Token for sandbox {sandbox_id}")
