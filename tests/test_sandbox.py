@@ -516,6 +516,50 @@ def test_app_shutdown_hook_runs_on_sigterm_and_sigint(tmp_path, sig):
     assert mark.read_text() == "shut down"
 
 
+_CLI_SERVER = """
+import sys
+from pathlib import Path
+import openk3.sandbox.image as image
+from openk3.sandbox.manager import SandboxManager
+sys.path.insert(0, {tests!r})
+from test_sandbox import _stand_in_manager
+stand_in = _stand_in_manager(Path({tmp!r}))
+image.build_image = lambda config: stand_in.image  # no guest image, no template boot: the CLI around them
+SandboxManager.build_template = lambda self, name: None
+SandboxManager.shutdown = lambda self, pause_running: print("shutdown pause_running=" + str(pause_running))
+from openk3.cli import main
+sys.exit(main(["sandbox", "serve", "--port", "0", "--root", {root!r}, "--api-key", "k"]))
+"""
+
+
+def test_cli_serve_says_ready_and_pauses_on_sigterm(tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "state-served"
+    code = _CLI_SERVER.format(tests=str(Path(__file__).parent), tmp=str(tmp_path), root=str(root))
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        lines = [p.stdout.readline(), p.stdout.readline()]
+        assert lines[0].startswith("accelerator ") and lines[0].endswith("\n")
+        ready = lines[1].rstrip("\n")
+        assert ready.startswith("ready: http://127.0.0.1:") and ready.endswith(
+            "(template base booted in 0.0 s)"
+        )
+        url = ready.split()[1]
+        assert httpx.get(f"{url}/v2/sandboxes", headers={"X-API-Key": "k"}).json() == []
+        assert (root / "server.lock").read_text().startswith(f"{p.pid} 127.0.0.1 ")
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert out == "shutdown pause_running=True\n", err
+    assert p.returncode == -signal.SIGTERM  # uvicorn re-raises the signal after its shutdown
+    assert (root / "server.lock").read_text() == ""  # unlocked: the next server takes it silently
+
+
 def test_state_root_lock_refuses_a_second_server_and_takes_over_a_stale_one(tmp_path, capsys):
     import subprocess
     import sys

@@ -7,6 +7,8 @@ import os
 import secrets
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 
@@ -128,16 +130,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             image = build_image(_image_config(args.cache_dir))
             manager = SandboxManager(ManagerConfig(root=root, spec=spec), image)
+            t0 = time.monotonic()
             manager.build_template(args.template)
+            boot_s = time.monotonic() - t0
         except (RuntimeError, SandboxError) as e:
             print(f"openk3 sandbox: error: {e}", file=sys.stderr)
             return 1
         url = f"http://{args.host}:{sock.getsockname()[1]}"
         print(f"accelerator {manager.vmm.accel}; E2B_API_URL={url} E2B_SANDBOX_URL={url}", flush=True)
-        # running sandboxes are paused when the app shuts down (SIGINT or SIGTERM): they survive the restart
-        app = create_app(manager, keys, health_interval_s=args.health_interval,
-                         on_shutdown=lambda: manager.shutdown(pause_running=True))  # fmt: skip
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+        # SIGINT or SIGTERM: running sandboxes are paused (they survive the restart) and the root unlocked here,
+        # since after SIGTERM uvicorn's re-raise of the signal ends the process before `finally`
+        def on_shutdown() -> None:
+            manager.shutdown(pause_running=True)
+            release_root(lock)
+
+        app = create_app(manager, keys, health_interval_s=args.health_interval, on_shutdown=on_shutdown)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+
+        def announce() -> None:  # once uvicorn accepts connections
+            while not server.started:
+                if server.should_exit:
+                    return
+                time.sleep(0.05)
+            print(f"ready: {url} (template {args.template} booted in {boot_s:.1f} s)", flush=True)
+
+        threading.Thread(target=announce, daemon=True).start()
+        server.run(sockets=[sock])
         return 0
     finally:
         sock.close()

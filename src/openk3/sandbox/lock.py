@@ -43,7 +43,9 @@ def hold_root(root: Path, host: str, port: int) -> tuple[IO[str], str | None]:
 
 
 def release_root(f: IO[str]) -> None:
-    """Empty and unlock the lock file from :func:`hold_root` (a clean exit: no stale line is left)."""
+    """Empty and unlock the lock file from :func:`hold_root` (a clean exit: no stale line is left). Once."""
+    if f.closed:
+        return
     f.seek(0)
     f.truncate()
     f.close()
