@@ -45,6 +45,21 @@ def _fake_snapshot(store: SnapshotStore, kind: str, parent: str | None, names=()
     return sid
 
 
+def test_guest_agent_maps_directory_errors_to_invalid_argument(tmp_path):
+    from openk3.sandbox.guest_agent import CONNECT_STATUS, os_error
+
+    (tmp_path / "f").write_text("")
+    cases = [
+        (tmp_path, "path /p is a directory"),
+        (tmp_path / "f" / "x", "path /p: a component of it is not a directory"),
+    ]
+    for path, message in cases:
+        with pytest.raises(OSError) as e:
+            open(path, "wb")  # noqa: SIM115 (it fails)
+        err = os_error(e.value, "/p")
+        assert (CONNECT_STATUS[err.code], str(err)) == (400, message)
+
+
 def test_store_collects_only_unused_fork_snapshots(tmp_path):
     store = SnapshotStore(tmp_path)
     base = _fake_snapshot(store, "template", None, ["base"])
@@ -153,7 +168,7 @@ def _sha(path: Path) -> str:
 
 @pytest.mark.slow
 def test_commands_files_and_key_isolation(server):
-    from e2b import CommandExitException, Sandbox, SandboxNotFoundException
+    from e2b import CommandExitException, InvalidArgumentException, Sandbox, SandboxNotFoundException
 
     sb = Sandbox.create("base", timeout=300, envs={"OPENK3_X": "x1"}, metadata={"run": "t1"})
     try:
@@ -175,6 +190,8 @@ def test_commands_files_and_key_isolation(server):
         assert sb.commands.run("cat /root/notes/a.txt").stdout == "hello"
         assert {e.name for e in sb.files.list("/root/notes")} == {"a.txt"}
         assert sb.files.exists("/root/notes/a.txt") and not sb.files.exists("/root/nope")
+        with pytest.raises(InvalidArgumentException, match="/root is a directory"):
+            sb.files.write("/root", "x")
         info = sb.get_info()
         assert info.state.value == "running" and info.template_id == "base" and info.metadata == {"run": "t1"}
         # another key sees nothing of it
@@ -442,6 +459,8 @@ def test_api_auth_and_bad_input_without_guests(tmp_path):
         assert client.get("/v2/sandboxes", headers=key).json() == []
         r = client.post("/v2/sandboxes", json={}, headers=key)
         assert r.status_code == 400 and "templateID" in r.json()["message"]
+        r = client.post("/v2/sandboxes", json={"templateID": 5}, headers=key)
+        assert r.status_code == 400 and "templateID must be a string" in r.json()["message"]
         r = client.post("/v2/sandboxes", json={"templateID": "nope"}, headers=key)
         assert r.status_code == 404 and "nope" in r.json()["message"]
         for method, path in [("get", "/sandboxes/ix"), ("delete", "/sandboxes/ix"), ("post", "/sandboxes/ix/pause"),

@@ -145,8 +145,12 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
     async def create(request: Request):
         o, b = owner(request), await body(request)
         template = b.get("templateID")
-        if not isinstance(template, str) or not template:
+        if template is None or template == "":
             raise ApiError(400, "templateID is required")
+        if not isinstance(template, str):
+            raise ApiError(
+                400, f"templateID must be a string (a template or snapshot name or id), got {template!r}"
+            )
         on_timeout = "pause" if b.get("autoPause") else "kill"
         r = await call(manager.create, template, o, b.get("timeout"), b.get("metadata") or {},
                        b.get("envVars") or {}, on_timeout)  # fmt: skip
