@@ -45,6 +45,21 @@ def _fake_snapshot(store: SnapshotStore, kind: str, parent: str | None, names=()
     return sid
 
 
+def test_guest_agent_maps_directory_errors_to_invalid_argument(tmp_path):
+    from openk3.sandbox.guest_agent import CONNECT_STATUS, os_error
+
+    (tmp_path / "f").write_text("")
+    cases = [
+        (tmp_path, "path /p is a directory"),
+        (tmp_path / "f" / "x", "path /p: a component of it is not a directory"),
+    ]
+    for path, message in cases:
+        with pytest.raises(OSError) as e:
+            open(path, "wb")  # noqa: SIM115 (it fails)
+        err = os_error(e.value, "/p")
+        assert (CONNECT_STATUS[err.code], str(err)) == (400, message)
+
+
 def test_store_collects_only_unused_fork_snapshots(tmp_path):
     store = SnapshotStore(tmp_path)
     base = _fake_snapshot(store, "template", None, ["base"])
@@ -153,7 +168,7 @@ def _sha(path: Path) -> str:
 
 @pytest.mark.slow
 def test_commands_files_and_key_isolation(server):
-    from e2b import CommandExitException, Sandbox, SandboxNotFoundException
+    from e2b import CommandExitException, InvalidArgumentException, Sandbox, SandboxNotFoundException
 
     sb = Sandbox.create("base", timeout=300, envs={"OPENK3_X": "x1"}, metadata={"run": "t1"})
     try:
@@ -175,6 +190,8 @@ def test_commands_files_and_key_isolation(server):
         assert sb.commands.run("cat /root/notes/a.txt").stdout == "hello"
         assert {e.name for e in sb.files.list("/root/notes")} == {"a.txt"}
         assert sb.files.exists("/root/notes/a.txt") and not sb.files.exists("/root/nope")
+        with pytest.raises(InvalidArgumentException, match="/root is a directory"):
+            sb.files.write("/root", "x")
         info = sb.get_info()
         assert info.state.value == "running" and info.template_id == "base" and info.metadata == {"run": "t1"}
         # another key sees nothing of it
@@ -192,6 +209,7 @@ def test_commands_files_and_key_isolation(server):
             sb.commands.run(probe)
     finally:
         sb.kill()
+    assert sb.is_running() is False
     # unknown ids: 404 on every route
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect("i0000000000000000")
@@ -441,6 +459,8 @@ def test_api_auth_and_bad_input_without_guests(tmp_path):
         assert client.get("/v2/sandboxes", headers=key).json() == []
         r = client.post("/v2/sandboxes", json={}, headers=key)
         assert r.status_code == 400 and "templateID" in r.json()["message"]
+        r = client.post("/v2/sandboxes", json={"templateID": 5}, headers=key)
+        assert r.status_code == 400 and "templateID must be a string" in r.json()["message"]
         r = client.post("/v2/sandboxes", json={"templateID": "nope"}, headers=key)
         assert r.status_code == 404 and "nope" in r.json()["message"]
         for method, path in [("get", "/sandboxes/ix"), ("delete", "/sandboxes/ix"), ("post", "/sandboxes/ix/pause"),
@@ -449,14 +469,162 @@ def test_api_auth_and_bad_input_without_guests(tmp_path):
             assert r.status_code == 404 and r.json()["code"] == 404, (method, path, r.text)
         r = client.post("/v2/sandboxes", content=b"[1]", headers=key)
         assert r.status_code == 400 and "JSON object" in r.json()["message"]
-        r = client.get("/health", headers={"E2b-Sandbox-Id": "ix"})  # envd traffic for an unknown sandbox
-        assert r.status_code == 404
+        r = client.get("/files", headers={"E2b-Sandbox-Id": "ix"})  # envd traffic for an unknown sandbox
+        assert r.status_code == 404 and "'ix' not found" in r.json()["message"]
+        r = client.get(
+            "/health", headers={"E2b-Sandbox-Id": "ix"}
+        )  # what the SDK's is_running() reads as False
+        assert r.status_code == 502 and "'ix' not found" in r.json()["message"]
     with pytest.raises(ValueError, match="API key"):
         create_app(manager, [])
 
 
-def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys):
+def _stand_in_manager(tmp_path: Path):
+    """A manager over a stand-in image: enough for the control plane, no guest can start."""
+    from openk3.sandbox.image import Image
+    from openk3.sandbox.manager import ManagerConfig, SandboxManager
+
+    (tmp_path / "img").mkdir(exist_ok=True)
+    (tmp_path / "img" / "image.json").write_text('{"disk_mib": 1024}')
+    return SandboxManager(ManagerConfig(root=tmp_path / "state"), Image(tmp_path / "img"))
+
+
+_SIGTERM_SERVER = """
+import sys, uvicorn
+from pathlib import Path
+from openk3.sandbox.api import create_app
+sys.path.insert(0, {tests!r})
+from test_sandbox import _stand_in_manager
+mark = Path({mark!r})
+app = create_app(_stand_in_manager(Path({tmp!r})), ["k"], on_shutdown=lambda: mark.write_text("shut down"))
+uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_app_shutdown_hook_runs_on_sigterm_and_sigint(tmp_path, sig):
+    """uvicorn re-raises SIGTERM after its shutdown, which ends the process: the hook must run before that."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mark = tmp_path / "mark"
+    code = _SIGTERM_SERVER.format(
+        tests=str(Path(__file__).parent), mark=str(mark), tmp=str(tmp_path), port=port
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if (
+                    httpx.get(f"http://127.0.0.1:{port}/v2/sandboxes", headers={"X-API-Key": "k"}).status_code
+                    == 200
+                ):
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up in 30 s")
+        p.send_signal(sig)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    assert mark.read_text() == "shut down"
+
+
+_CLI_SERVER = """
+import sys
+from pathlib import Path
+import openk3.sandbox.image as image
+from openk3.sandbox.manager import SandboxManager
+sys.path.insert(0, {tests!r})
+from test_sandbox import _stand_in_manager
+stand_in = _stand_in_manager(Path({tmp!r}))
+image.build_image = lambda config: stand_in.image  # no guest image, no template boot: the CLI around them
+SandboxManager.build_template = lambda self, name: None
+SandboxManager.shutdown = lambda self, pause_running: print("shutdown pause_running=" + str(pause_running))
+from openk3.cli import main
+sys.exit(main(["sandbox", "serve", "--port", "0", "--root", {root!r}, "--api-key", "k"]))
+"""
+
+
+def test_cli_serve_says_ready_and_pauses_on_sigterm(tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "state-served"
+    code = _CLI_SERVER.format(tests=str(Path(__file__).parent), tmp=str(tmp_path), root=str(root))
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        lines = [p.stdout.readline(), p.stdout.readline()]
+        assert lines[0].startswith("accelerator ") and lines[0].endswith("\n")
+        ready = lines[1].rstrip("\n")
+        assert ready.startswith("ready: http://127.0.0.1:") and ready.endswith(
+            "(template base booted in 0.0 s)"
+        )
+        url = ready.split()[1]
+        assert httpx.get(f"{url}/v2/sandboxes", headers={"X-API-Key": "k"}).json() == []
+        assert (root / "server.lock").read_text().startswith(f"{p.pid} 127.0.0.1 ")
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert out == "shutdown pause_running=True\n", err
+    assert p.returncode == -signal.SIGTERM  # uvicorn re-raises the signal after its shutdown
+    assert (root / "server.lock").read_text() == ""  # unlocked: the next server takes it silently
+
+
+def test_state_root_lock_refuses_a_second_server_and_takes_over_a_stale_one(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from openk3.sandbox.lock import RootBusyError, hold_root
+
+    # a server that exited without unlocking (killed): its line is left, its flock is gone with it
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from openk3.sandbox.lock import hold_root; "
+                    f"f, _ = hold_root(Path({str(tmp_path)!r}), 'h', 1); sys.exit(0)"], check=True)  # fmt: skip
+    dead = (tmp_path / "server.lock").read_text().strip()
+    f, stale = hold_root(tmp_path, "127.0.0.1", 3000)
+    assert stale == dead and dead.endswith(" h 1")
+    assert (tmp_path / "server.lock").read_text() == f"{os.getpid()} 127.0.0.1 3000\n"
+    # a second holder in another process is refused, naming this one
+    r = subprocess.run([sys.executable, "-c", "from pathlib import Path; from openk3.sandbox.lock import hold_root; "
+                        f"hold_root(Path({str(tmp_path)!r}), 'h', 2)"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode != 0 and f"RootBusyError: state root {tmp_path} is in use" in r.stderr
+    assert f"{os.getpid()} 127.0.0.1 3000" in r.stderr
+    # the CLI refuses with one line before any work
     from openk3.cli import main
+
+    assert main(["sandbox", "serve", "--root", str(tmp_path), "--api-key", "k"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("openk3 sandbox: error: state root") and "3000" in err[0]
+    f.close()
+    with pytest.raises(RootBusyError):  # flock is per open file: a second open in one process conflicts too
+        g, _ = hold_root(tmp_path, "a", 1)
+        hold_root(tmp_path, "b", 2)
+
+
+def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys, tmp_path):
+    from openk3.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["sandbox", "serve", "--port", "99999"])
+    assert e.value.code == 2
+    assert "argument --port: a port is 0 to 65535, got 99999" in capsys.readouterr().err
+    with socket.socket() as taken:  # a port in use fails before the image or the template (no cache is made)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["sandbox", "serve", "--port", str(port), "--root", str(tmp_path / "state"), "--api-key", "k"]
+        assert main([*args, "--cache-dir", str(tmp_path / "cache")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"openk3 sandbox: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert not (tmp_path / "cache").exists() and (tmp_path / "state" / "server.lock").read_text() == ""
 
     assert main(["sandbox", "serve", "--memory-mib", "64", "--api-key", "k"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -58,9 +58,11 @@ def _iso(t: float) -> str:
 
 
 def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: float = 1.0,
-               health_interval_s: float = 30.0) -> FastAPI:  # fmt: skip
+               health_interval_s: float = 30.0, on_shutdown=None) -> FastAPI:  # fmt: skip
     """The app over ``manager``. ``api_keys``: accepted keys (at least one). A background task applies
-    timeouts every ``reap_interval_s`` and health-checks running guests every ``health_interval_s``."""
+    timeouts every ``reap_interval_s`` and health-checks running guests every ``health_interval_s``.
+    ``on_shutdown``: called (in a thread) when the app shuts down, before the server returns: uvicorn runs it
+    on SIGINT and SIGTERM alike (it re-raises SIGTERM only afterwards, which ends the process)."""
     if not api_keys or not all(api_keys):
         raise ValueError("create_app needs at least one non-empty API key")
     owners = {owner_of(k) for k in api_keys}
@@ -83,6 +85,8 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
         yield
         task.cancel()
         await app.state.client.aclose()
+        if on_shutdown is not None:
+            await run_in_threadpool(on_shutdown)
 
     app = FastAPI(title="openk3 sandbox (E2B-compatible)", lifespan=lifespan)
 
@@ -141,8 +145,12 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
     async def create(request: Request):
         o, b = owner(request), await body(request)
         template = b.get("templateID")
-        if not isinstance(template, str) or not template:
+        if template is None or template == "":
             raise ApiError(400, "templateID is required")
+        if not isinstance(template, str):
+            raise ApiError(
+                400, f"templateID must be a string (a template or snapshot name or id), got {template!r}"
+            )
         on_timeout = "pause" if b.get("autoPause") else "kill"
         r = await call(manager.create, template, o, b.get("timeout"), b.get("metadata") or {},
                        b.get("envVars") or {}, on_timeout)  # fmt: skip
@@ -241,7 +249,8 @@ def create_app(manager: SandboxManager, api_keys: list[str], reap_interval_s: fl
         try:
             record, port = manager.agent_port(sandbox_id)
         except NotFoundError as e:
-            return error(404, str(e))
+            # the SDK's is_running() reads 502 on envd's health route as "not running" (E2B's proxy answers so)
+            return error(502 if request.url.path == "/health" else 404, str(e))
         token = request.headers.get("x-access-token", "")
         if not secrets.compare_digest(token.encode(), record.access_token.encode()):
             return error(401, f"wrong or missing X-Access-Token for sandbox {sandbox_id}")

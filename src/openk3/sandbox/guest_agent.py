@@ -57,6 +57,10 @@ def os_error(e, path):
         return RpcError("not_found", f"path {path} not found")
     if isinstance(e, FileExistsError):
         return RpcError("already_exists", f"path {path} already exists")
+    if isinstance(e, IsADirectoryError):
+        return RpcError("invalid_argument", f"path {path} is a directory")
+    if isinstance(e, NotADirectoryError):
+        return RpcError("invalid_argument", f"path {path}: a component of it is not a directory")
     if getattr(e, "errno", None) == 28:
         return RpcError("resource_exhausted", f"no space left on device writing {path}")
     return RpcError("internal", f"{type(e).__name__}: {e}")
