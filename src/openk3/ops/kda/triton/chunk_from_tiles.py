@@ -1,5 +1,5 @@
 """What the backward saves (``Aqk`` and ``T`` of the 64-token chunks), built from the 16-token tile forward's
-prepare, so that a forward with autograd runs the tile forward (§2.2) instead of the 64-token one (§1.5).
+prepare, so that a forward with autograd runs the tile forward (docs/references.md#flashkda) instead of the 64-token one (docs/references.md#kda-chunked-form).
 
 The tile prepare (:mod:`~openk3.ops.kda.triton.tile_forward`) writes, per tile of 16 tokens with Γ the log2
 gate's cumsum from the tile's start (``Γ_C`` its last row), ``Q̃ = scale·q̂ ⊙ 2^{Γ}``, ``K̃ = k̂ ⊙ 2^{Γ}``,

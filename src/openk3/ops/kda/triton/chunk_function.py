@@ -1,17 +1,17 @@
 """The chunked KDA on the GPU as an autograd Function: forward in three launches, backward in five.
 
-Forward (§2.2, :func:`tile_forward_passes`, by default): the 16-token tile forward
+Forward (docs/references.md#flashkda, :func:`tile_forward_passes`, by default): the 16-token tile forward
 (:mod:`~openk3.ops.kda.triton.tile_forward`: token-parallel prepare, whose ``for_backward`` outputs add each
 tile's ``(I + L)^{-1}`` and the l2norm reciprocal norms, then the recurrence, which writes ``o``), and
 :func:`~openk3.ops.kda.triton.chunk_from_tiles.chunk_from_tiles`, which builds the 64-token chunks' ``Aqk``
 and ``T`` from the prepare's tensors. With ``LAUNCH["forward_on_tiles"]`` off or ``keep_intermediates`` on
-(:func:`forward_passes`, §1.5): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (gate, L2 norm,
+(:func:`forward_passes`, docs/references.md#kda-chunked-form): :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` (gate, L2 norm,
 ``Aqk``, ``T``, ``W``, ``U``, ``Q̃``, ``K̂``) then :func:`~openk3.ops.kda.triton.chunk_state.chunk_state_fwd`
 (the sequential state pass, which also writes ``o``). Saved either way: the inputs, ``Aqk``, ``T`` and the
-norms (392 bytes per token and head at bf16, 264 with ``T`` in fp16; fla saves ``Aqk``/``Akk``, §1.5), and
+norms (392 bytes per token and head at bf16, 264 with ``T`` in fp16; fla saves ``Aqk``/``Akk``, docs/references.md#kda-chunked-form), and
 with ``LAUNCH["keep_residuals"]`` also the residuals ``E`` the tile recurrence wrote (256 more at V = 128).
 
-Backward (§1.6): the prepare kernel's second pass only (``W``, ``U``, ``Q̃``, ``K̂`` from the saved ``T``),
+Backward (docs/references.md#kda-chunked-backward): the prepare kernel's second pass only (``W``, ``U``, ``Q̃``, ``K̂`` from the saved ``T``),
 the state pass keeping the per-chunk states ``h`` and the residuals ``E``, the reverse state pass, then the
 per-chunk WY and intra-chunk gradient kernels.
 The gradients cover q, k, v, the raw gate, β, ``A_log``, ``dt_bias`` and the initial state.
@@ -110,7 +110,7 @@ kda_h200_2026-11-30c_runs.txt``, run 12) forward+backward took 10.97–11.00 / 1
 13.90–14.03 ms against 11.26–11.28 / 11.25–11.32 / 15.53–15.58 / 14.49–14.51, and one call held 192 / 192 /
 256 / 256 MiB more between forward and backward. Off by default, for that memory: the bytes saved per token
 and head beside the inputs go from 264 to 520 at bf16 (392 to 648 with ``T`` in fp32; fla 0.6.0 saves 256 of
-``Aqk`` and ``Akk``, kda_kernels reference §1.5), and with many layers the saved activations bound training
+``Aqk`` and ``Akk``, docs/references.md#kda-chunked-form), and with many layers the saved activations bound training
 sizes (as for ``keep_intermediates``).
 
 Every entry must be ``True`` or ``False`` (:func:`check_launch`)."""

@@ -1,4 +1,4 @@
-"""Backward, per chunk: the intra-chunk matrices' gradients, the gate, the L2 norm (§1.6 steps 4, 6–8).
+"""Backward, per chunk: the intra-chunk matrices' gradients, the gate, the L2 norm (docs/references.md#kda-chunked-backward steps 4, 6–8).
 
 One program per (chunk, head) pushes ``dAqk`` and ``dL`` (from :mod:`~openk3.ops.kda.triton.chunk_grad_wy`)
 back through
@@ -28,7 +28,7 @@ tiles, so both sides carry the same pair to ~2^-16. ``dL`` is rounded once for b
 column side's keys).
 
 Then ``dg = reverse cumsum of dΓ`` within the chunk, the K3 gate backward (``dx = dg·lb·σ(z)(1 − σ(z))·
-e^{A_log}``, ``dA_log = Σ dx·(x + dt_bias)``, ``ddt_bias = Σ_t dx``, §1.3) and, after all slices (the totals
+e^{A_log}``, ``dA_log = Σ dx·(x + dt_bias)``, ``ddt_bias = Σ_t dx``, docs/references.md#kda-gates) and, after all slices (the totals
 are parked in the fp32 ``dqn``/``dkn`` buffers), the L2-norm backward ``dq = (dq̂ − q̂ (q̂·dq̂)) / ‖q‖``.
 
 Legend: ``H`` heads, ``K`` key dim, ``BK`` key slice, ``BT`` chunk rows, ``BC`` anchor-block rows, ``NB``

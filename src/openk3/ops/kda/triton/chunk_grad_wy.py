@@ -1,4 +1,4 @@
-"""Backward, per chunk: the state-facing gradients and the WY (UT) backward (§1.6 step 3).
+"""Backward, per chunk: the state-facing gradients and the WY (UT) backward (docs/references.md#kda-chunked-backward step 3).
 
 One program per (chunk, head, key block). With ``S₀ = h`` (state at the chunk start), ``dS₁ = dh`` (gradient
 of the state at the chunk end), ``E = v_new`` and ``dE = dv_new`` from the two state passes::

@@ -2,7 +2,7 @@
 
 Every call is treated as packed sequences in one flat token axis: ``B`` rows of ``T`` tokens are the
 ``N = B`` sequences ``[b·T, (b+1)·T)``; a ``cu_seqlens`` row is used as given. Chunks of ``BT`` tokens never
-straddle two sequences (fla ``prepare_chunk_indices``, kda_kernels reference §1.4).
+straddle two sequences (fla ``prepare_chunk_indices``, docs/references.md#kda-op-arguments).
 
 Legend: ``N`` sequences, ``P`` chunks over all sequences.
 """

@@ -1,4 +1,4 @@
-"""Per-chunk preparation of the chunked KDA (the token-parallel half of the forward, §1.5).
+"""Per-chunk preparation of the chunked KDA (the token-parallel half of the forward, docs/references.md#kda-chunked-form).
 
 One program per (chunk of ``BT = 64`` tokens, head). It applies the K3 gate and the optional L2 norm in the
 kernel, and produces everything the sequential state pass needs, so that pass is three matmuls per chunk:
@@ -14,7 +14,7 @@ kernel, and produces everything the sequential state pass needs, so that pass is
 the columns of the blocks ``≤ s`` (later ones masked to 0 before the exponential) in one 16×64 tensor-core
 dot per key slice. Before block ``s`` both factors are ≤ 1; inside it the column
 factor is at most ``2^{16·|lb|·log2 e}`` = ``2^{115.4}`` for ``lb = −5``, inside fp32 (FlashKDA's bound,
-§2.2): this is why the Triton path needs ``lower_bound ≥ −5`` (§1.7). Every row ``i`` reads only rows ``≤ i``
+docs/references.md#flashkda): this is why the Triton path needs ``lower_bound ≥ −5`` (docs/references.md#kda-gate-factors). Every row ``i`` reads only rows ``≤ i``
 of its chunk, so outputs are bitwise causal. ``T`` comes from :func:`unit_lower_inverse` (fp32 substitution
 within 16-row blocks, tensor-core products between them).
 
@@ -84,7 +84,7 @@ every operand is bounded, so none overflows:
 
 * unit keys and ``β ≤ 1`` give ``|L_ij| ≤ 1``;
 * ``|T_ij| ≤ β_i ≤ 1`` for ``i > j`` (``T_ii = 1``; FlashKDA's rationale for its fp16 inverse, kda_kernels
-  reference §2.2): ``T_ij β_j`` is the value the chunk's delta rule writes at step ``i`` after a unit write at
+  docs/references.md#flashkda): ``T_ij β_j`` is the value the chunk's delta rule writes at step ``i`` after a unit write at
   step ``j``, and every step ``Diag(α)(I − β k kᵀ)`` has norm ≤ 1;
 * ``|β k̃| ≤ 1``. ``U``'s factor ``V`` is unbounded, so ``U`` stays tf32.
 

@@ -1,4 +1,4 @@
-"""The sequential state pass of the chunked KDA forward (§1.5): one program per (value block, sequence,
+"""The sequential state pass of the chunked KDA forward (docs/references.md#kda-chunked-form): one program per (value block, sequence,
 head) walks its chunks in order with the state slice ``S [K, BV]`` in fp32 registers.
 
 Per chunk, from :mod:`~openk3.ops.kda.triton.chunk_prepare`'s tensors::

@@ -1,4 +1,4 @@
-"""The reverse state pass of the chunked KDA backward (§1.6 step 2): one program per (value block,
+"""The reverse state pass of the chunked KDA backward (docs/references.md#kda-chunked-backward step 2): one program per (value block,
 sequence, head) walks its chunks from last to first with ``dS [K, BV]`` (the gradient of the state at the
 current chunk's end) in fp32 registers.
 

@@ -1,4 +1,4 @@
-"""KDA decode on the GPU: the per-token recurrence (§1.2) on fp32 states kept in a pool, updated in place.
+"""KDA decode on the GPU: the per-token recurrence (docs/references.md#kda-recurrence) on fp32 states kept in a pool, updated in place.
 
 One program per (value block, sequence, head) holds ``S [K, BV]`` of its state slot in fp32 registers and
 steps through the sequence's tokens (one for decoding; a few to verify draft tokens or to prefill a short

@@ -2,7 +2,7 @@
 
 The chunked path is built on the K3 lower-bounded gate applied in the kernel (``A_log`` given and
 ``−5 ≤ lower_bound < 0``): its 16-token diagonal tiles are factorised with one causal anchor, which the bound
-keeps inside fp32 (kda_kernels reference §1.7, §2.2). Other gates (Kimi-Linear's softplus, a precomputed
+keeps inside fp32 (docs/references.md#kda-gate-factors, docs/references.md#flashkda). Other gates (Kimi-Linear's softplus, a precomputed
 log-decay), float64, other head dims or chunk sizes, and K = 16 when a gradient is needed
 (:data:`CHUNK_GRAD_MIN_KEY_DIM`) take the torch path. The decode path takes any gate.
 """

@@ -3,7 +3,7 @@ the chunk rows of a program, the dot precision, and tile loads/stores by token r
 order of the token-parallel kernels (:data:`LAUNCH`) and the checks of every module's ``LAUNCH``.
 
 Units: the chunk kernels keep log-decays in **log2** units (natural-log gate × log2(e)) so every decay is
-one ``exp2`` (kda_kernels reference §1.5, "log-base convention"); gradients stay w.r.t. the natural-log gate,
+one ``exp2`` (docs/references.md#kda-chunked-form, "log-base convention"); gradients stay w.r.t. the natural-log gate,
 because ``d/dΓ e^{Γ} = 2^{Γ·log2 e}``.
 
 The chunk kernels work on a 64-row chunk as four 16-row anchor blocks; ``split4_rows``/``cat4_rows`` (and the
@@ -30,7 +30,7 @@ LOG2E = 1.4426950408889634
 
 def dot_precision(dtype) -> str:
     """``tl.dot`` input precision of the chunk kernels for inputs of ``dtype``: ``"tf32"`` for half-precision
-    inputs (their fp32 intermediates carry bf16/fp16 information, fla's choice, §1.5) and ``"tf32x3"`` (three
+    inputs (their fp32 intermediates carry bf16/fp16 information, fla's choice, docs/references.md#kda-chunked-form) and ``"tf32x3"`` (three
     tensor-core passes, ~fp32 accuracy) for fp32 inputs, whose users expect fp32 results."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
@@ -38,7 +38,7 @@ def dot_precision(dtype) -> str:
 def launch_options(launch: dict) -> dict:
     """Triton launch keywords from a kernel module's ``LAUNCH`` dict: ``num_warps``, ``num_stages`` and, when
     ``launch["maxnreg"]`` is set (> 0), the register cap per thread (more programs per multiprocessor at the
-    price of spills; FlashKDA's prepare kernel makes the same trade, kda_kernels reference §2.2)."""
+    price of spills; FlashKDA's prepare kernel makes the same trade, docs/references.md#flashkda)."""
     options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
     if launch.get("maxnreg"):
         options["maxnreg"] = launch["maxnreg"]
@@ -213,7 +213,7 @@ def split_bf16(x):
     """``x`` (fp32) as two bf16 pieces ``hi + lo``: ``hi`` its bf16 rounding and ``lo`` that of the rest, so
     ``hi + lo`` carries ``x`` to ``2^-17`` relative (about 16 significant bits); ``a @ hi + a @ lo`` is a
     product with ``x`` at two bf16 tensor-core passes (fla's ``bf16x3`` keeps a third, kda_kernels reference
-    §1.6)."""
+    docs/references.md#kda-chunked-backward)."""
     hi = x.to(tl.bfloat16)
     return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
@@ -268,7 +268,7 @@ def sigmoid(z):
 
 @triton.jit
 def k3_gate_log2(x, A_h, bias, lower_bound_log2):
-    """K3 lower-bounded gate in log2 units: ``lb·log2(e)·σ(e^{A_log}·(x + dt_bias))`` (§1.3).
+    """K3 lower-bounded gate in log2 units: ``lb·log2(e)·σ(e^{A_log}·(x + dt_bias))`` (docs/references.md#kda-gates).
 
     ``x`` ``[R, K]`` raw gate (fp32), ``A_h`` scalar ``e^{A_log_h}``, ``bias`` ``[K]`` (zeros without
     ``dt_bias``), ``lower_bound_log2`` = ``lb·log2(e)``. Returns ``[R, K]`` fp32 in ``(lb·log2 e, 0)``.
@@ -299,7 +299,7 @@ def chunk_rows(cu_seqlens, chunk_table, i_c, BT: tl.constexpr):
 def unit_lower_inverse_stacked(X, NB: tl.constexpr, BC: tl.constexpr):
     """``(I + X_b)^{-1}`` of ``NB`` strictly lower-triangular ``[BC, BC]`` fp32 blocks stacked as ``X``
     ``[NB, BC, BC]``, by fp32 forward substitution on the CUDA cores: row ``i`` is ``e_i − Σ_{j<i} X_ij T_j``
-    (fla's ``solve_tril`` does the same for its 16×16 blocks, kda_kernels reference §1.5). The ``BC − 1``
+    (fla's ``solve_tril`` does the same for its 16×16 blocks, docs/references.md#kda-chunked-form). The ``BC − 1``
     dependent steps (each a cross-thread row extraction and reduction) are paid once for all the blocks. With
     ``|X_ij| ≤ 1`` and ``|T_ij| ≤ 1`` every row carries fp32 rounding only. Row ``i`` reads rows ``≤ i``."""
     o_c = tl.arange(0, BC)

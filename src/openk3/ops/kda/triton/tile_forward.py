@@ -1,4 +1,4 @@
-"""The KDA forward on 16-token tiles (FlashKDA's split, kda_kernels reference §2.2): a token-parallel prepare
+"""The KDA forward on 16-token tiles (FlashKDA's split, docs/references.md#flashkda): a token-parallel prepare
 and a sequential recurrence that forms the delta-rule residuals itself, so nothing of size ``[tokens, H, K]``
 beyond three gated copies of q and k is written. With a backward to come, the prepare also writes each tile's
 ``(I + L)^{-1}`` and the norms (``for_backward``), from which
@@ -11,7 +11,7 @@ last valid row; ``|Γ| ≤ 16·|lb|·log2 e = 115.4`` for ``lb = −5``, inside 
     M_ij = Σ_d Q̃_id K_jd 2^{−Γ_jd}  (i ≥ j)          L_ij = β_i Σ_d K̃_id K_jd 2^{−Γ_jd}  (i > j)
     P  = (I + L)^{-1} Diag(β)                          (fp32 substitution)
 
-and the recurrence, from the state ``S`` before the tile (§1.5 with ``W = P K̃``, ``U = P V``)::
+and the recurrence, from the state ``S`` before the tile (docs/references.md#kda-chunked-form with ``W = P K̃``, ``U = P V``)::
 
     E = P (V − K̃ S)        O = Q̃ S + M E        S ← Diag(D) S + K̂ᵀ E
 

@@ -1,7 +1,7 @@
 """The KDA forward on pairs of 16-token tiles: the tile forward of :mod:`~openk3.ops.kda.triton.tile_forward`
 with its recurrence stepping 32 tokens at a time, for calls without a gradient.
 
-The recurrence's tile step is bound by the latency of its chain through the state (§2.2: one program per value
+The recurrence's tile step is bound by the latency of its chain through the state (docs/references.md#flashkda: one program per value
 block and head, each step three dependent products). Two tiles per step halve the steps for less than twice
 the step's latency: on the H200 at B1 T32768 H32 D128 the same recurrence kernel took 1.43–1.46 ms stepping 32
 tokens against 1.75 ms stepping 16 (synthetic prepared tensors,
@@ -28,7 +28,7 @@ with::
 end: every factor is ``2^{Γ_i − Γ_j} ≤ 1`` with ``i`` after ``j``, so they are bounded by the inputs (a
 factor past fp32's range is a contribution below 2^-126 of the input's size, flushed to 0). ``C`` and ``F``
 are formed from each tile's own anchors (``K̂_a`` decayed to ``a``'s end, ``Q̃_b``, ``K̃_b`` from ``b``'s
-start), as the 64-token chunks' blocks are (§1.7), never from a product of ``2^{−Γ}`` over 32 tokens
+start), as the 64-token chunks' blocks are (docs/references.md#kda-gate-factors), never from a product of ``2^{−Γ}`` over 32 tokens
 (up to ``2^{230}``). ``P₂`` is ``(I + L₂)^{-1} Diag(β)`` of the 32 rows (block substitution), stored in
 fp16 under the same condition as the tile's ``P`` (unit keys, ``β ≤ 1``: entries bounded by 1).
 
