@@ -54,7 +54,7 @@ from openk3.ops.kda.triton.tile_forward import TILE, TileBackward, TilePrepared
 
 LAUNCH = {"num_warps": 2, "num_stages": 1, "key_block": 32, "half_operands": True}
 """Launch configuration: warps, stages and the key slice ``BK`` of the products. On the H200
-(``benchmarks/results/kda_h200_tiles_runs.txt``, run 2) 2 warps with 32-channel slices took 0.51–0.55 ms at
+(docs/LOG.md, run 2) 2 warps with 32-channel slices took 0.51–0.55 ms at
 B1 T8192 H96 D128 and 0.66–0.70 at B1 T32768 H32, against 0.61–0.64 / 0.83–0.88 with 4 warps and 64-channel
 slices, 0.75–0.80 / 1.04–1.11 with 4 warps and 32, and more with 8 warps (0.86–1.36 / 1.33–1.78).
 

@@ -96,7 +96,7 @@ side stream. Off by default: at B1 T32768 H32 D128 on the H200 forward+backward 
 less than one after the other or 1.5–1.7 ms more, from one call to the next (before the recurrence was queued
 first: 1 of 4 timings at 14.36 ms and 3 at 16.35–16.42, against 14.72–14.82; with it, and with a pipeline
 launch order since dropped: 4 of 5 at 14.78–14.94 and one at 16.85, against 15.11–15.30;
-``benchmarks/results/kda_h200_2026-11-30b_runs.txt``, runs 2 and 3).
+docs/LOG.md, runs 2 and 3).
 
 ``keep_residuals`` (read with ``forward_on_tiles`` and without ``keep_intermediates``): trade memory for the
 backward's forward-direction state pass. The tile recurrence also writes the delta-rule residuals ``E`` (the

@@ -188,7 +188,7 @@ LAUNCH = {"num_warps": 4, "num_stages": 2, "cumsum_by_dot": False, "key_block": 
 """Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives. ``key_block``: the key side's
 ``BK`` (``K/BK`` programs per chunk and head); ``value_block``: the ``BV`` both kernels step over the values
 by (narrower blocks hold fewer registers). At B1 T8192 H96 / B1 T32768 H32 on the H200 (one sweep run,
-``benchmarks/results/kda_h200_dl_runs.txt``) the defaults took 3.11 / 3.99 ms; ``key_block`` 32 3.24 / 4.38,
+docs/LOG.md) the defaults took 3.11 / 3.99 ms; ``key_block`` 32 3.24 / 4.38,
 ``value_block`` 32 3.66 / 4.70, both 3.82 / 5.18, 8 warps 3.60 / 4.89. ``cumsum_by_dot``: the gate's
 cumsum as tensor-core products (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); within noise of
 ``tl.cumsum``'s scan at B1 T8192 H96 on the H200 (3.46 vs 3.54 ms in one run, 3.48 vs 3.42 in the next), so
@@ -226,7 +226,7 @@ def blocks(K: int, V: int) -> tuple[int, int]:
     The value block stays within two key blocks because key block 32 with value block 128 made the key-side
     kernel fault on the H200 (an illegal memory access, with ``cumsum_by_dot`` on, in the launch-option GPU
     test at T1000 H4 D128; 32 / 64, 64 / 128 and 64 / 64 passed the same test, and 32 / 128 ran in another
-    setting; ``benchmarks/results/kda_h200_regcap_overlap_runs.txt``, runs r5–r8). The cause is not known, so
+    setting; docs/LOG.md, runs r5–r8). The cause is not known, so
     no pair of four or more is launched: settings asking for one are refused (:func:`check_launch`), and small
     head dims that would give one (K 16 against V 64 by default) get the narrower value block. Such a pair
     was slower anyway: 32 / 128 took grad_wy 3.55–3.66 ms against 3.04 at B1 T8192 H96."""

@@ -33,7 +33,7 @@ never cut); ``min_tokens``: the shortest sequence that is cut. Only calls with o
 (``B = 1``, or one document in ``cu_seqlens``) on CUDA are cut; several sequences give the state pass one
 program per sequence and head already.
 
-Measured at B1 T32768 H32 D128 on the H200 (``benchmarks/results/kda_h200_pipeline_runs.txt``): forward+
+Measured at B1 T32768 H32 D128 on the H200 (docs/LOG.md): forward+
 backward 17.97–18.01 ms cut in 4 against 18.46–18.61 uncut (run 9, interleaved in one process after fla's
 forward, as ``benchmarks/kda.py`` runs). The tile forward is not cut by default: in that setting it took
 3.32–3.38 ms cut in 4 and 3.12–3.27 in 2 against 2.97–3.09 uncut (run 8), although without fla in the
@@ -71,7 +71,7 @@ def overlaps(device: torch.device, programs: int) -> bool:
     """Whether a state pass of ``programs`` programs on ``device`` leaves room to overlap: CUDA, and at most
     one program per multiprocessor. With more, the pass already shares the GPU among its own programs and
     the cut measured slower on the H200 (tile forward at B1 T8192 H96 D128, 384 programs: 1.78–1.84 ms cut
-    in 2 or 4 against 1.68–1.71 uncut; ``benchmarks/results/kda_h200_pipeline_runs.txt``)."""
+    in 2 or 4 against 1.68–1.71 uncut; docs/LOG.md)."""
     return torch.device(device).type == "cuda" and programs <= multiprocessors(device)
 
 

@@ -5,7 +5,7 @@ The recurrence's tile step is bound by the latency of its chain through the stat
 block and head, each step three dependent products). Two tiles per step halve the steps for less than twice
 the step's latency: on the H200 at B1 T32768 H32 D128 the same recurrence kernel took 1.43–1.46 ms stepping 32
 tokens against 1.75 ms stepping 16 (synthetic prepared tensors,
-``benchmarks/results/kda_h200_2026-12-01b_runs.txt``, run 4). What the 32-token step needs is written by a
+docs/LOG.md, run 4). What the 32-token step needs is written by a
 prepare that works on pairs of tiles, so that the recurrence is
 :func:`~openk3.ops.kda.triton.tile_forward.tile_recurrence_kernel` unchanged with ``BT = 32``.
 
@@ -47,7 +47,7 @@ the pair forward was slower at B1 T8192 H96 D128 (1.95–2.15 ms against 1.66–
 within 2e-7 of the tile forward; with bf16 a little further from fp64 than the tile forward where ``E_b``
 cancels (nearly parallel keys: o 8–18% more; the Triton README's Precision section), since its second
 tile's residual is the one tf32 product ``P_b X'_b − P_b C P_a X_a`` where the tile step takes
-``V_b − K̃_b S_a`` in fp32 first (``benchmarks/results/kda_h200_2026-12-01b_runs.txt``, interpreter section).
+``V_b − K̃_b S_a`` in fp32 first (docs/LOG.md, interpreter section).
 
 Legend: ``BT`` tile rows (16), ``BK`` key slice, ``K`` key dim, ``H`` heads, ``P32`` pairs of all sequences.
 """
