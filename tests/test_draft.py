@@ -1,0 +1,206 @@
+"""The speculative draft (EAGLE-3 / MTP head), its losses and its training-time-test unroll."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import openk3
+from openk3.config import KimiLinearConfig
+from openk3.model.draft import (
+    DraftConfig,
+    build_draft,
+    capture_features,
+    feature_layers,
+    load_draft,
+    save_draft,
+)
+from openk3.presets import k3_shaped
+from openk3.train.draft_loss import acceptance_rate, kl_loss, lk_loss
+from openk3.train.draft_trainer import (
+    draft_loss,
+    expected_accepted_length,
+    train_draft,
+    ttt_unroll,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB = 64
+
+
+def _target(depth=4, dtype=torch.float32, seed=0, **kw):
+    return openk3.build_model(k3_shaped(depth, vocab_size=VOCAB, **kw), dtype=dtype, seed=seed).eval()
+
+
+def _draft(model, dtype=torch.float32, seed=1, **kw):
+    lm = model.language_model
+    cfg = lm.config
+    dc = DraftConfig(
+        feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, **kw
+    )
+    return build_draft(cfg, dc, dtype=dtype, seed=seed), lm
+
+
+# ---- losses -------------------------------------------------------------------------------------------
+def test_acceptance_rate_is_one_minus_total_variation():
+    g = torch.Generator().manual_seed(0)
+    p_logits, q_logits = (
+        torch.randn(5, 11, generator=g, dtype=torch.float64),
+        torch.randn(5, 11, generator=g, dtype=torch.float64),
+    )
+    p, q = p_logits.softmax(-1), q_logits.softmax(-1)
+    tv = 0.5 * (p - q).abs().sum(-1)  # an independent formula: α = 1 − TV
+    torch.testing.assert_close(acceptance_rate(p_logits, q_logits), 1 - tv, rtol=0, atol=1e-15)
+    torch.testing.assert_close(acceptance_rate(p_logits, p_logits + 3.0), torch.ones(5, dtype=torch.float64))
+    assert float(lk_loss(p_logits, p_logits)) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_kl_loss_matches_torch_kl_div():
+    g = torch.Generator().manual_seed(1)
+    p_logits, q_logits = (
+        torch.randn(7, 13, generator=g, dtype=torch.float64),
+        torch.randn(7, 13, generator=g, dtype=torch.float64),
+    )
+    want = torch.nn.functional.kl_div(
+        q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    torch.testing.assert_close(kl_loss(p_logits, q_logits), want, rtol=1e-13, atol=0)
+
+
+def test_lk_loss_gradient_matches_finite_differences():
+    g = torch.Generator().manual_seed(2)
+    p_logits = torch.randn(3, 9, generator=g, dtype=torch.float64)
+    q_logits = torch.randn(3, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([True, False, True])
+    lk_loss(p_logits, q_logits, mask).backward()
+    eps = 1e-6
+    fd = torch.zeros_like(q_logits)
+    with torch.no_grad():
+        for i in range(3):
+            for j in range(9):
+                hi, lo = q_logits.clone(), q_logits.clone()
+                hi[i, j] += eps
+                lo[i, j] -= eps
+                fd[i, j] = (lk_loss(p_logits, hi, mask) - lk_loss(p_logits, lo, mask)) / (2 * eps)
+    torch.testing.assert_close(q_logits.grad, fd, rtol=1e-6, atol=1e-9)
+    assert q_logits.grad[1].abs().max() == 0  # a masked position gets no gradient
+    # one gradient step on the LK loss raises the acceptance rate
+    with torch.no_grad():
+        before = acceptance_rate(p_logits, q_logits)[mask].mean()
+        after = acceptance_rate(p_logits, q_logits - 0.1 * q_logits.grad)[mask].mean()
+    assert after > before
+
+
+def test_expected_accepted_length_closed_form():
+    a = 0.7
+    for k in range(1, 6):
+        assert expected_accepted_length([a], k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+# ---- the head -----------------------------------------------------------------------------------------
+def test_feature_layers_are_eagle3_taps():
+    assert feature_layers(93) == (1, 45, 89)  # [1, L//2 − 1, L − 4]
+    assert feature_layers(32) == (1, 15, 28)
+    assert feature_layers(4) == (1, 1, 0)
+    with pytest.raises(ValueError, match="at least 2 layers"):
+        feature_layers(1)
+
+
+def test_draft_names_are_an_mtp_layer():
+    model = _target()
+    draft, _ = _draft(model)
+    names = set(draft.state_dict())
+    L = 4
+    for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "fc.weight", "shared_head.norm.weight",
+              "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate_proj.weight", "input_layernorm.weight"):  # fmt: skip
+        assert f"model.layers.{L}.{n}" in names
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)  # shared with the target
+
+
+def test_capture_features_reads_layer_outputs():
+    """Kimi-Linear wiring: tap i is the residual stream after layer i (an independent manual forward)."""
+    cfg = KimiLinearConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=6, num_attention_heads=2,
+                           intermediate_size=96, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16,
+                           qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    lm = openk3.build_model(cfg, seed=0).eval()
+    ids = torch.randint(0, VOCAB, (2, 7))
+    layers = feature_layers(6)
+    with torch.no_grad(), capture_features(lm, layers) as taps:
+        lm(ids)
+    with torch.no_grad():
+        h = lm.model.embed_tokens(ids)
+        outs = []
+        for layer in lm.model.layers:
+            h = layer.forward_residual(h)
+            outs.append(h)
+    assert len(taps) == 1
+    torch.testing.assert_close(taps[0], torch.cat([outs[i] for i in layers], -1), rtol=0, atol=0)
+
+
+def test_ttt_unroll_equals_the_inference_chain():
+    """Training-time test: unroll step s at row i computes what the inference chain computes after the draft
+    read the target features of positions 0..i and then drafted s tokens on its own outputs."""
+    model = _target(8, dtype=torch.float64)
+    draft, lm = _draft(model, dtype=torch.float64)
+    T, steps = 9, 3
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), capture_features(lm, draft.draft_config.feature_layers) as taps:
+        lm(ids)
+    with torch.no_grad():
+        unrolled = ttt_unroll(draft, lm, taps[0], ids, steps)
+        embed = lm.model.embed_tokens
+        for i in (0, 3, 5):
+            cache = draft.new_cache()
+            g, _ = draft(draft.fuse(taps[0][:, : i + 1]), ids[:, 1 : i + 2], embed, cache=cache)
+            g = g[:, -1:]
+            torch.testing.assert_close(
+                draft.logits(g, lm.lm_head)[0, 0], unrolled[0][0, i], rtol=1e-10, atol=1e-10
+            )
+            for s in range(1, steps):
+                g, _ = draft(g, ids[:, i + 1 + s : i + 2 + s], embed, cache=cache)
+                torch.testing.assert_close(
+                    draft.logits(g, lm.lm_head)[0, 0], unrolled[s][0, i], rtol=1e-10, atol=1e-10
+                )
+
+
+def test_save_load_roundtrip_and_refuses_another_target(tmp_path):
+    model = _target()
+    draft, _ = _draft(model)
+    save_draft(draft, tmp_path / "d")
+    loaded = load_draft(tmp_path / "d", model)
+    for k, v in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    other_vocab = openk3.build_model(k3_shaped(4, vocab_size=VOCAB * 2), seed=0)
+    with pytest.raises(ValueError, match="vocab_size=64.*vocab_size=128"):
+        load_draft(tmp_path / "d", other_vocab)
+    other_width = openk3.build_model(k3_shaped(8, vocab_size=VOCAB), seed=0)
+    with pytest.raises(ValueError, match="hidden_size=128.*hidden_size=256"):
+        load_draft(tmp_path / "d", other_width)
+    with pytest.raises(FileNotFoundError, match="holds no draft"):
+        load_draft(tmp_path, model)
+
+
+def test_draft_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="DraftConfig.loss"):
+        DraftConfig((1,), 64, 64, 4, loss="ce")
+    with pytest.raises(ValueError, match="DraftConfig.feature_layers"):
+        DraftConfig((3,), 64, 64, 4)
+    with pytest.raises(ValueError, match="DraftConfig.ttt_steps"):
+        DraftConfig((1,), 64, 64, 4, ttt_steps=0)
+
+
+@pytest.mark.parametrize("loss", ["lk", "kl"])
+def test_training_raises_acceptance(loss):
+    """A few steps on a fixed batch raise the draft's acceptance rate (the target is frozen)."""
+    model = _target()
+    draft, lm = _draft(model, loss=loss, ttt_steps=2)
+    ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(4))
+    target_before = {k: v.clone() for k, v in lm.state_dict().items()}
+    with torch.no_grad():
+        before = float(draft_loss(draft, lm, ids, "lk", 2))
+    train_draft(draft, lm, iter([ids] * 30), 30, lr=3e-3)
+    with torch.no_grad():
+        after = float(draft_loss(draft, lm, ids, "lk", 2))
+    assert after < before - 0.05, (before, after)
+    for k, v in lm.state_dict().items():
+        assert torch.equal(v, target_before[k]), k
