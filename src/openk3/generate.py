@@ -39,11 +39,10 @@ def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: 
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """Next tokens ``[B, 1]`` (int64) from last-position logits ``[B, V]``."""
-    if temperature == 0:
-        return logits_BV.argmax(-1, keepdim=True)
-    logits_BV = logits_BV.float()
+def sampling_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution sampling draws from: ``softmax(logits / T)`` restricted to the nucleus ``top_p``,
+    fp32 (fp64 stays) ``[B, V]``; temperature must be > 0."""
+    logits_BV = logits_BV if logits_BV.dtype == torch.float64 else logits_BV.float()
     # shifted to a maximum of 0 first, so a tiny temperature gives -inf, not inf − inf = NaN; one below fp32's
     # smallest normal number acts as that number (else it would round to 0 and divide 0 by 0)
     temperature = max(temperature, torch.finfo(torch.float32).tiny)
@@ -55,7 +54,14 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, gener
         outside_BV[:, 0] = False
         sorted_BV = sorted_BV.masked_fill(outside_BV, 0.0)
         probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
-    return torch.multinomial(probs_BV, 1, generator=generator)
+    return probs_BV
+
+
+def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """Next tokens ``[B, 1]`` (int64) from last-position logits ``[B, V]``."""
+    if temperature == 0:
+        return logits_BV.argmax(-1, keepdim=True)
+    return torch.multinomial(sampling_probs(logits_BV.float(), temperature, top_p), 1, generator=generator)
 
 
 PREFILL_CHUNK = 2048

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.model.cache import KDACache
+from openk3.model.cache import KDACache, KDASteps
 from openk3.model.norm import GatedRMSNorm
 from openk3.model.short_conv import ShortConvolution
 from openk3.ops.decay_only import parallel_decay_only
@@ -86,9 +86,10 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         keep = cache is not None
         convs = cache.conv_states if keep and cache.conv_states is not None else (None, None, None)
-        q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
-        k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
-        v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
+        proj = (self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD))
+        q_BTP, cq = self.q_conv1d(proj[0], convs[0], cu_seqlens, keep)
+        k_BTP, ck = self.k_conv1d(proj[1], convs[1], cu_seqlens, keep)
+        v_BTP, cv = self.v_conv1d(proj[2], convs[2], cu_seqlens, keep)
         g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
@@ -108,6 +109,11 @@ class KimiDeltaAttention(nn.Module):
         if use_train_op(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate, cache=cache,
                         cu_seqlens=cu_seqlens):  # fmt: skip
             o_BTHK = chunk_kda_train(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate)
+            return self._output(x_BTD, o_BTHK)
+        if keep and cache.steps is not None:  # a speculative verification: keep every token's state
+            o_BTHK = self._verify(
+                q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate, cache, convs, proj
+            )
             return self._output(x_BTD, o_BTHK)
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
@@ -129,6 +135,31 @@ class KimiDeltaAttention(nn.Module):
         if keep:
             cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
         return self._output(x_BTD, o_BTHK)
+
+    def _verify(self, q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate, cache, convs, proj):
+        """The decode op token by token, keeping the state after each one in ``cache.steps`` (rolled back
+        by :meth:`~openk3.model.cache.KDACache.rollback`); returns ``o_BTHK``. Each token runs the op exactly
+        as a one-token decode step does, so a kept state is the decode state of the same inputs."""
+        B, T = q_BTHK.shape[:2]
+        W1 = self.q_conv1d.kernel_size - 1
+        state = cache.recurrent_state
+        states, outs = [state], []
+        for t in range(T):
+            o_B1HK, state = fused_recurrent_kda(
+                q_BTHK[:, t : t + 1], k_BTHK[:, t : t + 1], v_BTHK[:, t : t + 1], g_raw_BTHK[:, t : t + 1],
+                beta_logits_BTH[:, t : t + 1], initial_state=state, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate,
+            )  # fmt: skip
+            states.append(state)
+            outs.append(o_B1HK)
+        if states[0] is None:
+            states[0] = torch.zeros_like(state)
+        past = [c if c is not None else p.new_zeros(B, p.shape[-1], W1) for c, p in zip(convs, proj)]
+        inputs = tuple(torch.cat([c.to(p.dtype), p.transpose(1, 2)], -1) for c, p in zip(past, proj))
+        cache.steps = KDASteps(inputs, states)
+        cache.conv_states = tuple(x[..., T:].contiguous() for x in inputs)
+        cache.recurrent_state = state
+        return torch.cat(outs, 1)
 
     def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` ``[B, T, D]`` for the op's output ``o_BTHK``."""
