@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -204,3 +206,49 @@ def test_training_raises_acceptance(loss):
     assert after < before - 0.05, (before, after)
     for k, v in lm.state_dict().items():
         assert torch.equal(v, target_before[k]), k
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+def _run_folder(root, vocab_model: int = 320):
+    """A run folder as `openk3 train` leaves it: a checkpoint with its tokenizer and the data splits."""
+    from openk3.checkpoint import save_pretrained
+    from openk3.data import Tokenizer
+    from openk3.data.text_split import write_text_split
+
+    text = "".join(
+        f"Line {i}: the quick brown fox jumps over the lazy dog, then sleeps.\n" for i in range(300)
+    )
+    (root / "corpus.txt").write_text(text)
+    tokenizer = Tokenizer.train([text], 300)
+    run = root / "run"
+    ckpt = run / "checkpoints" / "step-000001"
+    save_pretrained(openk3.build_model(k3_shaped(4, vocab_size=vocab_model), seed=0), ckpt)
+    tokenizer.save(ckpt)
+    (run / "checkpoints" / "latest").write_text("step-000001\n")
+    (run / "data").mkdir(parents=True)
+    for split in ("train", "val"):
+        write_text_split(root / "corpus.txt", tokenizer, run / "data" / f"{split}.bin")
+    return run
+
+
+def test_train_draft_and_eval_draft_commands(tmp_path, capsys):
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+    small = ["--steps", "2", "--batch-size", "2", "--seq-len", "24", "--ttt-steps", "2"]
+    assert main(["train-draft", "--target", str(run), *small]) == 0
+    assert "draft saved to" in capsys.readouterr().out
+    assert (run / "draft-lk" / "model.safetensors").is_file()
+    out_kl = tmp_path / "kl"
+    assert main(["train-draft", "--target", str(run), "--loss", "kl", "--data", "generations", "--gen-windows", "2", "--out", str(out_kl), *small]) == 0  # fmt: skip
+    assert '"loss": "kl"' in (out_kl / "config.json").read_text()
+    assert main(["eval", "--ckpt", str(run), "--draft", str(run / "draft-lk"), "--seq-len", "24", "--max-batches", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    alphas = [float(a) for a in re.findall(r"\d: (0\.\d+|1\.000)", out.split("depth: ")[1].split("\n")[0])]
+    assert len(alphas) == 5 and all(0 <= a <= 1 for a in alphas), out
+    assert "k=5:" in out
+    # a draft for another target: one line, exit code 2
+    (tmp_path / "o").mkdir()
+    other = _run_folder(tmp_path / "o", vocab_model=384)
+    assert main(["eval", "--ckpt", str(other), "--draft", str(run / "draft-lk"), "--max-batches", "1"]) == 2
+    assert "trained for a target with vocab_size=320" in capsys.readouterr().err

@@ -415,6 +415,11 @@ def _evaluate(args: argparse.Namespace, folder: Path, val_path: Path, dataset) -
     if seq_len is None:  # at most N - 1 (a val split shorter than one window)
         seq_len = max(1, min(run_seq_len or DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
     batch_size = args.batch_size or run_batch or DEFAULT_EVAL_BATCH_SIZE
+    if args.draft:
+        from openk3.train.draft_cli import print_acceptance
+
+        print_acceptance(model, args.draft, dataset, batch_size, seq_len, args.max_batches, args.device)
+        return 0
     loss, count = validation_loss(
         model, dataset, batch_size, seq_len, args.max_batches, device=args.device, progress=True
     )
@@ -665,6 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_length_list,
         help="needle-in-a-haystack accuracy at these context lengths instead, e.g. 256,512,1024",
     )
+    ev.add_argument(
+        "--draft", help="a draft folder (openk3 train-draft): report its acceptance rate on the data instead"
+    )
     ev.set_defaults(func=cmd_eval)
 
     # each subcommand module is light: its heavy imports happen when it runs
@@ -672,8 +680,10 @@ def build_parser() -> argparse.ArgumentParser:
     from openk3.sandbox.cli import add_sandbox_parser
     from openk3.serve.cli import add_serve_parser
     from openk3.synthetic.cli import add_parser as add_synthetic_parser
+    from openk3.train.draft_cli import add_draft_parser
 
     add_serve_parser(sub)
+    add_draft_parser(sub)
     add_posttrain_parser(sub)
     add_sandbox_parser(sub)
     add_synthetic_parser(sub)

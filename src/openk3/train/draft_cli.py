@@ -1,0 +1,160 @@
+"""``openk3 train-draft``: fit a speculative draft to a trained target (``docs/speculative.md``), and the
+acceptance report that ``openk3 eval --draft`` prints.
+
+Data: ``corpus`` reads random windows of the target run's ``data/train.bin``; ``generations`` first samples
+``--gen-windows`` continuations from the target itself (temperature 1, prompts of 16 corpus tokens) and
+trains on those, so the draft learns the distribution it will be verified against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+DEFAULT_DRAFT_STEPS = 200
+GEN_PROMPT_TOKENS = 16
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def add_draft_parser(sub) -> None:
+    p = sub.add_parser(
+        "train-draft", help="train a speculative draft (EAGLE-3 head, LK or KL loss) for a run"
+    )
+    p.add_argument("--target", required=True, help="run or checkpoint folder of the target model")
+    p.add_argument("--out", help="draft folder to write (default: RUN/draft-LOSS)")
+    p.add_argument(
+        "--loss", choices=["lk", "kl"], default="lk", help="lk: -log sum min(p, q); kl: KL(p || q)"
+    )
+    p.add_argument(
+        "--data", choices=["corpus", "generations"], default="corpus",
+        help="train on the run's corpus split, or on the target's own samples",
+    )  # fmt: skip
+    p.add_argument("--steps", type=_positive_int, default=DEFAULT_DRAFT_STEPS, help="optimizer steps")
+    p.add_argument("--batch-size", dest="batch_size", type=_positive_int, default=8, help="windows per step")
+    p.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=128, help="tokens per window")
+    p.add_argument(
+        "--ttt-steps", dest="ttt_steps", type=_positive_int, default=3, help="training-time-test unroll"
+    )
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument(
+        "--gen-windows", dest="gen_windows", type=_positive_int, default=64,
+        help="target samples drawn up front with --data generations",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="draft init and batch order")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the target and the draft run"
+    )
+    p.set_defaults(func=cmd_train_draft)
+
+
+def _run_split(folder: Path, name: str) -> Path:
+    path = folder.parent.parent / "data" / f"{name}.bin"
+    if folder.parent.name != "checkpoints" or not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {folder} has no run split {path}: pass the folder of an `openk3 train` run"
+        )
+    return path
+
+
+def _generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str):
+    """``n`` windows ``[n, seq_len]``: 16 corpus tokens, then the target's own continuation at temperature 1."""
+    import torch
+
+    from openk3.generate import generate
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, _ = dataset.get_batch(n, GEN_PROMPT_TOKENS, g)
+    prompts = prompts.to(device)
+    rows = []
+    for chunk in prompts.split(32):
+        rows.append(
+            torch.cat(
+                [chunk, generate(lm, chunk, seq_len - GEN_PROMPT_TOKENS, temperature=1.0, seed=seed)], 1
+            )
+        )
+    return torch.cat(rows)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    import torch
+
+    from openk3.checkpoint import from_pretrained
+    from openk3.data import TokenDataset
+    from openk3.data.shards import RandomBatches
+    from openk3.model.draft import DraftConfig, build_draft, feature_layers, save_draft
+    from openk3.train.draft_trainer import train_draft
+    from openk3.train.state import latest_checkpoint
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    if args.seq_len < GEN_PROMPT_TOKENS + args.ttt_steps + 2:
+        raise ValueError(
+            f"--seq-len must be at least {GEN_PROMPT_TOKENS + args.ttt_steps + 2}, got {args.seq_len}"
+        )
+    folder = latest_checkpoint(args.target)
+    dataset = TokenDataset(_run_split(folder, "train"))
+    model = from_pretrained(folder, device=args.device).eval()
+    lm = getattr(model, "language_model", model)
+    cfg = lm.config
+    dc = DraftConfig(
+        feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
+        loss=args.loss, ttt_steps=args.ttt_steps,
+    )  # fmt: skip
+    dtype = lm.model.embed_tokens.weight.dtype
+    draft = build_draft(cfg, dc, device=args.device, dtype=dtype, seed=args.seed)
+    print(f"target {folder}: {cfg.num_hidden_layers} layers, width {cfg.hidden_size}; draft taps layers "
+          f"{list(dc.feature_layers)}, {sum(p.numel() for p in draft.parameters()):,} parameters")  # fmt: skip
+    if args.data == "corpus":
+        source = RandomBatches(dataset, args.batch_size, args.seq_len, args.seed)
+        batches = (x.to(args.device) for x, _ in source)
+    else:
+        t0 = time.perf_counter()
+        pool = _generated_windows(lm, dataset, args.gen_windows, args.seq_len, args.seed, args.device)
+        print(
+            f"sampled {pool.shape[0]} target windows of {args.seq_len} tokens in {time.perf_counter() - t0:.0f} s"
+        )
+        g = torch.Generator().manual_seed(args.seed)
+        batches = (
+            pool[torch.randint(0, pool.shape[0], (args.batch_size,), generator=g)] for _ in iter(int, 1)
+        )
+    result = train_draft(draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10))
+    out = Path(args.out) if args.out else folder.parent.parent / f"draft-{args.loss}"
+    save_draft(draft, out)
+    print(f"trained {args.steps} steps in {result.seconds:.0f} s; draft saved to {out}")
+    print(f"acceptance: openk3 eval --ckpt {args.target} --draft {out}")
+    return 0
+
+
+def print_acceptance(
+    model, draft_folder: str, dataset, batch_size: int, seq_len: int, max_batches: int | None, device
+) -> None:
+    """``openk3 eval --draft``: mean acceptance rate per draft depth on the held-out windows, and the
+    expected tokens per target forward at k = 1…5."""
+    from openk3.model.draft import load_draft
+    from openk3.train.draft_trainer import acceptance_by_step, expected_accepted_length
+
+    draft = load_draft(draft_folder, model)
+    lm = getattr(model, "language_model", model)
+    depth = 5
+    seq_len = max(seq_len, depth + 2)
+    batches = (x.to(device) for x, _ in dataset.iter_sequential(batch_size, seq_len, max_batches))
+    alphas = acceptance_by_step(draft, lm, batches, depth)
+    print(f"draft {draft_folder} (trained with the {draft.draft_config.loss} loss), {seq_len}-token windows:")
+    print("acceptance rate by draft depth: " + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(alphas)))
+    print("expected tokens per target forward: " + ", ".join(
+        f"k={k}: {expected_accepted_length(alphas, k):.2f}" for k in range(1, depth + 1)))  # fmt: skip
