@@ -284,6 +284,16 @@ BAD = [
     ),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), "messages"),
     (
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "hi", "num_speculative_tokens": 17}).encode(),
+        "num_speculative_tokens",
+    ),
+    (  # this server has no draft
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "hi", "num_speculative_tokens": 2}).encode(),
+        "num_speculative_tokens",
+    ),
+    (
         "/v1/chat/completions",
         json.dumps({"model": MODEL, "messages": [{"role": "user"}], "n": 9}).encode(),
         "n",

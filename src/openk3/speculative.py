@@ -94,7 +94,7 @@ class SpeculativeStats:
         return self.accepted / max(self.drafted, 1)
 
 
-class _Chooser:
+class TokenChooser:
     """Token choice and probabilities for one request's sampling settings."""
 
     def __init__(self, temperature: float, top_p: float, vocab_size: int | None, generator) -> None:
@@ -154,7 +154,7 @@ def speculative_stream(
     embed, head = lm.model.embed_tokens, lm.lm_head
     taps_at = draft.draft_config.feature_layers
     generator = None if seed is None else torch.Generator(device=input_ids.device).manual_seed(seed)
-    choose = _Chooser(temperature, top_p, vocab_size, generator)
+    choose = TokenChooser(temperature, top_p, vocab_size, generator)
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long)
     cache, dcache = lm.new_cache(), draft.new_cache()
     with capture_features(lm, taps_at) as taps:

@@ -40,6 +40,18 @@ def check_server_modules() -> None:
         )
 
 
+def _speculative_tokens(text: str) -> int:
+    from openk3.speculative import MAX_SPECULATIVE_TOKENS
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected an int in [1, {MAX_SPECULATIVE_TOKENS}], got {text}")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_server_modules()
     import torch
@@ -71,6 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         device=args.device,
         dtype=dtype,
+        draft=args.draft,
+        num_speculative_tokens=args.speculative_tokens,
     )
     return 0
 
@@ -92,6 +106,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="model id in the API (default: the name of the --ckpt folder, e.g. k3-tiny for runs/k3-tiny)",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
+    p.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
+    p.add_argument(
+        "--speculative-tokens", dest="speculative_tokens", type=_speculative_tokens, default=3,
+        help="drafted tokens per step with --draft (a request's num_speculative_tokens overrides it)",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
     g = p.add_argument_group("cache")
     g.add_argument(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from openk3.model.cache import KDASteps
 from openk3.model.norm import rms_normalize
 from openk3.serve.cache_storage import CacheStorage
 from openk3.serve.kda_decode import kda_decode_
@@ -165,7 +166,11 @@ class PagedForward:
         positions: list[int],
         block_tables: list[list[int]],
         state_slots: list[tuple[int, ...]],
+        all_positions: bool = False,
+        steps_out: list | None = None,
     ) -> torch.Tensor:
+        """``all_positions``: logits of every new token ``[B, T, V]``; ``steps_out`` (a list, ``T > 1``):
+        receives the per-layer KDA caches with every token's state (a speculative verification)."""
         st, bs = self.storage, self.storage.layout.block_size
         device = self.backbone.embed_tokens.weight.device
         T = len(token_ids[0])
@@ -173,6 +178,10 @@ class PagedForward:
             raise ValueError("every request of one paged forward must bring the same number of tokens")
         states = st.gather_states(state_slots) if "kda" in self.kinds else None
         caches = states.caches(st.layout.model_dtype) if states is not None and T > 1 else None
+        if steps_out is not None and caches is not None:
+            for c in caches:
+                c.steps = KDASteps()
+            steps_out.extend(caches)
         has_mla = "mla" in self.kinds
         if has_mla:
             past_LBSd, mask_BS = st.gather_latents(block_tables, positions)
@@ -196,7 +205,7 @@ class PagedForward:
                 h_BTD = h_BTD + layer.ffn(layer.post_attention_layernorm(h_BTD))
         else:
             h_BTD = self._attn_res_layers(h_BTD, mixer)
-        logits_BV = self.lm.lm_head(self.backbone.norm(h_BTD[:, -1]))
+        logits_BV = self.lm.lm_head(self.backbone.norm(h_BTD if all_positions else h_BTD[:, -1]))
         if caches is not None:
             states.absorb(caches)
         if has_mla:

@@ -55,9 +55,16 @@ class LLMEngine:
     """Continuous batching over a paged cache for one model (``eval`` mode, no grad)."""
 
     def __init__(
-        self, model: nn.Module, config: EngineConfig | None = None, sample_vocab_size: int | None = None
+        self,
+        model: nn.Module,
+        config: EngineConfig | None = None,
+        sample_vocab_size: int | None = None,
+        draft: nn.Module | None = None,
+        num_speculative_tokens: int = 3,
     ) -> None:
-        """``sample_vocab_size``: sampled ids stay below it (the tokenizer's id space; ``None``: the model's)."""
+        """``sample_vocab_size``: sampled ids stay below it (the tokenizer's id space; ``None``: the model's).
+        ``draft`` (:func:`~openk3.model.draft.load_draft` for this model): speculative decoding with
+        ``num_speculative_tokens`` drafted tokens per step by default (:mod:`openk3.serve.speculative`)."""
         self.config = config or EngineConfig()
         self.model = model.eval()
         lm = language_model(model)
@@ -83,12 +90,22 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, self.storage, cc)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.runner = ModelRunner(model, self.storage, sample_vocab_size)
+        if draft is not None:
+            from openk3.serve.speculative import SpeculativeDecoder
+
+            self.runner.speculative = SpeculativeDecoder(
+                lm, draft, self.runner, self.kv, num_speculative_tokens
+            )
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit) or ``QueueFullError``."""
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if self.runner.speculative is None and request.sampling_params.num_speculative_tokens:
+            raise ValueError(
+                "num_speculative_tokens needs a server started with a draft (openk3 serve --draft)"
+            )
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -106,7 +123,12 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled) if scheduled.chunks else {}
         with lock:
-            return self.scheduler.update(scheduled, sampled)
+            outputs = self.scheduler.update(scheduled, sampled)
+        if self.runner.speculative is not None:
+            for out in outputs:
+                if out.finished:
+                    self.runner.speculative.release(out.request_id)
+        return outputs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request (after an engine error); each output carries ``message`` in ``error``."""
@@ -116,6 +138,8 @@ class LLMEngine:
         for out in self.scheduler.schedule_aborts():
             out.error = message
             outputs.append(out)
+            if self.runner.speculative is not None:
+                self.runner.speculative.release(out.request_id)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -43,20 +43,34 @@ class ModelRunner:
         self.kinds = self.lm.config.layer_types
         self.device = self.lm.model.embed_tokens.weight.device
         self.paged_forward = PagedForward(self.lm, storage)
+        self.speculative = None
+        """A :class:`~openk3.serve.speculative.SpeculativeDecoder` when the engine has a draft."""
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run every chunk of the step; return request id → sampled token for chunks that sample (a list of
+        tokens for a speculative decode). See :meth:`_execute`."""
+        if self.speculative is None:
+            return self._execute(out)
+        with self.speculative.capturing():
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run every chunk of the step; return request id → sampled token for chunks that sample.
 
         Chunks of equal length run as one :class:`PagedForward` batch; first chunks (``start == 0``) whose
         length no other chunk shares are packed into one reference forward instead."""
-        sampled: dict[str, int] = {}
+        sampled: dict[str, int] = {}  # a list of tokens for a speculative decode
+        spec = self.speculative
+        chunks = out.chunks if spec is None else spec.decode(out.chunks, sampled)
         by_length: dict[int, list[ScheduledChunk]] = {}
-        for chunk in out.chunks:
+        for chunk in chunks:
             by_length.setdefault(chunk.num_tokens, []).append(chunk)
         fresh = [g[0] for g in by_length.values() if len(g) == 1 and g[0].start == 0]
         if fresh:
             self._sample(fresh, self.prefill_packed(fresh), sampled)
+            if spec is not None:
+                spec.forwarded(fresh, sampled)
         for chunks in by_length.values():
             if len(chunks) == 1 and chunks[0].start == 0:
                 continue
@@ -67,6 +81,8 @@ class ModelRunner:
                 [c.state_slot for c in chunks],
             )
             self._sample(chunks, logits_BV, sampled)
+            if spec is not None:
+                spec.forwarded(chunks, sampled)
         return sampled
 
     def _sample(self, chunks: list[ScheduledChunk], logits_BV: torch.Tensor, sampled: dict[str, int]) -> None:

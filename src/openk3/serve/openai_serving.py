@@ -188,6 +188,12 @@ class OpenAIServing:
         return prompts
 
     def _start(self, req, prompts: list[list[int]], max_tokens: list[int], stop_ids: set[int]) -> _Call:
+        if req.num_speculative_tokens and self.engine.engine.runner.speculative is None:
+            raise APIError(
+                400,
+                "num_speculative_tokens needs a server started with --draft",
+                param="num_speculative_tokens",
+            )
         base = uuid.uuid4().hex
         choices = []
         for p, ids in enumerate(prompts):
@@ -195,8 +201,9 @@ class OpenAIServing:
                 index = p * req.n + k
                 seed = None if req.seed is None else (req.seed + k) % 2**64
                 params = SamplingParams(
-                    max_tokens[p], req.temperature, req.top_p, seed, frozenset(stop_ids), _logprobs_of(req)
-                )
+                    max_tokens[p], req.temperature, req.top_p, seed, frozenset(stop_ids), _logprobs_of(req),
+                    req.num_speculative_tokens,
+                )  # fmt: skip
                 detok = IncrementalDetokenizer(self.tokenizer, req.stop_strings, self.hidden_ids | stop_ids)
                 choices.append(_Choice(index, p, Request(f"{base}-{index}", ids, params), detok))
         call = _Call(choices, [len(ids) for ids in prompts])

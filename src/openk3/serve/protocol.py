@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from openk3.serve.request import MAX_LOGPROBS
+from openk3.speculative import MAX_SPECULATIVE_TOKENS
 
 MAX_STOP_STRINGS = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -100,6 +101,9 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, strict=True)
+    """openk3 extension: drafted tokens per step on a server with ``--draft`` (0: none; default: the
+    server's ``--speculative-tokens``)."""
 
     @field_validator("stop")
     @classmethod

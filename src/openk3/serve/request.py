@@ -42,11 +42,21 @@ class SamplingParams:
     """``None``: no log-probabilities; ``k`` >= 0: each sampled token's log-probability and the ``k`` most
     likely tokens' (:class:`TokenLogprobs`), from the model's raw logits (before temperature and top-p, as
     vLLM's default ``raw_logprobs``)."""
+    num_speculative_tokens: int | None = None
+    """Drafted tokens per step with an engine draft (``None``: the engine's default; 0: no speculation)."""
 
     def __post_init__(self) -> None:
         from openk3.generate import check_sampling
+        from openk3.speculative import MAX_SPECULATIVE_TOKENS
 
         check_sampling(self.temperature, self.top_p, self.max_tokens)
+        k = self.num_speculative_tokens
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS
+        ):
+            raise ValueError(
+                f"num_speculative_tokens must be None or an int in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

@@ -183,23 +183,31 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
-        """Apply a step's results; ``sampled`` maps request id → token for chunks that sample."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[RequestOutput]:
+        """Apply a step's results; ``sampled`` maps request id → token for chunks that sample (a list of
+        tokens for a speculative decode: its kept drafts then the target's token; the cache holds the
+        chunk's token and the kept drafts)."""
         outputs = list(out.finished)
         now = time.monotonic()
         for chunk in out.chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
+            tokens = sampled.get(request.request_id)
+            tokens = [] if tokens is None else tokens if isinstance(tokens, list) else [tokens]
+            emitted, status = [], None
+            for token in tokens:  # appended first: the block hashes read them
+                request.output_token_ids.append(token)
+                emitted.append(token)
+                status = self._stop_status(request, token)
+                if status is not None:
+                    break
+            request.num_computed_tokens += chunk.num_tokens + max(len(emitted) - 1, 0)
             self.kv.cache_full_blocks(request)
             if request.num_computed_tokens in request.checkpoint_positions:
                 self.kv.store_checkpoint(request)
-            if request.request_id not in sampled:
+            if not tokens:
                 continue
-            token = sampled[request.request_id]
-            request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self._stop_status(request, token)
             if status is not None:
                 request.status = status
                 self.kv.free(request)
@@ -208,7 +216,7 @@ class Scheduler:
             outputs.append(
                 RequestOutput(
                     request.request_id,
-                    [token],
+                    emitted,
                     status is not None,
                     status.value if status else None,
                     request.num_prompt_tokens,

@@ -62,14 +62,16 @@ def build_server(
     model_name: str = "openk3",
     chat_template: ChatTemplate | None = None,
     max_n: int = 8,
+    draft=None,
+    num_speculative_tokens: int = 3,
 ) -> tuple[FastAPI, OpenAIServing]:
-    """An app (and its serving object, for inspection) over an in-memory model and tokenizer."""
+    """An app (and its serving object, for inspection) over an in-memory model and tokenizer; ``draft``: a
+    speculative draft of the model (:mod:`openk3.serve.speculative`)."""
     engine_config = engine_config or EngineConfig()
     tokenizer.check_fits(getattr(model, "language_model", model).config.vocab_size)
     metrics = ServerMetrics()
-    engine = AsyncEngine(
-        LLMEngine(model, engine_config, sample_vocab_size=tokenizer.vocab_size), on_step=metrics.on_step
-    )
+    llm = LLMEngine(model, engine_config, tokenizer.vocab_size, draft, num_speculative_tokens)
+    engine = AsyncEngine(llm, on_step=metrics.on_step)
     config = ServingConfig(model_name, engine_config.scheduler.max_model_len, max_n)
     serving = OpenAIServing(engine, tokenizer, chat_template or ChatTemplate(tokenizer), metrics, config)
     return build_app(serving), serving
@@ -81,17 +83,31 @@ def load_server(
     model_name: str | None = None,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    draft: str | Path | None = None,
+    num_speculative_tokens: int = 3,
 ) -> tuple[FastAPI, OpenAIServing]:
     """Build the server for a checkpoint or run folder (``model_name`` defaults to
-    :func:`served_model_name` of ``ckpt``)."""
+    :func:`served_model_name` of ``ckpt``); ``draft``: a draft folder for that model (a draft of another
+    target raises ``ValueError``)."""
     from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
     from openk3.data import Tokenizer
+    from openk3.model.draft import load_draft
 
     folder = checkpoint_with_tokenizer(ckpt)
     model = from_pretrained(folder, device=device, dtype=dtype)
+    drafter = load_draft(draft, model) if draft is not None else None
     tokenizer = Tokenizer.load(folder)
     name = model_name or served_model_name(ckpt)
-    return build_server(model, tokenizer, engine_config, name, ChatTemplate.from_folder(tokenizer, folder))
+    template = ChatTemplate.from_folder(tokenizer, folder)
+    return build_server(
+        model,
+        tokenizer,
+        engine_config,
+        name,
+        template,
+        draft=drafter,
+        num_speculative_tokens=num_speculative_tokens,
+    )
 
 
 class BackgroundServer:
