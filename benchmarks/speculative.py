@@ -11,9 +11,12 @@ measured tokens per target forward and the decode speed-up over plain decoding.
   (``--temperature``). Speed-up = plain time / speculative time, each the best of ``--repeats`` rounds, the
   two alternating so a shared machine slows both alike.
 
+* ``--streams 1,64``: the serving engine's decode throughput with and without the LK draft (k =
+  ``--engine-k``) at those numbers of concurrent greedy streams, outputs compared.
+
     python benchmarks/speculative.py --target runs/k3-tiny --out benchmarks/results/speculative_cpu.md
     python benchmarks/speculative.py --target RUN_K3_SMALL --device cuda --draft-steps 2000 \\
-        --batch-size 32 --seq-len 512 --new-tokens 256 --out OUT_DIR          # GPU, k3-small
+        --batch-size 32 --seq-len 512 --new-tokens 256 --streams 1,64 --out OUT_DIR   # GPU, k3-small
 
 Prints a Markdown report; ``--out`` is a ``.md`` file or a folder (which receives ``speculative_<device>.md``
 and ``.json``).
@@ -59,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--streams", default="", help="engine throughput at these concurrent streams, e.g. 1,64")
+    p.add_argument("--engine-k", type=int, default=3, help="k of the engine throughput test")
     p.add_argument("--threads", type=int, help="torch threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help=".md file or folder for the report")
@@ -163,6 +168,8 @@ def main() -> int:
                 }  # fmt: skip
                 print(f"{loss} k={k}: {stats.acceptance_length:.2f} tokens/forward, speed-up "
                       f"{best_plain / best_spec:.2f}x", file=sys.stderr)  # fmt: skip
+        if args.streams:
+            result["engine"] = engine_throughput(model, drafts["lk"], val, args, device)
     report = render(result, ks, args)
     print(report)
     if args.out:
@@ -174,6 +181,44 @@ def main() -> int:
             out = out / f"speculative_{name}.md"
         out.write_text(report)
     return 0
+
+
+def engine_throughput(model, draft, val, args, device) -> dict:
+    """Decode tokens per second of the serving engine with and without the LK draft (greedy, every request
+    ``--new-tokens`` long, all submitted at once; prefills included)."""
+    from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+
+    out = {}
+    for n in [int(x) for x in args.streams.split(",")]:
+        prompts = [
+            val.tokens_N[i * 131 : i * 131 + args.prompt_len].astype("int64").tolist() for i in range(n)
+        ]
+        row = {}
+        for name, d in (("plain", None), ("speculative", draft)):
+            config = EngineConfig(
+                CacheConfig(block_size=16, pool_mib=256 if device.type == "cpu" else 8192),
+                SchedulerConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=max(2048, n * 8)),
+            )
+            best = float("inf")
+            for r in range(args.repeats + 1):  # the first round warms up
+                eng = LLMEngine(model, config, draft=d, num_speculative_tokens=args.engine_k)
+                reqs = [
+                    Request(f"{name}{r}-{i}", p, SamplingParams(max_tokens=args.new_tokens))
+                    for i, p in enumerate(prompts)
+                ]
+                got, seconds = timed(eng.generate, reqs)
+                if r:
+                    best = min(best, seconds)
+            row[name] = {"tokens_per_s": n * args.new_tokens / best, "seconds": best}
+            row[name + "_outputs"] = [got[q.request_id] for q in reqs]
+        row["identical"] = row.pop("plain_outputs") == row.pop("speculative_outputs")
+        row["speedup"] = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        print(
+            f"engine {n} streams: speed-up {row['speedup']:.2f}x, identical {row['identical']}",
+            file=sys.stderr,
+        )
+        out[n] = row
+    return out
 
 
 def render(result: dict, ks: list[int], args) -> str:
@@ -213,6 +258,20 @@ def render(result: dict, ks: list[int], args) -> str:
             f"| {k} | {lk['tokens_per_forward']:.2f} | {lk['speedup']:.2f}× | {kl['tokens_per_forward']:.2f} | "
             f"{kl['speedup']:.2f}× | {same} |"
         )
+    if "engine" in result:
+        lines += [
+            "",
+            f"Serving engine, greedy, {args.new_tokens} new tokens per stream, LK draft at k = {args.engine_k} "
+            "(prefills included):",
+            "",
+            "| streams | plain tok/s | speculative tok/s | speed-up | identical outputs |",
+            "|---|---|---|---|---|",
+        ]
+        for n, row in result["engine"].items():
+            lines.append(
+                f"| {n} | {row['plain']['tokens_per_s']:.1f} | {row['speculative']['tokens_per_s']:.1f} | "
+                f"{row['speedup']:.2f}× | {'yes' if row['identical'] else 'NO'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
