@@ -247,6 +247,21 @@ def test_train_draft_and_eval_draft_commands(tmp_path, capsys):
     alphas = [float(a) for a in re.findall(r"\d: (0\.\d+|1\.000)", out.split("depth: ")[1].split("\n")[0])]
     assert len(alphas) == 5 and all(0 <= a <= 1 for a in alphas), out
     assert "k=5:" in out
+    gen = [
+        "generate",
+        "--ckpt",
+        str(run),
+        "--prompt",
+        "Line 7: the",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ]
+    assert main(gen) == 0
+    plain = capsys.readouterr().out
+    assert main([*gen, "--draft", str(run / "draft-lk"), "--speculative-tokens", "4"]) == 0
+    assert capsys.readouterr().out == plain  # greedy: the same text
     # a draft for another target: one line, exit code 2
     (tmp_path / "o").mkdir()
     other = _run_folder(tmp_path / "o", vocab_model=384)

@@ -240,11 +240,22 @@ def _check_prompt(prompt: str) -> None:
 
 
 def _stream_text(
-    model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, device, ids=None, stop=None
+    model,
+    tokenizer,
+    prompt,
+    max_new_tokens,
+    temperature,
+    top_p,
+    seed,
+    device,
+    ids=None,
+    stop=None,
+    draft=None,
 ) -> None:
     """Write ``prompt`` then its continuation to stdout as it is generated. ``ids``: the prompt's token ids
     when they are not ``tokenizer.encode(prompt)`` (a chat prompt; then ``prompt`` is what is echoed, possibly
-    ""); ``stop``: ids that end the text (default: the eos id)."""
+    ""); ``stop``: ids that end the text (default: the eos id); ``draft``: ``(draft model, k)`` for
+    speculative decoding (:func:`openk3.speculative.speculative_stream`, the same distribution)."""
     import torch
 
     from openk3.generate import stream
@@ -257,7 +268,15 @@ def _stream_text(
     shown = ""
     x = torch.tensor([ids], device=device)
     stop = {tokenizer.eos_id} if stop is None else stop
-    for tok in stream(model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size):
+    if draft is None:
+        tokens = stream(model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size)
+    else:
+        from openk3.speculative import speculative_stream
+
+        tokens = speculative_stream(
+            model, draft[0], x, max_new_tokens, draft[1], temperature, top_p, seed, stop, tokenizer.vocab_size
+        )
+    for tok in tokens:
         token = int(tok[0, 0])
         if token in stop:
             break
@@ -328,6 +347,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     limit = text_config_of(load_config(folder)).max_position_embeddings
     check_context(len(ids), args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
+    draft = None
+    if args.draft:
+        from openk3.model.draft import load_draft
+
+        draft = (load_draft(args.draft, model), args.speculative_tokens)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples} ---")
@@ -343,6 +367,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args.device,
             ids=ids,
             stop=stop,
+            draft=draft,
         )
     return 0
 
@@ -633,6 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: a random one)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
+    gen.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
+    gen.add_argument(
+        "--speculative-tokens", dest="speculative_tokens", type=_positive_int, default=3,
+        help="drafted tokens per target forward with --draft (at most 16)",
+    )  # fmt: skip
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
