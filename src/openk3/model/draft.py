@@ -138,8 +138,8 @@ class EagleDraft(nn.Module):
 
         Attention: with ``cache``, over the cached positions then causally over the new ones (appended);
         otherwise over ``past`` (earlier latents ``([B, S₀, C], [B, S₀, r])``, may be ``None``) and the new
-        positions under ``mask_TS`` (bool ``[T, S₀ + T]``, True = attend; ``None`` = causal): the
-        training-time-test pattern of :func:`ttt_mask`."""
+        positions under ``mask_TS`` (bool ``[T, S₀ + T]``, or ``[B, 1, T, S₀ + T]`` per row; True = attend;
+        ``None`` = causal): the training-time-test pattern of :func:`ttt_mask`, or padded batched caches."""
         layer = self.layer
         e_BTD = layer.enorm(embed(input_ids_BT))
         x_BTD = layer.eh_proj(torch.cat([e_BTD, layer.hnorm(h_BTD)], -1))

@@ -115,27 +115,49 @@ class SpeculativeDecoder:
             self._verify(group, k, sampled)
         return rest
 
-    def _verify(self, chunks, k: int, sampled: dict) -> None:
-        embed, head = self.lm.model.embed_tokens, self.lm.lm_head
-        vocab = self.runner.sample_vocab_size
-        rows, choosers, starts = [], [], []
-        for c in chunks:
-            r = c.request
-            sp = r.sampling_params
-            choose = TokenChooser(sp.temperature, sp.top_p, vocab, r.generator)
-            st = self.states[r.request_id]
-            starts.append(st.cache.latent.shape[1])
-            g, drafts, qs = st.g_11D, [], []
-            for j in range(k):
-                if j:
-                    ids = torch.tensor([drafts[-1:]], device=g.device)
-                    g, _ = self.draft(g, ids, embed, cache=st.cache)
-                d, q = choose.draft(self.draft.logits(g, head)[:, -1])
+    def _chains(self, chunks, k: int, choosers) -> list[tuple[list[int], list]]:
+        """Draft ``k`` tokens for every request of ``chunks`` at once: each chain step is one draft forward over
+        all of them, attending to each request's own cache (padded, with a key mask) plus its chain so far.
+        Returns per request ``(drafts, q rows)``; the requests' caches are left unchanged."""
+        states = [self.states[c.request.request_id] for c in chunks]
+        B, dev = len(chunks), states[0].g_11D.device
+        lengths = [st.cache.latent.shape[1] for st in states]
+        S = max(lengths)
+        lat = states[0].cache.latent.new_zeros(B, S, states[0].cache.latent.shape[-1])
+        kpe = states[0].cache.k_pe.new_zeros(B, S, states[0].cache.k_pe.shape[-1])
+        for b, st in enumerate(states):
+            lat[b, : lengths[b]], kpe[b, : lengths[b]] = st.cache.latent[0], st.cache.k_pe[0]
+        keys_BS = torch.arange(S, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        g_B1D = torch.cat([st.g_11D for st in states])
+        chains: list[tuple[list[int], list]] = [([], []) for _ in chunks]
+        for j in range(k):
+            if j:
+                ids_B1 = torch.tensor([[d[-1]] for d, _ in chains], device=dev)
+                keys_BS = torch.cat([keys_BS, keys_BS.new_ones(B, 1)], 1)
+                g_B1D, new = self.draft(
+                    g_B1D,
+                    ids_B1,
+                    self.lm.model.embed_tokens,
+                    mask_TS=keys_BS[:, None, None, :],
+                    past=(lat, kpe),
+                )
+                lat, kpe = torch.cat([lat, new[0]], 1), torch.cat([kpe, new[1]], 1)
+            logits_BV = self.draft.logits(g_B1D, self.lm.lm_head)[:, -1]
+            greedy = logits_BV[:, : self.runner.sample_vocab_size].argmax(-1).tolist()
+            for b, (choose, (drafts, qs)) in enumerate(zip(choosers, chains)):
+                d, q = (greedy[b], None) if choose.temperature == 0 else choose.draft(logits_BV[b : b + 1])
                 drafts.append(d)
                 qs.append(q)
-            self.kv.allocate_slots(r, k + 1)
-            rows.append((drafts, qs))
-            choosers.append(choose)
+        return chains
+
+    def _verify(self, chunks, k: int, sampled: dict) -> None:
+        vocab = self.runner.sample_vocab_size
+        choosers = []
+        for c in chunks:
+            sp = c.request.sampling_params
+            choosers.append(TokenChooser(sp.temperature, sp.top_p, vocab, c.request.generator))
+            self.kv.allocate_slots(c.request, k + 1)
+        rows = self._chains(chunks, k, choosers)
         steps: list = []
         logits_BTV = self.runner.paged_forward(
             [[*c.token_ids, *drafts] for c, (drafts, _) in zip(chunks, rows)],
@@ -154,8 +176,6 @@ class SpeculativeDecoder:
             self.num_accepted += n
             tokens = [*drafts[:n], nxt]
             sampled[c.request.request_id] = tokens
-            st = self.states[c.request.request_id]
-            st.cache.truncate(starts[b])
             self._feed(c.request, taps_BTF[b, : n + 1], tokens)
         if steps:
             self._roll_back(chunks, steps, kept)
