@@ -73,23 +73,57 @@ class SpeculativeDecoder:
     def _state(self, request: Request) -> _DraftState:
         return self.states.setdefault(request.request_id, _DraftState(self.draft.new_cache()))
 
-    def _feed(self, request: Request, taps_TF: torch.Tensor, next_ids: list[int]) -> None:
-        """The draft reads features ``[T, F]`` with the tokens after them."""
-        st = self._state(request)
-        ids = torch.tensor([next_ids], device=taps_TF.device)
-        g, _ = self.draft(self.draft.fuse(taps_TF[None]), ids, self.lm.model.embed_tokens, cache=st.cache)
-        st.g_11D = g[:, -1:]
+    def _padded_caches(self, states: list[_DraftState], device):
+        """The draft caches of ``states`` padded to the longest: ``(latent [B, S, C], k_pe [B, S, r], keys
+        [B, S] bool)``."""
+        attn = self.draft.layer.self_attn
+        lengths = [0 if st.cache.latent is None else st.cache.latent.shape[1] for st in states]
+        B, S = len(states), max(lengths)
+        weight = self.draft.layer.fc.weight
+        lat = weight.new_zeros(B, S, attn.kv_lora_rank)
+        kpe = weight.new_zeros(B, S, attn.rope)
+        for b, st in enumerate(states):
+            if lengths[b]:
+                lat[b, : lengths[b]], kpe[b, : lengths[b]] = st.cache.latent[0], st.cache.k_pe[0]
+        keys_BS = torch.arange(S, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+        return lat, kpe, keys_BS
+
+    def _feed(self, requests: list[Request], taps: list[torch.Tensor], next_ids: list[list[int]]) -> None:
+        """Each request's draft reads its features ``[T_b, F]`` with the tokens after them, all in one draft
+        forward (rows padded to the longest; padding comes last, so causality hides it)."""
+        states = [self._state(r) for r in requests]
+        dev = taps[0].device
+        lat, kpe, keys_BS = self._padded_caches(states, dev)
+        B, T = len(requests), max(len(i) for i in next_ids)
+        taps_BTF = taps[0].new_zeros(B, T, taps[0].shape[-1])
+        ids_BT = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, (t, i) in enumerate(zip(taps, next_ids)):
+            taps_BTF[b, : len(i)] = t
+            ids_BT[b, : len(i)] = torch.tensor(i, device=dev)
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        mask = torch.cat([keys_BS[:, None, :].expand(B, T, -1), causal_TT.expand(B, T, T)], -1)
+        g_BTD, (c_BTC, k_pe_BTr) = self.draft(
+            self.draft.fuse(taps_BTF),
+            ids_BT,
+            self.lm.model.embed_tokens,
+            mask_TS=mask[:, None],
+            past=(lat, kpe),
+        )
+        for b, (st, i) in enumerate(zip(states, next_ids)):
+            st.cache.append(c_BTC[b : b + 1, : len(i)], k_pe_BTr[b : b + 1, : len(i)])
+            st.g_11D = g_BTD[b : b + 1, len(i) - 1 : len(i)]
 
     def forwarded(self, chunks, sampled: dict) -> None:
         """The runner ran ``chunks`` in one forward (packed first chunks or one paged batch) and sampled."""
         taps = self._taps.pop(0)  # [B, T, F] of a paged batch, or [1, ΣT, F] of a packed row
         rows = list(taps) if taps.shape[0] == len(chunks) else taps[0].split([c.num_tokens for c in chunks])
-        for c, taps_TF in zip(chunks, rows):
-            r = c.request
-            nxt = r.token_ids_between(c.start + 1, c.start + c.num_tokens + 1)
+        next_ids = []
+        for c in chunks:
+            nxt = c.request.token_ids_between(c.start + 1, c.start + c.num_tokens + 1)
             if len(nxt) < c.num_tokens:  # the chunk's last position predicts the token just sampled
-                nxt = nxt + [sampled[r.request_id]]
-            self._feed(r, taps_TF, nxt)
+                nxt = nxt + [sampled[c.request.request_id]]
+            next_ids.append(nxt)
+        self._feed([c.request for c in chunks], list(rows), next_ids)
 
     # ---- decodes -----------------------------------------------------------------------------------------
     def _k_for(self, chunk) -> int:
@@ -121,13 +155,7 @@ class SpeculativeDecoder:
         Returns per request ``(drafts, q rows)``; the requests' caches are left unchanged."""
         states = [self.states[c.request.request_id] for c in chunks]
         B, dev = len(chunks), states[0].g_11D.device
-        lengths = [st.cache.latent.shape[1] for st in states]
-        S = max(lengths)
-        lat = states[0].cache.latent.new_zeros(B, S, states[0].cache.latent.shape[-1])
-        kpe = states[0].cache.k_pe.new_zeros(B, S, states[0].cache.k_pe.shape[-1])
-        for b, st in enumerate(states):
-            lat[b, : lengths[b]], kpe[b, : lengths[b]] = st.cache.latent[0], st.cache.k_pe[0]
-        keys_BS = torch.arange(S, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        lat, kpe, keys_BS = self._padded_caches(states, dev)
         g_B1D = torch.cat([st.g_11D for st in states])
         chains: list[tuple[list[int], list]] = [([], []) for _ in chunks]
         for j in range(k):
@@ -168,15 +196,15 @@ class SpeculativeDecoder:
             steps_out=steps,
         )
         taps_BTF = self._taps.pop(0)
-        kept = []
+        kept, emitted = [], []
         for b, (c, (drafts, qs), choose) in enumerate(zip(chunks, rows, choosers)):
             n, nxt = choose.verify(logits_BTV[b], drafts, qs)
             kept.append(n + 1)
             self.num_drafted += k
             self.num_accepted += n
-            tokens = [*drafts[:n], nxt]
-            sampled[c.request.request_id] = tokens
-            self._feed(c.request, taps_BTF[b, : n + 1], tokens)
+            emitted.append([*drafts[:n], nxt])
+            sampled[c.request.request_id] = emitted[-1]
+        self._feed([c.request for c in chunks], [taps_BTF[b, :n] for b, n in enumerate(kept)], emitted)
         if steps:
             self._roll_back(chunks, steps, kept)
 
