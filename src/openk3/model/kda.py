@@ -18,7 +18,8 @@ DeltaNet, the same ops); with ``delta_rule=False`` too, the state update drops t
 ``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
 The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
 :func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`, which ``torch.compile`` traces); with a cache and few new tokens outside training the
-recurrent decode op runs instead.
+recurrent decode op runs instead; in a speculative verification (``cache.steps`` set by
+:meth:`~openk3.model.cache.KimiCache.begin_verify`) it runs token by token and keeps every state.
 
 Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``, ``G`` decay
 inputs per head (K, or 1 with one decay per head).
