@@ -3,6 +3,8 @@ batching, prefix caching, stop tokens and per-request k; seeded sampling reprodu
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -108,3 +110,16 @@ def test_bad_k_is_refused(pair):
         plain.add_request(Request("z", prompts[0], SamplingParams(num_speculative_tokens=2)))
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         engine(model, draft, k=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton KDA decode kernel path)")
+def test_gpu_engine_greedy_on_cuda(pair):
+    model64, draft64, prompts = pair
+    model, draft = copy.deepcopy(model64).float().cuda(), copy.deepcopy(draft64).float().cuda()
+    eng = engine(model, draft)
+    reqs = [Request(f"g{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
+    out = eng.generate(reqs)
+    for r in reqs:
+        want = greedy(model, torch.tensor([r.prompt_token_ids], device="cuda"), 20)[0].tolist()
+        assert out[r.request_id] == want, r.request_id
+    assert eng.runner.speculative.num_accepted > 0

@@ -3,6 +3,8 @@ temperature 1, and the rollback of KDA states, conv caches and MLA latents."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -226,3 +228,27 @@ def test_rollback_errors():
         model(torch.tensor([[4, 5]]), cache)
     with pytest.raises(ValueError, match=r"num_kept must be an int in \[0, 2\]"):
         cache.rollback(3)
+
+
+# ---- CUDA (the Triton decode kernel inside the verification) -----------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton KDA decode kernel path)")
+def test_gpu_greedy_and_rollback_on_cuda(trained_pair):
+    model64, draft64, prompts = trained_pair
+    model, draft = copy.deepcopy(model64).float().cuda(), copy.deepcopy(draft64).float().cuda()
+    for k in (1, 3, 5):
+        for p in prompts[:2]:
+            ids = torch.tensor([p], device="cuda")
+            out = speculative_generate(model, draft, ids, 24, num_speculative_tokens=k)
+            assert torch.equal(out, generate(model, ids, 24)), k
+    ids = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(5)).cuda()
+    with torch.no_grad():
+        spec, plain = model.new_cache(), model.new_cache()
+        model(ids[:, :7], spec)
+        model(ids[:, :7], plain)
+        spec.begin_verify()
+        model(ids[:, 7:], spec)
+        spec.rollback(3)
+        for t in range(7, 10):
+            model(ids[:, t : t + 1], plain)
+    for a, b in zip(_states(spec), _states(plain)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
