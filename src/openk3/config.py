@@ -249,7 +249,8 @@ class KimiLinearConfig:
     """Block Attention Residuals: decoder layers per block (K3: 12); ``None``: plain residual adds."""
     # other
     num_nextn_predict_layers: int = 0
-    """MTP layers; must be 0 (none in the releases)."""
+    """MTP layers; must be 0 (none in the releases). A speculative draft (``openk3.model.draft``) is an MTP
+    layer kept in its own folder, whose ``config.json`` says 1 and is read by ``load_draft``."""
     linear_attn_config: LinearAttnConfig | None = None
     """KDA layout; ``None`` makes every layer MLA."""
     model_type: str = "kimi_linear"
@@ -341,7 +342,8 @@ class KimiLinearConfig:
                 name,
                 "num_nextn_predict_layers",
                 self.num_nextn_predict_layers,
-                "multi-token prediction layers are not implemented; set it to 0",
+                "the model builds no MTP layer; a speculative draft folder loads with "
+                "openk3.model.draft.load_draft (openk3 serve/generate --draft), else set it to 0",
             )
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
             raise _fail(
