@@ -1,4 +1,4 @@
-"""Triton KDA kernels (GPU): chunked forward and backward, decode on a state pool; see README.md here.
+"""Triton KDA kernels (GPU): chunked forward and backward, decode and verify on a state pool; see README.md here.
 
 This package imports without Triton (:mod:`~openk3.ops.kda.triton.dispatch` decides whether the public
 ops in :mod:`openk3.ops.kda` use the kernels); the entry points below import ``triton`` on first access.
@@ -13,6 +13,8 @@ _EXPORTS = {
     "chunk_kda_triton": "chunk_function",
     "fused_recurrent_kda_decode": "decode",
     "fused_recurrent_kda_triton": "decode",
+    "KDAOptions": "config",
+    "LaunchConfig": "config",
 }
 
 __all__ = list(_EXPORTS)
