@@ -1352,6 +1352,27 @@ def test_interpreter_decode_state_pool(lower_bound):
     assert torch.equal(new_pool[[1, 2, 4]], pool[[1, 2, 4]])
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="imports the kernel modules: needs triton")
+def test_no_run_time_mutable_module_state():
+    """No module of the Triton folder holds a dict, list, set or bytearray at module level (settings are the
+    frozen ``KDAOptions``/``LaunchConfig`` arguments; the chunk-table cache is a ``functools.lru_cache``)."""
+    import pkgutil
+
+    import openk3.ops.kda.triton as package
+
+    modules = [package] + [
+        importlib.import_module(f"{package.__name__}.{m.name}")
+        for m in pkgutil.iter_modules(package.__path__)
+    ]
+    found = [
+        f"{module.__name__}.{name}"
+        for module in modules
+        for name, value in vars(module).items()
+        if not name.startswith("__") and isinstance(value, (dict, list, set, bytearray))
+    ]
+    assert len(modules) >= 15 and not found, found
+
+
 @interpreter
 def test_fixed_length_index_cached():
     """Fixed-length chunk tables are built once per (B, T, device, size) and reused, with at most 32 kept; a

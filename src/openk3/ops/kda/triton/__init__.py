@@ -7,15 +7,18 @@ ops in :mod:`openk3.ops.kda` use the kernels); the entry points below import ``t
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 
-_EXPORTS = {
-    "ChunkKDAFunction": "chunk_function",
-    "chunk_kda_triton": "chunk_function",
-    "fused_recurrent_kda_decode": "decode",
-    "fused_recurrent_kda_triton": "decode",
-    "KDAOptions": "config",
-    "LaunchConfig": "config",
-}
+_EXPORTS = MappingProxyType(
+    {
+        "ChunkKDAFunction": "chunk_function",
+        "chunk_kda_triton": "chunk_function",
+        "fused_recurrent_kda_decode": "decode",
+        "fused_recurrent_kda_triton": "decode",
+        "KDAOptions": "config",
+        "LaunchConfig": "config",
+    }
+)
 
 __all__ = list(_EXPORTS)
 
