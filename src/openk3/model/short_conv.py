@@ -3,6 +3,8 @@
 Legend: ``B`` batch, ``T`` new tokens, ``C`` channels (H·K), ``W`` kernel size, ``N`` packed documents.
 The conv cache holds the last ``W − 1`` *inputs* per channel, ``[B, C, W−1]`` (the layout vLLM and fla use).
 Weight ``[C, 1, W]`` as ``nn.Conv1d(groups=C)``; official checkpoints store it in fp32 without bias.
+:func:`short_conv_step_` is one decode token of several such convolutions at once, on a cache updated in
+place (``G`` stacked convolutions).
 """
 
 from __future__ import annotations
@@ -70,3 +72,18 @@ class ShortConvolution(nn.Module):
         state_NWC = xp_SC[pos_NW + (W - 1)]  # xp is shifted by W - 1 zeros
         state_NWC = state_NWC * (pos_NW >= starts_N[:, None])[..., None].to(xp_SC.dtype)
         return state_NWC.transpose(1, 2).contiguous()
+
+
+def short_conv_step_(x_BGC: torch.Tensor, state_BGCW: torch.Tensor, weight_GCW: torch.Tensor) -> torch.Tensor:
+    """``SiLU(causal depthwise conv)`` of one new input per channel for ``G`` convolutions at once (the taps
+    summed in :meth:`ShortConvolution.forward`'s order); shifts ``state`` (the last ``W − 1`` inputs, any float
+    dtype) in place. Returns ``[B, G, C]`` in ``x``'s dtype."""
+    W = weight_GCW.shape[-1]
+    past_BGCW = state_BGCW.to(x_BGC.dtype)
+    y_BGC = torch.zeros_like(x_BGC)
+    for w in range(W - 1):
+        y_BGC = y_BGC + past_BGCW[..., w] * weight_GCW[..., w]
+    y_BGC = F.silu(y_BGC + x_BGC * weight_GCW[..., W - 1])
+    state_BGCW[..., :-1] = state_BGCW[..., 1:].clone()
+    state_BGCW[..., -1] = x_BGC
+    return y_BGC
