@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -77,6 +78,9 @@ class PagedLatents:
     """``[B, S, C + r]`` in the model dtype: ``kv_a_layernorm(c)`` then ``k_pe``; padding rows any value."""
     mask: torch.Tensor
     """``[B, S]`` bool, True for a real cached token."""
+    full: bool = False
+    """Every row has ``S`` real cached tokens (no padding: one request, or equal lengths), so the new tokens'
+    mask is plain causal aligned to the end and attention can use a fused kernel without a mask tensor."""
     new: torch.Tensor | None = None
     """``[B, T, C + r]`` set by :meth:`append`."""
 
@@ -86,9 +90,14 @@ class PagedLatents:
         self.new = torch.cat([latent_BTC, k_pe_BTr], -1)
         return torch.cat([self.past[..., :C], latent_BTC], 1), torch.cat([self.past[..., C:], k_pe_BTr], 1)
 
-    def attention_mask(self, T: int) -> torch.Tensor:
-        """``[B, 1, T, S + T]`` bool: the new tokens see the real cached tokens and, causally, each other."""
+    def attention_mask(self, T: int, dense: bool = True):
+        """``[B, 1, T, S + T]`` bool: the new tokens see the real cached tokens and, causally, each other.
+
+        With ``dense=False`` and :attr:`full`, SDPA's lower-right causal bias instead (no tensor; flash-class
+        kernels take it)."""
         B, S = self.mask.shape
+        if self.full and not dense:
+            return causal_lower_right(T, S + T)
         dev = self.mask.device
         causal_TS = torch.arange(S, S + T, device=dev)[:, None] >= torch.arange(S + T, device=dev)
         keys_BS = torch.cat([self.mask, self.mask.new_ones(B, T)], 1)

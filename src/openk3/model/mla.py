@@ -42,8 +42,8 @@ def attention_mask(
 
     Returns ``None`` for plain causal attention without a past (SDPA's ``is_causal``) unless ``force``.
     """
-    if cu_seqlens is None and T == S and not force:
-        return None
+    if (cu_seqlens is None or cu_seqlens.numel() == 2) and T == S and not force:
+        return None  # no past, at most one document: plain causal
     q_pos = torch.arange(S - T, S, device=device)
     mask = q_pos[:, None] >= torch.arange(S, device=device)[None, :]
     if cu_seqlens is not None:
@@ -98,16 +98,16 @@ class MultiheadLatentAttention(nn.Module):
         k_pe_BTr = ckv_BTd[..., self.kv_lora_rank :]
         if cache is not None:
             c_BTC, k_pe_BTr = cache.append(c_BTC, k_pe_BTr)
-        if isinstance(cache, PagedLatents):
-            mask_TS = cache.attention_mask(T)  # [B, 1, T, S]
-        else:
-            mask_TS = attention_mask(T, c_BTC.shape[1], x_BTD.device, cu_seqlens)
         absorb = self.attn_impl == "absorb" or (
             self.attn_impl == "auto"
             and cache is not None
             and T <= ABSORB_MAX_TOKENS
             and not torch.is_grad_enabled()
         )
+        if isinstance(cache, PagedLatents):
+            mask_TS = cache.attention_mask(T, dense=absorb)  # [B, 1, T, S], or a lower-right causal bias
+        else:
+            mask_TS = attention_mask(T, c_BTC.shape[1], x_BTD.device, cu_seqlens)
         attend = self.absorbed_attention if absorb else self.naive_attention
         o_BTHv = attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS)
         o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
@@ -117,7 +117,8 @@ class MultiheadLatentAttention(nn.Module):
 
     def naive_attention(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
         """Expand the latent into per-head K/V, then scaled-dot-product attention; ``mask_TS`` ``[T, S]`` or
-        ``[B, 1, T, S]`` (True = attend) or None (causal). Returns ``[B, T, H, v]``."""
+        ``[B, 1, T, S]`` (True = attend), SDPA's lower-right causal bias, or None (causal, ``T = S``).
+        Returns ``[B, T, H, v]``."""
         B, S, _ = c_BSC.shape
         H = self.num_heads
         kv_BSHd = self.kv_b_proj(c_BSC).view(B, S, H, self.nope + self.v_dim)

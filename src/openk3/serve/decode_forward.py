@@ -76,5 +76,6 @@ class PagedForward:
             kda = iter(KDAStateSlots(r, c) for r, c in zip(states.recurrent, states.conv))
         if "mla" in self.kinds:
             past_LBSd, mask_BS = st.gather_latents(block_tables, positions)
-            mla = iter(PagedLatents(past, mask_BS) for past in past_LBSd)
+            full = len(set(positions)) == 1  # no padding: SDPA's lower-right causal bias, no mask tensor
+            mla = iter(PagedLatents(past, mask_BS, full) for past in past_LBSd)
         return [next(kda) if kind == "kda" else next(mla) for kind in self.kinds]

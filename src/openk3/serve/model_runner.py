@@ -103,7 +103,9 @@ class ModelRunner:
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=self.device)
         layers = [KDACache() if kind == "kda" else MLACache() for kind in self.kinds]
         ids = torch.tensor([[t for c in chunks for t in c.token_ids]], device=self.device)
-        h_BTD = self.lm.model(ids, KimiCache(layers), cu_seqlens)
+        # ids were checked when the requests were added; one document needs no cu_seqlens (plain causal)
+        packed = cu_seqlens if len(chunks) > 1 else None
+        h_BTD = self.lm.model(ids, KimiCache(layers), packed, check_inputs=False)
         logits_NV = self.lm.lm_head(h_BTD[0, cu_seqlens[1:] - 1])
         kda = [c for c in layers if isinstance(c, KDACache)]
         if kda:
