@@ -1,5 +1,7 @@
-"""``benchmarks/serve_profile.py`` on the CPU: its argument checks, and that a profiled decode step is one
-engine step that gives every stream exactly one token, with the step's numbers read from the profile."""
+"""The serving benchmarks on the CPU: ``benchmarks/serve_profile.py``'s argument checks, and that a profiled
+decode step is one engine step that gives every stream exactly one token; ``benchmarks/serve.py``'s limits
+against the numbers of the issue that set the targets (k3-small: 70,082,496 active parameters, ~140 MB read
+per token in bf16)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,32 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def serve_profile(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     return importlib.import_module("serve_profile")
+
+
+@pytest.fixture
+def serve_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("serve")
+
+
+def test_serve_limits_of_k3_small(serve_bench):
+    args = serve_bench.parse_args(["--device", "cuda", "--preset", "k3-small", "--prefix", "32768"])
+    assert args.dtype == "bfloat16" and args.long_prefill_token_threshold == 8192
+    assert serve_bench.checkpoint_interval(args) == 8192 // 16  # checkpoints never cut a chunk
+    text = openk3.config.text_config_of(openk3.get_preset("k3-small"))
+    lim = serve_bench.limits(text, args)
+    assert lim["weight_bytes_1"] == 2 * 70_082_496  # every active weight once, in bf16
+    # 12 KDA layers × (8 heads × 64 × 64 state + 3 × 512 × 3 conv inputs) in fp32
+    assert lim["state_bytes"] == 12 * (8 * 64 * 64 + 3 * 512 * 3) * 4
+    per_token = 140.16e6 / 4.3e12  # seconds for the weights; the states and latents add a little
+    assert 0.9 / per_token < lim["decode_tok_s"][1] < 1 / per_token
+    assert lim["decode_tok_s"][64] > 10 * lim["decode_tok_s"][1]  # 64 streams share the weights
+
+
+def test_serve_refuses_bad_arguments(serve_bench, capsys):
+    with pytest.raises(SystemExit) as stop:
+        serve_bench.parse_args(["--prefix", "0"])
+    assert stop.value.code == 2 and "--prefix must be at least 1" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_refused(serve_profile, capsys):
