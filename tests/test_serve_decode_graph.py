@@ -8,11 +8,12 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
 from openk3.generate import greedy
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
-from openk3.serve.decode_graph import DecodeGraphs, bucket_of
+from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of
 
 VOCAB = 512
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,6 +91,41 @@ def test_static_decode_prefix_hit_equals_cold():
     assert req.num_cached_tokens == 48
     (cold,), _ = run(engine(model, static=False, caching=False), [b], 6, "c")
     assert hot == cold == reference(model, b, 6)
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host (a device sync on a GPU, fatal in a capture)."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_static_step_reads_nothing_on_the_host(monkeypatch):
+    """What a CUDA graph captures must not read device values on the host; the eager twin is the same code.
+    (The model's own prefill forward reads some on the CPU, which shows the check sees them.)"""
+    model = build()
+    with HostReads() as reads, torch.no_grad():
+        model(torch.tensor([prompts([5])[0]]))
+    assert reads.ops  # input checks and the CPU chunk path read values
+    seen: list[list[str]] = []
+    real_forward = StaticDecode.forward
+
+    def watched(self, states):
+        with HostReads() as reads:
+            real_forward(self, states)
+        seen.append(reads.ops)
+
+    monkeypatch.setattr(StaticDecode, "forward", watched)
+    run(engine(model, static=True), prompts([4, 11]), 6)
+    assert len(seen) >= 5 and all(ops == [] for ops in seen)
 
 
 def test_sampling_and_logprobs_take_the_paged_path():
