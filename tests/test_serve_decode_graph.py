@@ -1,5 +1,6 @@
 """The static decode step (``serve/decode_graph.py``): its eager twin on the CPU against the model's own
-greedy generation and the engine's paged path, padding that leaves null block 0 untouched; on a GPU, the
+greedy generation and the engine's paged path (decodes, a prefix hit's suffix of several tokens), padding
+that leaves null block 0 untouched, no host reads inside the step; on a GPU, the
 CUDA-graph replay against the eager twin and the reference, and a load test that ends with an empty pool."""
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_static_decode_equals_reference_and_leaves_null_block_zero():
     outs, _ = run(eng, ps, 20)
     assert 3 in calls  # the three streams decoded as one padded batch
     keys = eng.runner.decode_graphs.steps
-    assert 4 in {b for b, _ in keys} and len({n for _, n in keys}) >= 2  # padding rows, growing tables
+    assert 4 in {b for b, _, _ in keys} and len({n for *_, n in keys}) >= 2  # padding rows, growing tables
     for p, out in zip(ps, outs):
         assert out == reference(model, p, 20)
     assert torch.count_nonzero(eng.storage.pages[0]) == 0  # padding rows wrote nothing to the null block
@@ -89,6 +90,7 @@ def test_static_decode_prefix_hit_equals_cold():
     run(eng, [a], 6, "a")
     (hot,), (req,) = run(eng, [b], 6, "b")
     assert req.num_cached_tokens == 48
+    assert (1, 7, 8) in eng.runner.decode_graphs.steps  # the 7-token suffix after 48 cached, one static step
     (cold,), _ = run(engine(model, static=False, caching=False), [b], 6, "c")
     assert hot == cold == reference(model, b, 6)
 

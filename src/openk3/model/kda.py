@@ -16,10 +16,10 @@ DeltaNet, the same ops); with ``delta_rule=False`` too, the state update drops t
 (:mod:`openk3.ops.decay_only`).
 
 ``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
-With a server's :class:`~openk3.model.cache.KDAStateSlots` the layer updates the states in place: one token
-per request as a single conv step over the stacked q/k/v projections and the state-pool decode op
-(:func:`~openk3.ops.kda.fused_recurrent_kda_pool`), more tokens through the path below, the new states copied
-in. The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
+With a server's :class:`~openk3.model.cache.KDAStateSlots` the layer updates the states in place: up to
+``DECODE_MAX_TOKENS`` tokens per request as one conv step over the stacked q/k/v projections and the
+state-pool decode op (:func:`~openk3.ops.kda.fused_recurrent_kda_pool`), more tokens through the path below,
+the new states copied in. The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
 :func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`, which ``torch.compile`` traces); with a cache and few new tokens outside training the
 recurrent decode op runs instead.
 
@@ -136,9 +136,11 @@ class KimiDeltaAttention(nn.Module):
         return self._output(x_BTD, o_BTHK)
 
     def _forward_slots(self, x_BTD: torch.Tensor, slots: KDAStateSlots) -> torch.Tensor:
-        """The layer on a server's states, overwritten in place (``docs/references.md#kda-layer``)."""
+        """The layer on a server's states, overwritten in place (``docs/references.md#kda-layer``): up to
+        :data:`DECODE_MAX_TOKENS` tokens by the stacked conv step and the state-pool decode op, more through
+        :meth:`forward` with the new states copied in."""
         B, T, _ = x_BTD.shape
-        if T > 1 or not self.delta_rule:
+        if T > DECODE_MAX_TOKENS or not self.delta_rule:
             conv = slots.conv.to(x_BTD.dtype)
             cache = KDACache((conv[:, 0], conv[:, 1], conv[:, 2]), slots.recurrent)
             y_BTD = self.forward(x_BTD, cache)
@@ -146,20 +148,21 @@ class KimiDeltaAttention(nn.Module):
             slots.conv.copy_(torch.stack(cache.conv_states, 1))
             return y_BTD
         H, K = self.num_heads, self.head_dim
-        x_BD = x_BTD.view(B, -1)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        weight_3PW = torch.stack([c.weight[:, 0, :] for c in convs]).to(x_BD.dtype)
-        proj_B3P = torch.stack([self.q_proj(x_BD), self.k_proj(x_BD), self.v_proj(x_BD)], 1)
-        qkv_B3P = short_conv_step_(proj_B3P, slots.conv, weight_3PW)
-        q_B1HK, k_B1HK, v_B1HK = (qkv_B3P[:, i].view(B, 1, H, K) for i in range(3))
-        g_raw_B1HK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, 1, H, -1).expand(B, 1, H, K)
+        weight_3PW = torch.stack([c.weight[:, 0, :] for c in convs]).to(x_BTD.dtype)
+        proj_B3PT = torch.stack([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], 2).permute(
+            0, 2, 3, 1
+        )
+        qkv_BT3P = short_conv_step_(proj_B3PT, slots.conv, weight_3PW).permute(0, 3, 1, 2)
+        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3P[:, :, i].reshape(B, T, H, K) for i in range(3))
+        g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1).expand(B, T, H, K)
         dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
-        beta_B1H = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
-        o_B1HK = fused_recurrent_kda_pool(
-            q_B1HK, k_B1HK, v_B1HK, g_raw_B1HK, beta_B1H, slots.recurrent, A_log=self.A_log[:H],
+        beta_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        o_BTHK = fused_recurrent_kda_pool(
+            q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_BTH, slots.recurrent, A_log=self.A_log[:H],
             dt_bias=dt_bias, lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True,
         )  # fmt: skip
-        return self._output(x_BTD, o_B1HK)
+        return self._output(x_BTD, o_BTHK)
 
     def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` ``[B, T, D]`` for the op's output ``o_BTHK``."""

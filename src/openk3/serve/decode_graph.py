@@ -1,10 +1,12 @@
-"""The decode step at static shapes, captured in CUDA graphs (as gpt-fast and vLLM do): a batch of one-token
-decodes runs as one graph replay, greedy tokens chosen on the device and read back once per step.
+"""The decode step at static shapes, captured in CUDA graphs (as gpt-fast and vLLM do): a batch of decodes (or
+of short chunks of ``T ≤ 16`` tokens each: a prefix hit's suffix, draft tokens to verify) runs as one graph
+replay, greedy tokens chosen on the device and read back once per step.
 
-A step of ``n`` decodes is padded to a **bucket** ``B`` (a power of two ≥ ``n``) and its cached lengths to
-``N`` blocks (a power of two covering the longest request); each ``(B, N)`` gets its own
-:class:`StaticDecode`: fixed input buffers (token ids, cached lengths, block tables, a valid flag), and one
-forward of the model on paged caches built from them inside the step, with no host data and no host sync:
+A step of ``n`` requests with ``T`` tokens each is padded to a **bucket** ``B`` (a power of two ≥ ``n``) and
+its cached lengths to ``N`` blocks (a power of two covering the longest request); each ``(B, T, N)`` gets its
+own :class:`StaticDecode`: fixed input buffers (token ids, cached lengths, block tables, a valid flag), and
+one forward of the model on paged caches built from them inside the step, with no host data and no host
+sync:
 
 * KDA: the states of the ``B`` slots are checked out into the storage's workspace
   (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_states`), whose address is fixed for a given ``B``
@@ -12,16 +14,16 @@ forward of the model on paged caches built from them inside the step, with no ho
   rows use a scratch state slot outside the block pool;
 * MLA: the cached latents are gathered from the block tables on the device
   (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_latents_padded`, ``N·bs`` tokens, a key mask), the
-  new latent written at ``table[length // bs]``, offset ``length % bs``; a padding row writes back the value
-  it read at null block 0, so block 0 stays zero;
-* the logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer, copied to pinned host memory
+  new latent of position ``p`` written at ``table[p // bs]``, offset ``p % bs``; a padding row writes back
+  the value it read at null block 0, so block 0 stays zero;
+* the last position's logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer, copied to pinned host memory
   without blocking; the host waits once, when it reads the tokens.
 
-On CUDA the step is captured once per ``(B, N)`` (after two warm-up runs on a side stream, all rows padding,
+On CUDA the step is captured once per ``(B, T, N)`` (after two warm-up runs on a side stream, all rows padding,
 so no request's state or latent changes) and replayed; elsewhere :meth:`StaticDecode.forward`, the same
 code, runs eagerly: the twin the CPU tests compare with the model and the engine's other path.
 
-Legend: ``n`` decodes, ``B`` bucket rows, ``N`` blocks per row, ``S = N·bs`` cached tokens, ``V`` vocabulary,
+Legend: ``n`` requests, ``B`` bucket rows, ``T`` new tokens per row, ``N`` blocks per row, ``S = N·bs`` cached tokens, ``V`` vocabulary,
 ``L`` MLA layers, ``W = C + r`` latent width.
 """
 
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from openk3.model.cache import KDAStateSlots, KimiCache, PagedLatents
+from openk3.model.mla import ABSORB_MAX_TOKENS
 from openk3.serve.cache_storage import CacheStorage, StateBatch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -43,23 +46,22 @@ def bucket_of(n: int) -> int:
 
 
 class StaticDecode:
-    """One decode step for ``B`` rows over ``N`` blocks each, on fixed buffers (see the module docstring)."""
+    """One step for ``B`` rows of ``T`` new tokens over ``N`` blocks each, on fixed buffers (see the module
+    docstring)."""
 
     def __init__(
-        self, lm: nn.Module, storage: CacheStorage, B: int, N: int, sample_vocab_size: int | None
+        self, lm: nn.Module, storage: CacheStorage, B: int, T: int, N: int, sample_vocab_size: int | None
     ) -> None:
-        self.lm, self.storage, self.B, self.N = lm, storage, B, N
+        self.lm, self.storage, self.B, self.T, self.N = lm, storage, B, T, N
         self.sample_vocab_size = sample_vocab_size
         self.kinds = lm.config.layer_types
         dev = storage.pages.device
-        self.inputs = torch.zeros(B * (3 + N), dtype=torch.int64, device=dev)
-        """Packed int64 inputs: ids ``[B]``, cached lengths ``[B]``, valid ``[B]`` (0/1), tables ``[B, N]``."""
-        self.ids_B, self.lengths_B, self.valid_B = (
-            self.inputs[:B],
-            self.inputs[B : 2 * B],
-            self.inputs[2 * B : 3 * B],
-        )
-        self.table_BN = self.inputs[3 * B :].view(B, N)
+        self.inputs = torch.zeros(B * (T + 2 + N), dtype=torch.int64, device=dev)
+        """Packed int64 inputs: ids ``[B, T]``, cached lengths ``[B]``, valid ``[B]`` (0/1), tables ``[B, N]``."""
+        self.ids_BT = self.inputs[: B * T].view(B, T)
+        self.lengths_B = self.inputs[B * T : B * (T + 1)]
+        self.valid_B = self.inputs[B * (T + 1) : B * (T + 2)]
+        self.table_BN = self.inputs[B * (T + 2) :].view(B, N)
         self.next_B = torch.zeros(B, dtype=torch.int64, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.state_ptr: int | None = None
@@ -81,9 +83,7 @@ class StaticDecode:
             mla = [PagedLatents(past, mask_BS) for past in past_LBSW]
             mla_iter = iter(mla)
         caches = [next(kda) if kind == "kda" else next(mla_iter) for kind in self.kinds]
-        h_BTD = self.lm.model(
-            self.ids_B[:, None], KimiCache(caches), check_inputs=False, two_phase_attn_res=True
-        )
+        h_BTD = self.lm.model(self.ids_BT, KimiCache(caches), check_inputs=False, two_phase_attn_res=True)
         logits_BV = self.lm.lm_head(h_BTD[:, -1])
         if self.sample_vocab_size is not None:
             logits_BV = logits_BV[:, : self.sample_vocab_size]
@@ -91,11 +91,13 @@ class StaticDecode:
         if lo.num_mla_layers:
             bs = lo.block_size
             view = st.pages.view(-1, lo.num_mla_layers, bs, lo.latent_width)
-            valid_B = self.valid_B.bool()
-            page_B = torch.where(valid_B, self.table_BN.gather(1, (self.lengths_B // bs)[:, None])[:, 0], 0)
-            off_B = torch.where(valid_B, self.lengths_B % bs, 0)
-            new_BLW = torch.stack([c.new[:, 0] for c in mla], 1).to(lo.dtype)
-            view[page_B, :, off_B] = torch.where(valid_B[:, None, None], new_BLW, view[page_B, :, off_B])
+            valid_B1 = self.valid_B.bool()[:, None]
+            pos_BT = self.lengths_B[:, None] + torch.arange(self.T, device=self.lengths_B.device)
+            page_BT = torch.where(valid_B1, self.table_BN.gather(1, pos_BT // bs), 0)
+            off_BT = torch.where(valid_B1, pos_BT % bs, 0)
+            new_BTLW = torch.stack([c.new for c in mla], 2).to(lo.dtype)
+            old_BTLW = view[page_BT, :, off_BT]
+            view[page_BT, :, off_BT] = torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW)
 
     def capture(self, states: StateBatch | None, pool) -> None:
         """Capture :meth:`forward` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
@@ -114,8 +116,9 @@ class StaticDecode:
 
 
 class DecodeGraphs:
-    """Runs batches of greedy one-token decodes through :class:`StaticDecode` steps, one per bucket
-    ``(B, N)``, captured in CUDA graphs when ``capture`` (CUDA only), else eager.
+    """Runs batches of short chunks (``T ≤ 16`` tokens each: decodes, a prefix hit's suffix), greedy where
+    they sample, through :class:`StaticDecode` steps, one per ``(B, T, N)``, captured in CUDA graphs when
+    ``capture`` (CUDA only), else eager.
 
     ``scratch_slot``: state pages outside the block pool for padding rows (``()`` without KDA layers).
     ``max_batch``: the most decodes of one step (the scheduler's ``max_num_seqs``)."""
@@ -137,36 +140,39 @@ class DecodeGraphs:
         self.sample_vocab_size, self.capture = sample_vocab_size, capture
         self.has_kda = "kda" in lm.config.layer_types
         self.max_bucket = bucket_of(max_batch)
-        self.steps: dict[tuple[int, int], StaticDecode] = {}
+        self.steps: dict[tuple[int, int, int], StaticDecode] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.host_B = torch.zeros(self.max_bucket, dtype=torch.int64, pin_memory=capture)
-        self.host_inputs = torch.zeros(
-            self.max_bucket * (3 + 1), dtype=torch.int64, pin_memory=capture
-        )  # grown on demand
+        self.host_inputs = torch.zeros(self.max_bucket * 4, dtype=torch.int64, pin_memory=capture)  # grows
         if self.has_kda:  # size the workspace for the largest bucket now, so its address never changes
             storage.gather_states([scratch_slot] * self.max_bucket)
             storage.flush_states()
 
     def supports(self, chunks) -> bool:
-        """Whether a step's chunks can run here: one-token chunks, greedy, without logprobs."""
-        return (
-            all(
-                c.num_tokens == 1
-                and c.request.sampling_params.temperature == 0
-                and c.request.sampling_params.logprobs is None
-                for c in chunks
+        """Whether a step's chunks (of one length) can run here: at most ``ABSORB_MAX_TOKENS`` tokens each,
+        greedy without logprobs where they sample."""
+        return len(chunks) <= self.max_bucket and all(
+            c.num_tokens <= ABSORB_MAX_TOKENS
+            and not (
+                c.samples
+                and (
+                    c.request.sampling_params.temperature != 0
+                    or c.request.sampling_params.logprobs is not None
+                )
             )
-            and len(chunks) <= self.max_bucket
+            for c in chunks
         )
 
     def run(self, chunks) -> list[int]:
-        """Decode one token for each chunk (``ScheduledChunk``s of one token); returns the greedy tokens."""
-        n, bs = len(chunks), self.storage.layout.block_size
+        """Run the chunks (``ScheduledChunk``s of ``T`` tokens each); returns the greedy token after each."""
+        n, T, bs = len(chunks), chunks[0].num_tokens, self.storage.layout.block_size
         B = bucket_of(n)
-        N = bucket_of(max(c.start // bs + 1 for c in chunks))
-        step = self.steps.get((B, N))
+        N = bucket_of(max((c.start + T - 1) // bs + 1 for c in chunks))
+        step = self.steps.get((B, T, N))
         if step is None:
-            step = self.steps[(B, N)] = StaticDecode(self.lm, self.storage, B, N, self.sample_vocab_size)
+            step = self.steps[(B, T, N)] = StaticDecode(
+                self.lm, self.storage, B, T, N, self.sample_vocab_size
+            )
         pad = B - n
         slots = [c.state_slot for c in chunks] + [self.scratch_slot] * pad
         states = self.storage.gather_states(slots) if self.has_kda else None
@@ -176,7 +182,7 @@ class DecodeGraphs:
             step.capture(scratch, self.pool)
             states = self.storage.gather_states(slots) if self.has_kda else None
         values = (
-            [c.token_ids[0] for c in chunks] + [0] * pad
+            [t for c in chunks for t in c.token_ids] + [0] * (pad * T)
             + [c.start for c in chunks] + [0] * pad
             + [1] * n + [0] * pad
             + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)

@@ -3,8 +3,9 @@
 * Chunks run through :class:`~openk3.serve.decode_forward.PagedForward`, one batch per chunk length: all
   one-token decodes together, and prefill chunks of equal length together (first chunks, chunks that
   continue a prefix hit or an earlier chunk).
-* One-token greedy decodes run through :class:`~openk3.serve.decode_graph.DecodeGraphs` when the engine
-  has one (CUDA graphs on CUDA): static shapes, the argmax on the device.
+* Chunks of up to 16 tokens (decodes, a prefix hit's suffix) that sample greedily, if at all, run through
+  :class:`~openk3.serve.decode_graph.DecodeGraphs` when the engine has one (CUDA graphs on CUDA): static
+  shapes, the argmax on the device.
 * A first chunk (nothing cached: ``start == 0``) whose length no other chunk of the step shares runs
   through the model's own forward (the reference path) instead, packed into one row with ``cu_seqlens``
   together with the other such chunks; latents and final KDA states are written to blocks and slots.
@@ -45,8 +46,8 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         """``sample_vocab_size``: sample only ids below it (the tokenizer's id space when it is smaller than
-        the model's vocabulary; ``None``: every id). ``decode_graphs``: the static decode step for greedy
-        one-token batches (``None``: they take the paged forward)."""
+        the model's vocabulary; ``None``: every id). ``decode_graphs``: the static step for short greedy
+        chunks (``None``: they take the paged forward)."""
         self.lm = language_model(model)
         self.storage = storage
         self.sample_vocab_size = sample_vocab_size
