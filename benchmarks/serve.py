@@ -421,16 +421,23 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_preset(name: str, args) -> dict:
-    torch.manual_seed(0)
-    config = openk3.get_preset(name)
-    text = openk3.config.text_config_of(config)
-    model = openk3.build_model(config, device=args.device, dtype=DTYPES[args.dtype], seed=0).eval()
+def preset_tokens(text):
+    """Random token ids of a preset's vocabulary, seeded: ``tokens(n)`` is the next ``n`` of them."""
     gen = torch.Generator().manual_seed(0)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(1, text.vocab_size, (n,), generator=gen).tolist()
 
+    return tokens
+
+
+def run_preset(name: str, args) -> dict:
+    """openk3's numbers and the limits for preset ``name``."""
+    torch.manual_seed(0)
+    config = openk3.get_preset(name)
+    text = openk3.config.text_config_of(config)
+    model = openk3.build_model(config, device=args.device, dtype=DTYPES[args.dtype], seed=0).eval()
+    tokens = preset_tokens(text)
     t_start = time.perf_counter()
     warm_up(model, args, tokens)
     print(f"{name}: warm-up done after {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
@@ -442,38 +449,28 @@ def run_preset(name: str, args) -> dict:
         print(f"{name}: {result['throughput'][-1]}", file=sys.stderr, flush=True)
     result["limits"] = limits(text, args)
     del model
-    if args.peer:
-        try:
-            result["peer"] = measure_peer(text, args, tokens)
-        except Exception as e:  # the peer's failure is reported, the run goes on
-            result["peer"] = {
-                "error": f"{type(e).__name__}: {e}".splitlines()[0][:300],
-                "transformers": "?",
-                "fla": None,
-            }
-        print(f"{name}: peer {result['peer']}", file=sys.stderr, flush=True)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    env = environment(args)
-    presets = [run_preset(name, args) for name in args.preset]
-    report = {
-        "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/serve.py", *argv]),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "env": env,
-        "checkpoint_interval": checkpoint_interval(args),
-        "presets": presets,
-        "wall_s": time.perf_counter() - t_start,
-    }
+def run_peer(name: str, args) -> dict:
+    """The transformers peer for preset ``name``; its failure is reported, not raised."""
+    text = openk3.config.text_config_of(openk3.get_preset(name))
+    try:
+        peer = measure_peer(text, args, preset_tokens(text))
+    except Exception as e:  # noqa: BLE001 (the run goes on and says why the peer has no numbers)
+        peer = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300], "transformers": "?", "fla": None}
+    print(f"{name}: peer {peer}", file=sys.stderr, flush=True)
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return peer
+
+
+def write_report(report: dict, args, env: dict, t_start: float) -> str:
+    """Render and write the report (called after each part, so a run cut short keeps what it measured)."""
+    report["wall_s"] = time.perf_counter() - t_start
     text = markdown(report)
-    print(text)
     if args.out is not None:
         if args.out.suffix == ".md":
             args.out.write_text(text)
@@ -482,6 +479,30 @@ def main(argv: list[str] | None = None) -> int:
             name = f"serve_{device_tag(env)}"
             (args.out / f"{name}.md").write_text(text)
             (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment(args)
+    report = {
+        "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/serve.py", *argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "env": env,
+        "checkpoint_interval": checkpoint_interval(args),
+        "presets": [],
+    }
+    for name in args.preset:
+        report["presets"].append(run_preset(name, args))
+        write_report(report, args, env, t_start)
+    if args.peer:  # after openk3's numbers are safe: the peer's first calls may autotune for minutes
+        for result in report["presets"]:
+            result["peer"] = run_peer(result["preset"], args)
+            write_report(report, args, env, t_start)
+    print(write_report(report, args, env, t_start))
     return 0
 
 

@@ -144,9 +144,9 @@ def test_sampling_and_logprobs_take_the_paged_path():
 
 @cuda
 @pytest.mark.gpu
-def test_graphs_equal_eager_twin_and_reference_on_gpu():
+def test_graphs_equal_eager_twin_and_reference_on_gpu(monkeypatch):
     """fp32 on the GPU (TF32 off): graph replay == the eager twin == the model's own greedy generation."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = build("cuda")
     ps = prompts([3, 9, 17, 30, 1, 12])
     graphed = engine(model, static=None)

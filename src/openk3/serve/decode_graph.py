@@ -73,7 +73,6 @@ class StaticDecode:
         the pool and the greedy tokens to :attr:`next_B`."""
         st = self.storage
         lo = st.layout
-        caches: list = []
         if states is not None:
             kda = iter(KDAStateSlots(r, c) for r, c in zip(states.recurrent, states.conv))
         if lo.num_mla_layers:
