@@ -1,4 +1,5 @@
-"""The decode step at static shapes, captured in CUDA graphs (as gpt-fast and vLLM do): a batch of decodes (or
+"""The decode step at static shapes, captured in CUDA graphs (as gpt-fast and vLLM do,
+``docs/references.md#serving-at-the-speed-of-the-gpu``): a batch of decodes (or
 of short chunks of ``T ≤ 16`` tokens each: a prefix hit's suffix, draft tokens to verify) runs as one graph
 replay, greedy tokens chosen on the device and read back once per step.
 
