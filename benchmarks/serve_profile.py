@@ -16,8 +16,8 @@ tensor; not counted on a CPU, where the latter only reads memory — CPU ``group
 ``d2h_copies`` (``Memcpy DtoH`` on the device), ``ops`` (``aten::`` calls). The report gives the
 median step of each setting and the operators with the most self time over all profiled decode steps.
 
-    python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 8192 --streams 1 64 \\
-        --out OUT_DIR                                                          # GPU
+    python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 16384 --streams 1 64 \\
+        --out OUT_DIR        # GPU: 8192-token chunks (a first chunk, then one continuing a cached prefix)
     python benchmarks/serve_profile.py --prefill 512 --streams 1 8 --out /tmp/p   # CPU, k3-tiny
 
 ``--out`` is a folder; it receives ``serve_profile_<device>.md`` and ``.json``.
@@ -67,9 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill profile")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch size")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=256)
+    p.add_argument("--block-size", type=int, help="default 512 on CUDA, else 16")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, help="default 8192 + the largest batch on CUDA, else 512"
+    )
+    p.add_argument("--long-prefill-token-threshold", type=int, help="default 8192 on CUDA, else 256")
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
     p.add_argument("--top", type=int, default=15, help="operators listed in the report")
     p.add_argument("--threads", type=int, default=None)
@@ -78,13 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prefill < 1 or args.steps < 1 or min(args.streams) < 1:
         p.error("--prefill, --steps and every --streams value must be at least 1")
     cuda = args.device.startswith("cuda")
+    args.block_size = args.block_size or (512 if cuda else 16)
+    args.long_prefill_token_threshold = args.long_prefill_token_threshold or (8192 if cuda else 256)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or (8192 + max(args.streams) if cuda else 512)
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.pool_mib = args.pool_mib or (8192.0 if cuda else 256.0)
     return args
 
 
 def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
-    cache = CacheConfig(block_size=args.block_size, pool_mib=args.pool_mib)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        pool_mib=args.pool_mib,
+        checkpoint_interval=max(1, args.long_prefill_token_threshold // args.block_size),
+    )
     sched = SchedulerConfig(
         max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs),
         max_num_seqs=num_seqs,
