@@ -99,7 +99,7 @@ class StaticDecode:
             old_BTLW = view[page_BT, :, off_BT]
             view[page_BT, :, off_BT] = torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW)
 
-    def capture(self, states: StateBatch | None, pool) -> None:
+    def capture(self, states: StateBatch | None) -> None:
         """Capture :meth:`forward` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
         states), after two warm-up runs on a side stream (Triton compilation, lazy initialisation)."""
         self.inputs.zero_()
@@ -110,7 +110,7 @@ class StaticDecode:
                 self.forward(states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):  # a private memory pool: graphs never share temporaries
             self.forward(states)
         self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
 
@@ -141,7 +141,6 @@ class DecodeGraphs:
         self.has_kda = "kda" in lm.config.layer_types
         self.max_bucket = bucket_of(max_batch)
         self.steps: dict[tuple[int, int, int], StaticDecode] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.host_B = torch.zeros(self.max_bucket, dtype=torch.int64, pin_memory=capture)
         self.host_inputs = torch.zeros(self.max_bucket * 4, dtype=torch.int64, pin_memory=capture)  # grows
         if self.has_kda:  # size the workspace for the largest bucket now, so its address never changes
@@ -179,7 +178,7 @@ class DecodeGraphs:
         moved = states is not None and states.recurrent.data_ptr() != step.state_ptr
         if self.capture and (step.graph is None or moved):
             scratch = self.storage.gather_states([self.scratch_slot] * B) if self.has_kda else None
-            step.capture(scratch, self.pool)
+            step.capture(scratch)
             states = self.storage.gather_states(slots) if self.has_kda else None
         values = (
             [t for c in chunks for t in c.token_ids] + [0] * (pad * T)
