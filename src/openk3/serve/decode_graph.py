@@ -141,8 +141,11 @@ class DecodeGraphs:
         self.has_kda = "kda" in lm.config.layer_types
         self.max_bucket = bucket_of(max_batch)
         self.steps: dict[tuple[int, int, int], StaticDecode] = {}
-        self.host_B = torch.zeros(self.max_bucket, dtype=torch.int64, pin_memory=capture)
-        self.host_inputs = torch.zeros(self.max_bucket * 4, dtype=torch.int64, pin_memory=capture)  # grows
+        self.pinned = storage.pages.device.type == "cuda"
+        self.host_B = torch.zeros(self.max_bucket, dtype=torch.int64, pin_memory=self.pinned)
+        self.host_inputs = torch.zeros(
+            self.max_bucket * 4, dtype=torch.int64, pin_memory=self.pinned
+        )  # grows
         if self.has_kda:  # size the workspace for the largest bucket now, so its address never changes
             storage.gather_states([scratch_slot] * self.max_bucket)
             storage.flush_states()
@@ -187,7 +190,7 @@ class DecodeGraphs:
             + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)
         )  # fmt: skip
         if self.host_inputs.numel() < len(values):
-            self.host_inputs = torch.zeros(len(values), dtype=torch.int64, pin_memory=self.capture)
+            self.host_inputs = torch.zeros(len(values), dtype=torch.int64, pin_memory=self.pinned)
         host = self.host_inputs[: len(values)]
         host.copy_(torch.tensor(values, dtype=torch.int64))
         step.inputs.copy_(host, non_blocking=True)
@@ -195,8 +198,9 @@ class DecodeGraphs:
             step.graph.replay()
         else:
             step.forward(states)
+        if not step.next_B.is_cuda:
+            return step.next_B[:n].tolist()
         out = self.host_B[:B]
         out.copy_(step.next_B, non_blocking=True)
-        if self.capture:
-            torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream().synchronize()  # the step's one host wait: the tokens are needed now
         return out[:n].tolist()
