@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak", type=float, default=790e12, help="matmul peak of the limit, FLOP/s")
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
+    )
     p.add_argument("--out", type=Path, help="a .md file for the report, or a folder for .md and .json")
     args = p.parse_args(argv)
     args.decode_tokens = args.decode_tokens or args.new_tokens
@@ -161,7 +164,7 @@ def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
         max_model_len=max_model_len,
         max_waiting=max(num_seqs, 1),
     )
-    return LLMEngine(model, EngineConfig(cache, sched))
+    return LLMEngine(model, EngineConfig(cache, sched, static_decode=False if args.eager else None))
 
 
 def time_to_first_token(engine: LLMEngine, request: Request, device: str) -> tuple[float, float]:
@@ -411,7 +414,8 @@ def markdown(report: dict) -> str:
         f"{machine}torch {env['torch']}, triton {env['triton'] or 'not installed'}, Python {env['python']}. "
         f"block_size {a['block_size']}, KDA checkpoint every {report['checkpoint_interval']} blocks, "
         f"prefill chunks ≤ {a['long_prefill_token_threshold']} tokens, step budget "
-        f"≥ {a['max_num_batched_tokens']} tokens, greedy, random weights (seed 0). Limits at "
+        f"≥ {a['max_num_batched_tokens']} tokens, greedy, random weights (seed 0), "
+        f"{'decode in CUDA graphs' if a['device'].startswith('cuda') and not a['eager'] else 'paged eager decode'}. Limits at "
         f"{a['bandwidth'] / 1e12:.1f} TB/s and {a['peak'] / 1e12:.0f} TFLOP/s (see the script's docstring). "
         f"Wall time of the whole run: {report['wall_s']:.0f} s.",
         "",

@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
     p.add_argument("--top", type=int, default=15, help="operators listed in the report")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
+    )
     p.add_argument("--out", type=Path, help="a folder for serve_profile_<device>.md and .json")
     args = p.parse_args(argv)
     if args.prefill < 1 or args.steps < 1 or min(args.streams) < 1:
@@ -101,7 +104,7 @@ def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
         max_model_len=max_model_len,
         max_waiting=num_seqs,
     )
-    return LLMEngine(model, EngineConfig(cache, sched))
+    return LLMEngine(model, EngineConfig(cache, sched, static_decode=False if args.eager else None))
 
 
 def step_summary(prof, host_s: float, tokens: int, cuda: bool) -> dict:
