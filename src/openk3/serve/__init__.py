@@ -12,6 +12,7 @@ Files (one concept each)::
     request.py         Request, SamplingParams, RequestOutput
     scheduler.py       budgets, admission, chunked prefill, update
     decode_forward.py  paged batched forward: the model's forward on paged caches (decodes, continuing chunks)
+    decode_graph.py    short greedy chunks at static shapes, captured in CUDA graphs (an eager twin elsewhere)
     model_runner.py    execute a step (chunks batched by length; lone first chunks packed), sample
     engine.py          LLMEngine: schedule → execute → update
     async_engine.py    the engine on a background thread
