@@ -534,13 +534,14 @@ def test_gpu_non_finite_input_reaches_outputs(monkeypatch):
 
 @gpu
 def test_gpu_k3_small_training_step_uses_triton(monkeypatch):
-    """A k3-small training step on CUDA runs the Triton chunk kernels and matches the CPU (torch) step."""
+    """A k3-small training step on CUDA runs the Triton chunk kernels (through the training custom op,
+    :func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`) and matches the CPU (torch) step."""
     import openk3
-    from openk3.ops.kda.triton import chunk_function
+    import openk3.model.kda as kda_layer
 
     calls = []
-    real = chunk_function.chunk_kda_triton
-    monkeypatch.setattr(chunk_function, "chunk_kda_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kda_layer.chunk_kda_train
+    monkeypatch.setattr(kda_layer, "chunk_kda_train", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     model_cpu = openk3.build_model(openk3.get_preset("k3-small"), seed=0)
     model_gpu = copy.deepcopy(model_cpu).cuda()
