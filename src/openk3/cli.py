@@ -69,6 +69,8 @@ def _print_info(report: dict) -> None:
         print(f"  {name:<28} {value:>22,}")
     print(f"  {'total':<28} {report['total_params']:>22,}")
     print(f"  {'active (no input embedding)':<28} {report['active_params']:>22,}")
+    if report["total_with_vision_params"] != report["total_params"]:
+        print(f"  {'total with vision':<28} {report['total_with_vision_params']:>22,}")
     print("cache per request:")
     print(f"  KDA layers / MLA layers      {report['kda_layers']} / {report['mla_layers']}")
     print(

@@ -1,6 +1,7 @@
 """Presets: functions that return a config.
 
-* ``kimi-k3`` — the published K3 ``config.json`` values (``docs/references.md#configuration``).
+* ``kimi-k3`` — the published K3 ``config.json`` values (``docs/references.md#configuration``), with the
+  MoonViT-V2 ``vision_config``.
 * ``kimi-linear-48b`` — the published Kimi-Linear-48B-A3B values (``docs/references.md#configuration``).
 * ``k3-tiny`` / ``k3-small`` / ``k3-1b`` — K3-shaped models behind one size dial, :func:`k3_shaped`
   (``depth``): 3 KDA : 1 MLA with MLA on every 4th layer (so the final layer is global), Block AttnRes,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from openk3.config import AnyConfig, KimiK3Config, KimiLinearConfig, LinearAttnConfig
+from openk3.config import AnyConfig, KimiK3Config, KimiK3VisionConfig, KimiLinearConfig, LinearAttnConfig
 
 
 def _layer_lists(num_layers: int, full_attn_layers: list[int]) -> dict[str, list[int]]:
@@ -71,7 +72,7 @@ def kimi_k3() -> KimiK3Config:
             **_layer_lists(93, full),
         ),
     )
-    return KimiK3Config(text_config=text)
+    return KimiK3Config(text_config=text, vision_config=KimiK3VisionConfig())
 
 
 def kimi_linear_48b() -> KimiLinearConfig:
