@@ -27,17 +27,9 @@ from openk3.model.vision import (
     sincos_table,
 )
 from openk3.presets import get_preset
+from vision_tiny import TINY_VISION
 
-TINY = dict(
-    vt_hidden_size=32,
-    vt_intermediate_size=64,
-    vt_num_attention_heads=2,
-    qkv_hidden_size=32,
-    vt_num_hidden_layers=2,
-    init_pos_emb_height=8,
-    init_pos_emb_width=8,
-    text_hidden_size=48,
-)
+TINY = {**TINY_VISION, "text_hidden_size": 48}
 STD = SimpleNamespace(initializer_range=0.2)
 """What :func:`init_weights` reads from a config."""
 

@@ -14,24 +14,7 @@ from openk3.config import KimiK3Config
 from openk3.model.modeling import build_model
 from openk3.presets import k3_shaped
 from openk3.train.optim import partition_parameters
-
-PLACEHOLDER = 8000
-TINY_VISION = dict(
-    vt_hidden_size=32,
-    vt_intermediate_size=64,
-    vt_num_attention_heads=2,
-    qkv_hidden_size=32,
-    vt_num_hidden_layers=2,
-    init_pos_emb_height=8,
-    init_pos_emb_width=8,
-)
-
-
-def tiny_config(vision: bool = True) -> KimiK3Config:
-    data = k3_shaped(4).to_dict()
-    data["media_placeholder_token_id"] = PLACEHOLDER
-    data["vision_config"] = TINY_VISION if vision else None
-    return KimiK3Config.from_dict(data)
+from vision_tiny import PLACEHOLDER, TINY_VISION, tiny_config
 
 
 @pytest.fixture(scope="module")
