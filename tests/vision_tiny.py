@@ -19,9 +19,12 @@ TINY_VISION = dict(
 """A 2-block tower of width 32 with 2 heads of 16 and an 8 × 8 position table."""
 
 
-def tiny_config(vision: bool = True) -> KimiK3Config:
-    """k3_shaped(4) (width 128) with :data:`TINY_VISION` (or without a tower) and :data:`PLACEHOLDER`."""
-    data = k3_shaped(4).to_dict()
-    data["media_placeholder_token_id"] = PLACEHOLDER
+def tiny_config(
+    vision: bool = True, vocab_size: int | None = None, placeholder: int = PLACEHOLDER
+) -> KimiK3Config:
+    """k3_shaped(4) (width 128) with :data:`TINY_VISION` (or without a tower) and placeholder id
+    ``placeholder``."""
+    data = k3_shaped(4, vocab_size=vocab_size).to_dict()
+    data["media_placeholder_token_id"] = placeholder
     data["vision_config"] = TINY_VISION if vision else None
     return KimiK3Config.from_dict(data)

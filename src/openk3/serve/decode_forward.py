@@ -146,7 +146,8 @@ class PagedForward:
 
     Args of the call: ``token_ids`` (``B`` lists of ``T`` ints), ``positions`` (each request's
     ``num_computed_tokens``: the cached length, where the first new token's latent is written),
-    ``block_tables`` (covering the new tokens), ``state_slots``.
+    ``block_tables`` (covering the new tokens), ``state_slots``; optional ``inputs_embeds`` ``[B, T, D]``
+    in place of the token embeddings (a chunk holding an image's placeholder tokens).
     """
 
     def __init__(self, lm: nn.Module, storage: CacheStorage) -> None:
@@ -165,6 +166,7 @@ class PagedForward:
         positions: list[int],
         block_tables: list[list[int]],
         state_slots: list[tuple[int, ...]],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         st, bs = self.storage, self.storage.layout.block_size
         device = self.backbone.embed_tokens.weight.device
@@ -189,7 +191,10 @@ class PagedForward:
             new_latents.append(lat)
             return y
 
-        h_BTD = self.backbone.embed_tokens(torch.tensor(token_ids, device=device))
+        if inputs_embeds is None:
+            h_BTD = self.backbone.embed_tokens(torch.tensor(token_ids, device=device))
+        else:  # ``[B, T, D]``: the token embeddings with a prompt's images placed in them
+            h_BTD = inputs_embeds
         if self.sites is None:
             for i, layer in enumerate(self.backbone.layers):
                 h_BTD = h_BTD + mixer(i, layer.input_layernorm(h_BTD))

@@ -7,6 +7,10 @@
   through the model's own forward (the reference path) instead, packed into one row with ``cu_seqlens``
   together with the other such chunks; latents and final KDA states are written to blocks and slots.
 
+A chunk holding media placeholder tokens of a request with images (``request.media``) runs on the token
+embeddings with the images' embeddings placed at those tokens (:meth:`ModelRunner.chunk_embeds`); the
+images are encoded once per request, at its first such chunk.
+
 Sampling reuses :func:`openk3.generate.sample_next` per request (temperature 0 = argmax; ``seed`` gives the
 request its own generator); greedy rows cost one ``argmax`` and one device→host copy per batch.
 
@@ -38,6 +42,7 @@ class ModelRunner:
         """``sample_vocab_size``: sample only ids below it (the tokenizer's id space when it is smaller than
         the model's vocabulary; ``None``: every id)."""
         self.lm = language_model(model)
+        self.model = model
         self.storage = storage
         self.sample_vocab_size = sample_vocab_size
         self.kinds = self.lm.config.layer_types
@@ -65,6 +70,7 @@ class ModelRunner:
                 [c.start for c in chunks],
                 [c.block_table for c in chunks],
                 [c.state_slot for c in chunks],
+                self.chunk_embeds(chunks),
             )
             self._sample(chunks, logits_BV, sampled)
         return sampled
@@ -88,7 +94,9 @@ class ModelRunner:
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=self.device)
         layers = [KDACache() if kind == "kda" else MLACache() for kind in self.kinds]
         ids = torch.tensor([[t for c in chunks for t in c.token_ids]], device=self.device)
-        h_BTD = self.lm.model(ids, KimiCache(layers), cu_seqlens)
+        embeds = self.chunk_embeds(chunks)
+        embeds = None if embeds is None else embeds.reshape(1, -1, embeds.shape[-1])
+        h_BTD = self.lm.model(ids, KimiCache(layers), cu_seqlens, inputs_embeds=embeds)
         logits_NV = self.lm.lm_head(h_BTD[0, cu_seqlens[1:] - 1])
         kda = [c for c in layers if isinstance(c, KDACache)]
         if kda:
@@ -100,6 +108,31 @@ class ModelRunner:
             offsets = [p % bs for c in chunks for p in range(c.num_tokens)]
             st.write_latents(pages, offsets, new_LTd)
         return logits_NV
+
+    def chunk_embeds(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Token embeddings ``[B, T, D]`` of the chunks with their requests' images placed at the media
+        placeholder tokens (in reading order across the prompt); ``None`` when no chunk holds one."""
+        placeholder = getattr(self.model.config, "media_placeholder_token_id", None)
+        if not any(c.request.media is not None and placeholder in c.token_ids for c in chunks):
+            return None
+        embed = self.lm.model.embed_tokens
+        rows = []
+        for c in chunks:
+            ids = c.token_ids
+            row_TD = embed(torch.tensor(ids, device=self.device))
+            r = c.request
+            if r.media is not None and placeholder in ids:
+                if r.media_embeds is None:
+                    pixels = r.media.pixel_values.to(self.device)
+                    r.media_embeds = self.model.embed_media(pixels, r.media.grid_thws)
+                before = r.prompt_token_ids[: c.start].count(placeholder)
+                mask_T = torch.tensor([t == placeholder for t in ids], device=self.device)
+                taken = r.media_embeds[before : before + int(mask_T.sum())]
+                row_TD = row_TD.masked_scatter(mask_T[:, None], taken.to(row_TD.dtype))
+                if c.start + c.num_tokens >= r.num_prompt_tokens:
+                    r.media_embeds = None  # the prompt is computed: its images are in the cache now
+            rows.append(row_TD)
+        return torch.stack(rows)
 
 
 def sample_tokens(requests: list[Request], logits_BV: torch.Tensor) -> list[int]:
