@@ -170,6 +170,22 @@ def _train(args: argparse.Namespace) -> int:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
         given["sample_prompt"] = None
+    from openk3.data.image_text import is_image_text_jsonl
+
+    if is_image_text_jsonl(given.get("data")):  # image-text pairs: openk3.train.image_text
+        from openk3.train.image_text import train_image_text
+
+        if args.resume or args.dp_shard or args.ep or args.dp_replicate:
+            raise ValueError(
+                "image-text training (a JSONL of image and text) does not resume or run distributed"
+            )
+        summary = train_image_text(TrainConfig(**given))
+        print(
+            f"checkpoint: {summary['checkpoint']}\nheld-out caption accuracy {summary['caption_accuracy']:.3f} "
+            f"(words {summary['word_accuracy']:.3f}; chance {summary['majority_accuracy']:.3f}) on "
+            f"{summary['heldout_rows']} images not trained on"
+        )
+        return 0
     if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
         from openk3.dist.train import train_distributed
 
