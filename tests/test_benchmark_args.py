@@ -248,3 +248,16 @@ def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
 
     assert kda.directory_argument("~/x") == tmp_path / "x"
     assert kda.directory_argument("./~").name == "~"
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--sizes", "448,1792", "--batch", "8"], "one value per size"),
+        (["--sizes", "450", "--batch", "1"], "multiples of 28 up to 3584"),
+        (["--sizes", "3612", "--batch", "1"], "multiples of 28 up to 3584"),
+        (["--iters", "0"], "--iters must be >= 1"),
+    ],
+)
+def test_vision_benchmark_refuses_bad_arguments(args, match, capsys):
+    assert match in refusal("vision", args, capsys)
