@@ -14,7 +14,7 @@ from PIL import Image
 
 import openk3
 from openk3.data import Tokenizer
-from openk3.data.images import MediaInputs, image_patches, load_image, pack_images
+from openk3.data.images import MediaInputs, image_patches, load_image, pack_images, video_chunks
 from openk3.generate import generate
 from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
 from openk3.serve.engine import LLMEngine
@@ -223,3 +223,19 @@ def test_generate_cli_takes_images(model, tmp_path, capsys):
     args[2] = str(tmp_path / "t")
     assert main([*args, "--image", str(tmp_path / "red.png")]) != 0
     assert "--image needs a model with a vision tower" in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_video_chunks_pool_frames_and_generate(model):
+    vision = model.config.vision_config
+    frames = [picture((20 * i, 30, 200 - 20 * i)) for i in range(6)]
+    media = video_chunks(frames, vision)
+    assert media.grid_thws.tolist() == [[4, 4, 4], [2, 4, 4]] and media.token_counts == [4, 4]
+    first = torch.cat([image_patches(f, vision)[0] for f in frames[:4]])
+    assert torch.equal(media.pixel_values[: 4 * 16], first)
+    ids = [5] + [PLACEHOLDER] * 8 + [6]
+    assert generate(model, torch.tensor([ids]), 3, media=media)[0].tolist() == full_forward_greedy(
+        model, ids, media, 3
+    )
+    with pytest.raises(ValueError, match="differ in size"):
+        video_chunks([picture(), picture(size=(28, 28))], vision)

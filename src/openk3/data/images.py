@@ -6,6 +6,9 @@ An image of ``H × W`` pixels is resized (bicubic, Pillow) to the nearest multip
 (``(x/255 − 0.5)/0.5``, the Kimi-VL / K2.5 processors' mean and std), and cut into ``h × w`` patches, row
 by row: ``pixel_values`` ``[h·w, 3, P, P]`` and grid ``(1, h, w)``. It then takes ``(h/2)·(w/2)`` placeholder
 tokens in the text. Images larger than 3584 pixels on a side are refused (:data:`openk3.model.vision.MAX_GRID_SIDE`).
+A video is a list of equal-sized frames, cut into chunks of at most ``init_pos_emb_time`` (4) frames; a chunk
+is one medium of grid ``(t, h, w)`` whose frames the tower pools into ``(h/2)·(w/2)`` tokens
+(:func:`video_chunks`).
 """
 
 from __future__ import annotations
@@ -115,6 +118,30 @@ def pack_images(images: list, config: KimiK3VisionConfig) -> MediaInputs:
     if not images:
         raise ValueError("no images to pack")
     pixels, grids = zip(*(image_patches(im, config) for im in images))
+    return MediaInputs(
+        torch.cat(pixels),
+        torch.tensor(grids, dtype=torch.int64),
+        [media_token_count(config, g) for g in grids],
+    )
+
+
+def video_chunks(frames: list, config: KimiK3VisionConfig) -> MediaInputs:
+    """The :class:`MediaInputs` of a video: ``frames`` (Pillow images of one size) in chunks of at most
+    ``config.init_pos_emb_time`` frames, each chunk one medium ``(t, h, w)`` with its frames' patches frame
+    after frame. Raises ``ValueError`` for no frames or frames of different sizes."""
+    if not frames:
+        raise ValueError("the video has no frames")
+    sizes = {f.size for f in frames}
+    if len(sizes) > 1:
+        raise ValueError(f"the video's frames differ in size: {sorted(sizes)}")
+    per_frame = [image_patches(f, config) for f in frames]
+    _, h, w = per_frame[0][1]
+    T = config.init_pos_emb_time
+    pixels, grids = [], []
+    for start in range(0, len(frames), T):
+        chunk = per_frame[start : start + T]
+        pixels += [p for p, _ in chunk]
+        grids.append((len(chunk), h, w))
     return MediaInputs(
         torch.cat(pixels),
         torch.tensor(grids, dtype=torch.int64),
