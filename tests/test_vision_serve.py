@@ -239,3 +239,26 @@ def test_video_chunks_pool_frames_and_generate(model):
     )
     with pytest.raises(ValueError, match="differ in size"):
         video_chunks([picture(), picture(size=(28, 28))], vision)
+
+
+def test_a_saved_vision_checkpoint_answers_an_image_chat(model, tmp_path):
+    """The issue's end-to-end path: a tiny random K3 with a vision tower saved in the official layout,
+    loaded by the server, answers a chat request with an image as the in-memory model does."""
+    from openk3.serve.server import load_server
+
+    tok = Tokenizer.train(TEXT * 30, vocab_size=384)
+    openk3.save_pretrained(model, tmp_path / "ckpt", tokenizer=tok)
+    cfg = EngineConfig(CacheConfig(block_size=8, num_blocks=200), SchedulerConfig(max_model_len=128))
+    app, serving = load_server(tmp_path / "ckpt", cfg, model_name="k3-vision")
+    assert serving.engine.engine.model.vision_tower is not None
+    image = picture((30, 160, 40))
+    with BackgroundServer(app) as srv:
+        reply = chat(srv, [{"type": "image_url", "image_url": {"url": data_url(image)}}], max_tokens=5)
+    media = pack_images([image], model.config.vision_config)
+    ids = serving.chat_template.encode([{"role": "user", "content": [[PLACEHOLDER] * media.num_tokens]}])
+    want = full_forward_greedy(model, ids, media, 5, vocab=tok.vocab_size)
+    stop = serving.chat_template.stop_token_ids
+    want = want[: next((i for i, t in enumerate(want) if t in stop), len(want))]
+    assert reply.choices[0].message.content == tok.decode(
+        [t for t in want if t not in tok.special_tokens.values()]
+    )
