@@ -262,3 +262,18 @@ def test_a_saved_vision_checkpoint_answers_an_image_chat(model, tmp_path):
     assert reply.choices[0].message.content == tok.decode(
         [t for t in want if t not in tok.special_tokens.values()]
     )
+
+
+def test_only_prompt_placeholders_take_media(model):
+    """A generated token equal to the placeholder id is a token, not a slot for an image."""
+    from openk3.serve.model_runner import ModelRunner
+    from openk3.serve.scheduler import ScheduledChunk
+
+    media = pack_images([picture()], model.config.vision_config)
+    r = Request("x", [5] + [PLACEHOLDER] * 4 + [6], SamplingParams(max_tokens=4), media=media)
+    r.output_token_ids = [PLACEHOLDER, 7]
+    slots = [
+        ModelRunner._media_slots(ScheduledChunk(r, s, n, [], ()), PLACEHOLDER) for s, n in ((0, 3), (3, 4))
+    ]
+    assert slots == [[1, 2], [0, 1]]
+    assert ModelRunner._media_slots(ScheduledChunk(r, 6, 2, [], ()), PLACEHOLDER) == []

@@ -111,28 +111,39 @@ class ModelRunner:
 
     def chunk_embeds(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """Token embeddings ``[B, T, D]`` of the chunks with their requests' images placed at the media
-        placeholder tokens (in reading order across the prompt); ``None`` when no chunk holds one."""
+        placeholder tokens of the prompt (in reading order); ``None`` when no chunk holds one. A generated
+        token equal to the placeholder id stays a token."""
         placeholder = getattr(self.model.config, "media_placeholder_token_id", None)
-        if not any(c.request.media is not None and placeholder in c.token_ids for c in chunks):
+        slots = [self._media_slots(c, placeholder) for c in chunks]
+        if not any(slots):
             return None
         embed = self.lm.model.embed_tokens
         rows = []
-        for c in chunks:
-            ids = c.token_ids
-            row_TD = embed(torch.tensor(ids, device=self.device))
+        for c, slot in zip(chunks, slots):
+            row_TD = embed(torch.tensor(c.token_ids, device=self.device))
             r = c.request
-            if r.media is not None and placeholder in ids:
+            if slot:
                 if r.media_embeds is None:
                     pixels = r.media.pixel_values.to(self.device)
                     r.media_embeds = self.model.embed_media(pixels, r.media.grid_thws)
                 before = r.prompt_token_ids[: c.start].count(placeholder)
-                mask_T = torch.tensor([t == placeholder for t in ids], device=self.device)
-                taken = r.media_embeds[before : before + int(mask_T.sum())]
-                row_TD = row_TD.masked_scatter(mask_T[:, None], taken.to(row_TD.dtype))
+                mask_T = torch.zeros(c.num_tokens, dtype=torch.bool)
+                mask_T[slot] = True
+                taken = r.media_embeds[before : before + len(slot)]
+                row_TD = row_TD.masked_scatter(mask_T.to(self.device)[:, None], taken.to(row_TD.dtype))
                 if c.start + c.num_tokens >= r.num_prompt_tokens:
                     r.media_embeds = None  # the prompt is computed: its images are in the cache now
             rows.append(row_TD)
         return torch.stack(rows)
+
+    @staticmethod
+    def _media_slots(chunk: ScheduledChunk, placeholder: int | None) -> list[int]:
+        """Offsets in ``chunk`` of its request's prompt placeholder tokens (none without media)."""
+        r = chunk.request
+        if r.media is None:
+            return []
+        prompt_part = r.prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        return [j for j, t in enumerate(prompt_part) if t == placeholder]
 
 
 def sample_tokens(requests: list[Request], logits_BV: torch.Tensor) -> list[int]:
