@@ -10,12 +10,10 @@ import torch
 
 import openk3
 from openk3.generate import greedy
-from openk3.model.attn_res import attn_res_mix
-from openk3.model.cache import KDACache
+from openk3.model.attn_res import MixSite, TwoPhaseAttnRes, attn_res_mix
+from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import RMSNorm
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
-from openk3.serve.decode_forward import TwoPhaseAttnRes, _MixSite
-from openk3.serve.kda_decode import kda_decode_
 from openk3.serve.scheduler import QueueFullError
 
 VOCAB = 512
@@ -68,27 +66,45 @@ def test_two_phase_attn_res_equals_one_phase():
         norm, proj = RMSNorm(D), torch.nn.Linear(D, 1, bias=False)
         norm.weight.data.uniform_(0.5, 1.5)
         proj.weight.data.normal_()
-        sites.append(_MixSite(norm, proj, n))
+        sites.append(MixSite(norm, proj, n))
     for i, s in enumerate(sites):
         s.index = sum(1 for t in sites[:i] if t.num_blocks == s.num_blocks)
     blocks = [torch.randn(3, 1, D, dtype=torch.float64) for _ in range(3)]
-    res = TwoPhaseAttnRes(sites, blocks)
+    res = TwoPhaseAttnRes(sites)
     for s in sites:
         partial = torch.randn(3, 1, D, dtype=torch.float64)
         torch.testing.assert_close(
-            res.mix(s, partial),
+            res(blocks[: s.num_blocks], partial, s.norm, s.proj),
             attn_res_mix(blocks[: s.num_blocks], partial, s.norm, s.proj),
             rtol=1e-12,
             atol=1e-12,
         )
+    with pytest.raises(ValueError, match="no AttnRes site reads 2 blocks"):
+        res(blocks[:2], partial, sites[0].norm, sites[0].proj)
 
 
+def test_two_phase_model_forward_equals_one_phase():
+    """The model's forward with two-phase AttnRes == one mix at a time (float64, pseudo-queries not zero)."""
+    cfg = openk3.presets.k3_shaped(4, vocab_size=VOCAB)
+    backbone = openk3.build_model(cfg, dtype=torch.float64, seed=2).language_model.model
+    torch.manual_seed(0)
+    for site in backbone.attn_res_sites:
+        site.proj.weight.data.normal_()
+    ids = torch.tensor(prompts([9, 9]))
+    with torch.no_grad():
+        want = backbone(ids)
+        got = backbone(ids, two_phase_attn_res=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("lengths", [[3, 17, 40], [40]])
 @pytest.mark.parametrize("T", [1, 3, 20])
-def test_paged_forward_equals_model_forward(model, T):
+def test_paged_forward_equals_model_forward(model, T, lengths):
     """B requests with different cached lengths bring T tokens each: a decode (T = 1), a short continuing
-    chunk (absorbed MLA, recurrent KDA on the layer forward) and a long one (naive MLA, chunked KDA)."""
+    chunk (absorbed MLA, recurrent KDA on the layer forward) and a long one (naive MLA, chunked KDA); one
+    request alone has no padding (naive MLA through SDPA's lower-right causal bias)."""
     eng = engine(model)
-    ps = prompts([3, 17, 40])
+    ps = prompts(lengths)
     reqs = [Request(f"d{i}", p, SamplingParams(max_tokens=T + 3)) for i, p in enumerate(ps)]
     for r in reqs:
         eng.add_request(r)
@@ -104,25 +120,26 @@ def test_paged_forward_equals_model_forward(model, T):
         [kv.block_tables[r.request_id] for r in reqs],
         [kv.state_slots[r.request_id] for r in reqs],
     )
-    assert len(reqs[0].output_token_ids) > 1  # the short prompt was already decoding in the batch
+    assert len(ps) == 1 or len(reqs[0].output_token_ids) > 1  # the short prompt was already decoding
     for r, ids, row in zip(reqs, new, logits):
         want = model(torch.tensor([r.all_token_ids[:-1] + ids])).logits[0, -1]
         torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
 
 
-def test_kda_decode_in_place_equals_the_layer():
-    """The server's in-place KDA decode token == the model's KDA layer with a cache (float64)."""
+@pytest.mark.parametrize("T", [1, 3])
+def test_kda_state_slots_in_place_equal_the_layer(T):
+    """The KDA layer on a server's state views (in place) == the layer with its own cache (float64)."""
     torch.manual_seed(0)
     lm = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=VOCAB), dtype=torch.float64, seed=1)
     attn = lm.language_model.model.layers[1].self_attn
     B, H, K, D, W = 5, attn.num_heads, attn.head_dim, attn.q_proj.in_features, attn.q_conv1d.kernel_size
-    x = torch.randn(B, 1, D, dtype=torch.float64)
+    x = torch.randn(B, T, D, dtype=torch.float64)
     S = torch.randn(B, H, K, K, dtype=torch.float64) * 0.1
     conv = torch.randn(B, 3, H * K, W - 1, dtype=torch.float64)
     cache = KDACache((conv[:, 0].clone(), conv[:, 1].clone(), conv[:, 2].clone()), S.clone())
     with torch.no_grad():
         want = attn(x, cache)
-        got = kda_decode_(attn, x, S, conv)
+        got = attn(x, KDAStateSlots(S, conv))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(S, cache.recurrent_state, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(conv, torch.stack(cache.conv_states, 1), rtol=0, atol=0)

@@ -16,7 +16,10 @@ DeltaNet, the same ops); with ``delta_rule=False`` too, the state update drops t
 (:mod:`openk3.ops.decay_only`).
 
 ``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
-The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
+With a server's :class:`~openk3.model.cache.KDAStateSlots` the layer updates the states in place: up to
+``DECODE_MAX_TOKENS`` tokens per request as one conv step over the stacked q/k/v projections and the
+state-pool decode op (:func:`~openk3.ops.kda.fused_recurrent_kda_pool`), more tokens through the path below,
+the new states copied in. The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
 :func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`, which ``torch.compile`` traces); with a cache and few new tokens outside training the
 recurrent decode op runs instead.
 
@@ -29,11 +32,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.model.cache import KDACache
+from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import GatedRMSNorm
-from openk3.model.short_conv import ShortConvolution
+from openk3.model.short_conv import ShortConvolution, short_conv_step_
 from openk3.ops.decay_only import parallel_decay_only
-from openk3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm
+from openk3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool, kda_gate, l2norm
 from openk3.ops.kda.triton.train_op import chunk_kda_train, use_train_op
 
 A_LOG_STORED = 128
@@ -75,13 +78,15 @@ class KimiDeltaAttention(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cache: KDACache | None = None,
+        cache: KDACache | KDAStateSlots | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args: ``x_BTD`` normed input; ``cache`` updated in place; ``cu_seqlens`` int64 ``[N+1]`` (B = 1).
 
         Returns ``[B, T, D]``. With ``cu_seqlens`` and a cache, the cache receives one state per document.
         """
+        if isinstance(cache, KDAStateSlots):
+            return self._forward_slots(x_BTD, cache)
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         keep = cache is not None
@@ -128,6 +133,35 @@ class KimiDeltaAttention(nn.Module):
         )
         if keep:
             cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
+        return self._output(x_BTD, o_BTHK)
+
+    def _forward_slots(self, x_BTD: torch.Tensor, slots: KDAStateSlots) -> torch.Tensor:
+        """The layer on a server's states, overwritten in place (``docs/references.md#kda-layer``): up to
+        :data:`DECODE_MAX_TOKENS` tokens by the stacked conv step and the state-pool decode op, more through
+        :meth:`forward` with the new states copied in."""
+        B, T, _ = x_BTD.shape
+        if T > DECODE_MAX_TOKENS or not self.delta_rule:
+            conv = slots.conv.to(x_BTD.dtype)
+            cache = KDACache((conv[:, 0], conv[:, 1], conv[:, 2]), slots.recurrent)
+            y_BTD = self.forward(x_BTD, cache)
+            slots.recurrent.copy_(cache.recurrent_state)
+            slots.conv.copy_(torch.stack(cache.conv_states, 1))
+            return y_BTD
+        H, K = self.num_heads, self.head_dim
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        weight_3PW = torch.stack([c.weight[:, 0, :] for c in convs]).to(x_BTD.dtype)
+        proj_B3PT = torch.stack([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], 2).permute(
+            0, 2, 3, 1
+        )
+        qkv_BT3P = short_conv_step_(proj_B3PT, slots.conv, weight_3PW).permute(0, 3, 1, 2)
+        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3P[:, :, i].reshape(B, T, H, K) for i in range(3))
+        g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1).expand(B, T, H, K)
+        dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
+        beta_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        o_BTHK = fused_recurrent_kda_pool(
+            q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_BTH, slots.recurrent, A_log=self.A_log[:H],
+            dt_bias=dt_bias, lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True,
+        )  # fmt: skip
         return self._output(x_BTD, o_BTHK)
 
     def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:

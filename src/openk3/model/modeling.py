@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from openk3.config import AnyConfig, KimiK3Config, KimiLinearConfig, text_config_of
-from openk3.model.attn_res import attn_res_mix, make_res_pair
+from openk3.model.attn_res import TwoPhaseAttnRes, attn_res_mix, attn_res_sites, make_res_pair
 from openk3.model.cache import KimiCache
 from openk3.model.decoder import KimiDecoderLayer
 from openk3.model.init import init_weights
@@ -48,6 +48,11 @@ class KimiLinearModel(nn.Module):
         self.norm = RMSNorm(D, config.rms_norm_eps)
         if config.uses_attn_res:
             self.output_attn_res_norm, self.output_attn_res_proj = make_res_pair(D, config.rms_norm_eps)
+
+    @property
+    def attn_res_sites(self):
+        """The AttnRes mixes in forward order (:func:`~openk3.model.attn_res.attn_res_sites`)."""
+        return attn_res_sites(self)
 
     def check_inputs(self, input_ids: torch.Tensor, cache: KimiCache | None, cu_seqlens) -> None:
         cfg = self.config
@@ -84,11 +89,14 @@ class KimiLinearModel(nn.Module):
         cache: KimiCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         check_inputs: bool = True,
+        two_phase_attn_res: bool = False,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states ``[B, T, D]`` (after the output AttnRes mix and the final norm).
 
         ``check_inputs=False`` skips :meth:`check_inputs` (one host sync) for ids the caller has checked.
+        ``two_phase_attn_res``: mix by :class:`~openk3.model.attn_res.TwoPhaseAttnRes` (inference: the
+        pseudo-queries of one block set scored in one pass) instead of one mix at a time.
         ``inputs_embeds`` ``[B, T, D]`` replaces the embedding lookup of ``input_ids`` (which still give the
         shape and are checked): text embeddings with media placed in them."""
         if check_inputs:
@@ -98,12 +106,13 @@ class KimiLinearModel(nn.Module):
         if self.config.uses_attn_res:
             blocks: list[torch.Tensor] = []
             partial = h_BTD
+            mix = TwoPhaseAttnRes(self.attn_res_sites) if two_phase_attn_res else attn_res_mix
             for layer, c in zip(self.layers, layer_caches):
                 closed = partial if layer.opens_block else None
-                partial = layer.forward_attn_res(blocks, partial, c, cu_seqlens)
+                partial = layer.forward_attn_res(blocks, partial, c, cu_seqlens, mix)
                 if closed is not None:
                     blocks.append(closed)
-            h_BTD = attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
+            h_BTD = mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
         else:
             for layer, c in zip(self.layers, layer_caches):
                 h_BTD = layer.forward_residual(h_BTD, c, cu_seqlens)

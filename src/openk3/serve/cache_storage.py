@@ -147,13 +147,22 @@ class CacheStorage:
         ``[B, S]`` bool (True = a real token)); ``S = max(lengths)`` (may be 0). Padded entries read the null
         block (zeros). One ``index_select`` over the token rows of the pool."""
         lo, dev = self.layout, self.pages.device
-        bs, L, B, S = lo.block_size, lo.num_mla_layers, len(lengths), max(lengths)
+        bs, S = lo.block_size, max(lengths)
         nb = math.ceil(S / bs)
         table_BN = torch.tensor(
             [t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.int64, device=dev
         )
+        return self.gather_latents_padded(table_BN, torch.tensor(lengths, device=dev), S)
+
+    def gather_latents_padded(
+        self, table_BN: torch.Tensor, lengths_B: torch.Tensor, S: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gather_latents` from device tensors (no host data: a CUDA graph can capture it): block
+        tables int64 ``[B, N]`` with ``N·bs ≥ S``, lengths int64 ``[B]`` ≤ ``S``."""
+        lo, dev = self.layout, self.pages.device
+        bs, L, B = lo.block_size, lo.num_mla_layers, table_BN.shape[0]
         pos_S = torch.arange(S, device=dev)
-        mask_BS = pos_S < torch.tensor(lengths, device=dev)[:, None]
+        mask_BS = pos_S < lengths_B[:, None]
         block_BS = torch.where(mask_BS, table_BN[:, pos_S // bs], 0)
         layer_L11 = torch.arange(L, device=dev)[:, None, None]
         row_LBS = (block_BS * L + layer_L11) * bs + pos_S % bs  # token rows of pages.view(-1, C + r)

@@ -85,3 +85,10 @@ class SchedulerConfig:
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    static_decode: bool | None = None
+    """Run greedy one-token decode batches through the static-shape step of ``serve/decode_graph.py``,
+    captured in CUDA graphs on CUDA (eager elsewhere); ``None``: on CUDA only."""
+
+    def __post_init__(self) -> None:
+        if self.static_decode not in (None, True, False):
+            raise ValueError(f"static_decode must be None, True or False, got {self.static_decode!r}")

@@ -15,6 +15,7 @@ from torch import nn
 from openk3.serve.block_pool import BlockPool
 from openk3.serve.cache_storage import CacheStorage, PageLayout
 from openk3.serve.config import EngineConfig
+from openk3.serve.decode_graph import DecodeGraphs
 from openk3.serve.kv_manager import KVCacheManager
 from openk3.serve.model_runner import ModelRunner, language_model
 from openk3.serve.request import Request, RequestOutput
@@ -92,11 +93,21 @@ class LLMEngine:
                 f"the cache pool needs {need / 2**30:.2f} GiB ({num_blocks} pages of {layout.page_bytes} B) but "
                 f"only {free / 2**30:.2f} GiB is free on {device}: lower --pool-mib or --num-blocks"
             )
+        static = self.config.static_decode
+        static = device.type == "cuda" if static is None else static
         self.pool = BlockPool(num_blocks)
-        self.storage = CacheStorage(layout, num_blocks, device)
+        # the static decode step's padding rows keep their KDA state in pages past the pool's
+        scratch = tuple(range(num_blocks, num_blocks + layout.state_pages)) if static else ()
+        self.storage = CacheStorage(layout, num_blocks + len(scratch), device)
         self.kv = KVCacheManager(self.pool, self.storage, cc)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self.runner = ModelRunner(model, self.storage, sample_vocab_size)
+        graphs = None
+        if static:
+            graphs = DecodeGraphs(
+                lm, self.storage, scratch, self.config.scheduler.max_num_seqs, sample_vocab_size,
+                capture=device.type == "cuda",
+            )  # fmt: skip
+        self.runner = ModelRunner(model, self.storage, sample_vocab_size, graphs)
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit, images the model cannot

@@ -3,6 +3,9 @@
 * Chunks run through :class:`~openk3.serve.decode_forward.PagedForward`, one batch per chunk length: all
   one-token decodes together, and prefill chunks of equal length together (first chunks, chunks that
   continue a prefix hit or an earlier chunk).
+* Chunks of up to 16 tokens (decodes, a prefix hit's suffix) that sample greedily, if at all, run through
+  :class:`~openk3.serve.decode_graph.DecodeGraphs` when the engine has one (CUDA graphs on CUDA): static
+  shapes, the argmax on the device.
 * A first chunk (nothing cached: ``start == 0``) whose length no other chunk of the step shares runs
   through the model's own forward (the reference path) instead, packed into one row with ``cu_seqlens``
   together with the other such chunks; latents and final KDA states are written to blocks and slots.
@@ -28,6 +31,7 @@ from openk3.generate import sample_next
 from openk3.model.cache import KDACache, KimiCache, MLACache
 from openk3.serve.cache_storage import CacheStorage
 from openk3.serve.decode_forward import PagedForward
+from openk3.serve.decode_graph import DecodeGraphs
 from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -38,9 +42,16 @@ def language_model(model: nn.Module) -> nn.Module:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, storage: CacheStorage, sample_vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        storage: CacheStorage,
+        sample_vocab_size: int | None = None,
+        decode_graphs: DecodeGraphs | None = None,
+    ) -> None:
         """``sample_vocab_size``: sample only ids below it (the tokenizer's id space when it is smaller than
-        the model's vocabulary; ``None``: every id)."""
+        the model's vocabulary; ``None``: every id). ``decode_graphs``: the static step for short greedy
+        chunks (``None``: they take the paged forward)."""
         self.lm = language_model(model)
         self.model = model
         self.storage = storage
@@ -48,6 +59,7 @@ class ModelRunner:
         self.kinds = self.lm.config.layer_types
         self.device = self.lm.model.embed_tokens.weight.device
         self.paged_forward = PagedForward(self.lm, storage)
+        self.decode_graphs = decode_graphs
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -65,12 +77,17 @@ class ModelRunner:
         for chunks in by_length.values():
             if len(chunks) == 1 and chunks[0].start == 0:
                 continue
+            embeds = self.chunk_embeds(chunks)  # None unless a chunk holds an image's placeholders
+            if embeds is None and self.decode_graphs is not None and self.decode_graphs.supports(chunks):
+                tokens = self.decode_graphs.run(chunks)
+                sampled.update({c.request.request_id: t for c, t in zip(chunks, tokens) if c.samples})
+                continue
             logits_BV = self.paged_forward(
                 [c.token_ids for c in chunks],
                 [c.start for c in chunks],
                 [c.block_table for c in chunks],
                 [c.state_slot for c in chunks],
-                self.chunk_embeds(chunks),
+                embeds,
             )
             self._sample(chunks, logits_BV, sampled)
         return sampled
@@ -96,7 +113,9 @@ class ModelRunner:
         ids = torch.tensor([[t for c in chunks for t in c.token_ids]], device=self.device)
         embeds = self.chunk_embeds(chunks)
         embeds = None if embeds is None else embeds.reshape(1, -1, embeds.shape[-1])
-        h_BTD = self.lm.model(ids, KimiCache(layers), cu_seqlens, inputs_embeds=embeds)
+        # ids were checked when the requests were added; one document needs no cu_seqlens (plain causal)
+        packed = cu_seqlens if len(chunks) > 1 else None
+        h_BTD = self.lm.model(ids, KimiCache(layers), packed, check_inputs=False, inputs_embeds=embeds)
         logits_NV = self.lm.lm_head(h_BTD[0, cu_seqlens[1:] - 1])
         kda = [c for c in layers if isinstance(c, KDACache)]
         if kda:
