@@ -149,3 +149,16 @@ def test_every_swept_configuration_is_a_valid_geometry():
         for config in configs:
             launch = kda.swept({module: config})
             assert (launch == kda.DEFAULT_GEOMETRY) == (config == {}), (module, config)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--sizes", "448,1792", "--batch", "8"], "one value per size"),
+        (["--sizes", "450", "--batch", "1"], "multiples of 28 up to 3584"),
+        (["--sizes", "3612", "--batch", "1"], "multiples of 28 up to 3584"),
+        (["--iters", "0"], "--iters must be >= 1"),
+    ],
+)
+def test_vision_benchmark_refuses_bad_arguments(args, match, capsys):
+    assert match in refusal("vision", args, capsys)

@@ -204,7 +204,9 @@ def test_kimi_k3_builds_on_meta_without_memory():
     assert time.perf_counter() - start < 60
     params = list(model.parameters())
     assert all(p.is_meta for p in params)
-    assert sum(p.numel() for p in params) + 92 * 896 == 2_779_484_478_208
+    text = sum(p.numel() for p in model.language_model.parameters())
+    assert text + 92 * 896 == 2_779_484_478_208
+    assert sum(p.numel() for p in params) + 92 * 896 == 2_779_484_478_208 + 401_214_464 + 46_144_512
 
 
 def test_unsupported_dtype(saved):

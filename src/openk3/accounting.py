@@ -83,6 +83,10 @@ def count_parameters(config: AnyConfig) -> dict[str, int]:
     unused = (text.num_experts - text.num_experts_per_token) * expert_one * n_moe if n_moe else 0
     out["active"] = out["total"] - out["embed_tokens"] - unused
     out.update(kda_layer=kda_layer, mla_layer=mla_layer, moe_layer=moe_layer, routed_expert=expert_one)
+    if hasattr(model, "vision_tower"):  # not in ``total``: the published headline count is text-only
+        out["vision_tower"] = _numel(model.vision_tower)
+        out["mm_projector"] = _numel(model.mm_projector)
+        out["total_with_vision"] = out["total"] + out["vision_tower"] + out["mm_projector"]
     return out
 
 
@@ -175,6 +179,7 @@ def cache_sizes(text: KimiLinearConfig) -> dict[str, float]:
 
 def accounting_report(config: AnyConfig) -> dict:
     """Everything ``openk3 info`` prints, as one JSON-ready dict (keys ``total_params``, ``active_params``,
+    ``total_with_vision_params`` (``total_params`` plus the vision tower and projector, if any),
     ``kda_state_bytes_bf16``, ``mla_bytes_per_token_bf16``, ``components``, …)."""
     text = text_config_of(config)
     counts = count_parameters(config)
@@ -183,6 +188,7 @@ def accounting_report(config: AnyConfig) -> dict:
         "model_type": config.model_type,
         "total_params": counts["total"],
         "active_params": counts["active"],
-        "components": {k: v for k, v in counts.items() if k not in ("total", "active")},
+        "total_with_vision_params": counts.get("total_with_vision", counts["total"]),
+        "components": {k: v for k, v in counts.items() if k not in ("total", "active", "total_with_vision")},
         **caches,
     }

@@ -69,6 +69,8 @@ def _print_info(report: dict) -> None:
         print(f"  {name:<28} {value:>22,}")
     print(f"  {'total':<28} {report['total_params']:>22,}")
     print(f"  {'active (no input embedding)':<28} {report['active_params']:>22,}")
+    if report["total_with_vision_params"] != report["total_params"]:
+        print(f"  {'total with vision':<28} {report['total_with_vision_params']:>22,}")
     print("cache per request:")
     print(f"  KDA layers / MLA layers      {report['kda_layers']} / {report['mla_layers']}")
     print(
@@ -168,6 +170,22 @@ def _train(args: argparse.Namespace) -> int:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
         given["sample_prompt"] = None
+    from openk3.data.image_text import is_image_text_jsonl
+
+    if is_image_text_jsonl(given.get("data")):  # image-text pairs: openk3.train.image_text
+        from openk3.train.image_text import train_image_text
+
+        if args.resume or args.dp_shard or args.ep or args.dp_replicate:
+            raise ValueError(
+                "image-text training (a JSONL of image and text) does not resume or run distributed"
+            )
+        summary = train_image_text(TrainConfig(**given))
+        print(
+            f"checkpoint: {summary['checkpoint']}\nheld-out caption accuracy {summary['caption_accuracy']:.3f} "
+            f"(words {summary['word_accuracy']:.3f}; chance {summary['majority_accuracy']:.3f}) on "
+            f"{summary['heldout_rows']} images not trained on"
+        )
+        return 0
     if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
         from openk3.dist.train import train_distributed
 
@@ -240,11 +258,22 @@ def _check_prompt(prompt: str) -> None:
 
 
 def _stream_text(
-    model, tokenizer, prompt, max_new_tokens, temperature, top_p, seed, device, ids=None, stop=None
+    model,
+    tokenizer,
+    prompt,
+    max_new_tokens,
+    temperature,
+    top_p,
+    seed,
+    device,
+    ids=None,
+    stop=None,
+    media=None,
 ) -> None:
     """Write ``prompt`` then its continuation to stdout as it is generated. ``ids``: the prompt's token ids
     when they are not ``tokenizer.encode(prompt)`` (a chat prompt; then ``prompt`` is what is echoed, possibly
-    ""); ``stop``: ids that end the text (default: the eos id)."""
+    ""); ``stop``: ids that end the text (default: the eos id); ``media``: the images of ``ids``'s
+    placeholder tokens."""
     import torch
 
     from openk3.generate import stream
@@ -257,7 +286,10 @@ def _stream_text(
     shown = ""
     x = torch.tensor([ids], device=device)
     stop = {tokenizer.eos_id} if stop is None else stop
-    for tok in stream(model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size):
+    tokens = stream(
+        model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size, media=media
+    )
+    for tok in tokens:
         token = int(tok[0, 0])
         if token in stop:
             break
@@ -320,11 +352,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     folder = checkpoint_with_tokenizer(args.ckpt)
     tokenizer = Tokenizer.load(folder)
     stop = None
+    media, image_ids = _images_for(args.image, load_config(folder)) if args.image else (None, [])
     if args.chat:  # one user turn in the checkpoint's chat template; only the reply is printed
         template = ChatTemplate.from_folder(tokenizer, folder)
-        ids, stop, echo = template.encode([{"role": "user", "content": prompt}]), template.stop_token_ids, ""
+        content = [image_ids, prompt] if media is not None else prompt
+        ids, stop, echo = template.encode([{"role": "user", "content": content}]), template.stop_token_ids, ""
     else:
-        ids, echo = tokenizer.encode(prompt), prompt
+        ids, echo = image_ids + tokenizer.encode(prompt), prompt
     limit = text_config_of(load_config(folder)).max_position_embeddings
     check_context(len(ids), args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
@@ -343,8 +377,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args.device,
             ids=ids,
             stop=stop,
+            media=media,
         )
     return 0
+
+
+def _images_for(paths: list[str], config):
+    """``(MediaInputs, placeholder ids)`` of ``--image`` files for ``config``'s vision tower; the images go
+    before the prompt's text. Raises ``ValueError`` for a model without a vision tower or an unreadable or
+    too large image."""
+    from openk3.data.images import load_image, pack_images
+
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        raise ValueError("--image needs a model with a vision tower (its config.json has no vision_config)")
+    media = pack_images([load_image(p) for p in paths], vision)
+    return media, [config.media_placeholder_token_id] * media.num_tokens
 
 
 def _eval_split(folder: Path, data: str | None) -> Path:
@@ -607,6 +655,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat",
         action="store_true",
         help="the prompt is a user message in the checkpoint's chat template; print only the reply",
+    )
+    gen.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image file (or data: URL) the prompt is about; repeat for several (they come first)",
     )
     gen.add_argument(
         "--num-samples",

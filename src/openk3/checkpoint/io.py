@@ -37,12 +37,12 @@ from torch import nn
 from openk3.checkpoint.hf_remote import REMOTE_FILES, write_remote_code
 from openk3.checkpoint.names import (
     QUANTIZED_SUFFIXES,
-    SKIPPED_PREFIXES,
+    VISION_PREFIXES,
     expert_name,
     is_stacked,
     to_module,
 )
-from openk3.config import AnyConfig, load_config, save_config
+from openk3.config import AnyConfig, KimiK3Config, load_config, save_config
 from openk3.model.modeling import build_model, check_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -339,15 +339,17 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
             f"{len(quantized)} quantized tensors (e.g. {quantized[0]}): MXFP4-packed experts are not supported "
             "yet; dequantize to bf16 first"
         )
-    skipped = [n for n in shapes if n.startswith(SKIPPED_PREFIXES)]
+    skip = () if any(n.startswith(VISION_PREFIXES) for n in targets) else VISION_PREFIXES
+    skipped = [n for n in shapes if n.startswith(skip)] if skip else []
     if skipped:
         warnings.warn(
-            f"skipping {len(skipped)} vision tensors (vision_tower/mm_projector are not built)", stacklevel=2
+            f"skipping {len(skipped)} vision tensors (the model is built without vision_tower/mm_projector)",
+            stacklevel=2,
         )
     unexpected, mismatched, plan = [], [], []
     covered: dict[str, set[int] | bool] = {}
     for name, shape in shapes.items():
-        if name.startswith(SKIPPED_PREFIXES):
+        if skip and name.startswith(skip):
             continue
         slot = to_module(name)
         target = targets.get(slot.name)
@@ -386,6 +388,10 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
                     + ", ".join(sorted(items)[:20])
                     + (" …" if len(items) > 20 else "")
                 )
+        if any(n.startswith(VISION_PREFIXES) for n in missing):
+            lines.append(
+                "  the checkpoint has no vision tower: from_pretrained(path, vision=False) loads the text model"
+            )
         raise CheckpointMismatchError("\n".join(lines))
     with torch.no_grad():
         for fname, names in by_file.items():
@@ -413,7 +419,10 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
 
 
 def from_pretrained(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    vision: bool = True,
 ) -> nn.Module:
     """Load the model in HF folder ``path``: ``openk3.from_pretrained(path)(input_ids).logits`` is ``[B, T, V]``.
 
@@ -422,6 +431,9 @@ def from_pretrained(
             checkpoint is loaded, :func:`latest_checkpoint`).
         device: where the weights go (``"meta"`` reads only the config).
         dtype: model dtype; default fp32 (fp32, bf16, fp16 and fp64 are supported; others raise ValueError).
+        vision: ``False`` builds a K3 model without its vision tower and projector (text only; their
+            tensors in the checkpoint are skipped). A checkpoint without them needs ``vision=False`` when its
+            config has a ``vision_config``.
     Raises:
         FileNotFoundError: no config or weights. ValueError: invalid config or dtype.
         CheckpointMismatchError: missing/unexpected keys or shape mismatches (all listed).
@@ -429,6 +441,8 @@ def from_pretrained(
     """
     path = latest_checkpoint(path)
     config: AnyConfig = load_config(path)
+    if not vision and isinstance(config, KimiK3Config):
+        config.vision_config = None
     dtype = check_dtype(dtype or torch.float32)
     model = build_model(config, device=device, dtype=dtype, init=False)
     if str(device) != "meta":

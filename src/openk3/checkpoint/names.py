@@ -15,8 +15,9 @@ official name                                                      module name  
 =================================================================  ======================================  =========
 
 ``A_log`` is read in any of those layouts (the first H values are used; the rest are zero) and written
-as the K3 layout ``[max(H, 128)]``. ``vision_tower.*`` and ``mm_projector.*`` (K3's MoonViT, not built
-yet) are recognised and skipped. MXFP4-packed experts (``weight_packed``/``weight_scale``) are rejected
+as the K3 layout ``[max(H, 128)]``. ``vision_tower.*`` and ``mm_projector.*`` (K3's MoonViT-V2,
+:mod:`openk3.model.vision`) keep their official names on both sides; a model built without a vision tower
+skips them (:data:`VISION_PREFIXES`). MXFP4-packed experts (``weight_packed``/``weight_scale``) are rejected
 with a clear error.
 """
 
@@ -39,8 +40,9 @@ class NameRule:
 NAME_TABLE: tuple[NameRule, ...] = (
     NameRule(r"^(.*\.block_sparse_moe\.experts)\.(?P<j>\d+)\.(w1|w2|w3)\.weight$", r"\1.\3", 0),
 )
-SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
-"""Official tensors of parts openk3 does not build yet; loading skips them."""
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+"""Official prefixes of the vision tower and projector: loaded into a model that has them, skipped (with a
+warning) by a text-only model."""
 QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale")
 
 

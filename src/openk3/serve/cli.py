@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         device=args.device,
         dtype=dtype,
+        allowed_local_media_path=args.allowed_local_media_path,
     )
     return 0
 
@@ -93,6 +94,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
+    p.add_argument(
+        "--allowed-local-media-path",
+        dest="allowed_local_media_path",
+        help="folder whose image files chat requests may name in image_url (default: only data: URLs)",
+    )
     g = p.add_argument_group("cache")
     g.add_argument(
         "--block-size",

@@ -35,7 +35,8 @@ class PagedForward:
 
     Args of the call: ``token_ids`` (``B`` lists of ``T`` ints), ``positions`` (each request's
     ``num_computed_tokens``: the cached length, where the first new token's latent is written),
-    ``block_tables`` (covering the new tokens), ``state_slots``.
+    ``block_tables`` (covering the new tokens), ``state_slots``; optional ``inputs_embeds`` ``[B, T, D]``
+    in place of the token embeddings (a chunk holding an image's placeholder tokens).
     """
 
     def __init__(self, lm: nn.Module, storage: CacheStorage) -> None:
@@ -50,6 +51,7 @@ class PagedForward:
         positions: list[int],
         block_tables: list[list[int]],
         state_slots: list[tuple[int, ...]],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         st, bs = self.storage, self.storage.layout.block_size
         T = len(token_ids[0])
@@ -57,7 +59,13 @@ class PagedForward:
             raise ValueError("every request of one paged forward must bring the same number of tokens")
         caches = self.caches(block_tables, positions, state_slots)
         ids_BT = torch.tensor(token_ids, device=self.device)
-        h_BTD = self.lm.model(ids_BT, KimiCache(caches), check_inputs=False, two_phase_attn_res=True)
+        h_BTD = self.lm.model(
+            ids_BT,
+            KimiCache(caches),
+            check_inputs=False,
+            two_phase_attn_res=True,
+            inputs_embeds=inputs_embeds,
+        )
         logits_BV = self.lm.lm_head(h_BTD[:, -1])
         latents = [c.new for c in caches if isinstance(c, PagedLatents)]
         if latents:

@@ -38,6 +38,20 @@ def free_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def check_request_media(model: nn.Module, request: Request) -> None:
+    """Raise ``ValueError`` unless ``model`` has a vision tower and ``request``'s prompt holds exactly as many
+    media placeholder tokens as its images take."""
+    if getattr(model, "vision_tower", None) is None:
+        raise ValueError("this model has no vision tower: images cannot be given to it")
+    placeholder = model.config.media_placeholder_token_id
+    found = request.prompt_token_ids.count(placeholder)
+    if found != request.media.num_tokens:
+        raise ValueError(
+            f"the prompt holds {found} media placeholder tokens (id {placeholder}) but its images take "
+            f"{request.media.num_tokens}"
+        )
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -96,10 +110,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.storage, sample_vocab_size, graphs)
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit) or ``QueueFullError``."""
+        """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit, images the model cannot
+        take or whose token count differs from the prompt's placeholders) or ``QueueFullError``."""
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if request.media is not None:
+            check_request_media(self.model, request)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:

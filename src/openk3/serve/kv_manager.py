@@ -77,7 +77,9 @@ class KVCacheManager:
         """Look up the prefix and size the request's needs; ``None`` when it does not fit now."""
         hit = CacheHit()
         if self.config.enable_prefix_caching:
-            extend_block_hashes(request.block_hashes, request.prompt_token_ids, self.block_size)
+            extend_block_hashes(
+                request.block_hashes, request.prompt_token_ids, self.block_size, request.hash_root
+            )
             hit = find_longest_cache_hit(
                 self.pool,
                 request.block_hashes,
@@ -149,7 +151,10 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = extend_block_hashes(
-            request.block_hashes, request.all_token_ids[: n_full * self.block_size], self.block_size
+            request.block_hashes,
+            request.all_token_ids[: n_full * self.block_size],
+            self.block_size,
+            request.hash_root,
         )
         table = self.block_tables[rid]
         for i in range(start, n_full):
@@ -164,7 +169,9 @@ class KVCacheManager:
         n = request.num_computed_tokens
         if n % self.block_size or not self.state_pages or self.num_available_blocks < self.state_pages:
             return False
-        extend_block_hashes(request.block_hashes, request.all_token_ids[:n], self.block_size)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids[:n], self.block_size, request.hash_root
+        )
         key = CacheKey("kda", request.block_hashes[n // self.block_size - 1])
         if self.pool.lookup(key) is not None:
             return False

@@ -42,10 +42,13 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Append the hashes of the full blocks of ``token_ids`` not yet in ``hashes`` (in place; returned)."""
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, root: bytes = ROOT_HASH
+) -> list[bytes]:
+    """Append the hashes of the full blocks of ``token_ids`` not yet in ``hashes`` (in place; returned).
+    ``root``: the first block's parent (a request's ``hash_root``, which carries its images)."""
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root
         hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
 

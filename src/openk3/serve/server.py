@@ -62,15 +62,23 @@ def build_server(
     model_name: str = "openk3",
     chat_template: ChatTemplate | None = None,
     max_n: int = 8,
+    allowed_local_media_path: str | None = None,
 ) -> tuple[FastAPI, OpenAIServing]:
-    """An app (and its serving object, for inspection) over an in-memory model and tokenizer."""
+    """An app (and its serving object, for inspection) over an in-memory model and tokenizer.
+    ``allowed_local_media_path``: the folder a chat request's ``image_url`` may name local files in
+    (``None``: only ``data:`` URLs)."""
     engine_config = engine_config or EngineConfig()
     tokenizer.check_fits(getattr(model, "language_model", model).config.vocab_size)
     metrics = ServerMetrics()
     engine = AsyncEngine(
         LLMEngine(model, engine_config, sample_vocab_size=tokenizer.vocab_size), on_step=metrics.on_step
     )
-    config = ServingConfig(model_name, engine_config.scheduler.max_model_len, max_n)
+    config = ServingConfig(
+        model_name,
+        engine_config.scheduler.max_model_len,
+        max_n,
+        allowed_local_media_path=allowed_local_media_path,
+    )
     serving = OpenAIServing(engine, tokenizer, chat_template or ChatTemplate(tokenizer), metrics, config)
     return build_app(serving), serving
 
@@ -81,9 +89,10 @@ def load_server(
     model_name: str | None = None,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    allowed_local_media_path: str | None = None,
 ) -> tuple[FastAPI, OpenAIServing]:
     """Build the server for a checkpoint or run folder (``model_name`` defaults to
-    :func:`served_model_name` of ``ckpt``)."""
+    :func:`served_model_name` of ``ckpt``; ``allowed_local_media_path`` as in :func:`build_server`)."""
     from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
     from openk3.data import Tokenizer
 
@@ -91,7 +100,10 @@ def load_server(
     model = from_pretrained(folder, device=device, dtype=dtype)
     tokenizer = Tokenizer.load(folder)
     name = model_name or served_model_name(ckpt)
-    return build_server(model, tokenizer, engine_config, name, ChatTemplate.from_folder(tokenizer, folder))
+    template = ChatTemplate.from_folder(tokenizer, folder)
+    return build_server(
+        model, tokenizer, engine_config, name, template, allowed_local_media_path=allowed_local_media_path
+    )
 
 
 class BackgroundServer:

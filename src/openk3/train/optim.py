@@ -51,7 +51,7 @@ Partition (first matching rule wins; :func:`partition_parameters`):
 parameter                                              kind               weight decay
 =====================================================  =================  ============
 ``requires_grad=False``                                (left out)         —
-``*embed_tokens*``, ``*lm_head*``                      ``adamw``          yes
+``*embed_tokens*``, ``*lm_head*``, ``*pos_emb*``       ``adamw``          yes
 ``*_res_proj.weight`` (AttnRes pseudo-queries [1, D])  ``adamw``          yes
 ``*conv1d*`` (short convolutions [P, 1, K])            ``adamw``          yes
 any 0-/1-D: norms, ``A_log``, ``dt_bias``, biases      ``adamw``          no
@@ -97,7 +97,7 @@ ADAMW_EPS = 1e-8
 KINDS = ("muon", "muon_per_head", "adamw")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
-_DECAYED_ADAMW = re.compile(r"(^|\.)(embed_tokens|lm_head)(\.|$)|_res_proj\.weight$|_conv1d(\.|$)")
+_DECAYED_ADAMW = re.compile(r"(^|\.)(embed_tokens|lm_head|pos_emb)(\.|$)|_res_proj\.weight$|_conv1d(\.|$)")
 _PER_HEAD_KDA = ("q_proj", "k_proj", "v_proj")
 _PER_HEAD_MLA = ("q_proj", "q_b_proj", "kv_b_proj")
 
