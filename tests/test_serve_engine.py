@@ -164,6 +164,21 @@ def test_branch_point_checkpoint(model):
     assert rc.num_cached_tokens == 16 and out == reference(model, c, 6)
 
 
+def test_prompt_ending_on_a_block_boundary_is_reused_whole(model):
+    """A 32-token prompt with 16-token blocks, then the same prompt + 1 token: both full blocks are reused
+    (the KDA state after token 32 is kept), and an exact repeat still reuses the first block."""
+    first = prompts([32], seed=8)[0]
+    eng = engine(model, block_size=16, interval=0)
+    _, (r1,) = run(eng, [first], 4, "a")
+    assert r1.checkpoint_positions == {16, 32}
+    ext = first + prompts([1], seed=9)[0]
+    (out,), (r2,) = run(eng, [ext], 6, "b")
+    assert r2.num_cached_tokens == 32 and out == reference(model, ext, 6)
+    (again,), (r3,) = run(eng, [first], 4, "c")
+    assert r3.num_cached_tokens == 16 and again == reference(model, first, 4)
+    eng.pool.check_invariants()
+
+
 def test_chunked_prefill_interleaves(model):
     ps = prompts([100, 6])
     eng = engine(model, max_num_batched_tokens=40, long_prefill_token_threshold=16, max_num_seqs=4)

@@ -12,7 +12,8 @@ so "free plus evictable" is what admission compares against).
 A hit (:func:`~openk3.serve.prefix_cache.find_longest_cache_hit`) reuses the matched MLA blocks (their
 ``ref_cnt`` goes up) and copies the matched KDA checkpoint into the request's own slot (copy-on-write: the
 checkpoint itself is never written). Checkpoints are stored at ``request.checkpoint_positions``: the last
-block boundary before the prompt's end, every ``checkpoint_interval``-th boundary, and the branching point
+block boundary before the prompt's end, the prompt's end itself when it is a block boundary (so an extension
+of the prompt reuses every full block), every ``checkpoint_interval``-th boundary, and the branching point
 where a previous lookup's MLA match went deeper than its state (SGLang ``mamba_branching_seqlen``).
 A checkpoint is a cache entry with ``ref_cnt`` 0 (evictable at once); it is skipped when storing it would
 eat into reservations.
@@ -120,11 +121,14 @@ class KVCacheManager:
         if not (self.config.enable_prefix_caching and self.state_pages):
             return frozenset()
         bs, P = self.block_size, request.num_prompt_tokens
-        positions = {(P - 1) // bs * bs, hit.num_mla_matched_tokens}
+        # the last boundary before the end (an exact repeat of the prompt can use it) and the last at or
+        # before the end: equal unless the prompt ends on a boundary, where the state after the whole
+        # prompt is the one an extension of it (the next turn) can use
+        positions = {(P - 1) // bs * bs, P // bs * bs, hit.num_mla_matched_tokens}
         if self.config.checkpoint_interval:
             step = self.config.checkpoint_interval * bs
             positions.update(range(step, P, step))
-        return frozenset(p for p in positions if hit.num_tokens < p < P)
+        return frozenset(p for p in positions if hit.num_tokens < p <= P)
 
     # ---- running ---------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int) -> None:
