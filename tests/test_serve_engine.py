@@ -34,7 +34,9 @@ def prompts(lengths, seed=0):
     return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def engine(model, block_size=8, num_blocks=2000, interval=2, caching=True, **sched) -> LLMEngine:
+def engine(
+    model, block_size=8, num_blocks=2000, interval=2, caching=True, host_pool_mib=0.0, **sched
+) -> LLMEngine:
     sched = {"max_num_batched_tokens": 96, "max_num_seqs": 16, "long_prefill_token_threshold": 32, **sched}
     return LLMEngine(
         model,
@@ -44,6 +46,7 @@ def engine(model, block_size=8, num_blocks=2000, interval=2, caching=True, **sch
                 num_blocks=num_blocks,
                 checkpoint_interval=interval,
                 enable_prefix_caching=caching,
+                host_pool_mib=host_pool_mib,
             ),
             SchedulerConfig(**sched),
         ),
@@ -177,6 +180,31 @@ def test_prompt_ending_on_a_block_boundary_is_reused_whole(model):
     (again,), (r3,) = run(eng, [first], 4, "c")
     assert r3.num_cached_tokens == 16 and again == reference(model, first, 4)
     eng.pool.check_invariants()
+
+
+def test_host_tier_hit_equals_cold(model):
+    """A prefix evicted from a small device pool comes back from the host tier: the same hit as if it had
+    stayed, and the same tokens as a cold run and the reference."""
+    shared = prompts([48], seed=10)[0]
+    a, b = shared + prompts([5], seed=11)[0], shared + prompts([7], seed=12)[0]
+    fillers = prompts([60, 61, 62], seed=13)  # each needs a state slot and a checkpoint of 55 pages
+
+    def sequence(host_pool_mib):
+        eng = engine(model, num_blocks=140, interval=0, host_pool_mib=host_pool_mib)
+        run(eng, [a], 4, "a")
+        for i, f in enumerate(fillers):
+            run(eng, [f], 2, f"f{i}")
+        (out,), (req,) = run(eng, [b], 8, "b")
+        return eng, out, req
+
+    eng, hot, req = sequence(host_pool_mib=2.0)
+    assert req.num_cached_tokens == 48 and eng.kv.host_hit_tokens == 48 and eng.kv.host.num_loaded == 7
+    (cold,), _ = run(engine(model, caching=False), [b], 8, "c")
+    assert hot == cold == reference(model, b, 8)
+    eng.pool.check_invariants()
+    eng.kv.host.check_invariants()
+    _, out, req = sequence(host_pool_mib=0.0)
+    assert req.num_cached_tokens == 0 and out == cold  # without the tier the prefix was evicted for good
 
 
 def test_chunked_prefill_interleaves(model):

@@ -58,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pool_mib=args.pool_mib,
         checkpoint_interval=args.checkpoint_interval,
         enable_prefix_caching=not args.no_prefix_caching,
+        host_pool_mib=args.host_pool_mib,
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -120,6 +121,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=d_cache.checkpoint_interval,
         help="KDA state checkpoint every N blocks (0: last only)",
+    )
+    g.add_argument(
+        "--host-pool-mib",
+        dest="host_pool_mib",
+        type=float,
+        default=d_cache.host_pool_mib,
+        help="host-memory tier in MiB for cache entries the pool evicts (pinned on CUDA; 0: none)",
     )
     g.add_argument(
         "--no-prefix-caching",
