@@ -11,9 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +24,7 @@ import torch
 import openk3
 from openk3.data import Tokenizer
 from openk3.serve.router import RouterConfig, build_router_app
+from openk3.serve.router.local_fleet import free_port, start_workers
 from openk3.serve.server import BackgroundServer
 
 VOCAB = 384
@@ -33,12 +32,6 @@ MODEL = "k3-fleet"
 TEXT = ["ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"]
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,60 +42,14 @@ def ckpt(tmp_path_factory):
     return folder
 
 
-class Worker:
-    """One ``openk3 serve`` process on a fixed port (so it can be killed and started again there)."""
-
-    def __init__(self, ckpt, port: int | None = None) -> None:
-        self.ckpt, self.port = ckpt, port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self) -> Worker:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        args = ["--ckpt", str(self.ckpt), "--port", str(self.port), "--model-name", MODEL]
-        args += ["--pool-mib", "16", "--max-model-len", "512", "--block-size", "16"]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openk3", "serve", *args],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        return self
-
-    def wait_ready(self, timeout_s: float = 120.0) -> Worker:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, f"worker on {self.port} exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, f"worker on {self.port} did not start"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+SERVE_ARGS = ["--model-name", MODEL, "--pool-mib", "16", "--max-model-len", "512", "--block-size", "16"]
 
 
 @pytest.fixture(scope="module")
 def fleet(ckpt):
-    workers = [Worker(ckpt).start() for _ in range(3)]
+    workers = start_workers(ckpt, 3, SERVE_ARGS)
     try:
-        yield [w.wait_ready() for w in workers]
+        yield workers
     finally:
         for w in workers:
             w.stop()

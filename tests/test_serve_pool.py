@@ -305,3 +305,12 @@ def test_manager_brings_evicted_blocks_and_checkpoint_back_from_the_host_tier():
     kv.free(c)
     pool.check_invariants()
     host.check_invariants()
+
+
+def test_host_tier_sizes_are_checked():
+    with pytest.raises(ValueError, match="host_pool_mib must be"):
+        CacheConfig(host_pool_mib=-1.0)
+    with pytest.raises(ValueError, match="fewer than one cache entry"):
+        tiny_manager(host_pool_mib=100 / 2**20)  # 0 pages of 128 B; a checkpoint needs 2
+    assert tiny_manager(host_pool_mib=1.0).host.num_pages == 2**20 // 128
+    assert tiny_manager(host_pool_mib=1.0, enable_prefix_caching=False).host is None
