@@ -16,6 +16,7 @@ from openk3.model.norm import RMSNorm
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 from openk3.serve.decode_forward import TwoPhaseAttnRes, _MixSite
 from openk3.serve.kda_decode import kda_decode_
+from openk3.serve.metrics import ServerMetrics
 from openk3.serve.scheduler import QueueFullError
 
 VOCAB = 512
@@ -203,6 +204,13 @@ def test_host_tier_hit_equals_cold(model):
     assert hot == cold == reference(model, b, 8)
     eng.pool.check_invariants()
     eng.kv.host.check_invariants()
+    stats = eng.stats()
+    assert stats.host_hit_tokens == 48 and 0 < stats.host_tier_usage < 1
+    text = ServerMetrics().render(stats).decode()
+    assert (
+        "openk3:host_tier_hits_total 48.0" in text
+        and f"openk3:host_tier_usage_perc {stats.host_tier_usage}" in text
+    )
     _, out, req = sequence(host_pool_mib=0.0)
     assert req.num_cached_tokens == 0 and out == cold  # without the tier the prefix was evicted for good
 
