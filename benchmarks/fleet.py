@@ -164,6 +164,16 @@ def serve_args(args, pool_mib: float, host_pool_mib: float) -> list[str]:
     ]  # fmt: skip
 
 
+def turn_hit_rates(records: list[dict]) -> list[float]:
+    """Cached / prompt tokens of each turn, over the sessions."""
+    turns = sorted({r["turn"] for r in records})
+    return [
+        sum(r["cached_tokens"] for r in records if r["turn"] == t)
+        / sum(r["prompt_tokens"] for r in records if r["turn"] == t)
+        for t in turns
+    ]
+
+
 def markdown(report: dict) -> str:
     a, env = report["args"], report["env"]
     lines = [
@@ -177,13 +187,14 @@ def markdown(report: dict) -> str:
         f"tokens per turn (greedy, streamed), block size {a['block_size']}, random weights (seed 0). "
         f"Wall time of the whole run: {report['wall_s']:.0f} s.",
         "",
-        "| routing | device pool per worker | host tier | cached prompt tokens after turn 1 | mean TTFT after turn 1 (s) | mean TTFT turn 1 (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| routing | device pool per worker | host tier | cached prompt tokens after turn 1 | by turn (2, 3, …) | mean TTFT after turn 1 (s) | mean TTFT turn 1 (s) |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for row in report["conditions"]:
+        by_turn = ", ".join(f"{100 * h:.0f}%" for h in turn_hit_rates(row["records"])[1:])
         lines.append(
             f"| {row['routing']} | {row['pool_mib']:g} MiB | {row['host_pool_mib']:g} MiB | "
-            f"{100 * row['hit_rate']:.1f}% | {row['ttft_later_s']:.3f} | {row['ttft_first_s']:.3f} |"
+            f"{100 * row['hit_rate']:.1f}% | {by_turn} | {row['ttft_later_s']:.3f} | {row['ttft_first_s']:.3f} |"
         )
     best = a["history"] / (a["history"] + a["growth"])
     lines += [

@@ -48,6 +48,8 @@ DISCONNECT_POLL_S = 0.1
 MAX_FIRST_EVENT_BYTES = 1 << 20
 """A stream whose first event is longer than this is garbage."""
 PASSED_HEADERS = ("content-type", "retry-after")
+CLIENT_CLOSED_STATUS = 499
+"""Status logged for a request whose client went away before the answer (nobody receives it)."""
 
 
 class WorkerFailedError(Exception):
@@ -166,7 +168,7 @@ class Router:
             self.metrics.requests.labels(worker.url, decision.route).inc()
             try:
                 if body.get("stream") is True:
-                    return await self._stream(decision, path, raw, headers, session)
+                    return await self._stream(decision, path, raw, headers, session, http)
                 return await self._unary(decision, path, raw, headers, session, http)
             except WorkerFailedError as f:
                 exclude.add(worker.url)
@@ -219,14 +221,8 @@ class Router:
         self._inflight(worker, +1)
         task = asyncio.create_task(self.client.post(worker.url + path, content=raw, headers=headers))
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await http.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                        await task
-                    self.metrics.disconnects.inc()
-                    return Response(status_code=499)
+            if await self._client_left(task, http):
+                return Response(status_code=CLIENT_CLOSED_STATUS)
             r = task.result()
         except httpx.HTTPError as e:
             raise WorkerFailedError("unreachable", f"{type(e).__name__}: {e}", True) from None
@@ -247,7 +243,20 @@ class Router:
         self._set_up(worker)
         return self._answer(decision, r.status_code, r.content, r.headers)
 
-    async def _stream(self, decision: Decision, path, raw, headers, session) -> Response:
+    async def _client_left(self, task: asyncio.Task, http: HTTPRequest) -> bool:
+        """Wait for ``task``; when the client disconnects first, cancel it (closing the worker connection,
+        which aborts the worker's request) and return True."""
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await http.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, StopAsyncIteration):
+                    await task
+                self.metrics.disconnects.inc()
+                return True
+        return False
+
+    async def _stream(self, decision: Decision, path, raw, headers, session, http: HTTPRequest) -> Response:
         worker = decision.worker
         self._inflight(worker, +1)
         r = None
@@ -260,11 +269,11 @@ class Router:
                 content = await r.aread()
                 return self._refusal(decision, r, content)
             chunks = r.aiter_raw()
-            head = b""
-            while b"\n\n" not in head:
-                head += await anext(chunks)
-                if len(head) > MAX_FIRST_EVENT_BYTES:
-                    break
+            task = asyncio.create_task(self._first_event(chunks))
+            if await self._client_left(task, http):  # left during the prefill
+                await self._close(r, worker)
+                return Response(status_code=CLIENT_CLOSED_STATUS)
+            head = task.result()
             first = head.partition(b"\n\n")[0]
             try:
                 obj = json.loads(first[len(b"data: ") :]) if first.startswith(b"data: ") else None
@@ -290,6 +299,14 @@ class Router:
             status_code=r.status_code,
             headers=self._headers(decision, r.headers),
         )
+
+    @staticmethod
+    async def _first_event(chunks) -> bytes:
+        """Bytes up to and including the end of the first SSE event (or the first MAX_FIRST_EVENT_BYTES)."""
+        head = b""
+        while b"\n\n" not in head and len(head) <= MAX_FIRST_EVENT_BYTES:
+            head += await anext(chunks)
+        return head
 
     async def _close(self, r: httpx.Response | None, worker: WorkerState) -> None:
         """Close the worker response (also when the caller is being cancelled) and count it out."""
