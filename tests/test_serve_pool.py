@@ -314,3 +314,19 @@ def test_host_tier_sizes_are_checked():
         tiny_manager(host_pool_mib=100 / 2**20)  # 0 pages of 128 B; a checkpoint needs 2
     assert tiny_manager(host_pool_mib=1.0).host.num_pages == 2**20 // 128
     assert tiny_manager(host_pool_mib=1.0, enable_prefix_caching=False).host is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned host memory)")
+def test_gpu_host_tier_is_pinned_and_round_trips_exactly():
+    layout = PageLayout(4, 1, 1, 8, (2, 4, 4, 2), torch.float32, torch.float32)
+    storage = CacheStorage(layout, 8, device="cuda")
+    storage.pages.copy_(torch.randn(8, 32, device="cuda"))
+    host = HostTier(storage, 4)
+    assert host.pages.is_pinned() and host.pages.device.type == "cpu"
+    key = CacheKey("kda", b"k")
+    before = storage.pages[[1, 2]].clone()
+    assert host.save(key, (1, 2))
+    storage.pages[[1, 2]] = 0.0  # the pool reuses the pages right after the (asynchronous) copy
+    host.load(key, (5, 6))
+    torch.cuda.synchronize()
+    assert torch.equal(storage.pages[[5, 6]], before)

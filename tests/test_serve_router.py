@@ -6,8 +6,11 @@ and the request served by another; streams passed through byte for byte). The fl
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -200,3 +203,35 @@ def test_workers_can_be_added_and_removed_at_run_time():
         assert httpx.request("DELETE", srv.base_url + "/workers", json={"url": W[2]}).status_code == 404
         r = httpx.request("DELETE", srv.base_url + "/workers", json={"url": W[0]})
         assert [w["url"] for w in r.json()["workers"]] == [W[1]]
+
+
+def test_a_client_leaving_before_the_first_event_cancels_the_worker_request():
+    closed = []
+
+    async def slow_stream():
+        try:
+            await asyncio.sleep(30)  # a long prefill
+            yield STREAM
+        finally:
+            closed.append(True)
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(200, content=slow_stream(), headers={"content-type": "text/event-stream"})
+
+    config = RouterConfig(workers=W[:1])
+    with BackgroundServer(build_router_app(config, httpx.MockTransport(handle))) as srv:
+        body = json.dumps({"model": "m", "prompt": "hi", "stream": True})
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        time.sleep(0.3)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 5
+        while not closed:
+            assert time.monotonic() < deadline, "the worker stream was not closed"
+            time.sleep(0.05)
+        assert "openk3:router_client_disconnects_total 1.0" in httpx.get(srv.base_url + "/metrics").text
+        assert httpx.get(srv.base_url + "/workers").json()["workers"][0]["in_flight"] == 0
