@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from openk3.serve.router import HashRing, RouterConfig, RoutingPolicy
-from openk3.serve.router.app import build_router_app
+from openk3.serve.router.app import Router, build_router_app
 from openk3.serve.router.prefix_index import prompt_blocks
 from openk3.serve.server import BackgroundServer
 
@@ -235,3 +235,21 @@ def test_a_client_leaving_before_the_first_event_cancels_the_worker_request():
             time.sleep(0.05)
         assert "openk3:router_client_disconnects_total 1.0" in httpx.get(srv.base_url + "/metrics").text
         assert httpx.get(srv.base_url + "/workers").json()["workers"][0]["in_flight"] == 0
+
+
+def test_one_failed_health_probe_does_not_take_a_worker_out():
+    statuses = iter([200, 500, 200, 500, 500, 200])
+
+    async def probes() -> list[bool]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(next(statuses), json={"status": "ok"}))
+        router = Router(RouterConfig(workers=W[:1], health_failures=2), transport)
+        router.client = httpx.AsyncClient(transport=transport)
+        worker = router.policy.workers[W[0]]
+        ups = []
+        for _ in range(6):
+            await router.probe(worker)
+            ups.append(worker.healthy)
+        await router.client.aclose()
+        return ups
+
+    assert asyncio.run(probes()) == [True, True, True, True, False, True]

@@ -11,7 +11,9 @@ up), ``GET /health`` (200 while a worker is up, else 503), ``GET /metrics``, ``G
 Faults, before the first byte reaches the client (after it, a stream that breaks ends with an error event):
 
 * unreachable (connection refused, reset, timeout): the worker is marked down, the request goes to the
-  next choice; the health probe (``GET /health`` every ``health_interval_s``) brings it back;
+  next choice; the health probe (``GET /health`` every ``health_interval_s``) brings it back (and takes a
+  worker out after ``health_failures`` failed probes in a row, so one slow answer from a busy worker does
+  not);
 * garbage (a 2xx that is not a completion object or an SSE stream of them, an error that is not an OpenAI
   error object): the worker is marked down and quarantined for ``quarantine_s``, the request moves on;
 * 429 or 5xx: the request moves on (a 503 also marks the worker down); when every worker refused, the
@@ -119,14 +121,15 @@ class Router:
             error = "" if ok else f"health probe answered {r.status_code}: {r.text[:80]!r}"
         except (httpx.HTTPError, ValueError, AttributeError) as e:
             ok, error = False, f"health probe failed: {type(e).__name__}: {e}"
+        worker.failed_probes = 0 if ok else worker.failed_probes + 1
         if ok:
             self._set_up(worker)
-        else:
+        elif worker.failed_probes >= self.config.health_failures or not worker.healthy:
             self._set_down(worker, error)
         return ok
 
     def _set_up(self, worker: WorkerState) -> None:
-        worker.healthy, worker.last_error = True, ""
+        worker.healthy, worker.last_error, worker.failed_probes = True, "", 0
         self.metrics.healthy.labels(worker.url).set(1.0 if worker.is_up(time.monotonic()) else 0.0)
 
     def _set_down(self, worker: WorkerState, error: str, quarantine: bool = False) -> None:

@@ -47,6 +47,8 @@ class RouterConfig:
     health_interval_s: float = 2.0
     """Seconds between ``GET /health`` probes of every worker."""
     health_timeout_s: float = 2.0
+    health_failures: int = 2
+    """Failed health probes in a row that take a worker out (a failed request does at once)."""
     quarantine_s: float = 30.0
     """A worker that answered garbage stays out at least this long, whatever its health probe says."""
     request_timeout_s: float = 600.0
@@ -66,7 +68,14 @@ class RouterConfig:
         if dup:
             raise ValueError(f"workers lists {sorted(dup)[0]} twice")
         self.workers = urls
-        for name in ("virtual_nodes", "chunk_chars", "chunk_tokens", "key_chunks", "max_inflight"):
+        for name in (
+            "virtual_nodes",
+            "chunk_chars",
+            "chunk_tokens",
+            "key_chunks",
+            "max_inflight",
+            "health_failures",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_sessions", "max_index_blocks"):

@@ -41,6 +41,8 @@ class WorkerState:
     quarantined_until: float = 0.0
     """``time.monotonic()`` before which the worker stays out (it answered garbage)."""
     last_error: str = ""
+    failed_probes: int = 0
+    """Health probes failed in a row."""
 
     def is_up(self, now: float) -> bool:
         return self.healthy and now >= self.quarantined_until
