@@ -183,6 +183,18 @@ def test_prompt_ending_on_a_block_boundary_is_reused_whole(model):
     eng.pool.check_invariants()
 
 
+def test_next_turn_reuses_the_generated_text(model):
+    """Turn 2 = turn 1's prompt + its 10 generated tokens + 5 new ones: the state at the last block boundary
+    inside the generated text (token 24 of 29 computed, 8-token blocks) is reused, not only the prompt's."""
+    first = prompts([20], seed=14)[0]
+    eng = engine(model, interval=0)
+    (out1,), _ = run(eng, [first], 10, "t1")
+    second = first + out1 + prompts([5], seed=15)[0]
+    (out2,), (r2,) = run(eng, [second], 6, "t2")
+    assert r2.num_cached_tokens == 24 and out2 == reference(model, second, 6)
+    eng.pool.check_invariants()
+
+
 def test_host_tier_hit_equals_cold(model):
     """A prefix evicted from a small device pool comes back from the host tier: the same hit as if it had
     stayed, and the same tokens as a cold run and the reference."""

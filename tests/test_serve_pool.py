@@ -330,3 +330,42 @@ def test_gpu_host_tier_is_pinned_and_round_trips_exactly():
     host.load(key, (5, 6))
     torch.cuda.synchronize()
     assert torch.equal(storage.pages[[5, 6]], before)
+
+
+def test_decode_checkpoint_keeps_only_the_latest_boundary_of_the_output():
+    kv = tiny_manager(num_blocks=20)
+    pool = kv.pool
+    a = Request("a", list(range(5)), SamplingParams(max_tokens=9))  # decode boundaries at 8 and 12
+    kv.admit(a, kv.plan_admission(a))
+    assert a.checkpoint_positions == {4}
+    run_prefill(kv, a, 4)
+    run_prefill(kv, a, 1)
+    stored = []
+    for token in range(8):  # each step: one generated token appended, then computed
+        a.output_token_ids.append(100 + token)
+        run_prefill(kv, a, 1)
+        stored.append(kv.store_decode_checkpoint(a))
+    assert a.num_computed_tokens == 13 and stored == [False, False, True, False, False, False, True, False]
+    at_8, at_12 = (CacheKey("kda", a.block_hashes[i]) for i in (1, 2))
+    assert (
+        pool.lookup(at_8) is None and pool.lookup(at_12) is not None and kv.decode_checkpoints == {"a": at_12}
+    )
+    assert kv.num_checkpoints_stored == 3  # prompt boundary 4, then 8 (dropped), 12
+    kv.free(a)
+    assert kv.decode_checkpoints == {} and pool.lookup(at_12) is not None
+    b = Request("b", a.all_token_ids[:12] + [7, 7], SamplingParams(max_tokens=1))  # the next turn
+    assert kv.plan_admission(b).hit.num_tokens == 12
+    pool.check_invariants()
+
+
+def test_uncache_frees_unused_blocks_to_the_front():
+    pool = BlockPool(5)
+    ids = tuple(pool.get_new_blocks(2))
+    key = CacheKey("kda", b"z")
+    assert pool.cache(key, ids)
+    pool.free_blocks(ids)
+    assert queue(pool) == [3, 4, 1, 2]
+    pool.uncache(key)
+    assert queue(pool) == [1, 2, 3, 4] and pool.lookup(key) is None and pool.num_evicted_entries == 0
+    pool.uncache(key)
+    pool.check_invariants()

@@ -102,8 +102,15 @@ class BlockPool:
     def _evict(self, key: CacheKey) -> None:
         if self.on_evict is not None:
             self.on_evict(key, self.cached[key])
-        ids = self.cached.pop(key)
         self.num_evicted_entries += 1
+        self.uncache(key)
+
+    def uncache(self, key: CacheKey) -> None:
+        """Forget a cached entry (no-op when absent): its blocks stay with their users, or, unused, move to
+        the front of the free queue as empty blocks."""
+        ids = self.cached.pop(key, None)
+        if ids is None:
+            return
         for block_id in ids:
             self.blocks[block_id].cache_key = None
         for block_id in reversed(ids):

@@ -14,7 +14,9 @@ A hit (:func:`~openk3.serve.prefix_cache.find_longest_cache_hit`) reuses the mat
 checkpoint itself is never written). Checkpoints are stored at ``request.checkpoint_positions``: the last
 block boundary before the prompt's end, the prompt's end itself when it is a block boundary (so an extension
 of the prompt reuses every full block), every ``checkpoint_interval``-th boundary, and the branching point
-where a previous lookup's MLA match went deeper than its state (SGLang ``mamba_branching_seqlen``).
+where a previous lookup's MLA match went deeper than its state (SGLang ``mamba_branching_seqlen``);
+while decoding, the latest block boundary of the generated text (one per request: the next turn's prompt
+holds that text).
 A checkpoint is a cache entry with ``ref_cnt`` 0 (evictable at once); it is skipped when storing it would
 eat into reservations.
 
@@ -58,6 +60,8 @@ class KVCacheManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_checkpoints_stored = 0
+        self.decode_checkpoints: dict[str, CacheKey] = {}
+        """Request id → its latest checkpoint inside its generated text (the one the next turn can use)."""
         self.host_hit_tokens = 0
         """Prompt tokens of hits whose MLA blocks or checkpoint came back from the host tier."""
         self.host: HostTier | None = None
@@ -216,6 +220,23 @@ class KVCacheManager:
         self.num_checkpoints_stored += 1
         return True
 
+    def store_decode_checkpoint(self, request: Request) -> bool:
+        """At a block boundary inside the generated text, keep the state there as the request's one decode
+        checkpoint (its previous one is dropped), so the next turn, whose prompt holds this output, reuses
+        it. Returns whether one was stored."""
+        n = request.num_computed_tokens
+        if not self.config.enable_prefix_caching or n <= request.num_prompt_tokens or n % self.block_size:
+            return False
+        if not self.store_checkpoint(request):
+            return False
+        previous = self.decode_checkpoints.get(request.request_id)
+        if previous is not None:
+            self.pool.uncache(previous)
+        self.decode_checkpoints[request.request_id] = CacheKey(
+            "kda", request.block_hashes[n // self.block_size - 1]
+        )
+        return True
+
     def free(self, request: Request) -> None:
         """Release everything the request holds: blocks (tail first, so the prefix's end is evicted first),
         the state slot and the reservation. Idempotent."""
@@ -227,3 +248,4 @@ class KVCacheManager:
         self.storage.release_states(slot)
         self.pool.free_blocks(slot)
         del self.reserved[rid], self.num_cached_blocks[rid]
+        self.decode_checkpoints.pop(rid, None)  # the last one stays cached
