@@ -14,6 +14,7 @@ from openk3.model.attn_res import MixSite, TwoPhaseAttnRes, attn_res_mix
 from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import RMSNorm
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+from openk3.serve.metrics import ServerMetrics
 from openk3.serve.scheduler import QueueFullError
 
 VOCAB = 512
@@ -32,7 +33,9 @@ def prompts(lengths, seed=0):
     return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def engine(model, block_size=8, num_blocks=2000, interval=2, caching=True, **sched) -> LLMEngine:
+def engine(
+    model, block_size=8, num_blocks=2000, interval=2, caching=True, host_pool_mib=0.0, **sched
+) -> LLMEngine:
     sched = {"max_num_batched_tokens": 96, "max_num_seqs": 16, "long_prefill_token_threshold": 32, **sched}
     return LLMEngine(
         model,
@@ -42,6 +45,7 @@ def engine(model, block_size=8, num_blocks=2000, interval=2, caching=True, **sch
                 num_blocks=num_blocks,
                 checkpoint_interval=interval,
                 enable_prefix_caching=caching,
+                host_pool_mib=host_pool_mib,
             ),
             SchedulerConfig(**sched),
         ),
@@ -179,6 +183,65 @@ def test_branch_point_checkpoint(model):
     c = shared + prompts([9], seed=7)[0]
     (out,), (rc,) = run(eng, [c], 6, "c")
     assert rc.num_cached_tokens == 16 and out == reference(model, c, 6)
+
+
+def test_prompt_ending_on_a_block_boundary_is_reused_whole(model):
+    """A 32-token prompt with 16-token blocks, then the same prompt + 1 token: both full blocks are reused
+    (the KDA state after token 32 is kept), and an exact repeat still reuses the first block."""
+    first = prompts([32], seed=8)[0]
+    eng = engine(model, block_size=16, interval=0)
+    _, (r1,) = run(eng, [first], 4, "a")
+    assert r1.checkpoint_positions == {16, 32}
+    ext = first + prompts([1], seed=9)[0]
+    (out,), (r2,) = run(eng, [ext], 6, "b")
+    assert r2.num_cached_tokens == 32 and out == reference(model, ext, 6)
+    (again,), (r3,) = run(eng, [first], 4, "c")
+    assert r3.num_cached_tokens == 16 and again == reference(model, first, 4)
+    eng.pool.check_invariants()
+
+
+def test_next_turn_reuses_the_generated_text(model):
+    """Turn 2 = turn 1's prompt + its 10 generated tokens + 5 new ones: the state at the last block boundary
+    inside the generated text (token 24 of 29 computed, 8-token blocks) is reused, not only the prompt's."""
+    first = prompts([20], seed=14)[0]
+    eng = engine(model, interval=0)
+    (out1,), _ = run(eng, [first], 10, "t1")
+    second = first + out1 + prompts([5], seed=15)[0]
+    (out2,), (r2,) = run(eng, [second], 6, "t2")
+    assert r2.num_cached_tokens == 24 and out2 == reference(model, second, 6)
+    eng.pool.check_invariants()
+
+
+def test_host_tier_hit_equals_cold(model):
+    """A prefix evicted from a small device pool comes back from the host tier: the same hit as if it had
+    stayed, and the same tokens as a cold run and the reference."""
+    shared = prompts([48], seed=10)[0]
+    a, b = shared + prompts([5], seed=11)[0], shared + prompts([7], seed=12)[0]
+    fillers = prompts([60, 61, 62], seed=13)  # each needs a state slot and a checkpoint of 55 pages
+
+    def sequence(host_pool_mib):
+        eng = engine(model, num_blocks=140, interval=0, host_pool_mib=host_pool_mib)
+        run(eng, [a], 4, "a")
+        for i, f in enumerate(fillers):
+            run(eng, [f], 2, f"f{i}")
+        (out,), (req,) = run(eng, [b], 8, "b")
+        return eng, out, req
+
+    eng, hot, req = sequence(host_pool_mib=2.0)
+    assert req.num_cached_tokens == 48 and eng.kv.host_hit_tokens == 48 and eng.kv.host.num_loaded == 7
+    (cold,), _ = run(engine(model, caching=False), [b], 8, "c")
+    assert hot == cold == reference(model, b, 8)
+    eng.pool.check_invariants()
+    eng.kv.host.check_invariants()
+    stats = eng.stats()
+    assert stats.host_hit_tokens == 48 and 0 < stats.host_tier_usage < 1
+    text = ServerMetrics().render(stats).decode()
+    assert (
+        "openk3:host_tier_hits_total 48.0" in text
+        and f"openk3:host_tier_usage_perc {stats.host_tier_usage}" in text
+    )
+    _, out, req = sequence(host_pool_mib=0.0)
+    assert req.num_cached_tokens == 0 and out == cold  # without the tier the prefix was evicted for good
 
 
 def test_chunked_prefill_interleaves(model):

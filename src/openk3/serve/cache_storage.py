@@ -260,6 +260,19 @@ class CacheStorage:
         self._flush_if_touching(src + dst)
         self.pages[list(dst)] = self.pages[list(src)]
 
+    def copy_to_host(self, pages: tuple[int, ...], host: torch.Tensor, rows: tuple[int, ...]) -> None:
+        """Copy device pages into rows of a host buffer ``[R, page_numel]`` (asynchronous on CUDA when
+        ``host`` is pinned: ordered on the current stream before any later write of those pages)."""
+        self._flush_if_touching(pages)
+        for page, row in zip(pages, rows):
+            host[row].copy_(self.pages[page], non_blocking=True)
+
+    def copy_from_host(self, host: torch.Tensor, rows: tuple[int, ...], pages: tuple[int, ...]) -> None:
+        """Copy rows of a host buffer into device pages (the inverse of :meth:`copy_to_host`)."""
+        self._flush_if_touching(pages)
+        for row, page in zip(rows, pages):
+            self.pages[page].copy_(host[row], non_blocking=True)
+
     def zero_pages(self, pages: tuple[int, ...]) -> None:
         self._flush_if_touching(pages)
         self.pages[list(pages)] = 0

@@ -64,6 +64,10 @@ class EngineStats:
     prefix_hit_tokens: int
     num_checkpoints_stored: int
     num_rejected: int
+    host_hit_tokens: int = 0
+    """Prompt tokens of hits that used entries of the host-memory tier."""
+    host_tier_usage: float = 0.0
+    """Fraction of the host tier's pages holding entries (0 without a host tier)."""
 
 
 class LLMEngine:
@@ -158,6 +162,8 @@ class LLMEngine:
             kv.prefix_hit_tokens,
             kv.num_checkpoints_stored,
             self.scheduler.num_rejected,
+            kv.host_hit_tokens,
+            kv.host.num_used_pages / kv.host.num_pages if kv.host else 0.0,
         )
 
     def generate(self, requests: list[Request], max_steps: int = 1_000_000) -> dict[str, list[int]]:

@@ -193,6 +193,8 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             if request.num_computed_tokens in request.checkpoint_positions:
                 self.kv.store_checkpoint(request)
+            else:
+                self.kv.store_decode_checkpoint(request)
             if request.request_id not in sampled:
                 continue
             token = sampled[request.request_id]
