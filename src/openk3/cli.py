@@ -82,6 +82,17 @@ def _print_info(report: dict) -> None:
         f"({report['mla_numbers_per_token_per_layer']} numbers/token/layer)"
     )
     print(f"  crossover vs all-MLA         {report['crossover_tokens_vs_all_mla']:,} tokens")
+    print("checkpoint size:")
+    print(f"  bf16                         {_bytes(report['checkpoint_bytes_bf16'])}")
+    print(f"  MXFP4 routed experts         {_bytes(report['checkpoint_bytes_mxfp4'])}")
+
+
+def _bytes(n: int) -> str:
+    """``1,559,965,606,912 B (1.56 TB, 1.42 TiB)``: decimal and binary units of the largest fitting size."""
+    for dec, binary, unit in ((10**12, 2**40, "T"), (10**9, 2**30, "G"), (10**6, 2**20, "M")):
+        if n >= dec:
+            return f"{n:,} B ({n / dec:.2f} {unit}B, {n / binary:.2f} {unit}iB)"
+    return f"{n:,} B"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
