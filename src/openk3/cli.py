@@ -180,6 +180,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.no_sample:
         given["sample_prompt"] = None
     if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
+        if args.qat:
+            raise ValueError("--qat is not supported in distributed training yet: train on one device")
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
@@ -570,6 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     tr.add_argument(
+        "--qat",
+        choices=["mxfp4"],
+        help="quantization-aware training of the routed experts: MXFP4 weights, MXFP8 inputs, export with "
+        "`openk3 quantize` (default None: full precision)",
+    )
+    tr.add_argument(
         "--tensorboard",
         action="store_true",
         default=None,
@@ -679,6 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     # each subcommand module is light: its heavy imports happen when it runs
+    from openk3.quant.cli import add_quantize_parser
     from openk3.rl.cli import add_posttrain_parser
     from openk3.sandbox.cli import add_sandbox_parser
     from openk3.serve.cli import add_serve_parser
@@ -688,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_posttrain_parser(sub)
     add_sandbox_parser(sub)
     add_synthetic_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

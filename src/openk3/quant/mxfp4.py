@@ -20,7 +20,9 @@ fixes the scale rule (FLOOR, the OCP rule) and the layout. Leading dims are kept
 
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
 
 import torch
 
@@ -32,20 +34,26 @@ MXFP4_BYTES_PER_NUMBER = 0.5 + 1 / MX_BLOCK
 """Checkpoint bytes per MXFP4 number: half a byte of code plus one scale byte per block (4.25 bits)."""
 
 
+_MX_MODULE = "torchao.prototype.mx_formats.mx_tensor"
+
+
 def _mx():
-    """torchao's MX module and the FP4 dtype, imported on first use with its import-time warnings silenced."""
+    """torchao's MX module, imported on first use with its import-time warnings silenced (later calls are a
+    ``sys.modules`` look-up, which ``torch.compile`` traces through)."""
+    module = sys.modules.get(_MX_MODULE)
+    if module is not None:
+        return module
     log = logging.getLogger("torchao")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        from torchao.prototype.mx_formats import mx_tensor
+        return importlib.import_module(_MX_MODULE)
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError(
             "MXFP4 experts need torchao, a dependency of openk3: pip install 'torchao>=0.18'"
         ) from e
     finally:
         log.setLevel(level)
-    return mx_tensor
 
 
 def _check_blocks(x: torch.Tensor, what: str) -> None:
@@ -112,24 +120,33 @@ def check_mxfp4(name: str, packed: torch.Tensor | None = None, scale: torch.Tens
             )
 
 
-class StraightThrough(torch.autograd.Function):
-    """``forward(x, fn) = fn(x)``, ``backward(g) = g``: the straight-through estimator of a quantiser ``fn``
-    (Bengio et al., 2013). The forward value is exactly ``fn(x)`` (no ``x + (fn(x) − x)`` rounding)."""
+class _MXFP4STE(torch.autograd.Function):
+    """``forward(w) = fake_quantize_mxfp4(w)``, ``backward(g) = g`` (straight-through)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, fn) -> torch.Tensor:
-        return fn(x)
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_mxfp4(w)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _MXFP8STE(_MXFP4STE):
+    """``forward(x) = fake_quantize_mxfp8(x)``, the same straight-through backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_mxfp8(x)
 
 
 def mxfp4_ste(w: torch.Tensor) -> torch.Tensor:
-    """MXFP4 fake-quantised ``w`` with a straight-through gradient (QAT's expert weights)."""
-    return StraightThrough.apply(w, fake_quantize_mxfp4)
+    """MXFP4 fake-quantised ``w`` with the straight-through gradient (Bengio et al., 2013): the forward value
+    is exactly :func:`fake_quantize_mxfp4` (no ``w + (q − w)`` rounding), the gradient passes unchanged.
+    QAT's expert weights."""
+    return _MXFP4STE.apply(w)
 
 
 def mxfp8_ste(x: torch.Tensor) -> torch.Tensor:
-    """MXFP8 fake-quantised ``x`` with a straight-through gradient (QAT's expert input activations)."""
-    return StraightThrough.apply(x, fake_quantize_mxfp8)
+    """MXFP8 fake-quantised ``x`` with the straight-through gradient; QAT's expert GEMM inputs."""
+    return _MXFP8STE.apply(x)
