@@ -248,3 +248,15 @@ def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
 
     assert kda.directory_argument("~/x") == tmp_path / "x"
     assert kda.directory_argument("./~").name == "~"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sections", "gemm,loss"], "--sections: unknown ['loss']"),
+        (["--device", "cuda", "--quick"], "--quick is the CPU size"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+    ],
+)
+def test_mxfp4_benchmark_refuses(args, message, capsys):
+    assert message in refusal("mxfp4", args, capsys)
