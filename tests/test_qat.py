@@ -211,3 +211,38 @@ def test_train_config_and_flag_name_the_qat_scheme():
     assert TrainConfig(qat=args.qat).qat == "mxfp4"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--qat", "int4"])
+
+
+def test_chat_request_through_the_server_answers_as_the_qat_model(tmp_path):
+    """The packed export of a QAT model behind ``openk3 serve``'s app: a greedy chat reply equals the QAT
+    training model's greedy continuation of the same ChatML ids."""
+    openai = pytest.importorskip("openai")
+    from openk3.data import Tokenizer
+    from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
+    from openk3.serve.server import BackgroundServer, load_server
+
+    text = "ROMEO. But soft, what light through yonder window breaks? It is the east.\n"
+    tok = Tokenizer.train([text] * 30, vocab_size=VOCAB)
+    model = _qat_trained()
+    messages = [{"role": "user", "content": "But soft, what light"}]
+    ids = [1] + tok.encode(f"user\n{messages[0]['content']}") + [2] + tok.encode("\n") + [1]
+    ids += tok.encode("assistant\n")
+    out, seq = [], list(ids)
+    with torch.no_grad():  # greedy over the tokenizer's ids, as the server samples
+        for _ in range(8):
+            out.append(int(model(torch.tensor([seq])).logits[0, -1, : tok.vocab_size].argmax()))
+            seq.append(out[-1])
+    cut = next((i for i, t in enumerate(out) if t in {tok.eos_id, 2}), len(out))
+    want = tok.decode([t for t in out[:cut] if t not in tok.special_tokens.values()])
+    pack_experts(model, ExpertScheme(activations="mxfp8"))
+    folder = tmp_path / "packed"
+    openk3.save_pretrained(model, folder, tokenizer=tok)
+    config = EngineConfig(
+        CacheConfig(block_size=8, num_blocks=500, checkpoint_interval=2),
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256),
+    )
+    app, _ = load_server(folder, config, model_name="qat")
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="qat", messages=messages, max_tokens=8, temperature=0)
+    assert want and reply.choices[0].message.content == want

@@ -13,7 +13,7 @@ Checkpoint layout (compressed-tensors ``mxfp4-pack-quantized``) for a weight ``W
 * ``weight_scale`` uint8 ``[R, C/32]``: the E8M0 exponent byte of each block.
 
 The arithmetic is torchao's MX implementation (``torchao.prototype.mx_formats``), imported on first use (it
-takes seconds and logs warnings about CUDA kernels a CPU build cannot load, which are silenced); this module
+takes seconds; the warnings it logs while importing are silenced); this module
 fixes the scale rule (FLOOR, the OCP rule) and the layout. Leading dims are kept: ``[E, F, L]`` packs to
 ``[E, F, L/2]`` and ``[E, F, L/32]``.
 """
@@ -35,6 +35,8 @@ MXFP4_BYTES_PER_NUMBER = 0.5 + 1 / MX_BLOCK
 
 
 _MX_MODULE = "torchao.prototype.mx_formats.mx_tensor"
+_NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+"""Loggers that warn while torchao imports: CUDA kernels a CPU build lacks, enums torch now handles itself."""
 
 
 def _mx():
@@ -43,9 +45,10 @@ def _mx():
     module = sys.modules.get(_MX_MODULE)
     if module is not None:
         return module
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    logs = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         return importlib.import_module(_MX_MODULE)
     except ImportError as e:  # pragma: no cover - depends on the install
@@ -53,7 +56,8 @@ def _mx():
             "MXFP4 experts need torchao, a dependency of openk3: pip install 'torchao>=0.18'"
         ) from e
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def _check_blocks(x: torch.Tensor, what: str) -> None:
