@@ -162,3 +162,87 @@ def test_every_swept_configuration_is_a_valid_geometry():
 )
 def test_vision_benchmark_refuses_bad_arguments(args, match, capsys):
     assert match in refusal("vision", args, capsys)
+
+
+@pytest.mark.parametrize("shape", ["1x10", "1x0x4x64", "axbxcxd"])
+def test_kda_cpu_benchmark_refuses_malformed_shapes(shape, capsys):
+    """``benchmarks/kda_cpu.py --shapes`` wants ``BxTxHxK`` with four positive integers."""
+    assert f"--shapes: {shape!r} is not BxTxHxK" in refusal("kda_cpu", ["--shapes", shape], capsys)
+
+
+def test_autotune_results_copied_by_relative_path(monkeypatch, tmp_path):
+    """``--autotune-cache``'s copy keeps each ``<key>/<kernel>.autotune.json`` file at its relative path (Triton
+    finds a result by that key directory) with its mode, and takes nothing else; a missing source has none,
+    a directory given as its own destination (or linked to it) is counted without a copy, and a result that
+    cannot be written is reported, not raised, after the others are copied."""
+    import kda
+
+    cache, kept = tmp_path / "triton", tmp_path / "kept"
+    (cache / "KEY1").mkdir(parents=True)
+    (cache / "KEY2").mkdir()
+    (cache / "KEY1" / "chunk_kernel.autotune.json").write_text('{"key": [1]}')
+    (cache / "KEY2" / "other_kernel.autotune.json").write_text('{"key": [2]}')
+    (cache / "KEY2" / "other_kernel.cubin").write_bytes(b"\0")
+    (cache / "KEY2" / "dir.autotune.json").mkdir()  # not a file: skipped
+    (cache / "top.autotune.json").write_text("{}")  # not under a key directory: skipped
+    assert kda.copy_autotune_results(kept, cache) == (0, [])
+    assert kda.copy_autotune_results(cache, kept) == (2, [])
+    assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*") if p.is_file()) == [
+        "KEY1/chunk_kernel.autotune.json", "KEY2/other_kernel.autotune.json",
+    ]  # fmt: skip
+    fresh = tmp_path / "fresh"
+    assert kda.copy_autotune_results(kept, fresh) == (2, [])
+    assert (fresh / "KEY2" / "other_kernel.autotune.json").read_text() == '{"key": [2]}'
+    # the kept directory may be Triton's cache itself, or a link to it: counted, left as it is
+    assert kda.copy_autotune_results(cache, cache / ".") == (2, [])
+    (tmp_path / "link").symlink_to(cache)
+    assert kda.copy_autotune_results(cache, tmp_path / "link") == (2, [])
+    assert (cache / "KEY1" / "chunk_kernel.autotune.json").read_text() == '{"key": [1]}'
+    # a link to nothing is not a result: skipped
+    (cache / "KEY0").mkdir()
+    (cache / "KEY0" / "gone.autotune.json").symlink_to(tmp_path / "nothing")
+    # a result whose target is in the way is reported, not raised, after the others are copied
+    (cache / "KEY3").mkdir()
+    (cache / "KEY3" / "late.autotune.json").write_text('{"key": [3]}')
+    blocked = tmp_path / "blocked"
+    (blocked / "KEY3").mkdir(parents=True)
+    (blocked / "KEY3" / "late.autotune.json").mkdir()  # the target is a directory: cannot be replaced
+    copied, problems = kda.copy_autotune_results(cache, blocked)
+    assert copied == 2 and len(problems) == 1 and "late.autotune.json" in problems[0], problems
+    assert not [p for p in (blocked / "KEY3").iterdir() if p.name.startswith(".")]  # no temporary left
+    assert oct((blocked / "KEY1" / "chunk_kernel.autotune.json").stat().st_mode & 0o777) == oct(
+        (cache / "KEY1" / "chunk_kernel.autotune.json").stat().st_mode & 0o777
+    )  # the source's mode, not the temporary file's 0600
+
+
+def test_directory_arguments_refuse_an_empty_name(capsys):
+    """``--out ""`` and ``--autotune-cache=`` would name the current directory unseen, and ``~nosuchuser``
+    has no home: refused with a usage error, not a traceback."""
+    for args, message in (
+        (["--out", ""], "give a directory name"),
+        (["--autotune-cache="], "give a directory name"),
+        (["--out=~nosuchuser_openk3/x"], "no such user's home directory"),
+    ):
+        assert message in refusal("kda", args, capsys)
+
+
+def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
+    """``--out=~/x`` (no shell expansion after ``=``) means the home directory's ``x``; ``./~`` stays a
+    directory named ``~``."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    import kda
+
+    assert kda.directory_argument("~/x") == tmp_path / "x"
+    assert kda.directory_argument("./~").name == "~"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sections", "gemm,loss"], "--sections: unknown ['loss']"),
+        (["--device", "cuda", "--quick"], "--quick is the CPU size"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+    ],
+)
+def test_mxfp4_benchmark_refuses(args, message, capsys):
+    assert message in refusal("mxfp4", args, capsys)

@@ -160,7 +160,7 @@ def test_vision_skipped_and_quantized_rejected(saved, tmp_path):
         openk3.from_pretrained(tmp_path / "vis")
     key = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
     _copy_with(path, tmp_path / "q", lambda t: t.update({key: torch.zeros(2, dtype=torch.uint8)}))
-    with pytest.raises(NotImplementedError, match="MXFP4"):
+    with pytest.raises(ValueError, match="MXFP4-packed tensors .*quantization_config"):
         openk3.from_pretrained(tmp_path / "q")
 
 

@@ -84,6 +84,17 @@ def _print_info(report: dict) -> None:
         f"({report['mla_numbers_per_token_per_layer']} numbers/token/layer)"
     )
     print(f"  crossover vs all-MLA         {report['crossover_tokens_vs_all_mla']:,} tokens")
+    print("checkpoint size:")
+    print(f"  bf16                         {_bytes(report['checkpoint_bytes_bf16'])}")
+    print(f"  MXFP4 routed experts         {_bytes(report['checkpoint_bytes_mxfp4'])}")
+
+
+def _bytes(n: int) -> str:
+    """``1,559,965,606,912 B (1.56 TB, 1.42 TiB)``: decimal and binary units of the largest fitting size."""
+    for dec, binary, unit in ((10**12, 2**40, "T"), (10**9, 2**30, "G"), (10**6, 2**20, "M")):
+        if n >= dec:
+            return f"{n:,} B ({n / dec:.2f} {unit}B, {n / binary:.2f} {unit}iB)"
+    return f"{n:,} B"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -187,6 +198,8 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 0
     if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
+        if args.qat:
+            raise ValueError("--qat is not supported in distributed training yet: train on one device")
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
@@ -607,6 +620,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     tr.add_argument(
+        "--qat",
+        choices=["mxfp4"],
+        help="quantization-aware training of the routed experts: MXFP4 weights, MXFP8 inputs, export with "
+        "`openk3 quantize` (default None: full precision)",
+    )
+    tr.add_argument(
         "--tensorboard",
         action="store_true",
         default=None,
@@ -722,6 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     # each subcommand module is light: its heavy imports happen when it runs
+    from openk3.quant.cli import add_quantize_parser
     from openk3.rl.cli import add_posttrain_parser
     from openk3.sandbox.cli import add_sandbox_parser
     from openk3.serve.cli import add_route_parser, add_serve_parser
@@ -732,6 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_posttrain_parser(sub)
     add_sandbox_parser(sub)
     add_synthetic_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 
