@@ -70,3 +70,12 @@ def test_initial_state_is_refused_before_any_collective():
         context_parallel_kda(t, t, t, t, t[..., 0], plan=plan, initial_state=torch.zeros(1, 1, 4, 4))
     with pytest.raises(ValueError, match="cannot honour"):
         context_parallel_kda(t, t, t, t, t[..., 0], plan=plan, output_final_state=True)
+
+
+def test_summary_bytes_of_k3_kda():
+    """12 MiB per rank per layer for K3's KDA (96 heads, K = V = 128, fp32), 1.5 MiB at 12 heads (TP 8)."""
+    from openk3.dist.kcp import summary_bytes
+
+    assert summary_bytes(96, 128, 128) == 12 * 2**20
+    assert summary_bytes(12, 128, 128) == 1.5 * 2**20
+    assert summary_bytes(96, 128, 128, slots=2) == 24 * 2**20  # zig-zag: two fragments per rank

@@ -35,6 +35,12 @@ from openk3.ops.kda.inputs import compute_dtype_of
 from openk3.ops.kda.summary import fold_from_zero, segment_summaries
 
 
+def summary_bytes(heads: int, key_dim: int, value_dim: int, slots: int = 1, element_size: int = 4) -> int:
+    """Bytes one rank sends in the KCP all-gather of one layer, one direction: ``S·H·K·(K+V)`` summary values
+    (fp32 by default), independent of the sequence length; each rank receives ``W`` times that."""
+    return slots * heads * key_dim * (key_dim + value_dim) * element_size
+
+
 def check_context_parallel_call(plan: ContextParallelPlan, group, local_len: int, batch: int) -> None:
     """Raise ``ValueError`` (before any collective) when the local row does not fit the plan or the group.
 
