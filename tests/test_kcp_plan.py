@@ -79,3 +79,18 @@ def test_summary_bytes_of_k3_kda():
     assert summary_bytes(96, 128, 128) == 12 * 2**20
     assert summary_bytes(12, 128, 128) == 1.5 * 2**20
     assert summary_bytes(96, 128, 128, slots=2) == 24 * 2**20  # zig-zag: two fragments per rank
+
+
+def test_training_context_lengths_are_checked_before_any_process_group():
+    from openk3.dist.mesh import ParallelDims
+    from openk3.dist.train import check_context_lengths
+
+    check_context_lengths([(0, 64), (10, 512)], 4, "zigzag")  # multiples of 8
+    with pytest.raises(
+        ValueError, match=r"--cp 4 with the zigzag layout needs .* multiple of 8; the schedule has \[100\]"
+    ):
+        check_context_lengths([(0, 64), (10, 100)], 4, "zigzag")
+    with pytest.raises(ValueError, match="--cp-layout 'ring'"):
+        check_context_lengths([(0, 64)], 2, "ring")
+    dims = ParallelDims(world_size=8, cp=4, ep=2)
+    assert (dims.dp_shard, dims.efsdp) == (2, 4)

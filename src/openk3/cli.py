@@ -168,12 +168,13 @@ def _train(args: argparse.Namespace) -> int:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
         given["sample_prompt"] = None
-    if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
+    if args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ:  # torchrun
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
-            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume
-        )
+            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume,
+            cp=args.cp or 1, cp_layout=args.cp_layout,
+        )  # fmt: skip
         if summary["rank"] == 0:
             print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
         return 0
@@ -573,6 +574,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
+    )
+    tr.add_argument(
+        "--cp",
+        type=_positive_int,
+        help="context-parallel degree: each sequence split over this many ranks (under torchrun)",
+    )
+    tr.add_argument(
+        "--cp-layout",
+        dest="cp_layout",
+        choices=("contiguous", "zigzag"),
+        default="contiguous",
+        help="how --cp splits a sequence: contiguous quarters, or zig-zag (rank r: intervals r and 2C-1-r)",
     )
     tr.add_argument(
         "--long-context",
