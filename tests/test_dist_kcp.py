@@ -120,3 +120,49 @@ def test_kda_layer_under_cp_equals_unsharded(world):
     for rank_errors in errors:
         for name, (err, dtype) in rank_errors.items():
             assert err <= (FP64_TOL if dtype == torch.float64 else FP32_TOL), (world, name, err)
+
+
+GPU_TOL = 1e-2
+"""Relative RMSE of CP against the unsharded op on the GPU in bf16 (fla's CP tests allow 8e-3 as an RMSE
+ratio): both run the Triton kernels with bf16 intermediates; CP adds fp32 torch summaries."""
+
+
+def _gpu_op_world(rank: int, world: int, T: int) -> dict:
+    """The KCP op on one GPU shared by the ranks (gloo through host copies), bf16, K = V = 64, the K3 gate
+    (lb = −5, so the local op is the Triton chunked path), documents cut across ranks."""
+    dev = torch.device("cuda", 0)
+    Hg, Kg = 4, 64
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dev, torch.bfloat16)  # noqa: E731
+    x = dict(q=r(1, T, Hg, Kg), k=r(1, T, Hg, Kg), v=r(1, T, Hg, Kg), g=r(1, T, Hg, Kg), beta=r(1, T, Hg))
+    x = {n: t.requires_grad_() for n, t in x.items()}
+    params = dict(A_log=torch.linspace(-1, 1, Hg, device=dev), dt_bias=torch.zeros(Hg * Kg, device=dev))
+    params = {n: t.requires_grad_() for n, t in params.items()}
+    gate = dict(lower_bound=-5.0, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    cu = [0, 777, T // world + 5, T - 300, T]
+    dO = r(1, T, Hg, Kg)
+    o = chunk_kda(*(x[n] for n in TOKENS), cu_seqlens=torch.tensor(cu, device=dev), **params, **gate)[0]
+    (o.float() * dO.float()).sum().backward()
+    plan = ContextParallelPlan(tuple(cu), world, rank, "zigzag")
+    mine = {n: plan.shard(t).detach().clone().requires_grad_() for n, t in x.items()}
+    mine_p = {n: t.detach().clone().requires_grad_() for n, t in params.items()}
+    o_l = context_parallel_kda(*(mine[n] for n in TOKENS), plan=plan, **mine_p, **gate)
+    (o_l.float() * plan.shard(dO).float()).sum().backward()
+
+    def rmse(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    errors = {"o": rmse(o_l.detach(), plan.shard(o.detach()))}
+    errors.update({f"d{n}": rmse(mine[n].grad, plan.shard(x[n].grad)) for n in TOKENS})
+    for n, t in mine_p.items():
+        grad = t.grad.cpu()
+        dist.all_reduce(grad)
+        errors[f"d{n}"] = rmse(grad, params[n].grad.cpu())
+    return errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the ranks share it over gloo)")
+@pytest.mark.parametrize("T", [8192, 131072])
+def test_gpu_kcp_op_bf16_on_one_shared_gpu(T):
+    for rank_errors in run_world(_gpu_op_world, 2, T, timeout=600):
+        assert max(rank_errors.values()) <= GPU_TOL, rank_errors

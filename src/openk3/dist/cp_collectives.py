@@ -23,16 +23,25 @@ class _AllGatherFlat(torch.autograd.Function):
         ctx.shape = x.shape
         ctx.num_anchors = len(anchors)
         world = dist.get_world_size(group)
-        flat = x.contiguous().view(-1)
+        flat = _on_backend_device(x.contiguous().view(-1), group)
         out = flat.new_empty(world * flat.numel())
         dist.all_gather_single(out, flat, group=group)
-        return out.view(world, *x.shape)
+        return out.to(x.device).view(world, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty(ctx.shape.numel())
-        dist.reduce_scatter_single(out, grad.contiguous().view(-1), group=ctx.group)
-        return out.view(ctx.shape), None, *([None] * ctx.num_anchors)
+        flat = _on_backend_device(grad.contiguous().view(-1), ctx.group)
+        out = flat.new_empty(ctx.shape.numel())
+        dist.reduce_scatter_single(out, flat, group=ctx.group)
+        return out.to(grad.device).view(ctx.shape), None, *([None] * ctx.num_anchors)
+
+
+def _on_backend_device(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` itself, or a host copy when the group is gloo and ``x`` is on a GPU (gloo gathers host memory:
+    several processes sharing one GPU test CP that way)."""
+    if x.is_cuda and dist.get_backend(group) == "gloo":
+        return x.cpu()
+    return x
 
 
 def all_gather_flat(x: torch.Tensor, group=None, anchors: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Named device meshes for data, expert and context parallelism.
 
 The world's ranks are laid out ``[dp_replicate, dp_shard, cp]`` (row-major, ``cp`` fastest). The dense
-parameters are sharded over ``dp_shard·cp`` (FSDP2; the flattened ``dp_shard_cp`` dimension, as torchtitan
-does, since the ``cp`` ranks of one sequence compute different gradients) and replicated over
+parameters are sharded over ``dp_shard·cp`` (FSDP2; a ``dp_shard_cp`` dimension of its own, as torchtitan
+flattens one, since the ``cp`` ranks of one sequence compute different gradients) and replicated over
 ``dp_replicate`` (HSDP). With expert
 parallelism the same ranks are also viewed as ``[dp_replicate, efsdp, ep]`` with
 ``efsdp = dp_shard·cp / ep``: an EP group is ``ep`` consecutive ranks of one data-shard group, and the
@@ -95,6 +95,7 @@ class Meshes:
 
     Attributes:
         dense: ``[dp_replicate, dp_shard, cp]`` — every non-expert parameter.
+        dense_shard_cp: the same ranks as ``[dp_replicate, dp_shard·cp]`` when ``cp > 1``, else None.
         expert: ``[dp_replicate, efsdp, ep]`` — routed experts; ``None`` when ``ep == 1``.
         dims: the degrees.
     """
@@ -102,15 +103,18 @@ class Meshes:
     dense: DeviceMesh
     expert: DeviceMesh | None
     dims: ParallelDims
+    dense_shard_cp: DeviceMesh | None = None
+    """``[dp_replicate, dp_shard_cp]`` (``dp_shard·cp`` in one dimension) when ``cp > 1``: FSDP's mesh."""
 
     @property
     def fsdp(self) -> DeviceMesh:
         """The mesh ``fully_shard`` takes for dense parameters: 1-D ``dp_shard`` (``dp_shard·cp`` flattened
         when ``cp > 1``) or 2-D HSDP with ``dp_replicate``."""
-        shard = "dp_shard" if self.dims.cp == 1 else "dp_shard_cp"
+        if self.dense_shard_cp is not None:
+            return self.dense_shard_cp if self.dims.dp_replicate > 1 else self.dense_shard_cp["dp_shard_cp"]
         if self.dims.dp_replicate > 1:
-            return self.dense["dp_replicate", shard]
-        return self.dense[shard]
+            return self.dense["dp_replicate", "dp_shard"]
+        return self.dense["dp_shard"]
 
     @property
     def cp_group(self):
@@ -144,11 +148,16 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> Meshes:
     dense = DeviceMesh(
         device_type, ranks.view(dims.dp_replicate, dims.dp_shard, dims.cp), mesh_dim_names=MESH_DIMS
     )
+    shard_cp = None
     if dims.cp > 1:
-        dense["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard_cp = DeviceMesh(
+            device_type,
+            ranks.view(dims.dp_replicate, dims.dp_shard * dims.cp),
+            mesh_dim_names=("dp_replicate", "dp_shard_cp"),
+        )
     expert = None
     if dims.ep > 1:
         expert = DeviceMesh(
             device_type, ranks.view(dims.dp_replicate, dims.efsdp, dims.ep), mesh_dim_names=EXPERT_MESH_DIMS
         )
-    return Meshes(dense, expert, dims)
+    return Meshes(dense, expert, dims, shard_cp)
