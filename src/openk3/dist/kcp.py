@@ -5,7 +5,8 @@ For one rank holding fragments of the stream (:class:`~openk3.dist.cp_plan.Conte
 
 1. **summaries**: for each local fragment whose last piece's document goes on past the fragment, the map
    ``[M | E]`` (``[H, K, K + V]``, compute dtype) of that piece from its chunk factors
-   (:func:`~openk3.ops.kda.summary.segment_summaries`); zeros for the others;
+   (:func:`~openk3.ops.kda.summary.segment_summaries`, activation-checkpointed: recomputed in the
+   backward); zeros for the others;
 2. **one all-gather** of the ``[S, H, K, K + V]`` slots, flat (:func:`~openk3.dist.cp_collectives.all_gather_flat`):
    ``H·K·(K+V)·4·S`` bytes sent per rank in fp32 (12 MiB for K3's 96 heads of 128, contiguous layout),
    whatever the sequence length;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from openk3.dist.cp_collectives import all_gather_flat, keep_in_backward
 from openk3.dist.cp_plan import ContextParallelPlan
@@ -147,9 +149,12 @@ def _local_summaries(tensors, cu_local, pieces, wanted, chunk_size, op_kwargs, d
     index = torch.cat([torch.arange(a, b) for a, b in rows]).to(q.device)
     cu = torch.tensor([0, *torch.tensor([b - a for a, b in rows]).cumsum(0).tolist()], device=q.device)
     picked = [t.index_select(1, index) for t in tensors]
-    summaries_RHKX = segment_summaries(
-        *picked, cu_seqlens=cu, chunk_size=chunk_size, **_summary_kwargs(op_kwargs)
-    )
+    # recomputed in the backward (after the local op's backward has freed its activations), so a rank's peak
+    # holds the local op's activations or the summary's, not both
+    summaries_RHKX = checkpoint(
+        segment_summaries, *picked, use_reentrant=False, cu_seqlens=cu, chunk_size=chunk_size,
+        **_summary_kwargs(op_kwargs),
+    )  # fmt: skip
     out, r = [], 0
     for want in wanted:
         out.append(summaries_RHKX[r] if want else zero_HKX)
