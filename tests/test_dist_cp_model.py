@@ -99,3 +99,38 @@ def test_k3_tiny_under_cp_equals_unsharded(world, layout):
         fp32, fp64 = result["float32"], result["float64"]
         assert max(fp32["logits"], fp32["loss"], fp32["all_grads"]) <= TOL, result
         assert max(fp64["logits"], fp64["loss"], fp64["worst_param"][1]) <= FP64_TOL, result
+
+
+def _train_world(rank: int, world: int, corpus: str, out: str, cp: int) -> list[float]:
+    import json
+    from pathlib import Path
+
+    from openk3.dist.train import train_distributed
+    from openk3.train.trainer import TrainConfig
+
+    config = TrainConfig(
+        preset="k3-tiny", data=corpus, out=out, steps=3, batch_size=1, context_schedule=[(0, 32), (2, 64)],
+        warmup_steps=1, save_every=100, sample_prompt=None,
+    )  # fmt: skip
+    train_distributed(config, dp_shard=world // cp, cp=cp, cp_layout="zigzag")
+    if rank:
+        return []
+    return [json.loads(line)["loss"] for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_training_with_cp_follows_the_single_process_losses(tmp_path):
+    """``train_distributed`` with ``cp = 2`` (zig-zag; the schedule grows to 64 tokens, 32 a rank) against the
+    world-1 run of the same config: step 1's loss within 1e-6, the next two within 1e-4 (fp32 rounding carried
+    by the optimizer)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"work{i}.txt").write_text(
+            f"ROMEO {i}. But soft, what light through yonder window breaks?\n" * 60
+        )
+    one = run_world(_train_world, 1, str(corpus), str(tmp_path / "one"), 1, timeout=600)[0]
+    split = run_world(_train_world, 2, str(corpus), str(tmp_path / "cp2"), 2, timeout=600)[0]
+    assert len(one) == len(split) == 3
+    assert abs(split[0] - one[0]) <= 1e-6 * one[0], (one, split)
+    assert max(abs(a - b) / a for a, b in zip(one, split, strict=True)) <= 1e-4, (one, split)
