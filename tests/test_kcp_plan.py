@@ -25,20 +25,20 @@ def test_local_pieces_cut_at_documents_and_fragments():
     cu = (0, 3, 3, 5, 8)  # an empty document at 3
     r0 = ContextParallelPlan(cu, 2, 0, "zigzag")  # fragments (0, 2), (6, 8)
     r1 = ContextParallelPlan(cu, 2, 1, "zigzag")  # fragments (2, 4), (4, 6)
-    assert r0.local_cu_seqlens().tolist() == [0, 2, 4]
-    assert r1.local_cu_seqlens().tolist() == [0, 1, 2, 3, 4]
-    assert r0.fragment_pieces() == [(0, 0), (1, 1)]
-    assert r1.fragment_pieces() == [(0, 1), (2, 3)]
+    assert r0.local_cu_seqlens.tolist() == [0, 2, 4]
+    assert r1.local_cu_seqlens.tolist() == [0, 1, 2, 3, 4]
+    assert r0.fragment_pieces == [(0, 0), (1, 1)]
+    assert r1.fragment_pieces == [(0, 1), (2, 3)]
 
 
 def test_chains_and_needed_slots():
     plan = ContextParallelPlan((0, 1, 8), 4, 0)  # a document from token 1 over every rank
     assert [plan.chain(s) for s in range(4)] == [[], [0], [0, 1], [0, 1, 2]]
-    assert plan.needed_slots() == {0, 1, 2}
+    assert plan.needed_slots == {0, 1, 2}
     zig = ContextParallelPlan((0, 8), 2, 0, "zigzag")  # stream order of slots: 0, 2, 3, 1
     assert zig.chain(1) == [0, 2, 3] and zig.chain(3) == [0, 2] and zig.chain(2) == [0]
     boundaries = ContextParallelPlan((0, 2, 4, 6, 8), 4, 1)  # every document starts on a rank boundary
-    assert boundaries.needed_slots() == set()
+    assert boundaries.needed_slots == set()
 
 
 def test_halo_sources_span_short_fragments_and_stop_at_documents():

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from openk3.dist.cp_conv import context_parallel_short_convolutions
@@ -54,8 +55,6 @@ class ContextParallel:
         """Plan the next packed sequence (global document offsets, the same on every rank) and return it.
 
         Raises ``ValueError`` (no collective) when the layout cannot split its length over the group."""
-        import torch.distributed as dist
-
         offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.plan = ContextParallelPlan(tuple(offsets), world, rank, self.layout)

@@ -15,7 +15,8 @@ fragment), and one *chain*: the slots, in stream order, of the fragments between
 start and the fragment's start (folded from zero they give that piece's entry state). Slots are numbered
 ``rank·S + i`` (``S`` fragments per rank), the order of the all-gather.
 
-Everything here is host-side integers, the same on every rank; every check raises before any collective.
+Everything here is host-side integers, the same on every rank, computed once per plan (a plan is built per
+sequence); every check raises before any collective.
 
 Legend: ``T`` global tokens, ``W`` ranks (the CP degree), ``S`` fragments per rank, ``L`` local tokens.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -108,18 +110,19 @@ class ContextParallelPlan:
         return bisect.bisect_right(self.cu_seqlens, position) - 1
 
     def _slot_of(self, position: int) -> int:
-        """Global slot index of the fragment holding ``position``."""
-        for r, frags in enumerate(self.fragments):
-            for i, (s, e) in enumerate(frags):
-                if s <= position < e:
-                    return r * self.slots_per_rank + i
-        raise ValueError(f"position {position} is outside the stream of {self.total} tokens")
+        """Global slot index of the fragment holding ``position`` (arithmetic: fragments are equal)."""
+        W = self.world
+        interval = position // (self.total // (W * self.slots_per_rank))
+        if self.layout == "contiguous":
+            return interval
+        return 2 * interval if interval < W else 2 * (2 * W - 1 - interval) + 1
 
     def slot_range(self, slot: int) -> tuple[int, int]:
         """Global ``(start, end)`` of a slot's fragment."""
         return self.fragments[slot // self.slots_per_rank][slot % self.slots_per_rank]
 
     # -------------------------------------------------------------------------------------------- pieces
+    @cached_property
     def local_cu_seqlens(self) -> torch.Tensor:
         """int64 ``[N_local + 1]``: this rank's pieces (fragments cut at document boundaries) in local order."""
         cu, offset = [0], 0
@@ -129,8 +132,9 @@ class ContextParallelPlan:
             offset += e - s
         return torch.tensor(cu, dtype=torch.int64)
 
+    @cached_property
     def fragment_pieces(self) -> list[tuple[int, int]]:
-        """For each local fragment: the index of its first and of its last piece in :meth:`local_cu_seqlens`."""
+        """For each local fragment: the index of its first and of its last piece in :attr:`local_cu_seqlens`."""
         out, first = [], 0
         for s, e in self.fragments[self.rank]:
             count = 1 + len(self._inner_boundaries(s, e))
@@ -155,6 +159,7 @@ class ContextParallelPlan:
             p = self.slot_range(s)[1]
         return chain
 
+    @cached_property
     def needed_slots(self) -> set[int]:
         """Slots that some rank's chain reads (whose summary must be computed)."""
         W, S = self.world, self.slots_per_rank

@@ -110,11 +110,11 @@ def context_parallel_kda(
     _, _, H, K = q.shape
     V = v.shape[-1]
     dtype = compute_dtype_of(q, k, v, g, beta)
-    cu_local = plan.local_cu_seqlens().to(q.device)
-    pieces = plan.fragment_pieces()
-    needed = plan.needed_slots()
+    cu_local = plan.local_cu_seqlens.to(q.device)
+    pieces = plan.fragment_pieces
+    needed = plan.needed_slots
     slots_SHKX = _local_summaries(
-        (q, k, v, g, beta), cu_local, pieces, [s in needed for s in plan.local_slots()], chunk_size, op_kwargs,
+        (q, k, v, g, beta), plan.local_cu_seqlens, pieces, [s in needed for s in plan.local_slots()], chunk_size, op_kwargs,
         (H, K, V), dtype,
     )  # fmt: skip
     gathered_WSHKX = all_gather_flat(
@@ -134,12 +134,13 @@ def context_parallel_kda(
     return o
 
 
-def _local_summaries(tensors, cu_local, pieces, wanted, chunk_size, op_kwargs, dims, dtype) -> torch.Tensor:
-    """``[S, H, K, K + V]``: the summary of each local fragment's last piece where ``wanted``, else zeros."""
+def _local_summaries(tensors, cu_host, pieces, wanted, chunk_size, op_kwargs, dims, dtype) -> torch.Tensor:
+    """``[S, H, K, K + V]``: the summary of each local fragment's last piece where ``wanted``, else zeros
+    (``cu_host``: the local pieces' offsets on the host, read without a device sync)."""
     H, K, V = dims
     q = tensors[0]
     rows = [
-        (int(cu_local[last]), int(cu_local[last + 1]))
+        (int(cu_host[last]), int(cu_host[last + 1]))
         for (_, last), want in zip(pieces, wanted, strict=True)
         if want
     ]
@@ -147,7 +148,8 @@ def _local_summaries(tensors, cu_local, pieces, wanted, chunk_size, op_kwargs, d
     if not rows:
         return zero_HKX.expand(len(pieces), H, K, K + V).clone()
     index = torch.cat([torch.arange(a, b) for a, b in rows]).to(q.device)
-    cu = torch.tensor([0, *torch.tensor([b - a for a, b in rows]).cumsum(0).tolist()], device=q.device)
+    ends = torch.tensor([b - a for a, b in rows]).cumsum(0)
+    cu = torch.cat([ends.new_zeros(1), ends]).to(q.device)
     picked = [t.index_select(1, index) for t in tensors]
     # recomputed in the backward (after the local op's backward has freed its activations), so a rank's peak
     # holds the local op's activations or the summary's, not both
