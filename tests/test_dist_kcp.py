@@ -98,9 +98,13 @@ def _layer_world(rank: int, world: int) -> dict:
         ("contiguous", [0, 3, T // world + 1, T // world + 1, T - 2, T], torch.float32),
         ("zigzag", [0, 5, T - 9, T], torch.float32),
         ("zigzag", [0, T // 2, T], torch.float64),
+        ("zigzag", [0, 1, 4 * world], torch.float64),  # 2-token fragments: the halo spans two of them
     )
     return {
-        f"{layout}_{str(dtype)[6:]}": (layer_under_cp_error(base, layout, cu, dtype, D, seed=3), dtype)
+        f"{layout}_{cu[-1]}_{str(dtype)[6:]}": (
+            layer_under_cp_error(base, layout, cu, dtype, D, seed=3),
+            dtype,
+        )
         for layout, cu, dtype in cases
     }
 
