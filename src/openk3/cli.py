@@ -585,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="cp_layout",
         choices=("contiguous", "zigzag"),
         default="contiguous",
-        help="how --cp splits a sequence: contiguous quarters, or zig-zag (rank r: intervals r and 2C-1-r)",
+        help="how --cp C splits a sequence: contiguous (rank r: part r of C) or zigzag (parts r and 2C-1-r of 2C)",
     )
     tr.add_argument(
         "--long-context",
