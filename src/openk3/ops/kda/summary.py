@@ -15,9 +15,9 @@ and its cotangent map is the transpose: ``dS_in = Mᵀ dS_out``. Context paralle
 rank's entry state.
 
 The summaries are built from the chunked op's own factors (:mod:`openk3.ops.kda.chunk`): each chunk's map
-``S_C = A S₀ + Bc`` (``A = Diag(e^{Γ_C}) − K̂ᵀW``, ``Bc = K̂ᵀU``), then ``[M | E] ← A [M | E] + [0 | Bc]`` over
-the chunks of each segment, in the compute dtype (fp32, fp64 for fp64 inputs; never a 16-bit type).
-Differentiable by autograd.
+``S_C = A S₀ + Bc`` (``A = Diag(e^{Γ_C}) − K̂ᵀW``, ``Bc = K̂ᵀU``), composed over the chunks of each
+segment as a tree (adjacent pairs, level by level: ``⌈log₂ M⌉`` batched products), in the compute dtype (fp32,
+fp64 for fp64 inputs; never a 16-bit type). Differentiable by autograd.
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``K`` key dim, ``V`` value dim, ``N`` segments, ``P`` chunks,
 ``C`` chunk length, ``M`` chunk slots per segment, ``Z`` the ``N·H`` (segment, head) pairs, ``J`` summaries
@@ -78,15 +78,20 @@ def segment_summaries(
     _, Lkk_PHCC = intra_chunk_matrices(k_PHCK, k_PHCK, sums)
     W_PHCK, U_PHCV = _wy_representation(Lkk_PHCC, k_PHCK, v_PHCV, beta_PHC, sums.prefix)
     A_PHKK, Bc_PHKV = _chunk_transitions(k_PHCK, sums, W_PHCK, U_PHCV)
-    A_MNHKK = layout.to_grid(A_PHKK, fill=eye_HKK)
-    Bc_MNHKX = layout.to_grid(
-        torch.cat([torch.zeros_like(A_PHKK), Bc_PHKV], dim=-1), fill=A_PHKK.new_zeros(())
-    )
-    N = layout.N
-    X_ZKX = torch.cat([eye_HKK, x.k.new_zeros(H, K, V)], dim=-1).repeat(N, 1, 1)
-    for A_NHKK, Bc_NHKX in zip(A_MNHKK.unbind(0), Bc_MNHKX.unbind(0), strict=True):
-        X_ZKX = torch.baddbmm(Bc_NHKX.reshape(N * H, K, K + V), A_NHKK.reshape(N * H, K, K), X_ZKX)
-    return X_ZKX.view(N, H, K, K + V)
+    identity_HKX = torch.cat([eye_HKK, x.k.new_zeros(H, K, V)], dim=-1)
+    X_MNHKX = layout.to_grid(torch.cat([A_PHKK, Bc_PHKV], dim=-1), fill=identity_HKX)
+    return _compose_tree(X_MNHKX, identity_HKX)
+
+
+def _compose_tree(X_MNHKX: torch.Tensor, identity_HKX: torch.Tensor) -> torch.Tensor:
+    """The composite of the ``M`` chunk maps of every segment, in order: pairs composed level by level
+    (``⌈log₂ M⌉`` batched products instead of ``M`` dependent ones; the association changes, the map does not).
+    Empty cells hold the identity map."""
+    while X_MNHKX.shape[0] > 1:
+        if X_MNHKX.shape[0] % 2:
+            X_MNHKX = torch.cat([X_MNHKX, identity_HKX.expand(1, *X_MNHKX.shape[1:])])
+        X_MNHKX = compose(X_MNHKX[0::2], X_MNHKX[1::2])
+    return X_MNHKX[0]
 
 
 def compose(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
