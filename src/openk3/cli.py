@@ -186,7 +186,7 @@ def _train(args: argparse.Namespace) -> int:
     if is_image_text_jsonl(given.get("data")):  # image-text pairs: openk3.train.image_text
         from openk3.train.image_text import train_image_text
 
-        if args.resume or args.dp_shard or args.ep or args.dp_replicate:
+        if args.resume or args.dp_shard or args.ep or args.dp_replicate or args.cp:
             raise ValueError(
                 "image-text training (a JSONL of image and text) does not resume or run distributed"
             )
@@ -197,14 +197,15 @@ def _train(args: argparse.Namespace) -> int:
             f"{summary['heldout_rows']} images not trained on"
         )
         return 0
-    if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
+    if args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ:  # torchrun
         if args.qat:
             raise ValueError("--qat is not supported in distributed training yet: train on one device")
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
-            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume
-        )
+            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume,
+            cp=args.cp or 1, cp_layout=args.cp_layout,
+        )  # fmt: skip
         if summary["rank"] == 0:
             print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
         return 0
@@ -640,6 +641,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
+    )
+    tr.add_argument(
+        "--cp",
+        type=_positive_int,
+        help="context-parallel degree: each sequence split over this many ranks (under torchrun)",
+    )
+    tr.add_argument(
+        "--cp-layout",
+        dest="cp_layout",
+        choices=("contiguous", "zigzag"),
+        default="contiguous",
+        help="how --cp C splits a sequence: contiguous (rank r: part r of C) or zigzag (parts r and 2C-1-r of 2C)",
     )
     tr.add_argument(
         "--long-context",

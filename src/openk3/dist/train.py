@@ -1,4 +1,4 @@
-"""The distributed training loop behind ``torchrun --nproc_per_node N -m openk3 train --dp-shard A --ep B``.
+"""The distributed training loop behind ``torchrun --nproc_per_node N -m openk3 train --dp-shard A --ep B --cp C``.
 
 Each rank: the process group from torchrun's environment (gloo on the CPU, NCCL on CUDA, bounded collective
 timeout), the meshes, the sharded model (:func:`~openk3.dist.fsdp.build_sharded_model`), the sharded
@@ -10,6 +10,12 @@ single-process trainer's (:mod:`openk3.train.schedule`); gradients are clipped w
 every mesh (dense and expert parameters together). Checkpoints are DCP folders
 (:mod:`openk3.dist.checkpoint`) under ``<out>/checkpoints/``; ``--resume`` takes the newest finished one.
 Rank 0 prints one line per step and writes ``metrics.jsonl``.
+
+With ``--cp C`` each group of ``C`` consecutive ranks shares its data rank's sequences: a micro-batch's rows
+are packed into one row (a document each) and split over the group by the layout
+(:mod:`openk3.dist.context_parallel`), so a context length of the progressive schedule may be ``C`` times what
+one rank holds. The loss on a rank is the mean over its tokens (all ranks hold as many), and FSDP averages
+the gradients over ``dp_shard·cp``, so the step is the single-process one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from openk3.config import text_config_of
 from openk3.data import RandomBatches, TokenDataset, prepare_data
 from openk3.dist.balance import data_process_group
 from openk3.dist.checkpoint import load_checkpoint, save_checkpoint
+from openk3.dist.context_parallel import apply_context_parallel
+from openk3.dist.cp_plan import LAYOUTS
 from openk3.dist.fsdp import build_sharded_model
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
@@ -83,15 +91,37 @@ def latest_distributed_checkpoint(run_dir: Path) -> Path | None:
     return folders[-1] if folders else None
 
 
+def check_context_lengths(context_schedule, cp: int, layout: str) -> None:
+    """Raise ``ValueError`` (before any process group) when a context length of the schedule cannot be split
+    by ``layout`` over ``cp`` ranks (a multiple of ``cp``, of ``2·cp`` for zig-zag)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"--cp-layout {layout!r} is not one of {LAYOUTS}")
+    parts = cp if layout == "contiguous" else 2 * cp
+    bad = [t for _, t in context_schedule if t % parts]
+    if cp > 1 and bad:
+        raise ValueError(
+            f"--cp {cp} with the {layout} layout needs every context length to be a multiple of {parts}; "
+            f"the schedule has {bad}"
+        )
+
+
 def train_distributed(
-    config, dp_shard: int = -1, dp_replicate: int = 1, ep: int = 1, resume: bool = False
+    config,
+    dp_shard: int = -1,
+    dp_replicate: int = 1,
+    ep: int = 1,
+    resume: bool = False,
+    cp: int = 1,
+    cp_layout: str = "contiguous",
 ) -> dict:
     """Train ``config`` (a :class:`~openk3.train.trainer.TrainConfig`) on the torchrun world; returns the
     last step's ``{"step", "loss", "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any
-    allocation) when the mesh does not divide the world or the model."""
+    allocation) when the mesh does not divide the world or the model, or a context length cannot be split
+    over ``cp`` ranks by ``cp_layout``."""
+    check_context_lengths(config.context_schedule, cp, cp_layout)
     init_from_env(config.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims(world_size=world, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
+    dims = ParallelDims(world_size=world, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, cp=cp)
     model_config = get_preset(config.preset)
     dims.check_model(text_config_of(model_config))
     device = (
@@ -109,18 +139,21 @@ def train_distributed(
     meshes = build_meshes(dims, device.type)
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_sharded_model(model_config, meshes, device, seed=config.seed, param_dtype=param_dtype)
+    context = apply_context_parallel(model, meshes.cp_group, cp_layout) if cp > 1 else None
     optimizer = build_sharded_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     peak = [g["lr"] for g in optimizer.param_groups]
     balancer = None
     if config.balance != "none" and text_config_of(model_config).num_experts:
         balancer = QuantileBalancer(model, method=config.balance, process_group=data_process_group(meshes))
-    if config.batch_size % world:
+    data_ranks, data_rank = world // cp, rank // cp  # the cp ranks of one group are consecutive
+    if config.batch_size % data_ranks:
         raise ValueError(
-            f"--batch-size {config.batch_size} (global sequences per micro-batch) is not divisible by world_size={world}"
+            f"--batch-size {config.batch_size} (global sequences per micro-batch) is not divisible by the "
+            f"{data_ranks} data ranks (world_size={world} / cp={cp})"
         )
-    per_rank = config.batch_size // world * config.grad_accum
+    per_rank = config.batch_size // data_ranks * config.grad_accum
     batches = RandomBatches(
-        TokenDataset(data.train_path), per_rank * world, config.context_schedule[0][1], config.seed
+        TokenDataset(data.train_path), per_rank * data_ranks, config.context_schedule[0][1], config.seed
     )
     step, checkpoint = 0, None
     if resume:
@@ -140,10 +173,14 @@ def train_distributed(
             for group, lr in zip(optimizer.param_groups, peak, strict=True):
                 group["lr"] = lr * factor
             x_BT, y_BT = next(batches)
-            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            mine = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
             optimizer.zero_grad(set_to_none=True)
             local = torch.zeros((), device=device)
             for x_mb, y_mb in zip(x_BT[mine].chunk(config.grad_accum), y_BT[mine].chunk(config.grad_accum)):
+                if context is not None:  # the rows packed into one, a document each, split over the group
+                    b, T = x_mb.shape
+                    plan = context.begin(list(range(0, b * T + 1, T)))
+                    x_mb, y_mb = plan.shard(x_mb.reshape(1, b * T)), plan.shard(y_mb.reshape(1, b * T))
                 logits = model(x_mb.to(device)).logits
                 loss = (
                     F.cross_entropy(logits.float().flatten(0, 1), y_mb.to(device).flatten())

@@ -90,10 +90,7 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         keep = cache is not None
-        convs = cache.conv_states if keep and cache.conv_states is not None else (None, None, None)
-        q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
-        k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
-        v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
+        q_BTP, k_BTP, v_BTP, conv_states = self.short_convolutions(x_BTD, cache, cu_seqlens)
         g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
@@ -110,13 +107,37 @@ class KimiDeltaAttention(nn.Module):
         q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, H, K) for t in (q_BTP, k_BTP, v_BTP))
         g_raw_BTHK = g_raw_BTHG.expand(B, T, H, K)
         gate = dict(A_log=self.A_log[:H], dt_bias=dt_bias, lower_bound=self.lower_bound)
+        o_BTHK, state = self.kda_core(
+            q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate, cache, cu_seqlens
+        )
+        if keep:
+            cache.conv_states, cache.recurrent_state = conv_states, state
+        return self._output(x_BTD, o_BTHK)
+
+    def short_convolutions(
+        self, x_BTD: torch.Tensor, cache: KDACache | None, cu_seqlens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """``(q_BTP, k_BTP, v_BTP, conv_states)``: the projections through their short convolutions (the seam
+        context parallelism overrides, :mod:`openk3.dist.context_parallel`); ``conv_states`` the new conv
+        caches when ``cache`` is given."""
+        keep = cache is not None
+        convs = cache.conv_states if keep and cache.conv_states is not None else (None, None, None)
+        q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
+        k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
+        v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
+        return q_BTP, k_BTP, v_BTP, ((cq, ck, cv) if keep else None)
+
+    def kda_core(self, q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate: dict, cache, cu_seqlens):
+        """``(o_BTHK, state or None)``: the KDA op on the convolved q, k, v, the raw gate and β's logits
+        (the other seam context parallelism overrides); ``gate`` holds ``A_log``, ``dt_bias``, ``lower_bound``."""
+        keep = cache is not None
         if use_train_op(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate, cache=cache,
                         cu_seqlens=cu_seqlens):  # fmt: skip
-            o_BTHK = chunk_kda_train(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate)
-            return self._output(x_BTD, o_BTHK)
+            return chunk_kda_train(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate), None
+        T = q_BTHK.shape[1]
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
-        o_BTHK, state = kda(
+        return kda(
             q_BTHK,
             k_BTHK,
             v_BTHK,
@@ -126,14 +147,9 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=keep,
             cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=True,
-            A_log=self.A_log[:H],
-            dt_bias=dt_bias,
-            lower_bound=self.lower_bound,
             use_beta_sigmoid_in_kernel=True,
+            **gate,
         )
-        if keep:
-            cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
-        return self._output(x_BTD, o_BTHK)
 
     def _forward_slots(self, x_BTD: torch.Tensor, slots: KDAStateSlots) -> torch.Tensor:
         """The layer on a server's states, overwritten in place (``docs/references.md#kda-layer``): up to

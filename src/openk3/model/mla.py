@@ -96,8 +96,7 @@ class MultiheadLatentAttention(nn.Module):
         ckv_BTd = self.kv_a_proj_with_mqa(x_BTD)
         c_BTC = self.kv_a_layernorm(ckv_BTd[..., : self.kv_lora_rank])
         k_pe_BTr = ckv_BTd[..., self.kv_lora_rank :]
-        if cache is not None:
-            c_BTC, k_pe_BTr = cache.append(c_BTC, k_pe_BTr)
+        c_BTC, k_pe_BTr, mask_TS = self.attended_latents(c_BTC, k_pe_BTr, cache, cu_seqlens)
         absorb = self.attn_impl == "absorb" or (
             self.attn_impl == "auto"
             and cache is not None
@@ -106,14 +105,23 @@ class MultiheadLatentAttention(nn.Module):
         )
         if isinstance(cache, PagedLatents):
             mask_TS = cache.attention_mask(T, dense=absorb)  # [B, 1, T, S], or a lower-right causal bias
-        else:
-            mask_TS = attention_mask(T, c_BTC.shape[1], x_BTD.device, cu_seqlens)
         attend = self.absorbed_attention if absorb else self.naive_attention
         o_BTHv = attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS)
         o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
         if self.g_proj is not None:
             o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)
+
+    def attended_latents(self, c_BTC, k_pe_BTr, cache: MLACache | PagedLatents | None, cu_seqlens):
+        """``(c_BSC, k_pe_BSr, mask_TS)``: the latents the new tokens attend to (the cache's and theirs) and the
+        mask (None: plain causal, or, with ``PagedLatents``, the mask :meth:`forward` takes from the paged
+        cache). The seam context parallelism overrides (:mod:`openk3.dist.cp_mla`)."""
+        T = c_BTC.shape[1]
+        if cache is not None:
+            c_BTC, k_pe_BTr = cache.append(c_BTC, k_pe_BTr)
+        if isinstance(cache, PagedLatents):
+            return c_BTC, k_pe_BTr, None
+        return c_BTC, k_pe_BTr, attention_mask(T, c_BTC.shape[1], c_BTC.device, cu_seqlens)
 
     def naive_attention(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
         """Expand the latent into per-head K/V, then scaled-dot-product attention; ``mask_TS`` ``[T, S]`` or
