@@ -6,7 +6,8 @@
   1: bitwise equal to :class:`KimiMuon` on one process (``(g₀+g₁)/2 = g₀/2 + g₁/2`` exactly, NS on the
   same whole matrices). Accumulation 4: within fp32 roundings of accumulation 1 (a Newton–Schulz per
   micro-batch would move the parameters by ~1e-2). A Newton–Schulz on the shards is checked to differ,
-  so the test can see a split head.
+  so the test can see a split head. Owner-based: the matrices each rank orthogonalises, summed over the
+  ranks, are exactly the single-device ones (each once, none on two ranks).
 * Quantile Balancing: the router biases after one step of the balancer over the data group equal one
   process observing both ranks' micro-batches (integer histograms, same fp64 arithmetic): bitwise.
 """
@@ -21,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from dist_utils import nccl_world_available, run_world
 from openk3.dist.balance import data_process_group
 from openk3.dist.mesh import ParallelDims, build_meshes
-from openk3.dist.muon import ShardedKimiMuon
+from openk3.dist.muon import ShardedKimiMuon, assign_owners, shard_rows
 from openk3.model.modeling import build_model
 from openk3.presets import k3_shaped
 from openk3.train.balance import QuantileBalancer
@@ -67,17 +68,35 @@ def _train(model, opt, batches, parts, scale):
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
 
 
+class _CountNS:
+    """Wraps ``optim.newton_schulz``: records the ``[M, N]`` shape of every matrix it orthogonalises."""
+
+    def __init__(self, fn):
+        self.fn, self.shapes = fn, []
+
+    def __call__(self, G, *args):
+        self.shapes += [tuple(G.shape[-2:])] * (G.numel() // (G.shape[-2] * G.shape[-1]))
+        return self.fn(G, *args)
+
+
 def _muon_checks(rank, world, mesh):
+    import openk3.train.optim as optim
+
     kwargs = dict(lr=0.05, weight_decay=0.1, ns_dtype=torch.float32)
     ref = Toy()
+    counter = optim.newton_schulz = _CountNS(optim.newton_schulz)
     ref_params = _train(ref, KimiMuon(_groups(ref), **kwargs), _data(world), world, 1.0)
-    out = {}
+    out = {"ns_single": sorted(counter.shapes)}
+    counter.shapes = []
     for accum in (1, 4):
         model = Toy()
         fully_shard(model, mesh=mesh)
         local = [x.chunk(world)[rank] for x in _data(world)]
         params = _train(model, ShardedKimiMuon(_groups(model), **kwargs), local, accum, 1.0)
         out[accum] = max((p - q).abs().max().item() for p, q in zip(params, ref_params, strict=True))
+        if accum == 1:
+            out["ns_mine"], counter.shapes = counter.shapes, []
+    optim.newton_schulz = counter.fn
     # the same step with Newton–Schulz on each rank's rows would be wrong: show the test sees the split head
     model = Toy()
     fully_shard(model, mesh=mesh)
@@ -128,6 +147,9 @@ def _optim_world(rank, world, backend):
 
 
 def _check(results, world):
+    # owner-based: over the ranks, every matrix is orthogonalised exactly once (the experts where they live)
+    done = sorted(shape for out in results for shape in out["ns_mine"])
+    assert done == results[0]["ns_single"], "the ranks' Newton–Schulz matrices are not the single-device ones"
     for out in results:
         assert out[1] == 0.0, f"accumulation 1 differs from one process by {out[1]:.3g}"
         assert out[4] < 1e-6, f"accumulation 4 differs from one process by {out[4]:.3g}"
@@ -145,3 +167,12 @@ def test_sharded_muon_and_qb_equal_one_process_nccl():
     if reason:
         pytest.skip(reason)
     _check(run_world(_optim_world, 2, "nccl", backend="nccl", timeout=180), 2)
+
+
+def test_owner_assignment_and_row_split():
+    # longest first to the least loaded rank, ties to the lowest index: [9, 5, 5, 4, 1] over 2 ranks
+    assert assign_owners([5.0, 9.0, 5.0, 4.0, 1.0], 2) == [1, 0, 1, 0, 1]
+    assert assign_owners([1.0, 1.0, 1.0], 4) == [0, 1, 2]
+    # torch.chunk's split (FSDP2's Shard(0)): 6 rows over 4 ranks is 2, 2, 2, 0
+    assert shard_rows(6, 4) == [2, 2, 2, 0]
+    assert shard_rows(5, 2) == [3, 2]
