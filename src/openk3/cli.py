@@ -172,7 +172,12 @@ def _train(args: argparse.Namespace) -> int:
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
-            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume
+            TrainConfig(**given),
+            args.dp_shard or -1,
+            args.dp_replicate or 1,
+            args.ep or 1,
+            args.resume,
+            args.ep_dispatcher,
         )
         if summary["rank"] == 0:
             print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
@@ -573,6 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
+    )
+    tr.add_argument(
+        "--ep-dispatcher",
+        dest="ep_dispatcher",
+        choices=("alltoall", "moonep"),
+        default="alltoall",
+        help="token exchange under --ep: dropless all-to-all (default) or the MoonEP contract "
+        "(S·K rows per rank; docs/distributed.md)",
     )
     tr.add_argument(
         "--long-context",

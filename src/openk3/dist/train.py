@@ -84,10 +84,16 @@ def latest_distributed_checkpoint(run_dir: Path) -> Path | None:
 
 
 def train_distributed(
-    config, dp_shard: int = -1, dp_replicate: int = 1, ep: int = 1, resume: bool = False
+    config,
+    dp_shard: int = -1,
+    dp_replicate: int = 1,
+    ep: int = 1,
+    resume: bool = False,
+    ep_dispatcher: str = "alltoall",
 ) -> dict:
-    """Train ``config`` (a :class:`~openk3.train.trainer.TrainConfig`) on the torchrun world; returns the
-    last step's ``{"step", "loss", "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any
+    """Train ``config`` (a :class:`~openk3.train.trainer.TrainConfig`) on the torchrun world (experts
+    exchanged by ``ep_dispatcher`` when ``ep > 1``); returns the last step's ``{"step", "loss",
+    "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any
     allocation) when the mesh does not divide the world or the model."""
     init_from_env(config.device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,7 +114,9 @@ def train_distributed(
     data = prepare_data(config.data, val_fraction=config.val_fraction, progress=False, **prepare)
     meshes = build_meshes(dims, device.type)
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_sharded_model(model_config, meshes, device, seed=config.seed, param_dtype=param_dtype)
+    model = build_sharded_model(
+        model_config, meshes, device, seed=config.seed, param_dtype=param_dtype, ep_dispatcher=ep_dispatcher
+    )
     optimizer = build_sharded_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     peak = [g["lr"] for g in optimizer.param_groups]
     balancer = None
