@@ -132,10 +132,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("EP receive buffer per MoE layer (bf16, S·K rows)", b.ep_buffer_bytes),
         ("FSDP/HSDP traffic per step", b.fsdp_comm_bytes),
         ("EP traffic per step", b.ep_comm_bytes),
+        ("activations per micro-batch (bf16, no checkpointing)", b.activations_bytes),
+        ("activations per micro-batch (full checkpointing)", b.activations_checkpointed_bytes),
     ]
     for name, value in rows:
-        print(f"  {name:50s} {value / GIB:10.2f} GiB")
-    print("  activations                                        not estimated yet")
+        print(f"  {name:54s} {value / GIB:10.2f} GiB")
     return 0
 
 
