@@ -182,6 +182,12 @@ def _train(args: argparse.Namespace) -> int:
         )
         if summary["rank"] == 0:
             print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
+            if "val_loss" in summary:
+                print(
+                    f"val loss {summary['val_loss']:.4f} nats/token on {summary['val_tokens']:,} val tokens"
+                )
+            if "export" in summary:
+                _print_sample(args, TrainConfig(**given), summary["export"])
         return 0
     if args.resume:
         out = given.get("out", TrainConfig.out)
@@ -207,13 +213,20 @@ def _train(args: argparse.Namespace) -> int:
         print(f"stopped at step {summary['step']}; continue with: openk3 train --out {config.out} --resume")
         return 130 if not config.stop_at_step else 0
     if config.sample_prompt:
-        model, tokenizer, _ = _load_for_inference(summary["checkpoint"], config.device)
-        prompt = config.sample_prompt
-        if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
-            prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
-        print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
-        _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
+        _print_sample(args, config, summary["checkpoint"])
     return 0
+
+
+def _print_sample(args: argparse.Namespace, config, checkpoint: str) -> None:
+    """The end-of-run sample of ``openk3 train``: 200 tokens from ``checkpoint`` after the run's prompt."""
+    from openk3.train.trainer import TrainConfig
+
+    model, tokenizer, _ = _load_for_inference(checkpoint, config.device)
+    prompt = config.sample_prompt
+    if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
+        prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
+    print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
+    _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
 
 
 CORPUS_PROMPT_TOKENS = 8

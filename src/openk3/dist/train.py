@@ -9,7 +9,10 @@ slice, so the data position is one integer and resuming on another world size re
 single-process trainer's (:mod:`openk3.train.schedule`); gradients are clipped with one total norm over
 every mesh (dense and expert parameters together). Checkpoints are DCP folders
 (:mod:`openk3.dist.checkpoint`) under ``<out>/checkpoints/``; ``--resume`` takes the newest finished one.
-Rank 0 prints one line per step and writes ``metrics.jsonl``.
+Rank 0 prints one line per step and writes ``metrics.jsonl``. After the last step the validation loss is
+the single-process trainer's (:func:`evaluate_distributed`), on the row of that step and in the summary;
+with a ``sample_prompt`` the final weights are also exported as a Hugging Face folder ``<out>/final`` (with
+the run's tokenizer), from which ``openk3 train`` prints the end-of-run sample on rank 0.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from torch.distributed.tensor import DTensor
 from openk3.config import text_config_of
 from openk3.data import RandomBatches, TokenDataset, prepare_data
 from openk3.dist.balance import data_process_group
-from openk3.dist.checkpoint import load_checkpoint, save_checkpoint
+from openk3.dist.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from openk3.dist.fsdp import build_sharded_model
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
 from openk3.train.schedule import lr_factor, seq_len_at
+from openk3.train.trainer import validation_loss
 
 COLLECTIVE_TIMEOUT_S = 300
 """A collective that waits longer (a rank died or hangs) fails on every other rank with an error."""
@@ -76,6 +80,22 @@ def clip_grad_norm_(params, max_norm: float) -> float:
         for grads in by_mesh.values():
             torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
     return total
+
+
+def evaluate_distributed(model, val_set: TokenDataset, config, device, max_batches: int | None) -> dict:
+    """``val_loss`` (nats/token), ``val_ppl``, ``val_tokens`` of the sharded ``model`` on the windows the
+    single-process trainer evaluates (the schedule's longest context, ``batch_size`` rows per batch, the
+    first ``max_batches`` batches; ``None``: all). Every rank evaluates every window (the FSDP and EP
+    forwards are collectives all ranks run), so all ranks return the same numbers. In eval mode, so the
+    MoE blocks do not count the routing (Quantile Balancing never sees evaluation)."""
+    seq_len = min(max(t for _, t in config.context_schedule), val_set.num_tokens - 1)
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    model.eval()
+    try:
+        loss, tokens = validation_loss(model, val_set, config.batch_size, seq_len, max_batches, device, amp)
+    finally:
+        model.train()
+    return {"val_loss": loss, "val_ppl": math.exp(loss), "val_tokens": tokens}
 
 
 def latest_distributed_checkpoint(run_dir: Path) -> Path | None:
@@ -138,7 +158,7 @@ def train_distributed(
         extra = load_checkpoint(checkpoint, model, optimizer, balancer)
         step, batches.step = extra["step"], extra["data_position"]
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115 - closed below
-    loss_value = float("nan")
+    loss_value, final = float("nan"), {}
     last = config.stop_at_step or config.steps
     try:
         while step < last:
@@ -165,6 +185,10 @@ def train_distributed(
             step += 1
             dist.all_reduce(local)
             loss_value = local.item() / world
+            elapsed = time.perf_counter() - start
+            if step == config.steps:
+                val_set = TokenDataset(data.val_path)
+                final = evaluate_distributed(model, val_set, config, device, config.final_eval_batches)
             if rank == 0:
                 row = {
                     "step": step,
@@ -172,8 +196,9 @@ def train_distributed(
                     "lr": config.lr * factor,
                     "grad_norm": grad_norm,
                     "maxvio": stats.get("maxvio"),
-                    "tokens_per_s": x_BT.numel() / (time.perf_counter() - start),
+                    "tokens_per_s": x_BT.numel() / elapsed,
                     "world_size": world,
+                    **final,
                 }
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -193,9 +218,13 @@ def train_distributed(
     finally:
         if metrics:
             metrics.close()
+    if final and config.sample_prompt:  # collective: every rank gathers, rank 0 writes
+        export_hf(model, run_dir / "final", tokenizer=data.tokenizer_dir)
+        final["export"] = str(run_dir / "final")
     return {
         "step": step,
         "loss": loss_value,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "rank": rank,
+        **final,
     }
