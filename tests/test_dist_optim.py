@@ -1,6 +1,6 @@
 """Distributed Per-Head Muon and Quantile Balancing against one process, in one gloo world of 2.
 
-* Muon: a module with a per-head projection ``[6, 4]`` of 3 heads (FSDP's ``Shard(0)`` at world 2 puts rows
+* Muon (world 2; world 4 in the slow variant): a module with a per-head projection ``[6, 4]`` of 3 heads (FSDP's ``Shard(0)`` at world 2 puts rows
   0-2 and 3-5 on the two ranks, so head 1, rows 2-3, straddles the boundary), an uneven plain matrix
   ``[5, 3]``, stacked experts ``[4, 3, 5]`` and an AdamW vector, trained 3 steps. Gradient accumulation
   1: bitwise equal to :class:`KimiMuon` on one process (``(g₀+g₁)/2 = g₀/2 + g₁/2`` exactly, NS on the
@@ -97,6 +97,8 @@ def _muon_checks(rank, world, mesh):
         if accum == 1:
             out["ns_mine"], counter.shapes = counter.shapes, []
     optim.newton_schulz = counter.fn
+    if world != 2:  # the shards are 2, 2, 2, 0 rows: whole heads, nothing to show
+        return out
     # the same step with Newton–Schulz on each rank's rows would be wrong: show the test sees the split head
     model = Toy()
     fully_shard(model, mesh=mesh)
@@ -151,14 +153,24 @@ def _check(results, world):
     done = sorted(shape for out in results for shape in out["ns_mine"])
     assert done == results[0]["ns_single"], "the ranks' Newton–Schulz matrices are not the single-device ones"
     for out in results:
-        assert out[1] == 0.0, f"accumulation 1 differs from one process by {out[1]:.3g}"
+        # world 2: bitwise; world 4: gloo sums four gradients in its own order (fp32 rounding, ≤ 1.2e-7 seen)
+        assert out[1] <= (0.0 if world == 2 else 1e-6), (
+            f"accumulation 1 differs from one process by {out[1]:.3g}"
+        )
         assert out[4] < 1e-6, f"accumulation 4 differs from one process by {out[4]:.3g}"
-        assert out["naive"] > 1e-3, "NS on shards matched: the test cannot see a split head"
+        if world == 2:
+            assert out["naive"] > 1e-3, "NS on shards matched: the test cannot see a split head"
         assert out["qb"], "QB biases differ from one process"
 
 
 def test_sharded_muon_and_qb_equal_one_process():
     _check(run_world(_optim_world, 2, "gloo", timeout=180), 2)
+
+
+@pytest.mark.slow
+def test_sharded_muon_and_qb_equal_one_process_world4():
+    """World 4: rank 3 holds no row of the head projection and of the plain matrix (owners still get them)."""
+    _check(run_world(_optim_world, 4, "gloo", timeout=300), 4)
 
 
 @pytest.mark.gpu
