@@ -1,7 +1,8 @@
 """The distributed training loop's final evaluation against the single-process evaluation of the same weights.
 
-A gloo world of 2 trains k3-tiny for 2 steps (FSDP2 over 2 ranks, EP 2) on a small corpus; the validation
-loss it reports after the last step must be the one :func:`openk3.train.trainer.validation_loss` gives for
+A gloo world of 2 trains k3-tiny for 2 steps (FSDP2 over 2 ranks, EP 2) on a small corpus, evaluating a
+val subset after step 1 (``val_loss_subset``) and drawing ``loss.png``; the validation loss it reports
+after the last step must be the one :func:`openk3.train.trainer.validation_loss` gives for
 the final weights on one process, on the same windows. The weights are the Hugging Face folder the loop
 exports for the end-of-run sample (``<out>/final``, with the run's tokenizer), cross-checked against the
 last DCP checkpoint gathered into one model.
@@ -9,6 +10,7 @@ last DCP checkpoint gathered into one model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,8 @@ def _train_world(rank, world, folder):
         batch_size=2,
         context_schedule=[(0, 32)],
         warmup_steps=0,
+        eval_every=1,
+        eval_batches=1,
         final_eval_batches=2,
         save_every=2,
         sample_prompt="ROMEO",
@@ -70,6 +74,12 @@ def test_distributed_final_eval_equals_one_process(tmp_path):
     results = run_world(_train_world, 2, str(tmp_path), timeout=400, pg_timeout=120)
     r0, r1 = results
     assert r0["val_loss"] == r1["val_loss"], "ranks report different validation losses"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (
+        rows[0]["val_subset_tokens"] == 1 * 2 * 32 and rows[0]["val_loss_subset"] > 0
+    )  # periodic eval, step 1
+    assert rows[-1]["val_loss"] == r0["val_loss"] and "val_loss_subset" not in rows[-1]
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
     assert r0["export_is_checkpoint"], "the exported final weights differ from the last checkpoint"
     assert r0["val_tokens"] == r0["ref_tokens"] == 2 * 2 * 32
     assert abs(r0["val_loss"] - r0["ref_loss"]) < 1e-5 * r0["ref_loss"], (r0["val_loss"], r0["ref_loss"])

@@ -9,8 +9,9 @@ slice, so the data position is one integer and resuming on another world size re
 single-process trainer's (:mod:`openk3.train.schedule`); gradients are clipped with one total norm over
 every mesh (dense and expert parameters together). Checkpoints are DCP folders
 (:mod:`openk3.dist.checkpoint`) under ``<out>/checkpoints/``; ``--resume`` takes the newest finished one.
-Rank 0 prints one line per step and writes ``metrics.jsonl``. After the last step the validation loss is
-the single-process trainer's (:func:`evaluate_distributed`), on the row of that step and in the summary;
+Rank 0 prints one line per step and writes ``metrics.jsonl`` (and ``loss.png`` at the end). Evaluation is the
+single-process trainer's (:func:`evaluate_distributed`): ``val_loss_subset`` every ``eval_every`` steps, and
+after the last step ``val_loss`` on the row of that step and in the summary;
 with a ``sample_prompt`` the final weights are also exported as a Hugging Face folder ``<out>/final`` (with
 the run's tokenizer), from which ``openk3 train`` prints the end-of-run sample on rank 0.
 """
@@ -38,6 +39,7 @@ from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
+from openk3.train.metrics import plot_metrics
 from openk3.train.schedule import lr_factor, seq_len_at
 from openk3.train.trainer import validation_loss
 
@@ -159,6 +161,7 @@ def train_distributed(
         step, batches.step = extra["step"], extra["data_position"]
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115 - closed below
     loss_value, final = float("nan"), {}
+    val_set = TokenDataset(data.val_path)
     last = config.stop_at_step or config.steps
     try:
         while step < last:
@@ -186,9 +189,13 @@ def train_distributed(
             dist.all_reduce(local)
             loss_value = local.item() / world
             elapsed = time.perf_counter() - start
-            if step == config.steps:
-                val_set = TokenDataset(data.val_path)
-                final = evaluate_distributed(model, val_set, config, device, config.final_eval_batches)
+            ev = {}
+            if step == config.steps:  # the reported result, as the single-process trainer's
+                ev = final = evaluate_distributed(model, val_set, config, device, config.final_eval_batches)
+            elif step % config.eval_every == 0:  # progress: the first eval_batches batches
+                sub = evaluate_distributed(model, val_set, config, device, config.eval_batches)
+                ev = {"val_loss_subset": sub["val_loss"], "val_ppl_subset": sub["val_ppl"]}
+                ev["val_subset_tokens"] = sub["val_tokens"]
             if rank == 0:
                 row = {
                     "step": step,
@@ -198,7 +205,7 @@ def train_distributed(
                     "maxvio": stats.get("maxvio"),
                     "tokens_per_s": x_BT.numel() / elapsed,
                     "world_size": world,
-                    **final,
+                    **ev,
                 }
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -218,6 +225,8 @@ def train_distributed(
     finally:
         if metrics:
             metrics.close()
+    if rank == 0:
+        plot_metrics(run_dir / "metrics.jsonl", run_dir / "loss.png")
     if final and config.sample_prompt:  # collective: every rank gathers, rank 0 writes
         export_hf(model, run_dir / "final", tokenizer=data.tokenizer_dir)
         final["export"] = str(run_dir / "final")
