@@ -85,7 +85,7 @@ class MoonEPRoute:
         return sum(self.send_rows) - self.send_rows[rank]
 
 
-def _host_layout(plan: MoonEPPlan, tpe_RE: torch.Tensor):
+def dispatch_layout(plan: MoonEPPlan, tpe_RE: torch.Tensor):
     """Host-side tables every rank derives from the plan: ``[E, R]`` start of rank ``d``'s slice of expert
     ``e``'s entries, ``[E, R]`` buffer start of that slice at ``d``, ``[R, 2P]`` slot sizes, and the
     ``[R_src, R_dst]`` entry counts."""
@@ -132,7 +132,7 @@ def route(indices_Nk: torch.Tensor, num_experts: int, group: dist.ProcessGroup) 
             "(equal micro-batches per rank)"
         )
     plan = plan_moonep(tpe_RE, int(sent[0]))
-    slice_start, slice_end, buf_start, slot_sizes, entries_RR = _host_layout(plan, tpe_RE)
+    slice_start, slice_end, buf_start, slot_sizes, entries_RR = dispatch_layout(plan, tpe_RE)
     # destination rank and buffer row of each local entry (device)
     order_M = torch.argsort(expert_M, stable=True)
     e_M = expert_M[order_M]
