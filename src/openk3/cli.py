@@ -145,10 +145,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("EP receive buffer per MoE layer (bf16, S·K rows)", b.ep_buffer_bytes),
         ("FSDP/HSDP traffic per step", b.fsdp_comm_bytes),
         ("EP traffic per step", b.ep_comm_bytes),
+        ("activations per micro-batch (bf16, no checkpointing)", b.activations_bytes),
+        ("activations per micro-batch (full checkpointing)", b.activations_checkpointed_bytes),
     ]
     for name, value in rows:
-        print(f"  {name:50s} {value / GIB:10.2f} GiB")
-    print("  activations                                        not estimated yet")
+        print(f"  {name:54s} {value / GIB:10.2f} GiB")
     return 0
 
 
@@ -204,10 +205,16 @@ def _train(args: argparse.Namespace) -> int:
 
         summary = train_distributed(
             TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume,
-            cp=args.cp or 1, cp_layout=args.cp_layout,
+            args.ep_dispatcher, cp=args.cp or 1, cp_layout=args.cp_layout,
         )  # fmt: skip
         if summary["rank"] == 0:
             print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
+            if "val_loss" in summary:
+                print(
+                    f"val loss {summary['val_loss']:.4f} nats/token on {summary['val_tokens']:,} val tokens"
+                )
+            if "export" in summary:
+                _print_sample(args, TrainConfig(**given), summary["export"])
         return 0
     if args.resume:
         out = given.get("out", TrainConfig.out)
@@ -233,13 +240,20 @@ def _train(args: argparse.Namespace) -> int:
         print(f"stopped at step {summary['step']}; continue with: openk3 train --out {config.out} --resume")
         return 130 if not config.stop_at_step else 0
     if config.sample_prompt:
-        model, tokenizer, _ = _load_for_inference(summary["checkpoint"], config.device)
-        prompt = config.sample_prompt
-        if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
-            prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
-        print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
-        _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
+        _print_sample(args, config, summary["checkpoint"])
     return 0
+
+
+def _print_sample(args: argparse.Namespace, config, checkpoint: str) -> None:
+    """The end-of-run sample of ``openk3 train``: 200 tokens from ``checkpoint`` after the run's prompt."""
+    from openk3.train.trainer import TrainConfig
+
+    model, tokenizer, _ = _load_for_inference(checkpoint, config.device)
+    prompt = config.sample_prompt
+    if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
+        prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
+    print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
+    _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
 
 
 CORPUS_PROMPT_TOKENS = 8
@@ -653,6 +667,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("contiguous", "zigzag"),
         default="contiguous",
         help="how --cp C splits a sequence: contiguous (rank r: part r of C) or zigzag (parts r and 2C-1-r of 2C)",
+    )
+    tr.add_argument(
+        "--ep-dispatcher",
+        dest="ep_dispatcher",
+        choices=("alltoall", "moonep"),
+        default="alltoall",
+        help="token exchange under --ep: dropless all-to-all (default) or the MoonEP contract "
+        "(S·K rows per rank; docs/distributed.md)",
     )
     tr.add_argument(
         "--long-context",
