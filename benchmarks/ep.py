@@ -1,14 +1,15 @@
 """Expert-parallel dispatch on gloo (CPU) or NCCL: the dropless all-to-all dispatcher vs the MoonEP contract.
 
-For routings whose imbalance ``maxvio = max_e load_e / mean_load − 1`` grows from 0 to 5 this prints, per
-EP rank (worst rank):
+For routings whose imbalance ``maxvio = max_e load_e / mean_load − 1`` grows from 0 to 5 this measures, per
+EP rank (worst rank), both dispatchers behind the same call (``openk3.dist.expert_parallel.DISPATCHERS``):
 
-* **all-to-all** (``openk3.dist.dispatch``, measured): rows received (the receive buffer, which follows the
-  routing), bytes of token rows sent to other ranks, and the time of one MoE expert forward + backward
+* **all-to-all** (``openk3.dist.dispatch``): rows received (the receive buffer, which follows the
+  routing), bytes of token rows sent to other ranks, and the time of one routed-experts forward + backward
   (dispatch, grouped experts, combine) across the world;
-* **MoonEP contract** (``openk3.dist.moonep_planner``, computed from the plan; its dispatcher is not built
-  yet, so no time): the fixed receive buffer ``S·K``, the rows sent to other ranks without and with the
-  same-rank dedupe (a token sends its row once per destination rank), and the planner's time.
+* **MoonEP contract** (``openk3.dist.moonep``): rows computed (fixed at ``S·K``), entries sent to other
+  ranks and the distinct rows actually sent after the same-rank dedupe, bytes sent (token rows plus the
+  redundant experts' weights), the forward + backward time, and the time of its routing step alone
+  (counts all-gather, host sync, planner, dedupe count exchange and the second host sync).
 
 Then the planner's time at the official scale (E = 896, R = 64, S = 4096, K = 16).
 
@@ -61,43 +62,38 @@ def maxvio(idx, E):
     return float(loads.max() / loads.mean() - 1)
 
 
-def moonep_rows(idx_RSK, E):
-    """(rows sent to other ranks without dedupe, with dedupe) per rank, and the planner time, from the plan."""
-    R, S, K = idx_RSK.shape
-    tpe = torch.stack([torch.bincount(idx_RSK[r].flatten(), minlength=E) for r in range(R)])
-    start = time.perf_counter()
-    plan = plan_moonep(tpe, S * K)
-    plan_s = time.perf_counter() - start
-    cum = plan.alloc_ER.cumsum(1)  # [E, R]
-    before = torch.cumsum(tpe, 0) - tpe  # entries of expert e from lower source ranks
-    sent, sent_dedupe = [], []
-    for r in range(R):
-        flat = idx_RSK[r].flatten()
-        order = torch.argsort(flat, stable=True)
-        e_sorted = flat[order]
-        within = torch.arange(flat.numel()) - torch.searchsorted(
-            e_sorted, e_sorted
-        )  # index among e's entries
-        global_rank = before[r, e_sorted] + within
-        dest = torch.stack([torch.searchsorted(cum[e], g, right=True) for e, g in zip(e_sorted, global_rank)])
-        dest_M = torch.empty_like(dest).index_copy_(0, order, dest).view(S, K)
-        remote = dest_M != r
-        sent.append(int(remote.sum()))
-        pairs = {(s, int(d)) for s in range(S) for d in dest_M[s][remote[s]]}
-        sent_dedupe.append(len(pairs))
-    return max(sent), max(sent_dedupe), plan_s
+def _timed(fn, iters, nccl):
+    """``(best wall s across the world, best CPU s of this process)`` of ``iters`` runs of ``fn()`` (after
+    one warm-up), and its last result. The CPU time (``time.process_time``: this rank's threads, gloo's
+    included, not time spent waiting) is the fairer number on a shared machine."""
+    walls, cpus = [], []
+    for it in range(iters + 1):
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        if nccl:
+            torch.cuda.synchronize()
+        cpu = time.process_time() - cpu
+        dist.barrier()
+        if it:
+            walls.append(time.perf_counter() - start)
+            cpus.append(cpu)
+    return (min(walls), min(cpus)), result
 
 
 def _worker(rank, world, port, backend, args, cases, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from openk3.dist.dispatch import combine, dispatch
-    from openk3.model.moe import grouped_expert_ffn
+    from openk3.dist.dispatch import dispatch
+    from openk3.dist.expert_parallel import DISPATCHERS
+    from openk3.dist.moonep import route
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     E, S, L, F = args.experts, args.tokens, args.width, args.ffn
     P = E // world
+    group = dist.group.WORLD
+    nccl = backend == "nccl"
     g = torch.Generator().manual_seed(rank)
     w1, w3 = (torch.randn(P, F, L, generator=g).to(device).requires_grad_() for _ in range(2))
     w2 = torch.randn(P, L, F, generator=g).to(device).requires_grad_()
@@ -110,22 +106,23 @@ def _worker(rank, world, port, backend, args, cases, results):
         idx = idx_RSK[rank].to(device)
         z = torch.randn(S, L, generator=g).to(device).requires_grad_()
         w = torch.rand(S, idx.shape[1], generator=g).to(device)
-        times = []
-        for it in range(args.iters + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            d = dispatch(z, idx, E, dist.group.WORLD)
-            y = combine(
-                grouped_expert_ffn(Cfg, d.x_QL, w1, w3, w2, d.offs_P, d.expert_Q), w, d, dist.group.WORLD, S
-            )
-            y.square().sum().backward()
-            if backend == "nccl":
-                torch.cuda.synchronize()
-            dist.barrier()
-            if it:
-                times.append(time.perf_counter() - start)
-        own = d.send_splits[rank]
-        out.append((d.x_QL.shape[0], (sum(d.send_splits) - own) * L * z.element_size(), min(times)))
+        row = {}
+        for name, run in DISPATCHERS.items():
+
+            def step(run=run, z=z, w=w, idx=idx):
+                run(Cfg, z, w, idx, w1, w3, w2, E, group).square().sum().backward()
+
+            row[name], _ = _timed(step, args.iters, nccl)
+        d = dispatch(z, idx, E, group)
+        row["a2a_rows"] = d.x_QL.shape[0]
+        row["a2a_bytes"] = (sum(d.send_splits) - d.send_splits[rank]) * L * z.element_size()
+        row["route"], r = _timed(lambda idx=idx: route(idx, E, group), args.iters, nccl)
+        row["moon_rows"] = sum(r.slot_sizes)
+        row["moon_entries"] = sum(r.send_entries) - r.send_entries[rank]
+        row["moon_sent"] = r.rows_sent_remote(rank)
+        copies = sum(r.copy_send) * 3 * F * L * w1.element_size()
+        row["moon_bytes"] = r.rows_sent_remote(rank) * L * z.element_size() + copies
+        out.append(row)
     results.put((rank, out))
     dist.destroy_process_group()
 
@@ -163,18 +160,24 @@ def main() -> None:
     print(f"torch {torch.__version__}, {backend}, {platform.processor() or platform.machine()}, world {R}")
     print(f"E={E} K={K} S={S} tokens/rank, L={args.width} (fp32 rows of {args.width * 4} B), F={args.ffn}\n")
     print(
-        "| maxvio | a2a recv rows (max rank) | a2a bytes sent (max rank) | a2a fwd+bwd ms | MoonEP recv rows | "
-        "MoonEP rows sent (no dedupe / dedupe) | planner ms |"
+        "| maxvio | a2a recv rows | a2a bytes sent | a2a fwd+bwd ms wall / CPU | MoonEP rows computed | "
+        "MoonEP entries / rows sent (dedupe) | MoonEP bytes sent (rows + expert copies) | "
+        "MoonEP fwd+bwd ms wall / CPU | MoonEP routing ms wall / CPU (2 host syncs + planner) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, idx in enumerate(cases):
-        recv = max(got[r][i][0] for r in range(R))
-        sent = max(got[r][i][1] for r in range(R))
-        ms = max(got[r][i][2] for r in range(R)) * 1e3
-        rows, rows_dedupe, plan_s = moonep_rows(idx, E)
+        rows = [got[r][i] for r in range(R)]
+
+        def worst(key, rows=rows):
+            return max(row[key] for row in rows)
+
+        def ms(key, rows=rows):
+            return " / ".join(f"{max(row[key][j] for row in rows) * 1e3:.1f}" for j in (0, 1))
+
         print(
-            f"| {maxvio(idx, E):.2f} | {recv} | {sent:,} | {ms:.1f} | {S * K} | {rows} / {rows_dedupe} | "
-            f"{plan_s * 1e3:.1f} |"
+            f"| {maxvio(idx, E):.2f} | {worst('a2a_rows')} | {worst('a2a_bytes'):,} | {ms('alltoall')} "
+            f"| {worst('moon_rows')} | {worst('moon_entries')} / {worst('moon_sent')} | {worst('moon_bytes'):,} "
+            f"| {ms('moonep')} | {ms('route')} |"
         )
     tpe = torch.stack(
         [

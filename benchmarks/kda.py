@@ -16,7 +16,7 @@ graph (device time only). fla is optional: without it only our numbers are print
     python benchmarks/kda.py --sweep                       # also time launch configurations per kernel
     python benchmarks/kda.py --sweep --sweep-shapes 1,3    # ... at B1 T8192 H96 and B1 T32768 H32
     python benchmarks/kda.py --sections breakdown --breakdown-shapes 1,3   # per-launch times at both
-    python benchmarks/kda.py --set chunk_function:keep_intermediates=True  # a LAUNCH entry for the whole run
+    python benchmarks/kda.py --sections chunk --keep-residuals   # ours with KDAOptions(keep_residuals=True)
     python benchmarks/kda.py --autotune-cache runs/autotune   # keep fla's autotuning results between runs
 
 fla autotunes its kernels on first use for each shape; on a fresh H200 machine that took 3 min 43 s for B1
@@ -27,7 +27,9 @@ later run on the same GPU, Triton and fla versions then takes fla's configuratio
 timings instead of timing them again (Triton keys each result on those versions, the kernel's source, its
 configurations and the shapes it is tuned for, so anything else is tuned afresh). DIR is created when needed
 and may be Triton's cache directory itself; the results of a section are written to ``--out`` before the copy,
-and a result that cannot be copied is reported, not raised. Our kernels are not autotuned.
+and a result that cannot be copied is reported, not raised. Our kernels are not autotuned: their launch
+geometry is a :class:`~openk3.ops.kda.triton.config.LaunchConfig` passed to every call; the sweep times other
+ones, ``--tune`` times the chunk rows with the fastest.
 
 The roofline column is the larger of (fewest bytes: each input read once, each output written once, per
 pass) / 4.3 TB/s and (chunk-form matmul FLOPs) / 790 TFLOP/s, the copy bandwidth and bf16 matmul rate
@@ -39,9 +41,10 @@ Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim (K = V = D), ``C`
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
+import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -53,6 +56,7 @@ from pathlib import Path
 import torch
 
 from openk3.ops.kda import chunk_kda
+from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, KDAOptions, LaunchConfig
 
 LOWER_BOUND = -5.0
 HBM_BYTES_PER_S = 4.3e12
@@ -98,67 +102,6 @@ def directory_argument(text: str) -> Path:
     return Path(expanded)
 
 
-def parse_launch_setting(item: str) -> tuple[str, str, object]:
-    """``MODULE:KEY=VALUE`` as ``(MODULE, KEY, VALUE)``: VALUE a Python literal of the type of the entry's
-    default (``True``, ``32``), so that a quoted ``'False'`` cannot pass as true.
-
-    Raises:
-        ValueError: not of that form, no such kernel module (or it fails to import), no such key in its
-            ``LAUNCH``, or a value that is not a literal of the default's type."""
-    target, sep, text = item.partition("=")
-    module, _, key = target.partition(":")
-    if not sep or not module or not key:
-        raise ValueError("expected MODULE:KEY=VALUE, e.g. chunk_function:keep_intermediates=True")
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as err:
-        shown = text if len(text) <= 40 else text[:40] + "..."
-        raise ValueError(f"the value {shown!r} is not a Python literal such as True or 32 ({err})") from None
-    name = f"openk3.ops.kda.triton.{module}"
-    try:
-        launch = module_launch(module, {key: value})
-    except ModuleNotFoundError as err:
-        raise ValueError(
-            f"no module {name!r}" if err.name == name else f"importing {name!r}: {err}"
-        ) from None
-    except ImportError as err:
-        raise ValueError(f"importing {name!r}: {err}") from None
-    except AttributeError:
-        raise ValueError(f"{name!r} has no LAUNCH") from None
-    except KeyError as err:
-        raise ValueError(err.args[0]) from None
-    default = launch[key]
-    if type(value) is not type(default):
-        raise ValueError(
-            f"{module}.LAUNCH[{key!r}] takes type {type(default).__name__} (default {default!r})"
-        )
-    return module, key, value
-
-
-def check_launch_settings(settings: dict) -> None:
-    """Apply ``settings`` (``{(module, key): value}``) to the kernel modules' ``LAUNCH`` dicts for a moment
-    and run each such module's ``check_launch``, so that a setting the kernels would refuse (a warp count of 3, a
-    grad_wy value block of four key blocks) fails at the command line, not after a section has run.
-
-    Raises:
-        ValueError: from a module's ``check_launch``."""
-    import importlib
-
-    saved = []
-    try:
-        for (module, key), value in settings.items():
-            launch = module_launch(module, {key: value})
-            saved.append((launch, key, launch[key]))
-            launch[key] = value
-        for module in sorted({module for module, _ in settings}):
-            check = getattr(importlib.import_module(f"openk3.ops.kda.triton.{module}"), "check_launch", None)
-            if check is not None:
-                check()
-    finally:
-        for launch, key, value in reversed(saved):
-            launch[key] = value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check ``argv`` (default ``sys.argv[1:]``); a bad argument exits with argparse's status 2."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -181,10 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "configurations) in DIR between runs",
     )
     parser.add_argument(
-        "--chunk-forward",
-        action="store_true",
-        help="also time the forward on 64-token chunks without autograd (row 'fwd, chunks'; the default "
-        "forward without autograd runs on 16-token tiles)",
+        "--keep-residuals", action="store_true", help="time ours with KDAOptions(keep_residuals=True)"
+    )
+    parser.add_argument(
+        "--fp32-gated-keys", action="store_true", help="time ours with KDAOptions(fp32_gated_keys=True)"
     )
     parser.add_argument(
         "--fla-passes",
@@ -210,29 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="comma list of fixed-length chunk-shape numbers (1, 3, 4) the breakdown runs at; default 1",
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="MODULE:KEY=VALUE",
-        help="set a LAUNCH entry of a Triton KDA module for the whole run (repeatable; recorded in the results)",
-    )
     args = parser.parse_args(argv)
-    args.launch_settings = {}
-    for item in args.set:
-        try:
-            module, key, value = parse_launch_setting(item)
-        except ValueError as err:
-            parser.error(f"--set {item}: {err}")
-        if (module, key) in args.launch_settings:
-            parser.error(f"--set: {module}:{key} is named twice")
-        args.launch_settings[module, key] = value
-    try:
-        check_launch_settings(args.launch_settings)
-    except ValueError as err:
-        parser.error(f"--set: {err}")
-    if args.set and (args.sweep or args.tune or "sweep" in args.sections.split(",")):
-        parser.error("--set cannot be combined with the sweep or --tune, which set LAUNCH entries themselves")
+    args.options = KDAOptions(keep_residuals=args.keep_residuals, fp32_gated_keys=args.fp32_gated_keys)
     if not 1 <= args.iters <= 1000:
         parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
     if args.out is not None and (problem := out_dir_problem(args.out)):
@@ -428,20 +350,12 @@ def chunk_inputs(B, T, H, D, lens, seed=0) -> dict:
     return x
 
 
-def ours_chunk(x):
+def ours_chunk(x, options: KDAOptions | None = None, launch: LaunchConfig | None = None):
     return chunk_kda(
         x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
         lower_bound=LOWER_BOUND, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        cu_seqlens=x["cu_seqlens"],
+        cu_seqlens=x["cu_seqlens"], options=options, launch=launch,
     )[0]  # fmt: skip
-
-
-def ours_chunks(x):
-    """:func:`ours_chunk` with the 16-token tile forward switched off: without autograd it then runs the
-    64-token chunk forward (which training uses with ``chunk_function.LAUNCH["forward_on_tiles"]`` off or
-    ``keep_intermediates`` on)."""
-    with launch_config("tile_forward", {"enabled": False}):
-        return ours_chunk(x)
 
 
 def fla_chunk(x):
@@ -492,24 +406,21 @@ def decode_roofline(B, H, D) -> dict:
 # ------------------------------------------------------------------------------------------- benchmarks
 
 
-def bench_chunk(name, B, T, H, D, lens, iters, use_fla, fla_bwd, rows: list, save, chunks=False) -> None:
+def bench_chunk(
+    name, B, T, H, D, lens, iters, use_fla, fla_bwd, rows: list, save, options=None, launch=None
+) -> None:
     """Append the forward, then the forward+backward row of one shape to ``rows``, calling ``save()`` after
-    each, so a run cut short keeps its forward row. ``chunks``: also a forward row of the 64-token chunk
-    forward (pass ``fwd, chunks``; the ``fwd`` row, without autograd, is the 16-token tile forward)."""
+    each, so a run cut short keeps its forward row. ``options``, ``launch``: ours' trades and geometry."""
     x = chunk_inputs(B, T, H, D, lens)
-    ops = {"ours": ours_chunk} | ({"fla": fla_chunk} if use_fla else {})
-    fwd_ops = ops | ({"chunks": ours_chunks} if chunks else {})
+    ours = functools.partial(ours_chunk, options=options, launch=launch)
+    ops = {"ours": ours} | ({"fla": fla_chunk} if use_fla else {})
+    fwd_ops = ops
     with torch.no_grad():
         outs = {side: op(x) for side, op in fwd_ops.items()}
         times = {side: time_ms(lambda op=op: op(x), iters) for side, op in fwd_ops.items()}
     rows.append(_row(name, "fwd", times, roofline(B, T, H, D, "fwd")))
     if use_fla:
         rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["ours"])
-    if chunks:
-        rows.append(_row(name, "fwd, chunks", times | {"ours": times["chunks"]}, roofline(B, T, H, D, "fwd")))
-        rows[-1]["tiles_vs_chunks_o_rel_rmse"] = rel_rmse(outs["ours"], outs["chunks"])
-        if use_fla:
-            rows[-1]["ours_vs_fla_o_rel_rmse"] = rel_rmse(outs["fla"], outs["chunks"])
     save()
     del outs
     if not fla_bwd:
@@ -599,10 +510,8 @@ def bench_decode(name, B, H, D, use_fla) -> dict:
 # -------------------------------------------------------------------------------- per-kernel breakdown
 
 
-LAUNCH_NAMES = (
-    "prepare",
+KERNEL_NAMES = (
     "prepare (bwd)",
-    "state_fwd (o)",
     "state_fwd (h, E)",
     "state_bwd",
     "state passes (bwd, overlapped)",
@@ -616,14 +525,15 @@ LAUNCH_NAMES = (
 """The keys of :func:`our_launches`, in its order."""
 
 
-def our_launches(B, T, H, D) -> dict:
-    """Each launch of our forward and backward as a callable, its inputs prepared once (default configs)."""
+def our_launches(B, T, H, D, launch: LaunchConfig = DEFAULT_GEOMETRY) -> dict:
+    """Each launch of our forward and backward as a callable under the geometry ``launch``, its inputs
+    prepared once."""
     from openk3.ops.kda.triton.chunk_from_tiles import chunk_from_tiles
     from openk3.ops.kda.triton.chunk_function import backward_state_passes
     from openk3.ops.kda.triton.chunk_grad_intra import chunk_grad_intra
     from openk3.ops.kda.triton.chunk_grad_wy import chunk_grad_wy
     from openk3.ops.kda.triton.chunk_index import fixed_length_index
-    from openk3.ops.kda.triton.chunk_prepare import chunk_prepare
+    from openk3.ops.kda.triton.chunk_prepare import Saved, chunk_prepare
     from openk3.ops.kda.triton.chunk_state import chunk_state_fwd
     from openk3.ops.kda.triton.chunk_state_bwd import chunk_state_bwd
     from openk3.ops.kda.triton.tile_forward import TILE, empty_tile_backward, tile_prepare, tile_recurrence
@@ -635,36 +545,55 @@ def our_launches(B, T, H, D) -> dict:
     opts = dict(scale=D**-0.5, lower_bound=LOWER_BOUND, use_l2norm=True, beta_sigmoid=True)
     args = (flat["q"], flat["k"], flat["v"], flat["g"], beta, x["A_log"], x["dt_bias"])
     do = torch.randn_like(flat["v"])
-    state = dict(V=D, out_dtype=torch.bfloat16, output_final_state=False)
-    pre = chunk_prepare(*args, index, **opts)
-    _, _, h, v_new = chunk_state_fwd(pre, None, index, store_h=True, store_o=False, **state)
-    dh, dv_new, _ = chunk_state_bwd(pre, do, None, index)
-    wy = chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts)
-    intra = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], pre, wy, index)
     tiles = fixed_length_index(B, T, x["q"].device, TILE)
     tile_args = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], tiles)
-    tile_pre = tile_prepare(*tile_args, **opts)
+    tile_pre = tile_prepare(*tile_args, **opts, launch=launch.tile_prepare)
     back = empty_tile_backward(flat["q"], use_l2norm=True)
-    tile_pre_bwd = tile_prepare(*tile_args, **opts, for_backward=back)
+    tile_pre_bwd = tile_prepare(*tile_args, **opts, for_backward=back, launch=launch.tile_prepare)
+    saved = Saved(*chunk_from_tiles(tile_pre_bwd, back, beta, index, tiles, use_l2norm=True, beta_sigmoid=True),
+                  back.q_rstd, back.k_rstd)  # fmt: skip
+    pre = chunk_prepare(*args, index, saved, **opts, launch=launch.chunk_prepare)
+    state = launch.chunk_state
+    h, v_new = chunk_state_fwd(pre, None, index, V=D, launch=state)
+    dh, dv_new, _ = chunk_state_bwd(pre, do, None, index, launch=state)
+    wy = chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts, launch=launch.chunk_grad_wy)
+    intra = (flat["q"], flat["k"], flat["g"], beta, x["A_log"], x["dt_bias"], pre, wy, index)
     launches = {
-        "prepare": lambda: chunk_prepare(*args, index, **opts),
-        "prepare (bwd)": lambda: chunk_prepare(*args, index, saved=pre, **opts),
-        "state_fwd (o)": lambda: chunk_state_fwd(pre, None, index, store_h=False, store_o=True, **state),
-        "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, store_h=True, store_o=False, **state),
-        "state_bwd": lambda: chunk_state_bwd(pre, do, None, index),
-        "state passes (bwd, overlapped)": lambda: backward_state_passes(pre, None, do, None, index),
-        "grad_wy": lambda: chunk_grad_wy(*args, pre, h, dh, v_new, dv_new, do, index, **opts),
-        "grad_intra": lambda: chunk_grad_intra(*intra, **opts),
-        "tile prepare": lambda: tile_prepare(*tile_args, **opts),
-        "tile recurrence": lambda: tile_recurrence(
-            tile_pre, flat["v"], None, tiles, output_final_state=False
+        "prepare (bwd)": lambda: chunk_prepare(*args, index, saved, **opts, launch=launch.chunk_prepare),
+        "state_fwd (h, E)": lambda: chunk_state_fwd(pre, None, index, V=D, launch=state),
+        "state_bwd": lambda: chunk_state_bwd(pre, do, None, index, launch=state),
+        "state passes (bwd, overlapped)": lambda: backward_state_passes(
+            pre, None, do, None, index, None, launch
         ),
-        "tile prepare (for backward)": lambda: tile_prepare(*tile_args, **opts, for_backward=back),
+        "grad_wy": lambda: chunk_grad_wy(
+            *args, pre, h, dh, v_new, dv_new, do, index, **opts, launch=launch.chunk_grad_wy
+        ),
+        "grad_intra": lambda: chunk_grad_intra(*intra, **opts, launch=launch.chunk_grad_intra),
+        "tile prepare": lambda: tile_prepare(*tile_args, **opts, launch=launch.tile_prepare),
+        "tile recurrence": lambda: tile_recurrence(
+            tile_pre,
+            flat["v"],
+            None,
+            tiles,
+            output_final_state=False,
+            launch=launch.tile_recurrence,
+            state_launch=state,
+        ),
+        "tile prepare (for backward)": lambda: tile_prepare(
+            *tile_args, **opts, for_backward=back, launch=launch.tile_prepare
+        ),
         "chunk_from_tiles": lambda: chunk_from_tiles(
-            tile_pre_bwd, back, beta, index, tiles, use_l2norm=True, beta_sigmoid=True
+            tile_pre_bwd,
+            back,
+            beta,
+            index,
+            tiles,
+            use_l2norm=True,
+            beta_sigmoid=True,
+            launch=launch.chunk_from_tiles,
         ),
     }
-    assert tuple(launches) == LAUNCH_NAMES, "keep LAUNCH_NAMES in step with our_launches"
+    assert tuple(launches) == KERNEL_NAMES, "keep KERNEL_NAMES in step with our_launches"
     return launches
 
 
@@ -674,16 +603,7 @@ def kernel_breakdown(B, T, H, D, iters=5) -> dict:
 
 
 SWEEP = {
-    "chunk_prepare": [
-        {},
-        {"fp16_inverse": False},
-        {"cumsum_by_dot": True},
-        {"num_warps": 2},
-        {"key_block": 32},
-        {"key_block": 32, "wy_block": 32},
-        {"key_block": 32, "num_warps": 8},
-        {"num_warps": 8},
-    ],
+    "chunk_prepare": [{}, {"num_warps": 2}, {"key_block": 32}, {"num_warps": 8}],
     "chunk_state": [
         {},
         {"value_block": 32},
@@ -694,7 +614,6 @@ SWEEP = {
     ],
     "chunk_grad_wy": [
         {},
-        {"cumsum_by_dot": True},
         {"num_warps": 8},
         {"key_block": 32},
         {"value_block": 32},
@@ -702,27 +621,17 @@ SWEEP = {
         {"key_block": 32, "value_block": 32},
         {"num_warps": 8, "value_block": 32},
     ],
-    "chunk_grad_intra": [
+    "chunk_grad_intra": [{}, {"key_block": 16}, {"num_warps": 8}],
+    "tile_prepare": [{}, {"num_stages": 2}, {"key_block": 32}, {"num_warps": 2, "key_block": 32}],
+    "tile_recurrence": [
         {},
-        {"split_factors": True},
-        {"bf16_operands": False},
-        {"cumsum_by_dot": False},
-        {"key_block": 16},
-        {"num_warps": 8},
-    ],
-    "tile_forward": [
-        {},
-        {"recurrence_stages": 2},
         {"num_stages": 2},
-        {"num_warps": 1, "key_block": 32},
-        {"num_warps": 2, "key_block": 32},
-        {"recurrence_stages": 4},
+        {"num_stages": 4},
         {"value_block": 64},
         {"value_block": 16},
-        {"recurrence_warps": 2},
-        {"recurrence_warps": 8},
-        {"value_block": 16, "recurrence_warps": 2},
-        {"fp32_gated_keys": True},
+        {"num_warps": 2},
+        {"num_warps": 8},
+        {"value_block": 16, "num_warps": 2},
     ],
     "chunk_from_tiles": [
         {},
@@ -730,69 +639,59 @@ SWEEP = {
         {"num_warps": 4},
         {"num_warps": 1},
         {"num_warps": 2, "key_block": 64},
-        {"half_operands": True},
     ],
 }
-"""Launch configurations timed by ``--sweep``/``--tune`` per kernel module (``{}`` = the defaults)."""
+"""Launch geometries timed by ``--sweep``/``--tune``, per :class:`~openk3.ops.kda.triton.config.LaunchConfig`
+field: each entry replaces those fields of the kernel's default (``{}`` = the default)."""
 SWEEP_KERNELS = {
-    "chunk_prepare": ["prepare", "prepare (bwd)"],
-    "chunk_state": ["state_fwd (o)", "state_fwd (h, E)", "state_bwd", "state passes (bwd, overlapped)"],
+    "chunk_prepare": ["prepare (bwd)"],
+    "chunk_state": ["state_fwd (h, E)", "state_bwd", "state passes (bwd, overlapped)"],
     "chunk_grad_wy": ["grad_wy"],
     "chunk_grad_intra": ["grad_intra"],
-    "tile_forward": ["tile prepare", "tile recurrence"],
+    "tile_prepare": ["tile prepare", "tile prepare (for backward)"],
+    "tile_recurrence": ["tile recurrence"],
     "chunk_from_tiles": ["chunk_from_tiles"],
 }
 
 
-def module_launch(module_name: str, config: dict) -> dict:
-    """The ``LAUNCH`` dict of kernel module ``module_name``, after checking that ``config`` names only its keys
-    (a misspelt or removed key would otherwise time the defaults under another name)."""
-    import importlib
-
-    launch = importlib.import_module(f"openk3.ops.kda.triton.{module_name}").LAUNCH
-    unknown = sorted(set(config) - set(launch))
-    if unknown:
-        raise KeyError(f"{module_name}.LAUNCH has no {unknown}; its keys: {sorted(launch)}")
-    return launch
-
-
-@contextlib.contextmanager
-def launch_config(module_name: str, config: dict):
-    """``config`` applied to ``module_name``'s ``LAUNCH`` inside the block, restored after."""
-    launch = module_launch(module_name, config)
-    saved = dict(launch)
-    launch.update(config)
-    try:
-        yield
-    finally:
-        launch.clear()
-        launch.update(saved)
+def swept(picks: dict[str, dict], base: LaunchConfig = DEFAULT_GEOMETRY) -> LaunchConfig:
+    """``base`` with, for each kernel field named in ``picks``, the given entries replaced (``{"chunk_grad_wy":
+    {"key_block": 32}}``). Raises ``ValueError`` for an unknown kernel or entry, or a geometry the config
+    refuses (:mod:`~openk3.ops.kda.triton.config`)."""
+    changes = {}
+    for kernel, entries in picks.items():
+        if kernel not in SWEEP_KERNELS:
+            raise ValueError(f"no kernel {kernel!r}; choose from {sorted(SWEEP_KERNELS)}")
+        try:
+            changes[kernel] = dataclasses.replace(getattr(base, kernel), **entries)
+        except TypeError as err:
+            raise ValueError(f"{kernel}: {err}") from None
+    return dataclasses.replace(base, **changes)
 
 
 def sweep(shapes, modules: list[str] | None = None) -> list[dict]:
-    """Time the launches of each kernel module (all of ``SWEEP`` or ``modules``) under each of its
-    configurations in ``SWEEP``."""
+    """Time the launches of each kernel (all of ``SWEEP`` or ``modules``) under each of its geometries in
+    ``SWEEP``, each passed as a :class:`~openk3.ops.kda.triton.config.LaunchConfig`."""
     unknown = sorted(set(modules or []) - set(SWEEP))
     if unknown:
         raise SystemExit(f"--sweep-modules: unknown {unknown}; choose from {sorted(SWEEP)}")
     rows = []
     for B, T, H, D in shapes:
-        launches = our_launches(B, T, H, D)
         for module, configs in SWEEP.items():
             if modules and module not in modules:
                 continue
             for config in configs:
-                with launch_config(module, config):
-                    try:
-                        result = {k: time_ms(launches[k], 3, warmup=1) for k in SWEEP_KERNELS[module]}
-                    except Exception as err:  # noqa: BLE001 - a config that fails to compile is reported
-                        result = {"error": f"{type(err).__name__}: {err}"[:200]}
+                try:
+                    launches = our_launches(B, T, H, D, swept({module: config}))
+                    result = {k: time_ms(launches[k], 3, warmup=1) for k in SWEEP_KERNELS[module]}
+                    del launches
+                except Exception as err:  # noqa: BLE001 - a config that fails to compile is reported
+                    result = {"error": f"{type(err).__name__}: {err}"[:200]}
                 rows.append(
                     {"module": module, "config": config, "shape": f"B{B} T{T} H{H} D{D}", "ms": result}
                 )
                 print(f"sweep {module} {config} B{B} T{T} H{H}: {result}", flush=True)
-        del launches
-        torch.cuda.empty_cache()
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -806,9 +705,9 @@ def fixed_shapes(numbers: str | None) -> list[tuple[int, int, int, int]]:
 
 
 def tune(rows: list[dict]) -> dict:
-    """Set each module's ``LAUNCH`` to its fastest swept configuration and return them. A configuration's time
+    """Each kernel's fastest swept geometry (``{kernel: entries}``, for :func:`swept`). A configuration's time
     is its kernels' times summed over the swept shapes; one that failed, timed nothing, or lacks a shape the
-    module was swept at is out. ``{}`` (the defaults) leaves ``LAUNCH`` as it is."""
+    module was swept at is out."""
     best = {}
     for module in SWEEP:
         mine = [r for r in rows if r["module"] == module]
@@ -822,9 +721,7 @@ def tune(rows: list[dict]) -> dict:
             if {r["shape"] for r in runs} == shapes and all(r["ms"] and "error" not in r["ms"] for r in runs)
         }
         if timed:
-            pick = json.loads(min(timed, key=timed.get))
-            module_launch(module, pick).update(pick)
-            best[module] = pick
+            best[module] = json.loads(min(timed, key=timed.get))
     print("tuned launch configurations:", best, flush=True)
     return best
 
@@ -924,10 +821,8 @@ def main() -> None:
             print(f"fla not importable ({err}); timing ours only", flush=True)
             use_fla = False
     report = {"environment": environment(use_fla), "chunk": [], "decode": []}
-    if args.set:  # for the whole run (parse_args refused them beside the sweep and --tune)
-        report["environment"]["launch_settings"] = args.set
-        for (module, key), value in args.launch_settings.items():
-            module_launch(module, {key: value})[key] = value
+    report["environment"]["options"] = dataclasses.asdict(args.options)
+    launch = DEFAULT_GEOMETRY
 
     def save() -> None:  # after every section, so a run cut short keeps what it measured
         if args.out:
@@ -952,6 +847,7 @@ def main() -> None:
     if args.tune:
         run_sweep()
         report["tuned"] = tune(report["sweep"])
+        launch = swept(report["tuned"])
         save()
     if "breakdown" in sections:
         report["breakdown"] = {}
@@ -980,7 +876,8 @@ def main() -> None:
                 fla_bwd,
                 report["chunk"],
                 save,
-                args.chunk_forward,
+                args.options,
+                launch,
             )
             torch.cuda.empty_cache()
     if "sweep" in sections and not args.tune:

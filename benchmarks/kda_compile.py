@@ -1,5 +1,5 @@
-"""Compile every Triton KDA launch of one chunked forward+backward, one 64-token forward with autograd, one
-forward on 16-token tiles and one decode step for a GPU target on a machine without a GPU, and report each
+"""Compile every Triton KDA launch of one chunked forward+backward, one forward on 16-token tiles, one on
+pairs of tiles and one decode step for a GPU target on a machine without a GPU, and report each
 kernel's registers and stack (spill) bytes.
 
 The device is the scarce resource: this checks that changed kernels compile for the H200 (``sm_90``) and
@@ -13,17 +13,18 @@ Each launch is compiled with the alignment hints triton's GPU launcher would add
 without them the compiler vectorises no load and pipelines no loop, and this reported 255 registers for the
 64-token state pass with ``o`` where Nsight Compute measured 132 on the H200; with them, triton 3.6 gives
 148 (the backward's state passes 128 and 143, no stack). The launches are those a CPU call makes, so a
-setting chosen per device (``chunk_state.LAUNCH["few_program_stages"]``) is compiled as on a GPU with many
-programs; ``--set chunk_state:num_stages=2`` compiles the other. The numbers come from the installed
+setting chosen per device (``StateLaunch.few_program_stages``) is compiled as on a GPU with many
+programs; ``--geometry chunk_state.few_program_stages=0 --geometry chunk_state.num_stages=2`` compiles the
+other. The numbers come from the installed
 triton's compiler: use them to check that kernels compile and to compare variants. The device runs triton
 3.6; to match it, install that version into a side directory and put it first::
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36:src python benchmarks/kda_compile.py
 
-Usage: ``python benchmarks/kda_compile.py [--arch 90] [--set module:key=value ...]``; ``--set`` changes a
-kernel module's ``LAUNCH`` entry first (``--set chunk_grad_intra:bf16_operands=False``), checked as
-``benchmarks/kda.py --set`` checks it.
+Usage: ``python benchmarks/kda_compile.py [--arch 90] [--geometry KERNEL.FIELD=INT ...]``; ``--geometry``
+compiles the launches under another :class:`~openk3.ops.kda.triton.config.LaunchConfig` (a field of one
+kernel's launch replaced, ``--geometry chunk_grad_wy.key_block=32``), checked before anything compiles.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ TORCH_TO_TRITON = {
     torch.int64: "i64",
     torch.bool: "i1",
 }
-LAUNCH_KEYWORDS = ("num_warps", "num_stages", "maxnreg")
+OPTION_KEYWORDS = ("num_warps", "num_stages", "maxnreg")
 
 
 @dataclass
@@ -69,7 +70,7 @@ def recorded_launches():
 
     def getitem(fn, grid):
         def record(*args, **kwargs):
-            options = {k: kwargs.pop(k) for k in LAUNCH_KEYWORDS if k in kwargs}
+            options = {k: kwargs.pop(k) for k in OPTION_KEYWORDS if k in kwargs}
             named = dict(zip(fn.arg_names, args)) | kwargs
             launches.append(Launch(fn, named, options))
 
@@ -83,19 +84,18 @@ def recorded_launches():
         JITFunction.__getitem__ = saved
 
 
-def record_kda_launches() -> list[Launch]:
+def record_kda_launches(launch=None) -> list[Launch]:
     """The launches of a B1 T128 H96 D128 bf16 chunked forward+backward (K3 gate, L2 norm, β as logits with
-    ``use_beta_sigmoid_in_kernel``; initial state; the forward on 16-token tiles, as by default), of the same
-    forward with autograd on 64-token chunks (``chunk_function.LAUNCH["forward_on_tiles"]`` off for the call;
-    no backward), of the forward without autograd on 16-token tiles (``tile_forward``, switched on for the
-    call), of the same forward on pairs of tiles (``tile_pairs.pair_forward``) and of one decode step on a
-    state pool, in order."""
-    from openk3.ops.kda.triton import chunk_function, tile_forward
+    ``use_beta_sigmoid_in_kernel``; initial state), of the forward without autograd on 16-token tiles, of the
+    same forward on pairs of tiles (``tile_pairs.pair_forward``) and of one decode step on a state pool, in
+    order, under the geometry ``launch`` (None: the default)."""
     from openk3.ops.kda.triton.chunk_function import chunk_kda_triton
     from openk3.ops.kda.triton.chunk_index import fixed_length_index
+    from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, DEFAULT_OPTIONS
     from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
     from openk3.ops.kda.triton.tile_pairs import PAIR, pair_forward
 
+    launch = DEFAULT_GEOMETRY if launch is None else launch
     B, T, H, D = 1, 128, 96, 128
     bf = torch.bfloat16
     q, k, v, g = (torch.randn(B, T, H, D, dtype=bf, requires_grad=True) for _ in range(4))
@@ -103,40 +103,22 @@ def record_kda_launches() -> list[Launch]:
     A_log = torch.zeros(H, requires_grad=True)
     dt_bias = torch.zeros(H * D, requires_grad=True)
     h0 = torch.zeros(B, H, D, D, requires_grad=True)
+    kw = dict(
+        scale=D**-0.5, initial_state=h0, output_final_state=True, seq_lens=None, cu_seqlens=None,
+        use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+        use_beta_sigmoid_in_kernel=True, launch=launch,
+    )  # fmt: skip
     with recorded_launches() as launches:
-        o, ht = chunk_kda_triton(
-            q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True, seq_lens=None,
-            cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-            use_beta_sigmoid_in_kernel=True,
-        )  # fmt: skip
+        o, ht = chunk_kda_triton(q, k, v, g, beta, **kw)
         (o.float().sum() + ht.sum()).backward()
-        on_tiles = chunk_function.LAUNCH["forward_on_tiles"]
-        chunk_function.LAUNCH["forward_on_tiles"] = False
-        try:
-            chunk_kda_triton(
-                q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True, seq_lens=None,
-                cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-                use_beta_sigmoid_in_kernel=True,
-            )  # fmt: skip
-        finally:
-            chunk_function.LAUNCH["forward_on_tiles"] = on_tiles
-        enabled = tile_forward.LAUNCH["enabled"]
-        tile_forward.LAUNCH["enabled"] = True
-        try:
-            with torch.no_grad():
-                chunk_kda_triton(
-                    q, k, v, g, beta, scale=D**-0.5, initial_state=h0, output_final_state=True,
-                    seq_lens=None, cu_seqlens=None, use_qk_l2norm_in_kernel=True, A_log=A_log,
-                    dt_bias=dt_bias, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True,
-                )  # fmt: skip
-        finally:
-            tile_forward.LAUNCH["enabled"] = enabled
+        with torch.no_grad():
+            chunk_kda_triton(q, k, v, g, beta, **kw)
         with torch.no_grad():  # the forward on pairs of tiles (a GPU call of at most one program per SM)
             flat = (t.detach()[0] for t in (q, k, v, g))
             pair_forward(
                 *flat, beta.detach()[0], A_log.detach(), dt_bias.detach(), h0.detach(),
                 fixed_length_index(B, T, q.device, PAIR), scale=D**-0.5, lower_bound=-5.0, use_l2norm=True,
-                output_final_state=True, beta_sigmoid=True,
+                output_final_state=True, beta_sigmoid=True, options=DEFAULT_OPTIONS, launch=launch,
             )  # fmt: skip
         pool = torch.zeros(4, H, D, D)
         fused_recurrent_kda_decode(
@@ -220,28 +202,39 @@ def resources(cubin: bytes) -> dict:
     return fields
 
 
+def geometry(items: list[str]):
+    """The :class:`~openk3.ops.kda.triton.config.LaunchConfig` of ``--geometry KERNEL.FIELD=INT`` items.
+
+    Raises:
+        ValueError: not of that form, not an int, an unknown kernel or field, or a geometry the config
+            refuses (each names the item)."""
+    from kda import swept  # benchmarks/kda.py's sweep builds its configs the same way
+
+    picks: dict[str, dict] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        kernel, _, field = target.partition(".")
+        if not sep or not kernel or not field:
+            raise ValueError(f"{item}: expected KERNEL.FIELD=INT, e.g. chunk_grad_wy.key_block=32")
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{item}: {text!r} is not an int") from None
+        picks.setdefault(kernel, {})[field] = value
+    return swept(picks)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability ×10 (default 90, the H200)")
-    parser.add_argument("--set", action="append", default=[], metavar="MODULE:KEY=VALUE")
+    parser.add_argument("--geometry", action="append", default=[], metavar="KERNEL.FIELD=INT")
     args = parser.parse_args()
     if not 70 <= args.arch < 1000:
         sys.exit(f"--arch {args.arch}: expected a CUDA compute capability ×10 such as 80, 90 or 100")
-    from kda import check_launch_settings, module_launch, parse_launch_setting  # kda.py's --set, same checks
-
-    settings = {}
-    for item in args.set:
-        try:
-            module, key, value = parse_launch_setting(item)
-        except ValueError as err:
-            sys.exit(f"--set {item}: {err}")
-        settings[module, key] = value
-    try:  # an entry of the wrong kind fails here, not after the table's header
-        check_launch_settings(settings)
+    try:  # a bad geometry fails here, not after the table's header
+        launch = geometry(args.geometry)
     except ValueError as err:
-        sys.exit(f"--set: {err}")
-    for (module, key), value in settings.items():
-        module_launch(module, {key: value})[key] = value
+        sys.exit(f"--geometry: {err}")
     import triton
 
     print(
@@ -249,11 +242,11 @@ def main() -> None:
         "launches of chunk fwd+bwd (B1 T128 H96 D128 bf16), tile fwd, pair fwd, decode"
     )
     print(f"{'kernel':34s} {'warps':>5s} {'regs':>5s} {'stack B':>8s} {'shared B':>9s}")
-    for launch in record_kda_launches():
-        compiled = compile_launch(launch, args.arch)
+    for recorded in record_kda_launches(launch):
+        compiled = compile_launch(recorded, args.arch)
         res = resources(compiled.asm["cubin"])
         print(
-            f"{launch.fn.__name__:34s} {launch.options.get('num_warps', 4):5d} {res.get('REG', -1):5d} "
+            f"{recorded.fn.__name__:34s} {recorded.options.get('num_warps', 4):5d} {res.get('REG', -1):5d} "
             f"{res.get('STACK', -1):8d} {compiled.metadata.shared:9d}",
             flush=True,
         )

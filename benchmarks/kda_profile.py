@@ -8,18 +8,17 @@ read the hardware counters of the second launch (on a machine whose runtime lets
 clocks alone with ``--clock-control none``)::
 
     python benchmarks/kda_profile.py                                   # registers / spills / smem / time
-    ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:chunk_prepare_kernel \\
+    ncu --clock-control none --launch-skip 1 --launch-count 1 -k regex:chunk_grad_intra_kernel \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section SchedulerStats --section MemoryWorkloadAnalysis \\
-        python benchmarks/kda_profile.py --launch prepare
+        python benchmarks/kda_profile.py --launch grad_intra
 
-``--launch`` names one of ``benchmarks/kda.py``'s launches (``prepare``, ``prepare (bwd)``, ``state_fwd (o)``,
-``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``, ``tile prepare``, ``tile recurrence``;
+``--launch`` names one of ``benchmarks/kda.py``'s launches (``KERNEL_NAMES``: ``prepare (bwd)``,
+``state_fwd (h, E)``, ``state_bwd``, ``grad_wy``, ``grad_intra``, ``tile prepare``, ``tile recurrence``, ...;
 default all). ``--kernels-of fla`` instead lists the CUDA kernels of one flash-linear-attention ``chunk_kda``
 forward and forward+backward on the same inputs, with each kernel's time from ``torch.profiler`` (the peer's
 split, to compare launch by launch) and the wall time per call; ``--kernels-of ours`` does the same for our
-public ``chunk_kda`` (its forward without autograd runs on 16-token tiles), ``--kernels-of chunks`` for our
-forward on 64-token chunks (as training runs it).
+public ``chunk_kda`` (its forward without autograd runs on 16-token tiles).
 
 Legend: ``B`` batch, ``T`` tokens, ``H`` heads, ``D`` head dim.
 """
@@ -37,14 +36,13 @@ from openk3.ops.kda.triton.dispatch import SUPPORTED_DIMS
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the benchmark's own inputs and launches
 from kda import (  # noqa: E402
-    LAUNCH_NAMES,
+    KERNEL_NAMES,
     LEAVES,
     chunk_inputs,
     fla_chunk,
     fwd_bwd,
     our_launches,
     ours_chunk,
-    ours_chunks,
     time_ms,
 )
 
@@ -55,6 +53,7 @@ KERNELS = {
     "openk3.ops.kda.triton.chunk_grad_wy": ["chunk_grad_wy_value_kernel", "chunk_grad_wy_key_kernel"],
     "openk3.ops.kda.triton.chunk_grad_intra": ["chunk_grad_intra_kernel"],
     "openk3.ops.kda.triton.tile_forward": ["tile_prepare_kernel", "tile_recurrence_kernel"],
+    "openk3.ops.kda.triton.chunk_from_tiles": ["chunk_from_tiles_kernel"],
 }
 """Modules and the ``@triton.jit`` kernels whose compiled variants are reported."""
 
@@ -101,11 +100,11 @@ def op_kernels(op_name: str, B: int, T: int, H: int, D: int, repeats: int = 3) -
     """Print each CUDA kernel of one public ``chunk_kda`` forward (without autograd, as ``benchmarks/kda.py``
     times it) and forward+backward with its mean time (ms per call, from ``torch.profiler`` over ``repeats``
     calls after one warm-up), and the wall time per call (CUDA events), whose excess over the kernels is launch
-    gaps. ``op_name``: ``fla``, ``ours`` (as called: the forward on 16-token tiles, forward+backward on
-    64-token chunks) or ``chunks`` (the forward on 64-token chunks, as training runs it)."""
+    gaps. ``op_name``: ``fla`` or ``ours`` (as called: the forward on 16-token tiles, forward+backward the
+    training path)."""
     from torch.profiler import ProfilerActivity, profile
 
-    op = {"fla": fla_chunk, "ours": ours_chunk, "chunks": ours_chunks}[op_name]
+    op = {"fla": fla_chunk, "ours": ours_chunk}[op_name]
     x = chunk_inputs(B, T, H, D, None)
     for name in LEAVES:
         x[name].requires_grad_(True)
@@ -115,7 +114,7 @@ def op_kernels(op_name: str, B: int, T: int, H: int, D: int, repeats: int = 3) -
         with torch.no_grad():
             op(x)
 
-    passes = [("fwd", forward)] + ([] if op_name == "chunks" else [("fwd+bwd", lambda: fwd_bwd(op, x, do))])
+    passes = [("fwd", forward), ("fwd+bwd", lambda: fwd_bwd(op, x, do))]
     for label, fn in passes:
         fn()
         torch.cuda.synchronize()
@@ -141,16 +140,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--kernels-of",
-        choices=["fla", "ours", "chunks"],
-        help="instead list the CUDA kernels and times of one public chunk_kda call: fla's, ours, or ours with the "
-        "forward on 64-token chunks",
+        choices=["fla", "ours"],
+        help="instead list the CUDA kernels and times of one public chunk_kda call: fla's or ours",
     )
     which.add_argument(
         "--fla", dest="kernels_of", action="store_const", const="fla", help="same as --kernels-of fla"
     )
     args = parser.parse_args(argv)
-    if args.launch is not None and args.launch not in LAUNCH_NAMES:
-        parser.error(f"--launch must be one of {list(LAUNCH_NAMES)}; got {args.launch!r}")
+    if args.launch is not None and args.launch not in KERNEL_NAMES:
+        parser.error(f"--launch must be one of {list(KERNEL_NAMES)}; got {args.launch!r}")
     if args.launch is not None and args.kernels_of:
         parser.error("--launch times one of our launches; --kernels-of/--fla lists a whole call: give one")
     try:

@@ -49,7 +49,8 @@ def test_a_script_refuses_a_bad_argument_before_anything_else():
         (["--shapes", "1,5"], "--shapes: unknown ['5']"),
         (["--fla-passes", "bwd"], "--fla-passes: unknown ['bwd']"),
         (["--sweep", "--sweep-modules", "tile"], "--sweep-modules: unknown ['tile']"),
-        (["--sweep-modules", "tile_forward"], "--sweep-modules needs --sweep"),
+        (["--sweep-modules", "tile_prepare"], "--sweep-modules needs --sweep"),
+        (["--sweep", "--sweep-modules", "tile_forward"], "--sweep-modules: unknown ['tile_forward']"),
         (["--sweep", "--sweep-shapes", "2"], "--sweep-shapes: unknown ['2']"),
         (["--sweep-shapes", "3"], "--sweep-shapes needs --sweep"),
         (["--sweep-shapes", "1"], "--sweep-shapes needs --sweep"),
@@ -57,37 +58,7 @@ def test_a_script_refuses_a_bad_argument_before_anything_else():
         (["--sections", "breakdown", "--breakdown-shapes", "2"], "--breakdown-shapes: unknown ['2']"),
         (["--sections", "chunk", "--breakdown-shapes", "3"], "--breakdown-shapes needs --sections"),
         (["--sections", "breakdown", "--breakdown-shapes", ","], "--breakdown-shapes: give at least one"),
-        (["--set", "chunk_function"], "expected MODULE:KEY=VALUE"),
-        (["--set", "chunk_function:keep=True"], "chunk_function.LAUNCH has no ['keep']"),
-        (["--set", "nonesuch:key=1"], "no module 'openk3.ops.kda.triton.nonesuch'"),
-        (["--set", "chunk_index:key=1"], "'openk3.ops.kda.triton.chunk_index' has no LAUNCH"),
-        (["--set", "chunk_function:keep_intermediates=yes"], "is not a Python literal"),
-        (["--set", "chunk_function:keep_intermediates=" + "-" * 100000 + "1"], "is not a Python literal"),
-        (["--set", "chunk_function:keep_intermediates='False'"], "takes type bool (default False)"),
-        (["--set", "chunk_state:num_warps=4.0"], "takes type int (default 4)"),
-        (
-            ["--set", "chunk_state:num_warps=3"],
-            "chunk_state.LAUNCH['num_warps'] must be an int in 1, 2, 4, 8",
-        ),
-        (
-            ["--set", "chunk_grad_wy:key_block=32", "--set", "chunk_grad_wy:value_block=128"],
-            "must be less than 4 x LAUNCH['key_block'] (32)",
-        ),
-        (
-            ["--set", "chunk_function :keep_intermediates=True"],
-            "no module 'openk3.ops.kda.triton.chunk_function '",
-        ),
-        (
-            [
-                "--set",
-                "chunk_function:keep_intermediates=True",
-                "--set",
-                "chunk_function:keep_intermediates=False",
-            ],
-            "chunk_function:keep_intermediates is named twice",
-        ),
-        (["--set", "chunk_state:num_stages=3", "--sweep"], "--set cannot be combined with the sweep"),
-        (["--set", "chunk_state:num_stages=3", "--tune"], "--set cannot be combined with the sweep"),
+        (["--set", "chunk_state:num_warps=3"], "unrecognized arguments: --set"),
         (["--iters", "0"], "--iters must be in [1, 1000]"),
         (["--iters", "100000"], "--iters must be in [1, 1000]"),
         (["--shapes", "1,1"], "--shapes: '1,1' names one twice"),
@@ -109,7 +80,8 @@ def test_kda_benchmark_refuses_bad_arguments(args, message, capsys):
     [
         (["--kernels-of", "ours", "--fla"], "not allowed with argument"),
         (["--launch", "prep"], "--launch must be one of"),
-        (["--launch", "prepare", "--kernels-of", "fla"], "give one"),
+        (["--launch", "grad_wy", "--kernels-of", "fla"], "give one"),
+        (["--kernels-of", "chunks"], "invalid choice: 'chunks'"),
         (["--shape", "1,2"], "--shape must be four integers"),
         (["--shape", "1,0,4,64"], "--shape needs positive sizes"),
         (["--shape", "1,64,2,100"], "the head dim D must be one of"),
@@ -119,63 +91,77 @@ def test_kda_profile_refuses_bad_arguments(args, message, capsys):
     assert message in refusal("kda_profile", args, capsys)
 
 
-def test_launch_setting_parsed_to_module_key_value(monkeypatch):
-    """``--set MODULE:KEY=VALUE`` reads VALUE as a literal of the default's type; main applies the triple."""
+def test_kda_benchmark_options_are_a_typed_argument():
+    """The trades are flags that build one ``KDAOptions`` for ours (no module setting to patch)."""
     import kda
 
-    assert kda.parse_launch_setting("chunk_function:keep_intermediates=True") == (
-        "chunk_function", "keep_intermediates", True,
-    )  # fmt: skip
-    assert kda.parse_launch_setting("chunk_state:num_warps=8") == ("chunk_state", "num_warps", 8)
+    from openk3.ops.kda.triton.config import KDAOptions
+
+    assert kda.parse_args([]).options == KDAOptions()
+    assert kda.parse_args(["--keep-residuals"]).options == KDAOptions(keep_residuals=True)
+    assert kda.parse_args(["--fp32-gated-keys"]).options == KDAOptions(fp32_gated_keys=True)
 
 
-def test_tune_sums_each_configuration_over_the_swept_shapes(monkeypatch):
-    """``--tune`` picks per module the configuration with the least time summed over every swept shape, and
-    drops one that failed at any shape, timed nothing or misses a shape; it refuses a key LAUNCH lacks."""
+def test_tune_sums_each_configuration_over_the_swept_shapes():
+    """``--tune`` picks per kernel the geometry with the least time summed over every swept shape, and drops
+    one that failed at any shape, timed nothing or misses a shape; :func:`swept` turns the picks into a
+    ``LaunchConfig`` and refuses a field or kernel it lacks."""
     import kda
 
-    from openk3.ops.kda.triton import chunk_state, tile_forward
+    from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY
 
-    saved = {m: dict(m.LAUNCH) for m in (chunk_state, tile_forward)}
     rows = [
         {"module": "chunk_state", "config": {}, "shape": "a", "ms": {"x": 1.0, "y": 1.0}},
         {"module": "chunk_state", "config": {}, "shape": "b", "ms": {"x": 5.0, "y": 1.0}},
         {"module": "chunk_state", "config": {"num_stages": 2}, "shape": "a", "ms": {"x": 1.5, "y": 1.0}},
         {"module": "chunk_state", "config": {"num_stages": 2}, "shape": "b", "ms": {"x": 3.0, "y": 1.0}},
-        {"module": "tile_forward", "config": {}, "shape": "a", "ms": {"x": 2.0}},
-        {"module": "tile_forward", "config": {"value_block": 16}, "shape": "a", "ms": {"x": 1.0}},
-        {"module": "tile_forward", "config": {"value_block": 16}, "shape": "b", "ms": {"error": "boom"}},
-        {"module": "tile_forward", "config": {}, "shape": "b", "ms": {"x": 2.0}},
-        {"module": "tile_forward", "config": {"value_block": 64}, "shape": "a", "ms": {"x": 0.5}},  # no "b"
-        {"module": "tile_forward", "config": {"value_block": 32}, "shape": "a", "ms": {}},  # timed nothing
-        {"module": "tile_forward", "config": {"value_block": 32}, "shape": "b", "ms": {}},
+        {"module": "tile_recurrence", "config": {}, "shape": "a", "ms": {"x": 2.0}},
+        {"module": "tile_recurrence", "config": {"value_block": 16}, "shape": "a", "ms": {"x": 1.0}},
+        {"module": "tile_recurrence", "config": {"value_block": 16}, "shape": "b", "ms": {"error": "boom"}},
+        {"module": "tile_recurrence", "config": {}, "shape": "b", "ms": {"x": 2.0}},
+        {
+            "module": "tile_recurrence",
+            "config": {"value_block": 64},
+            "shape": "a",
+            "ms": {"x": 0.5},
+        },  # no "b"
+        {"module": "tile_recurrence", "config": {"value_block": 32}, "shape": "a", "ms": {}},  # timed nothing
+        {"module": "tile_recurrence", "config": {"value_block": 32}, "shape": "b", "ms": {}},
     ]
-    try:
-        assert kda.tune(rows) == {"chunk_state": {"num_stages": 2}, "tile_forward": {}}
-        assert chunk_state.LAUNCH["num_stages"] == 2
-        with pytest.raises(KeyError, match="no \\['bogus'\\]"):
-            kda.tune([{"module": "chunk_state", "config": {"bogus": 1}, "shape": "a", "ms": {"x": 1.0}}])
-        assert "bogus" not in chunk_state.LAUNCH
-    finally:
-        for module, launch in saved.items():
-            module.LAUNCH.clear()
-            module.LAUNCH.update(launch)
+    best = kda.tune(rows)
+    assert best == {"chunk_state": {"num_stages": 2}, "tile_recurrence": {}}
+    launch = kda.swept(best)
+    assert launch.chunk_state.num_stages == 2 and launch.tile_recurrence == DEFAULT_GEOMETRY.tile_recurrence
+    assert DEFAULT_GEOMETRY.chunk_state.num_stages == 1  # the default is a value, untouched
+    with pytest.raises(ValueError, match="chunk_state: .*bogus"):
+        kda.swept({"chunk_state": {"bogus": 1}})
+    with pytest.raises(ValueError, match="no kernel 'chunk_function'"):
+        kda.swept({"chunk_function": {"num_warps": 4}})
 
 
-def test_every_swept_configuration_names_real_launch_keys(monkeypatch):
-    """Each ``SWEEP`` configuration only sets keys its kernel module's ``LAUNCH`` has (a stale key would
-    time the defaults under another name), and ``launch_config`` refuses one that does not."""
-    import importlib
-
+def test_every_swept_configuration_is_a_valid_geometry():
+    """Each ``SWEEP`` entry builds a ``LaunchConfig`` (a stale field would otherwise time the defaults under
+    another name) and changes it; each kernel's timed launches exist."""
     import kda
 
     for module, configs in kda.SWEEP.items():
-        launch = importlib.import_module(f"openk3.ops.kda.triton.{module}").LAUNCH
+        assert set(kda.SWEEP_KERNELS[module]) <= set(kda.KERNEL_NAMES), module
         for config in configs:
-            assert set(config) <= set(launch), (module, config)
-    with pytest.raises(KeyError, match="no \\['row_blocks'\\]"):
-        with kda.launch_config("chunk_grad_intra", {"row_blocks": False}):
-            pass
+            launch = kda.swept({module: config})
+            assert (launch == kda.DEFAULT_GEOMETRY) == (config == {}), (module, config)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--sizes", "448,1792", "--batch", "8"], "one value per size"),
+        (["--sizes", "450", "--batch", "1"], "multiples of 28 up to 3584"),
+        (["--sizes", "3612", "--batch", "1"], "multiples of 28 up to 3584"),
+        (["--iters", "0"], "--iters must be >= 1"),
+    ],
+)
+def test_vision_benchmark_refuses_bad_arguments(args, match, capsys):
+    assert match in refusal("vision", args, capsys)
 
 
 @pytest.mark.parametrize("shape", ["1x10", "1x0x4x64", "axbxcxd"])
@@ -248,3 +234,15 @@ def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
 
     assert kda.directory_argument("~/x") == tmp_path / "x"
     assert kda.directory_argument("./~").name == "~"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sections", "gemm,loss"], "--sections: unknown ['loss']"),
+        (["--device", "cuda", "--quick"], "--quick is the CPU size"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+    ],
+)
+def test_mxfp4_benchmark_refuses(args, message, capsys):
+    assert message in refusal("mxfp4", args, capsys)

@@ -30,7 +30,8 @@ def test_dims_fill_and_efsdp():
         (dict(world_size=8, dp_shard=3), r"dp_replicate·dp_shard·cp = 1·3·1 = 3 but world_size=8"),
         (dict(world_size=6, dp_replicate=4), r"world_size=6 is not divisible by dp_replicate·cp = 4·1"),
         (dict(world_size=8, ep=3), r"ep=3 must divide dp_shard·cp = 8·1 = 8"),
-        (dict(world_size=8, cp=2), r"cp=2: context parallelism is reserved"),
+        (dict(world_size=6, cp=4), r"world_size=6 is not divisible by dp_replicate·cp = 1·4"),
+        (dict(world_size=8, dp_shard=2, cp=2), r"dp_replicate·dp_shard·cp = 1·2·2 = 4 but world_size=8"),
         (dict(world_size=0), r"world_size=0 must be a positive integer"),
     ],
 )

@@ -2,7 +2,8 @@
 
 Triton's CPU interpreter (``test_kda_triton.py``) runs the kernels' arithmetic but not the GPU compiler, so a
 kernel can pass there and still fail to compile on the device. ``benchmarks/kda_compile.py`` records the
-launches of a chunked forward+backward, a 64-token forward, a tile forward and a decode step and compiles each with ``triton.compile`` for
+launches of a chunked forward+backward, a tile forward, a pair forward and a decode step and compiles each with
+``triton.compile`` for
 ``sm_90``; it runs in a subprocess because ``test_kda_triton.py`` puts the process in interpreter mode.
 """
 
@@ -22,8 +23,8 @@ KERNELS = {
     "tile_recurrence_kernel": 3,  # the two tile forwards, and the pair forward's 32-token steps
     "pair_prepare_kernel": 1,
     "chunk_from_tiles_kernel": 1,
-    "chunk_prepare_kernel": 2,  # the backward's second pass, the 64-token forward (forward_on_tiles off)
-    "chunk_state_fwd_kernel": 2,  # with h and E in the backward, with o in the 64-token forward
+    "chunk_prepare_kernel": 1,
+    "chunk_state_fwd_kernel": 1,
     "chunk_state_bwd_kernel": 1,
     "chunk_grad_wy_value_kernel": 1,
     "chunk_grad_wy_key_kernel": 1,
@@ -65,20 +66,20 @@ def test_every_kda_launch_compiles_for_sm90():
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ("kernel_math:heads_first=1", "kernel_math.LAUNCH['heads_first'] takes type bool"),
-        ("tile_forward:num_warps=3", "tile_forward.LAUNCH['num_warps'] must be an int in 1, 2, 4, 8, 16"),
-        ("kernel_math:heads_frist=True", "kernel_math.LAUNCH has no ['heads_frist']"),
-        ("chunk_prepare:key_block=yes", "is not a Python literal"),
+        ("tile_prepare.num_warps=3", "KernelLaunch.num_warps must be an int in (1, 2, 4, 8, 16); got 3"),
+        ("chunk_grad_wy.value_block=256", "value_block (256) must be less than 4 x key_block (64)"),
+        ("nonesuch.num_warps=4", "no kernel 'nonesuch'"),
+        ("chunk_prepare.key_blok=32", "chunk_prepare: "),
+        ("chunk_prepare.key_block=yes", "'yes' is not an int"),
     ],
 )
-def test_kda_compile_refuses_bad_settings(setting, message):
-    """``kda_compile.py --set`` checks a setting as ``kda.py --set`` does (its type against the default's,
-    then the module's ``check_launch``) before it compiles anything: one line naming the entry, exit status
-    1, no table."""
+def test_kda_compile_refuses_bad_geometry(setting, message):
+    """``kda_compile.py --geometry`` builds its launch config with the config's own checks before it compiles
+    anything: one line naming the problem, exit status 1, no table."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kda_compile.py"), "--set", setting],
+        [sys.executable, str(ROOT / "benchmarks" / "kda_compile.py"), "--geometry", setting],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1 and message in proc.stderr, (proc.returncode, proc.stderr[-2000:])

@@ -92,3 +92,30 @@ def test_bad_counts_name_the_problem():
         plan_moonep(torch.tensor([[4, 0], [3, 0]]), 4)
     with pytest.raises(ValueError, match="num_experts=3 is not divisible by the EP size R=2"):
         plan_moonep(torch.zeros(2, 3, dtype=torch.int64), 0)
+
+
+@pytest.mark.parametrize("sigma,duplicates", [(0.0, False), (2.0, False), (1.0, True)])
+def test_dispatch_layout_of_the_plan(sigma, duplicates):
+    """The tables every rank derives from the plan (``openk3.dist.moonep``): each source sends and each rank
+    receives exactly ``S·K`` entries, and on every rank the expert segments tile ``[0, S·K)`` exactly, home
+    experts first (in expert order), then the redundant copies."""
+    from openk3.dist.moonep import dispatch_layout
+
+    R, E, S, K = 8, 32, 64, 4
+    tpe = _routing_counts(R, E, S, K, sigma, 0, duplicates)
+    plan = plan_moonep(tpe, S * K)
+    slice_start, slice_end, buf_start, slot_sizes, entries_RR = dispatch_layout(plan, tpe)
+    assert torch.equal(entries_RR.sum(1), torch.full((R,), S * K)), "each source sends S·K entries"
+    assert torch.equal(entries_RR.sum(0), torch.full((R,), S * K)), "each rank receives S·K entries"
+    assert torch.equal(slice_end[:, -1], tpe.sum(0)), "the ranks' slices of an expert cover its load"
+    P = E // R
+    for d in range(R):
+        segments = sorted(
+            (int(buf_start[e, d]), int(plan.alloc_ER[e, d]), e) for e in range(E) if plan.alloc_ER[e, d] > 0
+        )
+        ends = [0] + [start + n for start, n, _ in segments]
+        assert [start for start, _, _ in segments] == ends[:-1] and ends[-1] == S * K, f"rank {d} not tiled"
+        experts = [e for _, _, e in segments]
+        home = [e for e in experts if e // P == d]
+        assert experts[: len(home)] == sorted(home), "home experts first, in order"
+        assert int(slot_sizes[d].sum()) == S * K

@@ -10,12 +10,11 @@ import torch
 
 import openk3
 from openk3.generate import greedy
-from openk3.model.attn_res import attn_res_mix
-from openk3.model.cache import KDACache
+from openk3.model.attn_res import MixSite, TwoPhaseAttnRes, attn_res_mix
+from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import RMSNorm
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
-from openk3.serve.decode_forward import TwoPhaseAttnRes, _MixSite
-from openk3.serve.kda_decode import kda_decode_
+from openk3.serve.metrics import ServerMetrics
 from openk3.serve.scheduler import QueueFullError
 
 VOCAB = 512
@@ -34,7 +33,9 @@ def prompts(lengths, seed=0):
     return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def engine(model, block_size=8, num_blocks=2000, interval=2, caching=True, **sched) -> LLMEngine:
+def engine(
+    model, block_size=8, num_blocks=2000, interval=2, caching=True, host_pool_mib=0.0, **sched
+) -> LLMEngine:
     sched = {"max_num_batched_tokens": 96, "max_num_seqs": 16, "long_prefill_token_threshold": 32, **sched}
     return LLMEngine(
         model,
@@ -44,6 +45,7 @@ def engine(model, block_size=8, num_blocks=2000, interval=2, caching=True, **sch
                 num_blocks=num_blocks,
                 checkpoint_interval=interval,
                 enable_prefix_caching=caching,
+                host_pool_mib=host_pool_mib,
             ),
             SchedulerConfig(**sched),
         ),
@@ -68,27 +70,45 @@ def test_two_phase_attn_res_equals_one_phase():
         norm, proj = RMSNorm(D), torch.nn.Linear(D, 1, bias=False)
         norm.weight.data.uniform_(0.5, 1.5)
         proj.weight.data.normal_()
-        sites.append(_MixSite(norm, proj, n))
+        sites.append(MixSite(norm, proj, n))
     for i, s in enumerate(sites):
         s.index = sum(1 for t in sites[:i] if t.num_blocks == s.num_blocks)
     blocks = [torch.randn(3, 1, D, dtype=torch.float64) for _ in range(3)]
-    res = TwoPhaseAttnRes(sites, blocks)
+    res = TwoPhaseAttnRes(sites)
     for s in sites:
         partial = torch.randn(3, 1, D, dtype=torch.float64)
         torch.testing.assert_close(
-            res.mix(s, partial),
+            res(blocks[: s.num_blocks], partial, s.norm, s.proj),
             attn_res_mix(blocks[: s.num_blocks], partial, s.norm, s.proj),
             rtol=1e-12,
             atol=1e-12,
         )
+    with pytest.raises(ValueError, match="no AttnRes site reads 2 blocks"):
+        res(blocks[:2], partial, sites[0].norm, sites[0].proj)
 
 
+def test_two_phase_model_forward_equals_one_phase():
+    """The model's forward with two-phase AttnRes == one mix at a time (float64, pseudo-queries not zero)."""
+    cfg = openk3.presets.k3_shaped(4, vocab_size=VOCAB)
+    backbone = openk3.build_model(cfg, dtype=torch.float64, seed=2).language_model.model
+    torch.manual_seed(0)
+    for site in backbone.attn_res_sites:
+        site.proj.weight.data.normal_()
+    ids = torch.tensor(prompts([9, 9]))
+    with torch.no_grad():
+        want = backbone(ids)
+        got = backbone(ids, two_phase_attn_res=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("lengths", [[3, 17, 40], [40]])
 @pytest.mark.parametrize("T", [1, 3, 20])
-def test_paged_forward_equals_model_forward(model, T):
+def test_paged_forward_equals_model_forward(model, T, lengths):
     """B requests with different cached lengths bring T tokens each: a decode (T = 1), a short continuing
-    chunk (absorbed MLA, recurrent KDA on the layer forward) and a long one (naive MLA, chunked KDA)."""
+    chunk (absorbed MLA, recurrent KDA on the layer forward) and a long one (naive MLA, chunked KDA); one
+    request alone has no padding (naive MLA through SDPA's lower-right causal bias)."""
     eng = engine(model)
-    ps = prompts([3, 17, 40])
+    ps = prompts(lengths)
     reqs = [Request(f"d{i}", p, SamplingParams(max_tokens=T + 3)) for i, p in enumerate(ps)]
     for r in reqs:
         eng.add_request(r)
@@ -104,25 +124,26 @@ def test_paged_forward_equals_model_forward(model, T):
         [kv.block_tables[r.request_id] for r in reqs],
         [kv.state_slots[r.request_id] for r in reqs],
     )
-    assert len(reqs[0].output_token_ids) > 1  # the short prompt was already decoding in the batch
+    assert len(ps) == 1 or len(reqs[0].output_token_ids) > 1  # the short prompt was already decoding
     for r, ids, row in zip(reqs, new, logits):
         want = model(torch.tensor([r.all_token_ids[:-1] + ids])).logits[0, -1]
         torch.testing.assert_close(row, want, rtol=1e-4, atol=1e-4)
 
 
-def test_kda_decode_in_place_equals_the_layer():
-    """The server's in-place KDA decode token == the model's KDA layer with a cache (float64)."""
+@pytest.mark.parametrize("T", [1, 3])
+def test_kda_state_slots_in_place_equal_the_layer(T):
+    """The KDA layer on a server's state views (in place) == the layer with its own cache (float64)."""
     torch.manual_seed(0)
     lm = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=VOCAB), dtype=torch.float64, seed=1)
     attn = lm.language_model.model.layers[1].self_attn
     B, H, K, D, W = 5, attn.num_heads, attn.head_dim, attn.q_proj.in_features, attn.q_conv1d.kernel_size
-    x = torch.randn(B, 1, D, dtype=torch.float64)
+    x = torch.randn(B, T, D, dtype=torch.float64)
     S = torch.randn(B, H, K, K, dtype=torch.float64) * 0.1
     conv = torch.randn(B, 3, H * K, W - 1, dtype=torch.float64)
     cache = KDACache((conv[:, 0].clone(), conv[:, 1].clone(), conv[:, 2].clone()), S.clone())
     with torch.no_grad():
         want = attn(x, cache)
-        got = kda_decode_(attn, x, S, conv)
+        got = attn(x, KDAStateSlots(S, conv))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(S, cache.recurrent_state, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(conv, torch.stack(cache.conv_states, 1), rtol=0, atol=0)
@@ -162,6 +183,65 @@ def test_branch_point_checkpoint(model):
     c = shared + prompts([9], seed=7)[0]
     (out,), (rc,) = run(eng, [c], 6, "c")
     assert rc.num_cached_tokens == 16 and out == reference(model, c, 6)
+
+
+def test_prompt_ending_on_a_block_boundary_is_reused_whole(model):
+    """A 32-token prompt with 16-token blocks, then the same prompt + 1 token: both full blocks are reused
+    (the KDA state after token 32 is kept), and an exact repeat still reuses the first block."""
+    first = prompts([32], seed=8)[0]
+    eng = engine(model, block_size=16, interval=0)
+    _, (r1,) = run(eng, [first], 4, "a")
+    assert r1.checkpoint_positions == {16, 32}
+    ext = first + prompts([1], seed=9)[0]
+    (out,), (r2,) = run(eng, [ext], 6, "b")
+    assert r2.num_cached_tokens == 32 and out == reference(model, ext, 6)
+    (again,), (r3,) = run(eng, [first], 4, "c")
+    assert r3.num_cached_tokens == 16 and again == reference(model, first, 4)
+    eng.pool.check_invariants()
+
+
+def test_next_turn_reuses_the_generated_text(model):
+    """Turn 2 = turn 1's prompt + its 10 generated tokens + 5 new ones: the state at the last block boundary
+    inside the generated text (token 24 of 29 computed, 8-token blocks) is reused, not only the prompt's."""
+    first = prompts([20], seed=14)[0]
+    eng = engine(model, interval=0)
+    (out1,), _ = run(eng, [first], 10, "t1")
+    second = first + out1 + prompts([5], seed=15)[0]
+    (out2,), (r2,) = run(eng, [second], 6, "t2")
+    assert r2.num_cached_tokens == 24 and out2 == reference(model, second, 6)
+    eng.pool.check_invariants()
+
+
+def test_host_tier_hit_equals_cold(model):
+    """A prefix evicted from a small device pool comes back from the host tier: the same hit as if it had
+    stayed, and the same tokens as a cold run and the reference."""
+    shared = prompts([48], seed=10)[0]
+    a, b = shared + prompts([5], seed=11)[0], shared + prompts([7], seed=12)[0]
+    fillers = prompts([60, 61, 62], seed=13)  # each needs a state slot and a checkpoint of 55 pages
+
+    def sequence(host_pool_mib):
+        eng = engine(model, num_blocks=140, interval=0, host_pool_mib=host_pool_mib)
+        run(eng, [a], 4, "a")
+        for i, f in enumerate(fillers):
+            run(eng, [f], 2, f"f{i}")
+        (out,), (req,) = run(eng, [b], 8, "b")
+        return eng, out, req
+
+    eng, hot, req = sequence(host_pool_mib=2.0)
+    assert req.num_cached_tokens == 48 and eng.kv.host_hit_tokens == 48 and eng.kv.host.num_loaded == 7
+    (cold,), _ = run(engine(model, caching=False), [b], 8, "c")
+    assert hot == cold == reference(model, b, 8)
+    eng.pool.check_invariants()
+    eng.kv.host.check_invariants()
+    stats = eng.stats()
+    assert stats.host_hit_tokens == 48 and 0 < stats.host_tier_usage < 1
+    text = ServerMetrics().render(stats).decode()
+    assert (
+        "openk3:host_tier_hits_total 48.0" in text
+        and f"openk3:host_tier_usage_perc {stats.host_tier_usage}" in text
+    )
+    _, out, req = sequence(host_pool_mib=0.0)
+    assert req.num_cached_tokens == 0 and out == cold  # without the tier the prefix was evicted for good
 
 
 def test_chunked_prefill_interleaves(model):

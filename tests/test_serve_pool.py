@@ -1,5 +1,6 @@
-"""Block pool, prefix hashing, two-stage lookup and the KV cache manager on tiny pools: exact block ids,
-reference counts and eviction order, derived by hand from the invariants in ``serve/block_pool.py``."""
+"""Block pool, prefix hashing, two-stage lookup, the KV cache manager and the host-memory tier on tiny
+pools: exact block ids, reference counts and eviction order, derived by hand from the invariants in
+``serve/block_pool.py`` and ``serve/host_tier.py``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from openk3.serve.block_pool import BlockPool, CacheKey, PoolExhaustedError
 from openk3.serve.cache_storage import CacheStorage, PageLayout
 from openk3.serve.config import CacheConfig
+from openk3.serve.host_tier import HostTier
 from openk3.serve.kv_manager import KVCacheManager
 from openk3.serve.prefix_cache import (
     ROOT_HASH,
@@ -244,3 +246,126 @@ def test_state_gather_units_match_the_page_layout_and_flush_on_touch():
     batch.recurrent.zero_()
     storage.release_states(slots[1])  # a finishing request's state reaches its pages before they are freed
     assert flat_state(storage, slots[1])[0].abs().max() == 0
+
+
+def test_host_tier_lru_order_locks_and_exact_copies():
+    kv = tiny_manager(num_blocks=8)
+    storage = kv.storage
+    storage.pages.copy_(torch.arange(8 * 32, dtype=torch.float32).view(8, 32))
+    host = HostTier(storage, 4)
+    e1, e2, e3, e4 = (CacheKey("mla", bytes([i])) for i in range(1, 5))
+    assert host.save(e1, (1,)) and host.save(e2, (2, 3)) and host.save(e3, (4,))
+    assert host.entries[e2] == (1, 2) and host.free_rows == []
+    assert torch.equal(host.pages[1:3], storage.pages[2:4])
+    host.lock([e2])
+    assert host.save(e4, (5, 6))  # needs 2 rows: e1 (least recently used) and e3 go, the locked e2 stays
+    assert list(host.entries) == [e2, e4] and host.entries[e4] == (3, 0)
+    assert not host.save(CacheKey("kda", b"x"), (1, 2, 3, 4, 5)) and host.num_dropped == 1
+    with pytest.raises(ValueError, match="locked"):
+        host.discard(e2)
+    host.unlock([e2])
+    host.load(e4, (7, 1))
+    assert torch.equal(storage.pages[7], storage.pages[5]) and torch.equal(storage.pages[1], storage.pages[6])
+    host.lookup(e2)  # now most recently used: a save that needs room drops e4 first
+    assert host.save(e1, (1,)) and list(host.entries) == [e2, e1]
+    host.check_invariants()
+
+
+def test_manager_brings_evicted_blocks_and_checkpoint_back_from_the_host_tier():
+    page_mib = 32 * 4 / 2**20
+    kv = tiny_manager(num_blocks=12, host_pool_mib=8 * page_mib)
+    pool, host = kv.pool, kv.host
+    assert host.num_pages == 8 and pool.on_evict == host.save
+    a = Request("a", list(range(9)), SamplingParams(max_tokens=1))  # 3 blocks; checkpoint at 8 on 2 pages
+    kv.admit(a, kv.plan_admission(a))
+    run_prefill(kv, a, 8)
+    run_prefill(kv, a, 1)
+    latents = kv.storage.pages[kv.block_tables["a"][:2]].clone()
+    ckpt_key = CacheKey("kda", a.block_hashes[1])
+    checkpoint = kv.storage.pages[list(pool.lookup(ckpt_key))].clone()
+    kv.free(a)
+    b = Request("b", list(range(100, 125)), SamplingParams(max_tokens=1))  # 7 blocks + a 2-page slot
+    kv.admit(b, kv.plan_admission(b))  # takes the 7 empty blocks and a's checkpoint pages (evicted)
+    run_prefill(kv, b, 24)  # b's checkpoint at 24 takes the last 2 pages: a's MLA blocks are evicted
+    run_prefill(kv, b, 1)
+    kv.free(b)
+    assert pool.lookup(CacheKey("mla", a.block_hashes[0])) is None and pool.lookup(ckpt_key) is None
+    assert host.lookup(CacheKey("mla", a.block_hashes[0])) is not None and host.lookup(ckpt_key) is not None
+    c = Request("c", list(range(9)) + [50], SamplingParams(max_tokens=1))
+    plan = kv.plan_admission(c)
+    hit = plan.hit
+    assert hit.num_tokens == 8 and hit.mla_blocks == [0, 0] and hit.host_checkpoint == ckpt_key
+    assert sorted(hit.host_mla) == [0, 1] and plan.num_pages_needed == 2 + 2 + 1  # slot, 2 back, 1 new
+    kv.admit(c, plan)
+    assert c.num_cached_tokens == 8 and kv.host_hit_tokens == 8
+    assert torch.equal(kv.storage.pages[kv.block_tables["c"]], latents)
+    assert torch.equal(kv.storage.pages[list(kv.state_slots["c"])], checkpoint)
+    assert pool.lookup(CacheKey("mla", a.block_hashes[0])) == (kv.block_tables["c"][0],)
+    assert host.lookup(CacheKey("mla", a.block_hashes[0])) is None and host.lookup(ckpt_key) is not None
+    kv.free(c)
+    pool.check_invariants()
+    host.check_invariants()
+
+
+def test_host_tier_sizes_are_checked():
+    with pytest.raises(ValueError, match="host_pool_mib must be"):
+        CacheConfig(host_pool_mib=-1.0)
+    with pytest.raises(ValueError, match="fewer than one cache entry"):
+        tiny_manager(host_pool_mib=100 / 2**20)  # 0 pages of 128 B; a checkpoint needs 2
+    assert tiny_manager(host_pool_mib=1.0).host.num_pages == 2**20 // 128
+    assert tiny_manager(host_pool_mib=1.0, enable_prefix_caching=False).host is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned host memory)")
+def test_gpu_host_tier_is_pinned_and_round_trips_exactly():
+    layout = PageLayout(4, 1, 1, 8, (2, 4, 4, 2), torch.float32, torch.float32)
+    storage = CacheStorage(layout, 8, device="cuda")
+    storage.pages.copy_(torch.randn(8, 32, device="cuda"))
+    host = HostTier(storage, 4)
+    assert host.pages.is_pinned() and host.pages.device.type == "cpu"
+    key = CacheKey("kda", b"k")
+    before = storage.pages[[1, 2]].clone()
+    assert host.save(key, (1, 2))
+    storage.pages[[1, 2]] = 0.0  # the pool reuses the pages right after the (asynchronous) copy
+    host.load(key, (5, 6))
+    torch.cuda.synchronize()
+    assert torch.equal(storage.pages[[5, 6]], before)
+
+
+def test_decode_checkpoint_keeps_only_the_latest_boundary_of_the_output():
+    kv = tiny_manager(num_blocks=20)
+    pool = kv.pool
+    a = Request("a", list(range(5)), SamplingParams(max_tokens=9))  # decode boundaries at 8 and 12
+    kv.admit(a, kv.plan_admission(a))
+    assert a.checkpoint_positions == {4}
+    run_prefill(kv, a, 4)
+    run_prefill(kv, a, 1)
+    stored = []
+    for token in range(8):  # each step: one generated token appended, then computed
+        a.output_token_ids.append(100 + token)
+        run_prefill(kv, a, 1)
+        stored.append(kv.store_decode_checkpoint(a))
+    assert a.num_computed_tokens == 13 and stored == [False, False, True, False, False, False, True, False]
+    at_8, at_12 = (CacheKey("kda", a.block_hashes[i]) for i in (1, 2))
+    assert (
+        pool.lookup(at_8) is None and pool.lookup(at_12) is not None and kv.decode_checkpoints == {"a": at_12}
+    )
+    assert kv.num_checkpoints_stored == 3  # prompt boundary 4, then 8 (dropped), 12
+    kv.free(a)
+    assert kv.decode_checkpoints == {} and pool.lookup(at_12) is not None
+    b = Request("b", a.all_token_ids[:12] + [7, 7], SamplingParams(max_tokens=1))  # the next turn
+    assert kv.plan_admission(b).hit.num_tokens == 12
+    pool.check_invariants()
+
+
+def test_uncache_frees_unused_blocks_to_the_front():
+    pool = BlockPool(5)
+    ids = tuple(pool.get_new_blocks(2))
+    key = CacheKey("kda", b"z")
+    assert pool.cache(key, ids)
+    pool.free_blocks(ids)
+    assert queue(pool) == [3, 4, 1, 2]
+    pool.uncache(key)
+    assert queue(pool) == [1, 2, 3, 4] and pool.lookup(key) is None and pool.num_evicted_entries == 0
+    pool.uncache(key)
+    pool.check_invariants()

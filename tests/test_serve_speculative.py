@@ -110,6 +110,9 @@ def test_bad_k_is_refused(pair):
         plain.add_request(Request("z", prompts[0], SamplingParams(num_speculative_tokens=2)))
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         engine(model, draft, k=0)
+    with pytest.raises(ValueError, match="static_decode=True cannot run with a draft"):
+        LLMEngine(model, EngineConfig(static_decode=True), draft=draft)
+    assert engine(model, draft).runner.decode_graphs is None  # the draft needs every forward's features
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton KDA decode kernel path)")

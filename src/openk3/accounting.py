@@ -12,6 +12,10 @@ Cache sizes per request (``docs/references.md#caches``, ``docs/references.md#par
 * MLA: ``kv_lora_rank + qk_rope_head_dim`` numbers per token per MLA layer, in bf16.
 * Crossover: the length below which the hybrid holds more cache bytes (bf16) than an all-MLA model of the
   same depth: ``kda_bytes / ((L − L_mla) · mla_bytes_per_token_per_layer)``.
+
+Checkpoint size (:func:`checkpoint_bytes`), in the official dtypes: fp32 for the tensors the release stores in
+F32 (:data:`FP32_TENSORS`), bf16 for the rest, and, in the MXFP4 layout, 4.25 bits per routed-expert weight
+(half a byte of E2M1 code plus one E8M0 byte per 32 numbers; ``docs/quantization.md``).
 """
 
 from __future__ import annotations
@@ -21,10 +25,15 @@ from collections import OrderedDict
 
 from torch import nn
 
+from openk3.checkpoint.names import is_stacked
 from openk3.config import AnyConfig, KimiLinearConfig, text_config_of
 from openk3.model.modeling import build_model
+from openk3.quant.mxfp4 import MXFP4_BYTES_PER_NUMBER
 
 BF16, FP32 = 2, 4
+FP32_TENSORS = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
+"""Name endings of the tensors the official checkpoint stores in F32 (KDA convolutions, decay and norm, the
+router's bias); every other tensor is BF16 (or MXFP4, for routed experts)."""
 
 
 def _numel(module: nn.Module) -> int:
@@ -83,6 +92,10 @@ def count_parameters(config: AnyConfig) -> dict[str, int]:
     unused = (text.num_experts - text.num_experts_per_token) * expert_one * n_moe if n_moe else 0
     out["active"] = out["total"] - out["embed_tokens"] - unused
     out.update(kda_layer=kda_layer, mla_layer=mla_layer, moe_layer=moe_layer, routed_expert=expert_one)
+    if hasattr(model, "vision_tower"):  # not in ``total``: the published headline count is text-only
+        out["vision_tower"] = _numel(model.vision_tower)
+        out["mm_projector"] = _numel(model.mm_projector)
+        out["total_with_vision"] = out["total"] + out["vision_tower"] + out["mm_projector"]
     return out
 
 
@@ -173,8 +186,22 @@ def cache_sizes(text: KimiLinearConfig) -> dict[str, float]:
     }
 
 
+def checkpoint_bytes(config: AnyConfig) -> dict[str, int]:
+    """Bytes of the model's tensors in a checkpoint: ``bf16`` (all weights in bf16 apart from
+    :data:`FP32_TENSORS`) and ``mxfp4`` (the same with routed experts in MXFP4), from a meta-device build."""
+    model = build_model(config, device="meta")
+    dense = experts = 0
+    for name, t in model.state_dict().items():
+        if is_stacked(name):
+            experts += t.numel()
+        else:
+            dense += t.numel() * (FP32 if name.endswith(FP32_TENSORS) else BF16)
+    return {"bf16": dense + experts * BF16, "mxfp4": dense + math.ceil(experts * MXFP4_BYTES_PER_NUMBER)}
+
+
 def accounting_report(config: AnyConfig) -> dict:
     """Everything ``openk3 info`` prints, as one JSON-ready dict (keys ``total_params``, ``active_params``,
+    ``total_with_vision_params`` (``total_params`` plus the vision tower and projector, if any),
     ``kda_state_bytes_bf16``, ``mla_bytes_per_token_bf16``, ``components``, …)."""
     text = text_config_of(config)
     counts = count_parameters(config)
@@ -183,6 +210,8 @@ def accounting_report(config: AnyConfig) -> dict:
         "model_type": config.model_type,
         "total_params": counts["total"],
         "active_params": counts["active"],
-        "components": {k: v for k, v in counts.items() if k not in ("total", "active")},
+        "total_with_vision_params": counts.get("total_with_vision", counts["total"]),
+        "components": {k: v for k, v in counts.items() if k not in ("total", "active", "total_with_vision")},
         **caches,
+        **{f"checkpoint_bytes_{k}": v for k, v in checkpoint_bytes(config).items()},
     }

@@ -69,6 +69,8 @@ def _print_info(report: dict) -> None:
         print(f"  {name:<28} {value:>22,}")
     print(f"  {'total':<28} {report['total_params']:>22,}")
     print(f"  {'active (no input embedding)':<28} {report['active_params']:>22,}")
+    if report["total_with_vision_params"] != report["total_params"]:
+        print(f"  {'total with vision':<28} {report['total_with_vision_params']:>22,}")
     print("cache per request:")
     print(f"  KDA layers / MLA layers      {report['kda_layers']} / {report['mla_layers']}")
     print(
@@ -82,6 +84,17 @@ def _print_info(report: dict) -> None:
         f"({report['mla_numbers_per_token_per_layer']} numbers/token/layer)"
     )
     print(f"  crossover vs all-MLA         {report['crossover_tokens_vs_all_mla']:,} tokens")
+    print("checkpoint size:")
+    print(f"  bf16                         {_bytes(report['checkpoint_bytes_bf16'])}")
+    print(f"  MXFP4 routed experts         {_bytes(report['checkpoint_bytes_mxfp4'])}")
+
+
+def _bytes(n: int) -> str:
+    """``1,559,965,606,912 B (1.56 TB, 1.42 TiB)``: decimal and binary units of the largest fitting size."""
+    for dec, binary, unit in ((10**12, 2**40, "T"), (10**9, 2**30, "G"), (10**6, 2**20, "M")):
+        if n >= dec:
+            return f"{n:,} B ({n / dec:.2f} {unit}B, {n / binary:.2f} {unit}iB)"
+    return f"{n:,} B"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -132,10 +145,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("EP receive buffer per MoE layer (bf16, S·K rows)", b.ep_buffer_bytes),
         ("FSDP/HSDP traffic per step", b.fsdp_comm_bytes),
         ("EP traffic per step", b.ep_comm_bytes),
+        ("activations per micro-batch (bf16, no checkpointing)", b.activations_bytes),
+        ("activations per micro-batch (full checkpointing)", b.activations_checkpointed_bytes),
     ]
     for name, value in rows:
-        print(f"  {name:50s} {value / GIB:10.2f} GiB")
-    print("  activations                                        not estimated yet")
+        print(f"  {name:54s} {value / GIB:10.2f} GiB")
     return 0
 
 
@@ -168,14 +182,39 @@ def _train(args: argparse.Namespace) -> int:
         given["context_schedule"] = parse_context_schedule(args.context_schedule)
     if args.no_sample:
         given["sample_prompt"] = None
-    if args.dp_shard or args.ep or args.dp_replicate or "LOCAL_RANK" in os.environ:  # torchrun world
+    from openk3.data.image_text import is_image_text_jsonl
+
+    if is_image_text_jsonl(given.get("data")):  # image-text pairs: openk3.train.image_text
+        from openk3.train.image_text import train_image_text
+
+        if args.resume or args.dp_shard or args.ep or args.dp_replicate or args.cp:
+            raise ValueError(
+                "image-text training (a JSONL of image and text) does not resume or run distributed"
+            )
+        summary = train_image_text(TrainConfig(**given))
+        print(
+            f"checkpoint: {summary['checkpoint']}\nheld-out caption accuracy {summary['caption_accuracy']:.3f} "
+            f"(words {summary['word_accuracy']:.3f}; chance {summary['majority_accuracy']:.3f}) on "
+            f"{summary['heldout_rows']} images not trained on"
+        )
+        return 0
+    if args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ:  # torchrun
+        if args.qat:
+            raise ValueError("--qat is not supported in distributed training yet: train on one device")
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
-            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume
-        )
+            TrainConfig(**given), args.dp_shard or -1, args.dp_replicate or 1, args.ep or 1, args.resume,
+            args.ep_dispatcher, cp=args.cp or 1, cp_layout=args.cp_layout,
+        )  # fmt: skip
         if summary["rank"] == 0:
             print(f"step {summary['step']}: loss {summary['loss']:.4f}, checkpoint {summary['checkpoint']}")
+            if "val_loss" in summary:
+                print(
+                    f"val loss {summary['val_loss']:.4f} nats/token on {summary['val_tokens']:,} val tokens"
+                )
+            if "export" in summary:
+                _print_sample(args, TrainConfig(**given), summary["export"])
         return 0
     if args.resume:
         out = given.get("out", TrainConfig.out)
@@ -201,13 +240,20 @@ def _train(args: argparse.Namespace) -> int:
         print(f"stopped at step {summary['step']}; continue with: openk3 train --out {config.out} --resume")
         return 130 if not config.stop_at_step else 0
     if config.sample_prompt:
-        model, tokenizer, _ = _load_for_inference(summary["checkpoint"], config.device)
-        prompt = config.sample_prompt
-        if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
-            prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
-        print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
-        _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
+        _print_sample(args, config, summary["checkpoint"])
     return 0
+
+
+def _print_sample(args: argparse.Namespace, config, checkpoint: str) -> None:
+    """The end-of-run sample of ``openk3 train``: 200 tokens from ``checkpoint`` after the run's prompt."""
+    from openk3.train.trainer import TrainConfig
+
+    model, tokenizer, _ = _load_for_inference(checkpoint, config.device)
+    prompt = config.sample_prompt
+    if args.sample_prompt is None and config.data is not None and prompt == TrainConfig.sample_prompt:
+        prompt = _corpus_prompt(Path(config.out), tokenizer) or prompt  # not Shakespeare: its own text
+    print(f"--- sample (temperature 0.8, top-p 0.95, seed {config.seed}) ---")
+    _stream_text(model, tokenizer, prompt, 200, 0.8, 0.95, config.seed, config.device)
 
 
 CORPUS_PROMPT_TOKENS = 8
@@ -251,11 +297,13 @@ def _stream_text(
     ids=None,
     stop=None,
     draft=None,
+    media=None,
 ) -> None:
     """Write ``prompt`` then its continuation to stdout as it is generated. ``ids``: the prompt's token ids
     when they are not ``tokenizer.encode(prompt)`` (a chat prompt; then ``prompt`` is what is echoed, possibly
     ""); ``stop``: ids that end the text (default: the eos id); ``draft``: ``(draft model, k)`` for
-    speculative decoding (:func:`openk3.speculative.speculative_stream`, the same distribution)."""
+    speculative decoding (:func:`openk3.speculative.speculative_stream`, the same distribution); ``media``:
+    the images of ``ids``'s placeholder tokens (not with ``draft``)."""
     import torch
 
     from openk3.generate import stream
@@ -269,7 +317,9 @@ def _stream_text(
     x = torch.tensor([ids], device=device)
     stop = {tokenizer.eos_id} if stop is None else stop
     if draft is None:
-        tokens = stream(model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size)
+        tokens = stream(
+            model, x, max_new_tokens, temperature, top_p, seed, stop, tokenizer.vocab_size, media=media
+        )
     else:
         from openk3.speculative import speculative_stream
 
@@ -336,14 +386,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     if not prompt:
         raise ValueError("the prompt is empty")
+    if args.draft and args.image:
+        raise ValueError("--draft does not take --image (the draft reads text features only)")
     folder = checkpoint_with_tokenizer(args.ckpt)
     tokenizer = Tokenizer.load(folder)
     stop = None
+    media, image_ids = _images_for(args.image, load_config(folder)) if args.image else (None, [])
     if args.chat:  # one user turn in the checkpoint's chat template; only the reply is printed
         template = ChatTemplate.from_folder(tokenizer, folder)
-        ids, stop, echo = template.encode([{"role": "user", "content": prompt}]), template.stop_token_ids, ""
+        content = [image_ids, prompt] if media is not None else prompt
+        ids, stop, echo = template.encode([{"role": "user", "content": content}]), template.stop_token_ids, ""
     else:
-        ids, echo = tokenizer.encode(prompt), prompt
+        ids, echo = image_ids + tokenizer.encode(prompt), prompt
     limit = text_config_of(load_config(folder)).max_position_embeddings
     check_context(len(ids), args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
@@ -368,8 +422,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids=ids,
             stop=stop,
             draft=draft,
+            media=media,
         )
     return 0
+
+
+def _images_for(paths: list[str], config):
+    """``(MediaInputs, placeholder ids)`` of ``--image`` files for ``config``'s vision tower; the images go
+    before the prompt's text. Raises ``ValueError`` for a model without a vision tower or an unreadable or
+    too large image."""
+    from openk3.data.images import load_image, pack_images
+
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        raise ValueError("--image needs a model with a vision tower (its config.json has no vision_config)")
+    media = pack_images([load_image(p) for p in paths], vision)
+    return media, [config.media_placeholder_token_id] * media.num_tokens
 
 
 def _eval_split(folder: Path, data: str | None) -> Path:
@@ -589,6 +657,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
     tr.add_argument(
+        "--qat",
+        choices=["mxfp4"],
+        help="quantization-aware training of the routed experts: MXFP4 weights, MXFP8 inputs, export with "
+        "`openk3 quantize` (default None: full precision)",
+    )
+    tr.add_argument(
         "--tensorboard",
         action="store_true",
         default=None,
@@ -603,6 +677,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
+    )
+    tr.add_argument(
+        "--cp",
+        type=_positive_int,
+        help="context-parallel degree: each sequence split over this many ranks (under torchrun)",
+    )
+    tr.add_argument(
+        "--cp-layout",
+        dest="cp_layout",
+        choices=("contiguous", "zigzag"),
+        default="contiguous",
+        help="how --cp C splits a sequence: contiguous (rank r: part r of C) or zigzag (parts r and 2C-1-r of 2C)",
+    )
+    tr.add_argument(
+        "--ep-dispatcher",
+        dest="ep_dispatcher",
+        choices=("alltoall", "moonep"),
+        default="alltoall",
+        help="token exchange under --ep: dropless all-to-all (default) or the MoonEP contract "
+        "(S·K rows per rank; docs/distributed.md)",
     )
     tr.add_argument(
         "--long-context",
@@ -637,6 +731,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat",
         action="store_true",
         help="the prompt is a user message in the checkpoint's chat template; print only the reply",
+    )
+    gen.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image file (or data: URL) the prompt is about; repeat for several (they come first)",
     )
     gen.add_argument(
         "--num-samples",
@@ -706,17 +806,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     # each subcommand module is light: its heavy imports happen when it runs
+    from openk3.quant.cli import add_quantize_parser
     from openk3.rl.cli import add_posttrain_parser
     from openk3.sandbox.cli import add_sandbox_parser
-    from openk3.serve.cli import add_serve_parser
+    from openk3.serve.cli import add_route_parser, add_serve_parser
     from openk3.synthetic.cli import add_parser as add_synthetic_parser
     from openk3.train.draft_cli import add_draft_parser
 
     add_serve_parser(sub)
     add_draft_parser(sub)
+    add_route_parser(sub)
     add_posttrain_parser(sub)
     add_sandbox_parser(sub)
     add_synthetic_parser(sub)
+    add_quantize_parser(sub)
     return parser
 
 

@@ -5,7 +5,9 @@ Field names are the official ``config.json`` names (``docs/references.md#configu
 * :class:`KimiLinearConfig` — the text backbone, ``model_type = "kimi_linear"``. Kimi-Linear-48B uses it
   as is; Kimi K3 adds the SiTU, gated-MLA, latent-MoE and AttnRes fields (all optional).
 * :class:`LinearAttnConfig` — the nested ``linear_attn_config`` dict (KDA heads and the 1-based layer lists).
-* :class:`KimiK3Config` — the top level, ``model_type = "kimi_k3"``, holding ``text_config``.
+* :class:`KimiK3VisionConfig` — the ``vision_config`` dict (MoonViT-V2 tower and patch-merger projector).
+* :class:`KimiK3Config` — the top level, ``model_type = "kimi_k3"``, holding ``text_config`` and
+  ``vision_config``.
 
 Unknown keys read from a ``config.json`` are kept in ``extra`` and written back unchanged. Every
 ``__post_init__`` raises :class:`ValueError` naming the field and how to fix it. Presets live apart, in
@@ -439,15 +441,144 @@ class KimiLinearConfig:
         return _to_dict(self)
 
 
+VISION_CHOICES = {
+    "pos_emb_type": ("divided_fixed",),
+    "pos_emb_interpolation_mode": ("bilinear", "bicubic"),
+    "video_attn_type": ("spatial_temporal",),
+    "merge_type": ("sd2_tpool",),
+    "mm_projector_type": ("patchmergerv2",),
+    "projector_hidden_act": ("gelu",),
+    "norm_type": ("rmsnorm",),
+    "mlp_type": ("mlp2",),
+    "activation_func": ("gelu_pytorch_tanh",),
+}
+"""The values of the ``vision_config`` string fields that MoonViT-V2 implements (the K3 release's)."""
+
+
+@dataclass
+class KimiK3VisionConfig:
+    """``vision_config``: the MoonViT-V2 vision tower and the ``patchmergerv2`` projector
+    (``docs/references.md#moonvit-v2``).
+
+    Field names are the official ones (the ``vt_*`` prefix included); the defaults are K3's release
+    (401,214,464 encoder and 46,144,512 projector parameters at ``text_hidden_size`` 7168). Raises
+    ``ValueError`` naming the field for a value MoonViT-V2 does not implement.
+    """
+
+    patch_size: int = 14
+    """Side of a square patch in pixels."""
+    init_pos_emb_height: int = 64
+    """Rows of the learned 2-D position table (interpolated to each image's patch grid)."""
+    init_pos_emb_width: int = 64
+    """Columns of the learned 2-D position table."""
+    init_pos_emb_time: int = 4
+    """Frames of the fixed 1-D sincos time table: the most frames one video chunk may hold."""
+    pos_emb_type: str = "divided_fixed"
+    pos_emb_interpolation_mode: str = "bilinear"
+    vt_num_attention_heads: int = 12
+    vt_num_hidden_layers: int = 27
+    vt_hidden_size: int = 1024
+    """Tower width."""
+    vt_intermediate_size: int = 4096
+    """Width of the tower MLP (``fc0``/``fc1``)."""
+    qkv_hidden_size: int = 1536
+    """Width of q, k and v (heads × head size; head size 128 in K3)."""
+    merge_kernel_size: list[int] = field(default_factory=lambda: [2, 2])
+    """Patches merged into one text token (rows, columns)."""
+    video_attn_type: str = "spatial_temporal"
+    merge_type: str = "sd2_tpool"
+    mm_projector_type: str = "patchmergerv2"
+    mm_hidden_size: int | None = None
+    """Width of one merged patch before concatenation; ``None`` (or the value) means ``vt_hidden_size``."""
+    projector_hidden_act: str = "gelu"
+    projector_ln_eps: float = 1e-5
+    """Epsilon of the projector's ``post_norm`` (the tower's norms use 1e-5 too)."""
+    norm_type: str = "rmsnorm"
+    attn_bias: bool = False
+    patch_embed_proj_bias: bool = False
+    mlp_type: str = "mlp2"
+    linear_bias: bool = False
+    activation_func: str = "gelu_pytorch_tanh"
+    text_hidden_size: int | None = None
+    """Projector output width; ``None`` takes the text model's ``hidden_size`` (it must equal it)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Unknown keys from ``config.json``, written back unchanged."""
+
+    def __post_init__(self) -> None:
+        name = "KimiK3VisionConfig"
+        for key in (
+            "patch_size",
+            "init_pos_emb_height",
+            "init_pos_emb_width",
+            "init_pos_emb_time",
+            "vt_num_attention_heads",
+            "vt_num_hidden_layers",
+            "vt_hidden_size",
+            "vt_intermediate_size",
+            "qkv_hidden_size",
+        ):
+            _check_int(name, key, getattr(self, key))
+        _check_opt_int(name, "text_hidden_size", self.text_hidden_size)
+        _check_bools(self)
+        for key, allowed in VISION_CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise _fail(name, key, getattr(self, key), f"MoonViT-V2 implements {allowed}")
+        for key in ("attn_bias", "patch_embed_proj_bias", "linear_bias"):
+            if getattr(self, key):
+                raise _fail(name, key, True, "MoonViT-V2 has no biases; set it to false")
+        if self.mm_hidden_size not in (None, self.vt_hidden_size):
+            raise _fail(
+                name,
+                "mm_hidden_size",
+                self.mm_hidden_size,
+                f"must equal vt_hidden_size={self.vt_hidden_size}",
+            )
+        kernel = self.merge_kernel_size
+        if not isinstance(kernel, (list, tuple)) or len(kernel) != 2:
+            raise _fail(name, "merge_kernel_size", kernel, "expected [rows, columns]")
+        for k in kernel:
+            _check_int(name, "merge_kernel_size", k)
+        self.merge_kernel_size = [int(k) for k in kernel]
+        _check_float(name, "projector_ln_eps", self.projector_ln_eps, lo=0.0, hi=1.0)
+        heads = self.vt_num_attention_heads
+        if self.qkv_hidden_size % heads or (self.qkv_hidden_size // heads) % 4:
+            raise _fail(
+                name,
+                "qkv_hidden_size",
+                self.qkv_hidden_size,
+                f"must be vt_num_attention_heads={heads} × a head size divisible by 4 (2-D RoPE)",
+            )
+        if self.vt_hidden_size % 2:
+            raise _fail(name, "vt_hidden_size", self.vt_hidden_size, "must be even (sincos time table)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merged_size(self) -> int:
+        """Width of one merged token entering the projector: ``vt_hidden_size · rows · columns``."""
+        return self.vt_hidden_size * self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KimiK3VisionConfig:
+        known, extra = _split_known(cls, data)
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+
 @dataclass
 class KimiK3Config:
     """Top-level K3 config (``model_type = "kimi_k3"``): ``text_config`` plus multimodal fields.
 
-    The vision tower is not implemented yet; ``vision_config`` is kept as a plain dict so it round-trips.
+    ``vision_config`` ``None`` builds a text-only model. Images and videos enter the text sequence at the
+    ``media_placeholder_token_id`` tokens (one per merged patch, :mod:`openk3.model.vision`).
     """
 
     text_config: KimiLinearConfig
-    vision_config: dict[str, Any] | None = None
+    vision_config: KimiK3VisionConfig | None = None
     architectures: list[str] = field(default_factory=lambda: ["KimiK3ForConditionalGeneration"])
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
@@ -468,6 +599,37 @@ class KimiK3Config:
             )
         if self.model_type != "kimi_k3":
             raise _fail("KimiK3Config", "model_type", self.model_type, 'must be "kimi_k3"')
+        if isinstance(self.vision_config, dict):
+            self.vision_config = KimiK3VisionConfig.from_dict(self.vision_config)
+        self._check_vision()
+
+    def _check_vision(self) -> None:
+        vision, width = self.vision_config, self.text_config.hidden_size
+        if vision is None:
+            return
+        if not isinstance(vision, KimiK3VisionConfig):
+            raise _fail("KimiK3Config", "vision_config", type(vision).__name__, "expected a dict or null")
+        if vision.text_hidden_size is None:
+            vision.text_hidden_size = width
+        if vision.text_hidden_size != width:
+            raise _fail(
+                "KimiK3VisionConfig",
+                "text_hidden_size",
+                vision.text_hidden_size,
+                f"the projector must emit the text width hidden_size={width}",
+            )
+        token = self.media_placeholder_token_id
+        if (
+            not isinstance(token, int)
+            or isinstance(token, bool)
+            or not 0 <= token < self.text_config.vocab_size
+        ):
+            raise _fail(
+                "KimiK3Config",
+                "media_placeholder_token_id",
+                token,
+                f"a model with a vision tower needs a token id in [0, {self.text_config.vocab_size})",
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KimiK3Config:

@@ -4,6 +4,8 @@
 activations and logits held at once stay bounded for long prompts; equal to one pass over the whole prompt,
 tested), then feeds one token at a time (equal to re-running the whole sequence; tested) and yields each new
 token as soon as it is chosen.
+With ``media`` (:class:`openk3.data.images.MediaInputs`, a K3 model with a vision tower) the prompt's
+embeddings are built once with the images at their placeholder tokens, then prefilled in the same pieces.
 Sampling: temperature 0 is greedy (argmax); otherwise softmax(logits / T), optionally restricted to the
 smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019).
 """
@@ -81,12 +83,15 @@ def stream(
     stop_ids: set[int] | None = None,
     vocab_size: int | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    media=None,
 ) -> Iterator[torch.Tensor]:
     """Yield new tokens ``[B, 1]`` one step at a time (stops early when every row hit ``stop_ids``).
 
     ``vocab_size``: only ids below it are chosen (a tokenizer smaller than the model's vocabulary has no
     text for the others); ``None``: every id of the model. ``prefill_chunk``: most prompt tokens per forward
-    (default :data:`PREFILL_CHUNK`). Raises ``ValueError`` for a ``prefill_chunk`` below 1."""
+    (default :data:`PREFILL_CHUNK`). ``media``: the prompt's images (:class:`~openk3.data.images.MediaInputs`)
+    for its placeholder tokens. Raises ``ValueError`` for a ``prefill_chunk`` below 1, or media a model
+    without a vision tower cannot take / whose token count differs from the prompt's placeholders."""
     check_sampling(temperature, top_p, max_new_tokens, seed)
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
@@ -102,8 +107,19 @@ def stream(
         pieces = input_ids.split(prefill_chunk, dim=1)
     else:
         pieces = (input_ids,)  # the model's input check names what is wrong
-    for piece in pieces:
-        logits = _logits(model(piece, cache))[:, -1]
+    if media is None:
+        for piece in pieces:
+            logits = _logits(model(piece, cache))[:, -1]
+    else:
+        if not hasattr(model, "embed_inputs"):
+            raise ValueError(
+                "this model has no vision tower (its config has no vision_config): pass text only"
+            )
+        model.language_model.model.check_inputs(input_ids, None, None)
+        pixels = media.pixel_values.to(input_ids.device)
+        embeds_BTD = model.embed_inputs(input_ids, pixels, media.grid_thws)
+        for piece, embeds in zip(pieces, embeds_BTD.split(prefill_chunk, dim=1)):
+            logits = _logits(model(piece, cache, inputs_embeds=embeds))[:, -1]
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
         nxt = sample_next(
@@ -127,12 +143,14 @@ def generate(
     seed: int | None = None,
     vocab_size: int | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    media=None,
 ) -> torch.Tensor:
     """New tokens ``[B, max_new_tokens]`` (int64, prompt excluded). See :func:`stream`; pass the tokenizer's
-    ``vocab_size`` when it is smaller than the model's vocabulary (a model trained on a small corpus)."""
+    ``vocab_size`` when it is smaller than the model's vocabulary (a model trained on a small corpus), and
+    ``media`` for the images of a prompt with placeholder tokens."""
     tokens = stream(
         model, input_ids, max_new_tokens, temperature, top_p, seed, vocab_size=vocab_size,
-        prefill_chunk=prefill_chunk,
+        prefill_chunk=prefill_chunk, media=media,
     )  # fmt: skip
     return torch.cat(list(tokens), dim=1)
 

@@ -1,17 +1,19 @@
 """Presets: functions that return a config.
 
-* ``kimi-k3`` — the published K3 ``config.json`` values (``docs/references.md#configuration``).
+* ``kimi-k3`` — the published K3 ``config.json`` values (``docs/references.md#configuration``), with the
+  MoonViT-V2 ``vision_config``.
 * ``kimi-linear-48b`` — the published Kimi-Linear-48B-A3B values (``docs/references.md#configuration``).
 * ``k3-tiny`` / ``k3-small`` / ``k3-1b`` — K3-shaped models behind one size dial, :func:`k3_shaped`
   (``depth``): 3 KDA : 1 MLA with MLA on every 4th layer (so the final layer is global), Block AttnRes,
   Stable LatentMoE with two shared experts, SiTU-GLU (β 4 / 25), gate lower bound −5, NoPE gated MLA.
+* ``k3-vision-tiny`` — ``k3_shaped(4)`` with a two-block MoonViT-V2 (:func:`k3_vision`), for image-text runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from openk3.config import AnyConfig, KimiK3Config, KimiLinearConfig, LinearAttnConfig
+from openk3.config import AnyConfig, KimiK3Config, KimiK3VisionConfig, KimiLinearConfig, LinearAttnConfig
 
 
 def _layer_lists(num_layers: int, full_attn_layers: list[int]) -> dict[str, list[int]]:
@@ -71,7 +73,7 @@ def kimi_k3() -> KimiK3Config:
             **_layer_lists(93, full),
         ),
     )
-    return KimiK3Config(text_config=text)
+    return KimiK3Config(text_config=text, vision_config=KimiK3VisionConfig())
 
 
 def kimi_linear_48b() -> KimiLinearConfig:
@@ -171,6 +173,25 @@ def k3_shaped(depth: int, vocab_size: int | None = None) -> KimiK3Config:
     )
 
 
+def k3_vision(depth: int) -> KimiK3Config:
+    """:func:`k3_shaped` with a small MoonViT-V2 tower (width = the text width / 2, 2 blocks, heads of 32,
+    a 16 × 16 position table) and the media placeholder at the last id of the vocabulary."""
+    config = k3_shaped(depth)
+    width = config.text_config.hidden_size // 2
+    config.media_placeholder_token_id = config.text_config.vocab_size - 1
+    config.vision_config = KimiK3VisionConfig(
+        vt_hidden_size=width,
+        vt_intermediate_size=4 * width,
+        vt_num_attention_heads=width // 32,
+        qkv_hidden_size=width,
+        vt_num_hidden_layers=2,
+        init_pos_emb_height=16,
+        init_pos_emb_width=16,
+    )
+    config.__post_init__()
+    return config
+
+
 def dense_baseline(config: KimiK3Config) -> KimiLinearConfig:
     """A dense SwiGLU transformer with the same *active* parameters as ``config`` (an ablation baseline).
 
@@ -209,6 +230,7 @@ PRESETS: dict[str, Callable[[], AnyConfig]] = {
     "k3-small": lambda: k3_shaped(16),
     "k3-1b": lambda: k3_shaped(24),
     "k3-tiny-dense": lambda: dense_baseline(k3_shaped(8)),
+    "k3-vision-tiny": lambda: k3_vision(4),
 }
 
 

@@ -45,6 +45,7 @@ MODEL_SOURCES = (
     "model/moe.py",
     "model/attn_res.py",
     "model/decoder.py",
+    "model/vision.py",
     "model/modeling.py",
 )
 """openk3 source files (under ``src/openk3``) stitched into ``modeling_kimi_k3.py``, dependencies first."""

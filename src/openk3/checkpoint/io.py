@@ -14,6 +14,8 @@ files (:data:`MODEL_FILES`, and :data:`TOKENIZER_FILES` when a tokenizer is writ
 Loading is strict: it collects every missing key, unexpected key and shape mismatch and raises one
 :class:`CheckpointMismatchError` listing them all, before any weight is copied. A file that is not valid
 safetensors or JSON (truncated, overwritten) raises :class:`CorruptCheckpointError` naming the file.
+Routed experts stored as compressed-tensors MXFP4 (``quantization_config`` in ``config.json``) are loaded and
+saved as their bytes, kept packed in memory (:mod:`openk3.quant.experts`, ``docs/quantization.md``).
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ from torch import nn
 
 from openk3.checkpoint.hf_remote import REMOTE_FILES, write_remote_code
 from openk3.checkpoint.names import (
+    QUANTIZED_MODULE_SUFFIXES,
     QUANTIZED_SUFFIXES,
-    SKIPPED_PREFIXES,
+    VISION_PREFIXES,
     expert_name,
     is_stacked,
     to_module,
 )
-from openk3.config import AnyConfig, load_config, save_config
+from openk3.config import AnyConfig, KimiK3Config, load_config, save_config
 from openk3.model.modeling import build_model, check_dtype
+from openk3.quant.experts import use_packed_experts
+from openk3.quant.mxfp4 import check_mxfp4
+from openk3.quant.scheme import expert_scheme
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -317,6 +323,16 @@ def _expected_shape(model: nn.Module, shape: list[int], slot, target: torch.Tens
     return list(target.shape), shape
 
 
+def _check_packed(name: str, fname: str, src: torch.Tensor) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``name`` for an MXFP4 tensor that is not uint8 or a scale
+    holding the E8M0 NaN byte (:func:`openk3.quant.mxfp4.check_mxfp4`)."""
+    is_scale = name.endswith(".weight_scale")
+    try:
+        check_mxfp4(name, packed=None if is_scale else src, scale=src if is_scale else None)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{e} (in {fname}): not loaded") from None
+
+
 def load_state(model: nn.Module, path: str | os.PathLike) -> None:
     """Copy the checkpoint in folder ``path`` into ``model`` (strict; raises CheckpointMismatchError, or
     CorruptCheckpointError for a shard that cannot be parsed or a tensor holding NaN or inf, named in the
@@ -334,20 +350,23 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
             for name in names:
                 shapes[name] = list(f.get_slice(name).get_shape())
     quantized = sorted(n for n in shapes if n.endswith(QUANTIZED_SUFFIXES))
-    if quantized:
-        raise NotImplementedError(
-            f"{len(quantized)} quantized tensors (e.g. {quantized[0]}): MXFP4-packed experts are not supported "
-            "yet; dequantize to bf16 first"
+    if quantized and not any(n.endswith(QUANTIZED_MODULE_SUFFIXES) for n in targets):
+        raise CheckpointMismatchError(
+            f"checkpoint at {path} holds {len(quantized)} MXFP4-packed tensors (e.g. {quantized[0]}) but the "
+            "model's experts are dense: openk3.from_pretrained keeps them packed when config.json has a "
+            "compressed-tensors quantization_config (format mxfp4-pack-quantized)"
         )
-    skipped = [n for n in shapes if n.startswith(SKIPPED_PREFIXES)]
+    skip = () if any(n.startswith(VISION_PREFIXES) for n in targets) else VISION_PREFIXES
+    skipped = [n for n in shapes if n.startswith(skip)] if skip else []
     if skipped:
         warnings.warn(
-            f"skipping {len(skipped)} vision tensors (vision_tower/mm_projector are not built)", stacklevel=2
+            f"skipping {len(skipped)} vision tensors (the model is built without vision_tower/mm_projector)",
+            stacklevel=2,
         )
     unexpected, mismatched, plan = [], [], []
     covered: dict[str, set[int] | bool] = {}
     for name, shape in shapes.items():
-        if name.startswith(SKIPPED_PREFIXES):
+        if skip and name.startswith(skip):
             continue
         slot = to_module(name)
         target = targets.get(slot.name)
@@ -386,6 +405,10 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
                     + ", ".join(sorted(items)[:20])
                     + (" …" if len(items) > 20 else "")
                 )
+        if any(n.startswith(VISION_PREFIXES) for n in missing):
+            lines.append(
+                "  the checkpoint has no vision tower: from_pretrained(path, vision=False) loads the text model"
+            )
         raise CheckpointMismatchError("\n".join(lines))
     with torch.no_grad():
         for fname, names in by_file.items():
@@ -398,6 +421,8 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
                     dst = targets[slot.name]
                     if slot.index is not None:
                         dst = dst[slot.index]
+                        if dst.dtype == torch.uint8:  # MXFP4 expert bytes: uint8, no NaN scale
+                            _check_packed(name, fname, src)
                         dst.copy_(src)
                     elif name.endswith("self_attn.A_log"):
                         flat = src.reshape(-1)
@@ -413,7 +438,10 @@ def load_state(model: nn.Module, path: str | os.PathLike) -> None:
 
 
 def from_pretrained(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    vision: bool = True,
 ) -> nn.Module:
     """Load the model in HF folder ``path``: ``openk3.from_pretrained(path)(input_ids).logits`` is ``[B, T, V]``.
 
@@ -422,15 +450,28 @@ def from_pretrained(
             checkpoint is loaded, :func:`latest_checkpoint`).
         device: where the weights go (``"meta"`` reads only the config).
         dtype: model dtype; default fp32 (fp32, bf16, fp16 and fp64 are supported; others raise ValueError).
+            A ``quantization_config`` of compressed-tensors MXFP4 experts (``docs/quantization.md``) keeps the
+            routed experts packed (uint8) whatever ``dtype``; they are dequantised to it in each forward.
+        vision: ``False`` builds a K3 model without its vision tower and projector (text only; their
+            tensors in the checkpoint are skipped). A checkpoint without them needs ``vision=False`` when its
+            config has a ``vision_config``.
     Raises:
         FileNotFoundError: no config or weights. ValueError: invalid config or dtype.
         CheckpointMismatchError: missing/unexpected keys or shape mismatches (all listed).
-        CorruptCheckpointError: a shard or the index that cannot be parsed (named in the message).
+        CorruptCheckpointError: a shard or the index that cannot be parsed, or an MXFP4 scale tensor holding
+            the E8M0 NaN byte (named in the message).
     """
     path = latest_checkpoint(path)
     config: AnyConfig = load_config(path)
+    if not vision and isinstance(config, KimiK3Config):
+        config.vision_config = None
     dtype = check_dtype(dtype or torch.float32)
-    model = build_model(config, device=device, dtype=dtype, init=False)
+    scheme = expert_scheme(config)  # compressed-tensors MXFP4 experts stay packed
+    if scheme is None:
+        model = build_model(config, device=device, dtype=dtype, init=False)
+    else:
+        model = use_packed_experts(build_model(config, device="meta", dtype=dtype), scheme)
+        model = model if str(device) == "meta" else model.to_empty(device=device)
     if str(device) != "meta":
         load_state(model, path)
     model.eval()

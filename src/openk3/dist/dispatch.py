@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from openk3.model.moe import grouped_expert_ffn
+
 
 @dataclass
 class Dispatched:
@@ -102,3 +104,21 @@ def combine(y_QL: torch.Tensor, weights_Nk: torch.Tensor, d: Dispatched, group: 
     w_M = weights_Nk.reshape(-1)[d.order_M].float()
     out_NL = torch.zeros(N, y_ML.shape[1], dtype=torch.float32, device=y_ML.device)
     return out_NL.index_add_(0, d.token_M, y_ML.float() * w_M[:, None]).to(y_QL.dtype)
+
+
+def alltoall_experts(
+    config,
+    z_NL: torch.Tensor,
+    weights_Nk: torch.Tensor,
+    indices_Nk: torch.Tensor,
+    w1_PFL: torch.Tensor,
+    w3_PFL: torch.Tensor,
+    w2_PLF: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])`` (``[N, L]``, ``z``'s dtype) over the EP ``group``:
+    :func:`dispatch`, the local experts (``w1, w3 [P, F, L]``, ``w2 [P, L, F]``), :func:`combine`."""
+    d = dispatch(z_NL, indices_Nk, num_experts, group)
+    y_QL = grouped_expert_ffn(config, d.x_QL, w1_PFL, w3_PFL, w2_PLF, d.offs_P, d.expert_Q)
+    return combine(y_QL, weights_Nk, d, group, z_NL.shape[0])

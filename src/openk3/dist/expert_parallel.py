@@ -6,6 +6,11 @@ the weights become DTensors sharded ``Shard(0)`` (over experts) on the ``ep`` me
 the initialisation see the single-device tensors. The model code is unchanged: the block calls
 ``self.experts(z, weights, indices)`` either way. Dispatch happens at the width of ``z``, the latent width
 for K3's LatentMoE (the router and the down-projection run before, on the local tokens).
+
+Two dispatchers behind one signature (:data:`DISPATCHERS`): ``"alltoall"``, the dropless all-to-all
+(:func:`openk3.dist.dispatch.alltoall_experts`, the oracle and the default), and ``"moonep"``, the
+MoonEP contract (:func:`openk3.dist.moonep.moonep_experts`: exactly ``S·K`` rows per rank, redundant
+experts, same-rank dedupe).
 """
 
 from __future__ import annotations
@@ -15,24 +20,33 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from openk3.dist.dispatch import combine, dispatch
+from openk3.dist.dispatch import alltoall_experts
 from openk3.dist.mesh import Meshes
-from openk3.model.moe import RoutedExperts, SparseMoeBlock, grouped_expert_ffn
+from openk3.dist.moonep import moonep_experts
+from openk3.model.moe import RoutedExperts, SparseMoeBlock
+
+DISPATCHERS = {"alltoall": alltoall_experts, "moonep": moonep_experts}
+"""EP dispatchers by name; each maps ``(config, z, weights, indices, w1, w3, w2, num_experts, group)`` to
+the routed experts' output ``[N, L]`` (this rank's ``P`` experts in ``w1, w3, w2``)."""
 
 
 class ExpertParallelExperts(RoutedExperts):
     """Routed experts sharded over the ``ep`` mesh; same forward contract as :class:`RoutedExperts`.
 
-    Raises ``ValueError`` when ``num_experts`` is not divisible by the ``ep`` size.
+    ``dispatcher`` names one of :data:`DISPATCHERS`. Raises ``ValueError`` when ``num_experts`` is not
+    divisible by the ``ep`` size or the dispatcher is unknown.
     """
 
-    def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh) -> None:
+    def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh, dispatcher: str = "alltoall") -> None:
         nn.Module.__init__(self)
         self.config = experts.config
         E = experts.w1.shape[0]
         R = ep_mesh.size()
         if E % R:
             raise ValueError(f"num_experts={E} is not divisible by ep={R}")
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher={dispatcher!r}: use one of {', '.join(DISPATCHERS)}")
+        self.dispatcher = dispatcher
         self.ep_mesh = ep_mesh
         self.num_experts = E
         self.grad_scale = 1.0
@@ -49,11 +63,11 @@ class ExpertParallelExperts(RoutedExperts):
             setattr(self, name, nn.Parameter(dt, requires_grad=full.requires_grad))
 
     def forward(self, z_NL: torch.Tensor, weights_Nk: torch.Tensor, indices_Nk: torch.Tensor) -> torch.Tensor:
-        group = self.ep_mesh.get_group()
-        d = dispatch(z_NL, indices_Nk, self.num_experts, group)
         w1, w3, w2 = (_ScaleGrad.apply(_local(w), self.grad_scale) for w in (self.w1, self.w3, self.w2))
-        y_QL = grouped_expert_ffn(self.config, d.x_QL, w1, w3, w2, d.offs_P, d.expert_Q)
-        return combine(y_QL, weights_Nk, d, group, z_NL.shape[0])
+        run = DISPATCHERS[self.dispatcher]
+        return run(
+            self.config, z_NL, weights_Nk, indices_Nk, w1, w3, w2, self.num_experts, self.ep_mesh.get_group()
+        )
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -74,11 +88,12 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-def apply_expert_parallel(model: nn.Module, meshes: Meshes) -> nn.Module:
-    """Swap the routed experts of every MoE block of ``model`` for :class:`ExpertParallelExperts`, in place."""
+def apply_expert_parallel(model: nn.Module, meshes: Meshes, dispatcher: str = "alltoall") -> nn.Module:
+    """Swap the routed experts of every MoE block of ``model`` for :class:`ExpertParallelExperts` (with
+    ``dispatcher``, one of :data:`DISPATCHERS`), in place."""
     if meshes.ep is None:
         return model
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
-            module.experts = ExpertParallelExperts(module.experts, meshes.ep)
+            module.experts = ExpertParallelExperts(module.experts, meshes.ep, dispatcher)
     return model

@@ -87,8 +87,10 @@ def build_sharded_model(
     seed: int | None = 0,
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
+    ep_dispatcher: str = "alltoall",
 ) -> nn.Module:
-    """Build ``config`` on the meta device, apply expert parallelism (``ep > 1``) and FSDP2, materialise.
+    """Build ``config`` on the meta device, apply expert parallelism (``ep > 1``, with ``ep_dispatcher``,
+    one of :data:`openk3.dist.expert_parallel.DISPATCHERS`) and FSDP2, materialise.
 
     Raises ``ValueError`` (before any allocation) when the mesh does not divide the model.
     """
@@ -98,6 +100,6 @@ def build_sharded_model(
     if meshes.expert is not None:
         from openk3.dist.expert_parallel import apply_expert_parallel
 
-        apply_expert_parallel(model, meshes)
+        apply_expert_parallel(model, meshes, ep_dispatcher)
     shard_model(model, meshes, param_dtype, reduce_dtype)
     return materialize(model, text, device, seed)

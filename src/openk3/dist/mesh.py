@@ -1,7 +1,9 @@
-"""Named device meshes for data, expert and (reserved) context parallelism.
+"""Named device meshes for data, expert and context parallelism.
 
 The world's ranks are laid out ``[dp_replicate, dp_shard, cp]`` (row-major, ``cp`` fastest). The dense
-parameters are sharded over ``dp_shard`` (FSDP2) and replicated over ``dp_replicate`` (HSDP). With expert
+parameters are sharded over ``dp_shard·cp`` (FSDP2; a ``dp_shard_cp`` dimension of its own, as torchtitan
+flattens one, since the ``cp`` ranks of one sequence compute different gradients) and replicated over
+``dp_replicate`` (HSDP). With expert
 parallelism the same ranks are also viewed as ``[dp_replicate, efsdp, ep]`` with
 ``efsdp = dp_shard·cp / ep``: an EP group is ``ep`` consecutive ranks of one data-shard group, and the
 routed experts are FSDP-sharded over ``efsdp`` (torchtitan's expert-DP layout, PR #4314).
@@ -29,7 +31,9 @@ class ParallelDims:
         dp_shard: FSDP2 shard degree (``-1``: the rest of the world after ``dp_replicate`` and ``cp``).
         dp_replicate: HSDP replica count (1 = plain FSDP).
         ep: expert-parallel degree; must divide ``dp_shard·cp`` (EP groups live inside a shard group).
-        cp: context-parallel degree, reserved: only 1 is implemented.
+        cp: context-parallel degree: each sequence is split over ``cp`` consecutive ranks
+            (:mod:`openk3.dist.context_parallel`); the dense parameters are FSDP-sharded over
+            ``dp_shard·cp`` (the cp ranks see different tokens of the same sequences).
 
     Raises ``ValueError`` naming the field and the numbers when a degree is not a positive integer, the
     degrees do not multiply to ``world_size``, or ``ep`` does not divide ``dp_shard·cp``.
@@ -46,10 +50,6 @@ class ParallelDims:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field}={value!r} must be a positive integer")
-        if self.cp != 1:
-            raise ValueError(
-                f"cp={self.cp}: context parallelism is reserved in the mesh but not implemented; use 1"
-            )
         if self.dp_shard == -1:
             rest, left = divmod(self.world_size, self.dp_replicate * self.cp)
             if left:
@@ -95,6 +95,7 @@ class Meshes:
 
     Attributes:
         dense: ``[dp_replicate, dp_shard, cp]`` — every non-expert parameter.
+        dense_shard_cp: the same ranks as ``[dp_replicate, dp_shard·cp]`` when ``cp > 1``, else None.
         expert: ``[dp_replicate, efsdp, ep]`` — routed experts; ``None`` when ``ep == 1``.
         dims: the degrees.
     """
@@ -102,13 +103,23 @@ class Meshes:
     dense: DeviceMesh
     expert: DeviceMesh | None
     dims: ParallelDims
+    dense_shard_cp: DeviceMesh | None = None
+    """``[dp_replicate, dp_shard_cp]`` (``dp_shard·cp`` in one dimension) when ``cp > 1``: FSDP's mesh."""
 
     @property
     def fsdp(self) -> DeviceMesh:
-        """The mesh ``fully_shard`` takes for dense parameters: 1-D ``dp_shard`` or 2-D HSDP."""
+        """The mesh ``fully_shard`` takes for dense parameters: 1-D ``dp_shard`` (``dp_shard·cp`` flattened
+        when ``cp > 1``) or 2-D HSDP with ``dp_replicate``."""
+        if self.dense_shard_cp is not None:
+            return self.dense_shard_cp if self.dims.dp_replicate > 1 else self.dense_shard_cp["dp_shard_cp"]
         if self.dims.dp_replicate > 1:
             return self.dense["dp_replicate", "dp_shard"]
         return self.dense["dp_shard"]
+
+    @property
+    def cp_group(self):
+        """The process group of this rank's ``cp`` ranks (one sequence split over them)."""
+        return self.dense["cp"].get_group()
 
     @property
     def expert_fsdp(self) -> DeviceMesh:
@@ -137,9 +148,16 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> Meshes:
     dense = DeviceMesh(
         device_type, ranks.view(dims.dp_replicate, dims.dp_shard, dims.cp), mesh_dim_names=MESH_DIMS
     )
+    shard_cp = None
+    if dims.cp > 1:
+        shard_cp = DeviceMesh(
+            device_type,
+            ranks.view(dims.dp_replicate, dims.dp_shard * dims.cp),
+            mesh_dim_names=("dp_replicate", "dp_shard_cp"),
+        )
     expert = None
     if dims.ep > 1:
         expert = DeviceMesh(
             device_type, ranks.view(dims.dp_replicate, dims.efsdp, dims.ep), mesh_dim_names=EXPERT_MESH_DIMS
         )
-    return Meshes(dense, expert, dims)
+    return Meshes(dense, expert, dims, shard_cp)

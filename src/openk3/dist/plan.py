@@ -16,8 +16,15 @@ For ``world = dp_replicate·dp_shard`` GPUs and an EP degree ``ep`` (``efsdp = d
   reduce-scatter, the same fraction; the HSDP all-reduce of the gradient shard over ``dp_replicate``
   (``2(r−1)/r``); EP token exchanges, ``S·K·(ep−1)/ep`` rows each way per MoE layer, forward and backward.
 
-Activations are not estimated yet (they need a measured per-layer model); ``S`` is tokens per GPU per
-micro-batch. Legend: ``N`` parameter counts, ``S`` tokens, ``K`` experts per token, ``L`` dispatch width.
+* **activations** per micro-batch of ``S`` tokens, without and with full per-layer checkpointing: the
+  single-device estimate of :func:`openk3.train.memory.estimate_memory` (bf16 autocast, its per-layer
+  bytes per token, 25% margin, the chunked loss) for ``S`` tokens. Expert parallelism leaves it per GPU
+  unchanged under the MoonEP contract (each GPU computes ``S·K`` expert rows, as one device does for its
+  own ``S`` tokens); the all-to-all dispatcher's expert activations grow with the imbalance,
+  ``S·K·(1 + maxvio)`` rows on the most loaded rank.
+
+``S`` is tokens per GPU per micro-batch. Legend: ``N`` parameter counts, ``S`` tokens, ``K`` experts per
+token, ``L`` dispatch width.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from openk3.config import text_config_of
 from openk3.dist.mesh import ParallelDims
 from openk3.model.modeling import build_model
 from openk3.model.moe import RoutedExperts
+from openk3.train.memory import estimate_memory
 from openk3.train.optim import partition_parameters
 
 GIB = 2**30
@@ -44,6 +52,10 @@ class Budget:
     ep_buffer_bytes: float
     fsdp_comm_bytes: float
     ep_comm_bytes: float
+    activations_bytes: float
+    """Activations of one micro-batch, no checkpointing (bf16, with the loss)."""
+    activations_checkpointed_bytes: float
+    """The same with full per-layer activation checkpointing."""
     experts_per_rank: int
     dense_params: int
     expert_params: int
@@ -100,7 +112,15 @@ def plan(config, dims: ParallelDims, tokens_per_gpu: int) -> Budget:
         ep_buffer_bytes=rows * L * 2,
         fsdp_comm_bytes=fsdp_comm,
         ep_comm_bytes=ep_comm,
+        activations_bytes=_activations(config, S, "none"),
+        activations_checkpointed_bytes=_activations(config, S, "full"),
         experts_per_rank=text.num_experts // dims.ep,
         dense_params=dense,
         expert_params=experts,
     )
+
+
+def _activations(config, tokens: int, checkpointing: str) -> int:
+    """Bytes of one micro-batch's activations and loss on a GPU (bf16 autocast) at ``tokens`` tokens."""
+    est = estimate_memory(config, 1, tokens, checkpointing, "cuda", params=0)
+    return est.activations + est.head

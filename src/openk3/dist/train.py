@@ -1,4 +1,4 @@
-"""The distributed training loop behind ``torchrun --nproc_per_node N -m openk3 train --dp-shard A --ep B``.
+"""The distributed training loop behind ``torchrun --nproc_per_node N -m openk3 train --dp-shard A --ep B --cp C``.
 
 Each rank: the process group from torchrun's environment (gloo on the CPU, NCCL on CUDA, bounded collective
 timeout), the meshes, the sharded model (:func:`~openk3.dist.fsdp.build_sharded_model`), the sharded
@@ -9,7 +9,17 @@ slice, so the data position is one integer and resuming on another world size re
 single-process trainer's (:mod:`openk3.train.schedule`); gradients are clipped with one total norm over
 every mesh (dense and expert parameters together). Checkpoints are DCP folders
 (:mod:`openk3.dist.checkpoint`) under ``<out>/checkpoints/``; ``--resume`` takes the newest finished one.
-Rank 0 prints one line per step and writes ``metrics.jsonl``.
+Rank 0 prints one line per step and writes ``metrics.jsonl`` (and ``loss.png`` at the end). Evaluation is the
+single-process trainer's (:func:`evaluate_distributed`): ``val_loss_subset`` every ``eval_every`` steps, and
+after the last step ``val_loss`` on the row of that step and in the summary;
+with a ``sample_prompt`` the final weights are also exported as a Hugging Face folder ``<out>/final`` (with
+the run's tokenizer), from which ``openk3 train`` prints the end-of-run sample on rank 0.
+
+With ``--cp C`` each group of ``C`` consecutive ranks shares its data rank's sequences: a micro-batch's rows
+are packed into one row (a document each) and split over the group by the layout
+(:mod:`openk3.dist.context_parallel`), so a context length of the progressive schedule may be ``C`` times what
+one rank holds. The loss on a rank is the mean over its tokens (all ranks hold as many), and FSDP averages
+the gradients over ``dp_shard·cp``, so the step is the single-process one.
 """
 
 from __future__ import annotations
@@ -29,13 +39,17 @@ from torch.distributed.tensor import DTensor
 from openk3.config import text_config_of
 from openk3.data import RandomBatches, TokenDataset, prepare_data
 from openk3.dist.balance import data_process_group
-from openk3.dist.checkpoint import load_checkpoint, save_checkpoint
+from openk3.dist.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from openk3.dist.context_parallel import ContextParallel, apply_context_parallel
+from openk3.dist.cp_plan import LAYOUTS
 from openk3.dist.fsdp import build_sharded_model
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
 from openk3.presets import get_preset
 from openk3.train.balance import QuantileBalancer
+from openk3.train.metrics import plot_metrics
 from openk3.train.schedule import lr_factor, seq_len_at
+from openk3.train.trainer import validation_loss
 
 COLLECTIVE_TIMEOUT_S = 300
 """A collective that waits longer (a rank died or hangs) fails on every other rank with an error."""
@@ -78,20 +92,104 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     return total
 
 
+def evaluate_distributed(
+    model,
+    val_set: TokenDataset,
+    config,
+    device,
+    max_batches: int | None,
+    context: ContextParallel | None = None,
+) -> dict:
+    """``val_loss`` (nats/token), ``val_ppl``, ``val_tokens`` of the sharded ``model`` on the windows the
+    single-process trainer evaluates (the schedule's longest context, ``batch_size`` rows per batch, the
+    first ``max_batches`` batches; ``None``: all). Every rank evaluates every window (the FSDP and EP
+    forwards are collectives all ranks run), so all ranks return the same numbers. In eval mode, so the
+    MoE blocks do not count the routing (Quantile Balancing never sees evaluation).
+
+    Under context parallelism (``context``) a batch's rows are packed into one row (a document each) and split
+    over the CP group as in training, and the summed losses and token counts are all-reduced over the group;
+    the window is rounded down to a length the layout can split."""
+    seq_len = min(max(t for _, t in config.context_schedule), val_set.num_tokens - 1)
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    model.eval()
+    try:
+        if context is None:
+            loss, tokens = validation_loss(
+                model, val_set, config.batch_size, seq_len, max_batches, device, amp
+            )
+        else:
+            loss, tokens = _validation_loss_cp(
+                model, val_set, config, seq_len, max_batches, device, amp, context
+            )
+    finally:
+        model.train()
+    return {"val_loss": loss, "val_ppl": math.exp(loss), "val_tokens": tokens}
+
+
+def _validation_loss_cp(
+    model, val_set, config, seq_len, max_batches, device, amp, context
+) -> tuple[float, int]:
+    """:func:`~openk3.train.trainer.validation_loss` with every window split over the CP group."""
+    parts = dist.get_world_size(context.group) * (2 if context.layout == "zigzag" else 1)
+    seq_len -= seq_len % parts
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, target tokens]
+    with torch.no_grad():
+        for x_BT, y_BT in val_set.iter_sequential(config.batch_size, seq_len, max_batches):
+            b, T = x_BT.shape
+            plan = context.begin(list(range(0, b * T + 1, T)))
+            x_mine, y_mine = plan.shard(x_BT.reshape(1, b * T)), plan.shard(y_BT.reshape(1, b * T))
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                logits = model(x_mine.to(device)).logits
+            sums[0] += F.cross_entropy(
+                logits.float().flatten(0, 1), y_mine.to(device).flatten(), reduction="sum"
+            )
+            sums[1] += y_mine.numel()
+    dist.all_reduce(sums, group=context.group)
+    if sums[1] == 0:
+        raise ValueError(
+            f"no validation windows were evaluated (max_batches={max_batches}, seq_len={seq_len})"
+        )
+    return (sums[0] / sums[1]).item(), int(sums[1].item())
+
+
 def latest_distributed_checkpoint(run_dir: Path) -> Path | None:
     folders = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "meta.json").is_file())
     return folders[-1] if folders else None
 
 
+def check_context_lengths(context_schedule, cp: int, layout: str) -> None:
+    """Raise ``ValueError`` (before any process group) when a context length of the schedule cannot be split
+    by ``layout`` over ``cp`` ranks (a multiple of ``cp``, of ``2·cp`` for zig-zag)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"--cp-layout {layout!r} is not one of {LAYOUTS}")
+    parts = cp if layout == "contiguous" else 2 * cp
+    bad = [t for _, t in context_schedule if t % parts]
+    if cp > 1 and bad:
+        raise ValueError(
+            f"--cp {cp} with the {layout} layout needs every context length to be a multiple of {parts}; "
+            f"the schedule has {bad}"
+        )
+
+
 def train_distributed(
-    config, dp_shard: int = -1, dp_replicate: int = 1, ep: int = 1, resume: bool = False
+    config,
+    dp_shard: int = -1,
+    dp_replicate: int = 1,
+    ep: int = 1,
+    resume: bool = False,
+    ep_dispatcher: str = "alltoall",
+    cp: int = 1,
+    cp_layout: str = "contiguous",
 ) -> dict:
-    """Train ``config`` (a :class:`~openk3.train.trainer.TrainConfig`) on the torchrun world; returns the
-    last step's ``{"step", "loss", "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any
-    allocation) when the mesh does not divide the world or the model."""
+    """Train ``config`` (a :class:`~openk3.train.trainer.TrainConfig`) on the torchrun world (experts
+    exchanged by ``ep_dispatcher`` when ``ep > 1``); returns the last step's ``{"step", "loss",
+    "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any allocation) when the mesh does
+    not divide the world or the model, or a context length cannot be split over ``cp`` ranks by
+    ``cp_layout``."""
+    check_context_lengths(config.context_schedule, cp, cp_layout)
     init_from_env(config.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims(world_size=world, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep)
+    dims = ParallelDims(world_size=world, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, cp=cp)
     model_config = get_preset(config.preset)
     dims.check_model(text_config_of(model_config))
     device = (
@@ -108,19 +206,24 @@ def train_distributed(
     data = prepare_data(config.data, val_fraction=config.val_fraction, progress=False, **prepare)
     meshes = build_meshes(dims, device.type)
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_sharded_model(model_config, meshes, device, seed=config.seed, param_dtype=param_dtype)
+    model = build_sharded_model(
+        model_config, meshes, device, seed=config.seed, param_dtype=param_dtype, ep_dispatcher=ep_dispatcher
+    )
+    context = apply_context_parallel(model, meshes.cp_group, cp_layout) if cp > 1 else None
     optimizer = build_sharded_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     peak = [g["lr"] for g in optimizer.param_groups]
     balancer = None
     if config.balance != "none" and text_config_of(model_config).num_experts:
         balancer = QuantileBalancer(model, method=config.balance, process_group=data_process_group(meshes))
-    if config.batch_size % world:
+    data_ranks, data_rank = world // cp, rank // cp  # the cp ranks of one group are consecutive
+    if config.batch_size % data_ranks:
         raise ValueError(
-            f"--batch-size {config.batch_size} (global sequences per micro-batch) is not divisible by world_size={world}"
+            f"--batch-size {config.batch_size} (global sequences per micro-batch) is not divisible by the "
+            f"{data_ranks} data ranks (world_size={world} / cp={cp})"
         )
-    per_rank = config.batch_size // world * config.grad_accum
+    per_rank = config.batch_size // data_ranks * config.grad_accum
     batches = RandomBatches(
-        TokenDataset(data.train_path), per_rank * world, config.context_schedule[0][1], config.seed
+        TokenDataset(data.train_path), per_rank * data_ranks, config.context_schedule[0][1], config.seed
     )
     step, checkpoint = 0, None
     if resume:
@@ -130,7 +233,8 @@ def train_distributed(
         extra = load_checkpoint(checkpoint, model, optimizer, balancer)
         step, batches.step = extra["step"], extra["data_position"]
     metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115 - closed below
-    loss_value = float("nan")
+    loss_value, final = float("nan"), {}
+    val_set = TokenDataset(data.val_path)
     last = config.stop_at_step or config.steps
     try:
         while step < last:
@@ -140,10 +244,14 @@ def train_distributed(
             for group, lr in zip(optimizer.param_groups, peak, strict=True):
                 group["lr"] = lr * factor
             x_BT, y_BT = next(batches)
-            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            mine = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
             optimizer.zero_grad(set_to_none=True)
             local = torch.zeros((), device=device)
             for x_mb, y_mb in zip(x_BT[mine].chunk(config.grad_accum), y_BT[mine].chunk(config.grad_accum)):
+                if context is not None:  # the rows packed into one, a document each, split over the group
+                    b, T = x_mb.shape
+                    plan = context.begin(list(range(0, b * T + 1, T)))
+                    x_mb, y_mb = plan.shard(x_mb.reshape(1, b * T)), plan.shard(y_mb.reshape(1, b * T))
                 logits = model(x_mb.to(device)).logits
                 loss = (
                     F.cross_entropy(logits.float().flatten(0, 1), y_mb.to(device).flatten())
@@ -157,6 +265,16 @@ def train_distributed(
             step += 1
             dist.all_reduce(local)
             loss_value = local.item() / world
+            elapsed = time.perf_counter() - start
+            ev = {}
+            if step == config.steps:  # the reported result, as the single-process trainer's
+                ev = final = evaluate_distributed(
+                    model, val_set, config, device, config.final_eval_batches, context
+                )
+            elif step % config.eval_every == 0:  # progress: the first eval_batches batches
+                sub = evaluate_distributed(model, val_set, config, device, config.eval_batches, context)
+                ev = {"val_loss_subset": sub["val_loss"], "val_ppl_subset": sub["val_ppl"]}
+                ev["val_subset_tokens"] = sub["val_tokens"]
             if rank == 0:
                 row = {
                     "step": step,
@@ -164,8 +282,9 @@ def train_distributed(
                     "lr": config.lr * factor,
                     "grad_norm": grad_norm,
                     "maxvio": stats.get("maxvio"),
-                    "tokens_per_s": x_BT.numel() / (time.perf_counter() - start),
+                    "tokens_per_s": x_BT.numel() / elapsed,
                     "world_size": world,
+                    **ev,
                 }
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
@@ -185,9 +304,15 @@ def train_distributed(
     finally:
         if metrics:
             metrics.close()
+    if rank == 0:
+        plot_metrics(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    if final and config.sample_prompt:  # collective: every rank gathers, rank 0 writes
+        export_hf(model, run_dir / "final", tokenizer=data.tokenizer_dir)
+        final["export"] = str(run_dir / "final")
     return {
         "step": step,
         "loss": loss_value,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "rank": rank,
+        **final,
     }

@@ -13,10 +13,23 @@ against RMS-normalised sources (``*_res_norm``, gain γ)::
 A block is ``attn_res_block_size`` **decoder layers** (K3: 12, so 93 layers give 8 blocks); the
 embedding is appended as block 0 at layer 0. The final output mix comes before the final norm.
 
-Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``N`` sources.
+Two-phase inference (:class:`TwoPhaseAttnRes`, the AttnRes paper's inference schedule,
+``docs/references.md#block-attention-residuals``): the pseudo-queries do not depend on the input, so all
+mixes that read the same completed blocks are scored against them in one batched pass (phase 1, per query:
+``m_b = max z``, ``s_b = Σ e^{z−m_b}``, ``acc_b = Σ e^{z−m_b} v``); each mix then folds in its partial sum
+``v_p`` with logit ``z_p`` by an online softmax (phase 2)::
+
+    m = max(m_b, z_p);   h = (acc_b e^{m_b−m} + v_p e^{z_p−m}) / (s_b e^{m_b−m} + e^{z_p−m})
+
+Equal to :func:`attn_res_mix` up to rounding; the server's forward uses it.
+
+Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``N`` sources (or completed blocks), ``Q`` mixes that read
+one block set.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,3 +58,80 @@ def make_res_pair(hidden_size: int, eps: float) -> tuple[RMSNorm, nn.Linear]:
     proj = nn.Linear(hidden_size, 1, bias=False)
     nn.init.zeros_(proj.weight)
     return RMSNorm(hidden_size, eps), proj
+
+
+@dataclass
+class MixSite:
+    """One AttnRes mix of the model: its norm and pseudo-query, and how many completed blocks it reads."""
+
+    norm: RMSNorm
+    proj: nn.Linear
+    num_blocks: int
+    index: int = 0
+    """Position of this mix among the mixes that read the same blocks (its row of the query stack)."""
+
+
+def attn_res_sites(backbone: nn.Module) -> list[MixSite]:
+    """Every mix :meth:`~openk3.model.modeling.KimiLinearModel.forward` runs, in the order of the K3 wiring
+    (``docs/references.md#decoder-wiring``): each layer's ``self_attention_res`` (from the second layer on) and
+    ``mlp_res`` mixes, then the output mix; ``index`` numbered within each block count."""
+    sites: list[MixSite] = []
+    n = 0
+    for i, layer in enumerate(backbone.layers):
+        if n:
+            sites.append(MixSite(layer.self_attention_res_norm, layer.self_attention_res_proj, n))
+        if i % layer.block_size == 0:
+            n += 1
+        sites.append(MixSite(layer.mlp_res_norm, layer.mlp_res_proj, n))
+    sites.append(MixSite(backbone.output_attn_res_norm, backbone.output_attn_res_proj, n))
+    counts: dict[int, int] = {}
+    for site in sites:
+        site.index = counts.get(site.num_blocks, 0)
+        counts[site.num_blocks] = site.index + 1
+    return sites
+
+
+class TwoPhaseAttnRes:
+    """:func:`attn_res_mix`'s drop-in for one forward (same call), computing phase 1 once per block count.
+
+    ``sites`` from :func:`attn_res_sites`; a mix is found by its ``proj`` module. Scores in fp32 (fp64 stays).
+    Raises ``ValueError`` when the norms reading one block set differ in eps, or a mix is not a site or reads
+    another number of blocks than its site."""
+
+    def __init__(self, sites: list[MixSite]) -> None:
+        self.sites = {id(s.proj): s for s in sites}
+        self.groups: dict[int, list[MixSite]] = {}
+        for s in sorted(sites, key=lambda s: s.index):
+            self.groups.setdefault(s.num_blocks, []).append(s)
+        for group in self.groups.values():
+            if any(s.norm.eps != group[0].norm.eps for s in group):
+                raise ValueError("AttnRes norms reading one block set must share eps for the two-phase mix")
+        self.stats: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _phase1(self, blocks: list[torch.Tensor], compute: torch.dtype) -> tuple[torch.Tensor, ...]:
+        group = self.groups[len(blocks)]
+        q_QD = torch.stack([s.norm.weight.to(compute) * s.proj.weight[0].to(compute) for s in group])
+        v_NBTD = torch.stack(blocks).to(compute)
+        z_QNBT = torch.einsum("qd,nbtd->qnbt", q_QD, rms_normalize(v_NBTD, group[0].norm.eps))
+        m_QBT = z_QNBT.amax(1)
+        e_QNBT = torch.exp(z_QNBT - m_QBT[:, None])
+        acc_QBTD = torch.einsum("qnbt,nbtd->qbtd", e_QNBT, v_NBTD)
+        return q_QD, m_QBT, e_QNBT.sum(1), acc_QBTD
+
+    def __call__(
+        self, blocks: list[torch.Tensor], partial_BTD: torch.Tensor, norm: RMSNorm, proj: nn.Linear
+    ) -> torch.Tensor:
+        site = self.sites.get(id(proj))
+        if site is None or site.num_blocks != len(blocks):
+            raise ValueError(f"no AttnRes site reads {len(blocks)} blocks with this pseudo-query")
+        compute = torch.float64 if partial_BTD.dtype == torch.float64 else torch.float32
+        if site.num_blocks not in self.stats:
+            self.stats[site.num_blocks] = self._phase1(blocks, compute)
+        q_QD, m_QBT, s_QBT, acc_QBTD = self.stats[site.num_blocks]
+        j = site.index
+        v_BTD = partial_BTD.to(compute)
+        z_BT = rms_normalize(v_BTD, site.norm.eps) @ q_QD[j]
+        m_BT = torch.maximum(m_QBT[j], z_BT)
+        a_BT, c_BT = torch.exp(m_QBT[j] - m_BT), torch.exp(z_BT - m_BT)
+        num_BTD = acc_QBTD[j] * a_BT[..., None] + v_BTD * c_BT[..., None]
+        return (num_BTD / (s_QBT[j] * a_BT + c_BT)[..., None]).to(partial_BTD.dtype)

@@ -7,9 +7,16 @@
 
 :class:`KimiCache` holds one entry per decoder layer and the number of tokens seen (``seq_len``).
 
-Speculative verification (``docs/speculative.md``): between :meth:`KimiCache.begin_verify` and
-:meth:`KimiCache.rollback` every KDA layer keeps its state after each new token (:class:`KDASteps`), so
-rolling back to the last accepted token selects a kept state and cuts the MLA latents; nothing is recomputed.
+The paged caches are what a server hands the same layers (``openk3.serve``): :class:`KDAStateSlots` are views
+of a batch of states that the layer updates in place; :class:`PagedLatents` are cached latents gathered from
+blocks and padded to the longest request, with a key mask, and receive the new tokens' latents for the
+server to write back.
+
+Speculative verification (``docs/speculative.md``): while a KDA cache's ``steps`` is a list, the layer runs
+the chunk one decode step per token and appends the state after each one (the state before the chunk
+first), so rolling back to the last accepted token selects a kept state and cuts the MLA latents; nothing
+is recomputed. :meth:`KimiCache.begin_verify` / :meth:`KimiCache.rollback` do it for a model cache,
+:meth:`KDAStateSlots.rollback` per row for a server's states.
 """
 
 from __future__ import annotations
@@ -17,17 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-
-@dataclass
-class KDASteps:
-    """The states of one KDA layer at every token of a verified chunk of ``T`` tokens."""
-
-    conv_inputs: tuple[torch.Tensor, ...] = ()
-    """(q, k, v) conv inputs ``[B, H·K, W−1+T]``: the cached ``W − 1``, then the chunk's; the conv cache
-    after ``n`` tokens of the chunk is ``[..., n : n + W − 1]``."""
-    recurrent: list[torch.Tensor] = field(default_factory=list)
-    """``T + 1`` recurrent states ``[B, H, K, V]``: before the chunk, then after each of its tokens."""
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -36,15 +33,17 @@ class KDACache:
     """(q, k, v) conv caches, each ``[B, H·K, W−1]``."""
     recurrent_state: torch.Tensor | None = None
     """fp32 ``[B, H, K, V]``."""
-    steps: KDASteps | None = None
-    """Per-token states of an open verification (``None`` outside one); the layer's forward fills it."""
+    steps: list[tuple] | None = None
+    """``(conv_states, recurrent_state)`` before and after each token of an open verification (``None``
+    outside one); the layer fills it."""
+
+    def snapshot(self) -> tuple:
+        """The current state (the layer replaces its tensors, never writes them in place)."""
+        return self.conv_states, self.recurrent_state
 
     def rollback(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` (0 … T) tokens of the verified chunk: their kept state."""
-        st = self.steps
-        W1 = st.conv_inputs[0].shape[-1] - (len(st.recurrent) - 1)  # W − 1
-        self.conv_states = tuple(x[..., num_tokens : num_tokens + W1].contiguous() for x in st.conv_inputs)
-        self.recurrent_state = st.recurrent[num_tokens]
+        self.conv_states, self.recurrent_state = self.steps[num_tokens]
         self.steps = None
 
 
@@ -89,7 +88,7 @@ class KimiCache:
         self.verify_start = self.seq_len
         for c in self.layers:
             if isinstance(c, KDACache):
-                c.steps = KDASteps()
+                c.steps = []
 
     def rollback(self, num_kept: int) -> None:
         """Keep the first ``num_kept`` tokens of the verified chunk (the accepted prefix) in every layer and
@@ -106,3 +105,63 @@ class KimiCache:
             else:
                 c.truncate(self.verify_start + num_kept)
         self.seq_len, self.verify_start = self.verify_start + num_kept, None
+
+
+@dataclass
+class KDAStateSlots:
+    """Paged KDA cache of ``B`` requests: views the layer overwrites in place (no new tensors are kept)."""
+
+    recurrent: torch.Tensor
+    """``[B, H, K, V]`` contiguous, fp32 (fp64 for an fp64 model)."""
+    conv: torch.Tensor
+    """``[B, 3, H·K, W−1]``: the q, k, v conv caches (last ``W − 1`` inputs), any float dtype."""
+    steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Copies of ``(recurrent, conv)`` before and after each token of an open verification (``None``
+    outside one); the layer fills it."""
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the current states (the layer overwrites them in place)."""
+        return self.recurrent.clone(), self.conv.clone()
+
+    def rollback(self, kept: list[int]) -> None:
+        """Set row ``b``'s states to those after its first ``kept[b]`` (0 … T) verified tokens, in place."""
+        steps, self.steps = self.steps, None
+        dev = self.recurrent.device
+        n_B, b_B = torch.tensor(kept, device=dev), torch.arange(len(kept), device=dev)
+        self.recurrent.copy_(torch.stack([r for r, _ in steps])[n_B, b_B])
+        self.conv.copy_(torch.stack([c for _, c in steps])[n_B, b_B])
+
+
+@dataclass
+class PagedLatents:
+    """Paged MLA cache of ``B`` requests: their cached latents padded to the longest (``S`` tokens), a key
+    mask, and, after the layer ran, the new tokens' latents."""
+
+    past: torch.Tensor
+    """``[B, S, C + r]`` in the model dtype: ``kv_a_layernorm(c)`` then ``k_pe``; padding rows any value."""
+    mask: torch.Tensor
+    """``[B, S]`` bool, True for a real cached token."""
+    full: bool = False
+    """Every row has ``S`` real cached tokens (no padding: one request, or equal lengths), so the new tokens'
+    mask is plain causal aligned to the end and attention can use a fused kernel without a mask tensor."""
+    new: torch.Tensor | None = None
+    """``[B, T, C + r]`` set by :meth:`append`."""
+
+    def append(self, latent_BTC: torch.Tensor, k_pe_BTr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the new tokens in :attr:`new`; return ``(latent [B, S + T, C], k_pe [B, S + T, r])``."""
+        C = latent_BTC.shape[-1]
+        self.new = torch.cat([latent_BTC, k_pe_BTr], -1)
+        return torch.cat([self.past[..., :C], latent_BTC], 1), torch.cat([self.past[..., C:], k_pe_BTr], 1)
+
+    def attention_mask(self, T: int, dense: bool = True):
+        """``[B, 1, T, S + T]`` bool: the new tokens see the real cached tokens and, causally, each other.
+
+        With ``dense=False`` and :attr:`full`, SDPA's lower-right causal bias instead (no tensor; flash-class
+        kernels take it)."""
+        B, S = self.mask.shape
+        if self.full and not dense:
+            return causal_lower_right(T, S + T)
+        dev = self.mask.device
+        causal_TS = torch.arange(S, S + T, device=dev)[:, None] >= torch.arange(S + T, device=dev)
+        keys_BS = torch.cat([self.mask, self.mask.new_ones(B, T)], 1)
+        return (causal_TS[None] & keys_BS[:, None, :])[:, None]

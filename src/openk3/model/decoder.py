@@ -64,17 +64,21 @@ class KimiDecoderLayer(nn.Module):
         return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD))
 
     def forward_attn_res(
-        self, blocks: list[torch.Tensor], partial_BTD: torch.Tensor, cache=None, cu_seqlens=None
+        self,
+        blocks: list[torch.Tensor],
+        partial_BTD: torch.Tensor,
+        cache=None,
+        cu_seqlens=None,
+        mix=attn_res_mix,
     ) -> torch.Tensor:
         """K3 wiring (Block AttnRes); returns the new partial sum.
 
         ``blocks`` is read, never changed: when this layer opens a new block (:attr:`opens_block`) the caller
         appends ``partial_BTD`` to its list after the call (FSDP2 hands hooked methods copies of their list
-        arguments, so an in-place append would be lost)."""
+        arguments, so an in-place append would be lost). ``mix``: :func:`~openk3.model.attn_res.attn_res_mix`
+        or a :class:`~openk3.model.attn_res.TwoPhaseAttnRes` of the whole forward."""
         if blocks:
-            h_BTD = attn_res_mix(
-                blocks, partial_BTD, self.self_attention_res_norm, self.self_attention_res_proj
-            )
+            h_BTD = mix(blocks, partial_BTD, self.self_attention_res_norm, self.self_attention_res_proj)
         else:
             h_BTD = partial_BTD
         if self.opens_block:
@@ -82,5 +86,5 @@ class KimiDecoderLayer(nn.Module):
             partial_BTD = None
         a_BTD = self.self_attn(self.input_layernorm(h_BTD), cache, cu_seqlens)
         partial_BTD = a_BTD if partial_BTD is None else partial_BTD + a_BTD
-        h_BTD = attn_res_mix(blocks, partial_BTD, self.mlp_res_norm, self.mlp_res_proj)
+        h_BTD = mix(blocks, partial_BTD, self.mlp_res_norm, self.mlp_res_proj)
         return partial_BTD + self.ffn(self.post_attention_layernorm(h_BTD))

@@ -6,6 +6,7 @@
   ``dt_bias`` puts the initial per-step decay ``−g`` at ``dt ~ logU(1e-3, 0.1)`` (fla): inverse softplus
   of dt (softplus gate), or ``logit(dt/|lb|)`` (lower-bounded gate, where ``−g = |lb|·σ(dt_bias)`` at 0 input).
 * ShortConvolution: PyTorch's Conv1d default (kaiming-uniform, a = √5). Router bias: 0.
+* Vision tower: the patch convolution and the learned position table normal(0, ``initializer_range``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from openk3.model.kda import KimiDeltaAttention
 from openk3.model.moe import MoEGate, RoutedExperts
 from openk3.model.norm import RMSNorm
 from openk3.model.short_conv import ShortConvolution
+from openk3.model.vision import PositionEmbedding2D
 
 
 @torch.no_grad()
@@ -54,7 +56,7 @@ def init_module_(name: str, m: nn.Module, std: float, gen: torch.Generator | Non
     def normal_(t: torch.Tensor) -> None:
         t.copy_(torch.randn(t.shape, generator=gen) * std)
 
-    if isinstance(m, (nn.Linear, nn.Embedding)):
+    if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv2d, PositionEmbedding2D)):
         if name.endswith("_res_proj"):
             m.weight.zero_()
         else:

@@ -16,10 +16,14 @@ DeltaNet, the same ops); with ``delta_rule=False`` too, the state update drops t
 (:mod:`openk3.ops.decay_only`).
 
 ``A_log`` is stored ``max(H, 128)`` long (the official K3 tensor is ``[128]`` with the first 96 used).
-The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
+With a server's :class:`~openk3.model.cache.KDAStateSlots` the layer updates the states in place: up to
+``DECODE_MAX_TOKENS`` tokens per request as one conv step over the stacked q/k/v projections and the
+state-pool decode op (:func:`~openk3.ops.kda.fused_recurrent_kda_pool`), more tokens through the path below,
+the new states copied in. The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
 :func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`, which ``torch.compile`` traces); with a cache and few new tokens outside training the
-recurrent decode op runs instead; in a speculative verification (``cache.steps`` set by
-:meth:`~openk3.model.cache.KimiCache.begin_verify`) it runs token by token and keeps every state.
+recurrent decode op runs instead. In a speculative verification (the cache's ``steps`` a list, set by
+:meth:`~openk3.model.cache.KimiCache.begin_verify` or the server's verifying forward) the layer runs one
+decode step per token, on either kind of cache, and keeps the state after each one.
 
 Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``, ``G`` decay
 inputs per head (K, or 1 with one decay per head).
@@ -30,11 +34,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.model.cache import KDACache, KDASteps
+from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import GatedRMSNorm
-from openk3.model.short_conv import ShortConvolution
+from openk3.model.short_conv import ShortConvolution, short_conv_step_
 from openk3.ops.decay_only import parallel_decay_only
-from openk3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm
+from openk3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool, kda_gate, l2norm
 from openk3.ops.kda.triton.train_op import chunk_kda_train, use_train_op
 
 A_LOG_STORED = 128
@@ -76,21 +80,21 @@ class KimiDeltaAttention(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cache: KDACache | None = None,
+        cache: KDACache | KDAStateSlots | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args: ``x_BTD`` normed input; ``cache`` updated in place; ``cu_seqlens`` int64 ``[N+1]`` (B = 1).
 
         Returns ``[B, T, D]``. With ``cu_seqlens`` and a cache, the cache receives one state per document.
         """
+        if cache is not None and cache.steps is not None:
+            return self._verify(x_BTD, cache)
+        if isinstance(cache, KDAStateSlots):
+            return self._forward_slots(x_BTD, cache)
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         keep = cache is not None
-        convs = cache.conv_states if keep and cache.conv_states is not None else (None, None, None)
-        proj = (self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD))
-        q_BTP, cq = self.q_conv1d(proj[0], convs[0], cu_seqlens, keep)
-        k_BTP, ck = self.k_conv1d(proj[1], convs[1], cu_seqlens, keep)
-        v_BTP, cv = self.v_conv1d(proj[2], convs[2], cu_seqlens, keep)
+        q_BTP, k_BTP, v_BTP, conv_states = self.short_convolutions(x_BTD, cache, cu_seqlens)
         g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
@@ -107,18 +111,37 @@ class KimiDeltaAttention(nn.Module):
         q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, H, K) for t in (q_BTP, k_BTP, v_BTP))
         g_raw_BTHK = g_raw_BTHG.expand(B, T, H, K)
         gate = dict(A_log=self.A_log[:H], dt_bias=dt_bias, lower_bound=self.lower_bound)
+        o_BTHK, state = self.kda_core(
+            q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate, cache, cu_seqlens
+        )
+        if keep:
+            cache.conv_states, cache.recurrent_state = conv_states, state
+        return self._output(x_BTD, o_BTHK)
+
+    def short_convolutions(
+        self, x_BTD: torch.Tensor, cache: KDACache | None, cu_seqlens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+        """``(q_BTP, k_BTP, v_BTP, conv_states)``: the projections through their short convolutions (the seam
+        context parallelism overrides, :mod:`openk3.dist.context_parallel`); ``conv_states`` the new conv
+        caches when ``cache`` is given."""
+        keep = cache is not None
+        convs = cache.conv_states if keep and cache.conv_states is not None else (None, None, None)
+        q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
+        k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
+        v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
+        return q_BTP, k_BTP, v_BTP, ((cq, ck, cv) if keep else None)
+
+    def kda_core(self, q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate: dict, cache, cu_seqlens):
+        """``(o_BTHK, state or None)``: the KDA op on the convolved q, k, v, the raw gate and β's logits
+        (the other seam context parallelism overrides); ``gate`` holds ``A_log``, ``dt_bias``, ``lower_bound``."""
+        keep = cache is not None
         if use_train_op(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate, cache=cache,
                         cu_seqlens=cu_seqlens):  # fmt: skip
-            o_BTHK = chunk_kda_train(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate)
-            return self._output(x_BTD, o_BTHK)
-        if keep and cache.steps is not None:  # a speculative verification: keep every token's state
-            o_BTHK = self._verify(
-                q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate, cache, convs, proj
-            )
-            return self._output(x_BTD, o_BTHK)
+            return chunk_kda_train(q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, **gate), None
+        T = q_BTHK.shape[1]
         use_decode = keep and T <= DECODE_MAX_TOKENS and not torch.is_grad_enabled() and cu_seqlens is None
         kda = fused_recurrent_kda if use_decode else chunk_kda
-        o_BTHK, state = kda(
+        return kda(
             q_BTHK,
             k_BTHK,
             v_BTHK,
@@ -128,39 +151,51 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=keep,
             cu_seqlens=cu_seqlens,
             use_qk_l2norm_in_kernel=True,
-            A_log=self.A_log[:H],
-            dt_bias=dt_bias,
-            lower_bound=self.lower_bound,
             use_beta_sigmoid_in_kernel=True,
+            **gate,
         )
-        if keep:
-            cache.conv_states, cache.recurrent_state = (cq, ck, cv), state
-        return self._output(x_BTD, o_BTHK)
 
-    def _verify(self, q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate, cache, convs, proj):
-        """The decode op token by token, keeping the state after each one in ``cache.steps`` (rolled back
-        by :meth:`~openk3.model.cache.KDACache.rollback`); returns ``o_BTHK``. Each token runs the op exactly
-        as a one-token decode step does, so a kept state is the decode state of the same inputs."""
-        B, T = q_BTHK.shape[:2]
-        W1 = self.q_conv1d.kernel_size - 1
-        state = cache.recurrent_state
-        states, outs = [state], []
-        for t in range(T):
-            o_B1HK, state = fused_recurrent_kda(
-                q_BTHK[:, t : t + 1], k_BTHK[:, t : t + 1], v_BTHK[:, t : t + 1], g_raw_BTHK[:, t : t + 1],
-                beta_logits_BTH[:, t : t + 1], initial_state=state, output_final_state=True,
-                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate,
-            )  # fmt: skip
-            states.append(state)
-            outs.append(o_B1HK)
-        if states[0] is None:
-            states[0] = torch.zeros_like(state)
-        past = [c if c is not None else p.new_zeros(B, p.shape[-1], W1) for c, p in zip(convs, proj)]
-        inputs = tuple(torch.cat([c.to(p.dtype), p.transpose(1, 2)], -1) for c, p in zip(past, proj))
-        cache.steps = KDASteps(inputs, states)
-        cache.conv_states = tuple(x[..., T:].contiguous() for x in inputs)
-        cache.recurrent_state = state
+    def _verify(self, x_BTD: torch.Tensor, cache: KDACache | KDAStateSlots) -> torch.Tensor:
+        """``[B, T, D]``: one decode step per token, each exactly a one-token decode of this cache, appending
+        the state before the chunk and after each token to ``cache.steps`` (its ``rollback`` then selects
+        one)."""
+        steps, cache.steps = cache.steps, None
+        steps.append(cache.snapshot())
+        outs = []
+        for t in range(x_BTD.shape[1]):
+            outs.append(self.forward(x_BTD[:, t : t + 1], cache))
+            steps.append(cache.snapshot())
+        cache.steps = steps
         return torch.cat(outs, 1)
+
+    def _forward_slots(self, x_BTD: torch.Tensor, slots: KDAStateSlots) -> torch.Tensor:
+        """The layer on a server's states, overwritten in place (``docs/references.md#kda-layer``): up to
+        :data:`DECODE_MAX_TOKENS` tokens by the stacked conv step and the state-pool decode op, more through
+        :meth:`forward` with the new states copied in."""
+        B, T, _ = x_BTD.shape
+        if T > DECODE_MAX_TOKENS or not self.delta_rule:
+            conv = slots.conv.to(x_BTD.dtype)
+            cache = KDACache((conv[:, 0], conv[:, 1], conv[:, 2]), slots.recurrent)
+            y_BTD = self.forward(x_BTD, cache)
+            slots.recurrent.copy_(cache.recurrent_state)
+            slots.conv.copy_(torch.stack(cache.conv_states, 1))
+            return y_BTD
+        H, K = self.num_heads, self.head_dim
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        weight_3PW = torch.stack([c.weight[:, 0, :] for c in convs]).to(x_BTD.dtype)
+        proj_B3PT = torch.stack([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], 2).permute(
+            0, 2, 3, 1
+        )
+        qkv_BT3P = short_conv_step_(proj_B3PT, slots.conv, weight_3PW).permute(0, 3, 1, 2)
+        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3P[:, :, i].reshape(B, T, H, K) for i in range(3))
+        g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1).expand(B, T, H, K)
+        dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
+        beta_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        o_BTHK = fused_recurrent_kda_pool(
+            q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_BTH, slots.recurrent, A_log=self.A_log[:H],
+            dt_bias=dt_bias, lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True,
+        )  # fmt: skip
+        return self._output(x_BTD, o_BTHK)
 
     def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:
         """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` ``[B, T, D]`` for the op's output ``o_BTHK``."""

@@ -11,7 +11,9 @@
 
 The cache keeps ``c`` and ``k_pe`` (kv_lora_rank + r = 576 numbers per token in K3). The *naive* path
 expands them into per-head keys and values; the *absorbed* path folds ``W_UK`` into the query and
-``W_UV`` into the output and attends over the latent directly (what decode uses).
+``W_UV`` into the output and attends over the latent directly (what decode uses). With a server's
+:class:`~openk3.model.cache.PagedLatents` the cached latents come padded with a key mask, and the new ones
+are handed back in the cache (NoPE: no positions, so where the padding sits does not matter).
 
 Legend: ``B`` batch, ``T`` new tokens, ``S`` cached + new tokens, ``H`` heads, ``n`` qk_nope,
 ``r`` qk_rope, ``v`` v_head_dim, ``C`` kv_lora_rank.
@@ -23,10 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openk3.model.cache import MLACache
+from openk3.model.cache import MLACache, PagedLatents
 from openk3.model.norm import RMSNorm
 from openk3.model.varlen import document_ids
 
+ABSORB_MAX_TOKENS = 16
+"""With a cache, at most this many new tokens and no grad, ``auto`` takes the absorbed path."""
 MLA_LORA_NORM_EPS = 1e-6
 """``q_a_layernorm``/``kv_a_layernorm`` use the RMSNorm default eps, not ``rms_norm_eps`` (official code)."""
 
@@ -38,8 +42,8 @@ def attention_mask(
 
     Returns ``None`` for plain causal attention without a past (SDPA's ``is_causal``) unless ``force``.
     """
-    if cu_seqlens is None and T == S and not force:
-        return None
+    if (cu_seqlens is None or cu_seqlens.numel() == 2) and T == S and not force:
+        return None  # no past, at most one document: plain causal
     q_pos = torch.arange(S - T, S, device=device)
     mask = q_pos[:, None] >= torch.arange(S, device=device)[None, :]
     if cu_seqlens is not None:
@@ -80,7 +84,10 @@ class MultiheadLatentAttention(nn.Module):
         return q_BTHd[..., : self.nope], q_BTHd[..., self.nope :]
 
     def forward(
-        self, x_BTD: torch.Tensor, cache: MLACache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        x_BTD: torch.Tensor,
+        cache: MLACache | PagedLatents | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args: ``x_BTD`` normed input; ``cache`` (appended in place); ``cu_seqlens`` int64 ``[N+1]`` (B = 1,
         no cache). Returns ``[B, T, D]``."""
@@ -89,12 +96,15 @@ class MultiheadLatentAttention(nn.Module):
         ckv_BTd = self.kv_a_proj_with_mqa(x_BTD)
         c_BTC = self.kv_a_layernorm(ckv_BTd[..., : self.kv_lora_rank])
         k_pe_BTr = ckv_BTd[..., self.kv_lora_rank :]
-        if cache is not None:
-            c_BTC, k_pe_BTr = cache.append(c_BTC, k_pe_BTr)
-        mask_TS = attention_mask(T, c_BTC.shape[1], x_BTD.device, cu_seqlens)
+        c_BTC, k_pe_BTr, mask_TS = self.attended_latents(c_BTC, k_pe_BTr, cache, cu_seqlens)
         absorb = self.attn_impl == "absorb" or (
-            self.attn_impl == "auto" and cache is not None and T <= 16 and not torch.is_grad_enabled()
+            self.attn_impl == "auto"
+            and cache is not None
+            and T <= ABSORB_MAX_TOKENS
+            and not torch.is_grad_enabled()
         )
+        if isinstance(cache, PagedLatents):
+            mask_TS = cache.attention_mask(T, dense=absorb)  # [B, 1, T, S], or a lower-right causal bias
         attend = self.absorbed_attention if absorb else self.naive_attention
         o_BTHv = attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS)
         o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
@@ -102,8 +112,21 @@ class MultiheadLatentAttention(nn.Module):
             o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o_BTP)
 
+    def attended_latents(self, c_BTC, k_pe_BTr, cache: MLACache | PagedLatents | None, cu_seqlens):
+        """``(c_BSC, k_pe_BSr, mask_TS)``: the latents the new tokens attend to (the cache's and theirs) and the
+        mask (None: plain causal, or, with ``PagedLatents``, the mask :meth:`forward` takes from the paged
+        cache). The seam context parallelism overrides (:mod:`openk3.dist.cp_mla`)."""
+        T = c_BTC.shape[1]
+        if cache is not None:
+            c_BTC, k_pe_BTr = cache.append(c_BTC, k_pe_BTr)
+        if isinstance(cache, PagedLatents):
+            return c_BTC, k_pe_BTr, None
+        return c_BTC, k_pe_BTr, attention_mask(T, c_BTC.shape[1], c_BTC.device, cu_seqlens)
+
     def naive_attention(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
-        """Expand the latent into per-head K/V, then scaled-dot-product attention. Returns ``[B, T, H, v]``."""
+        """Expand the latent into per-head K/V, then scaled-dot-product attention; ``mask_TS`` ``[T, S]`` or
+        ``[B, 1, T, S]`` (True = attend), SDPA's lower-right causal bias, or None (causal, ``T = S``).
+        Returns ``[B, T, H, v]``."""
         B, S, _ = c_BSC.shape
         H = self.num_heads
         kv_BSHd = self.kv_b_proj(c_BSC).view(B, S, H, self.nope + self.v_dim)
@@ -121,7 +144,8 @@ class MultiheadLatentAttention(nn.Module):
         return o.transpose(1, 2)
 
     def absorbed_attention(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
-        """Attend over the latent: ``q̃ = q_nope W_UK``, ``o = (P c) W_UVᵀ``. Returns ``[B, T, H, v]``."""
+        """Attend over the latent: ``q̃ = q_nope W_UK``, ``o = (P c) W_UVᵀ``; ``mask_TS`` as
+        :meth:`naive_attention`. Returns ``[B, T, H, v]``."""
         w_HdC = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk_HnC, w_uv_HvC = w_HdC[:, : self.nope], w_HdC[:, self.nope :]
         q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HnC)

@@ -3,7 +3,8 @@ wrapper whose attribute names give the official ``language_model.`` prefix.
 
 Forward contract: ``model(input_ids)`` returns :class:`CausalLMOutput` whose ``.logits`` is ``[B, T, V]``.
 Optional ``cache`` (:class:`~openk3.model.cache.KimiCache`, updated in place) for incremental decoding and
-``cu_seqlens`` (int64 ``[N+1]``, ``B = 1``) for packed documents.
+``cu_seqlens`` (int64 ``[N+1]``, ``B = 1``) for packed documents. A K3 model with a vision tower also takes
+``pixel_values`` and ``grid_thws`` (:mod:`openk3.model.vision`), placed at the media placeholder tokens.
 
 Raises ``ValueError`` for non-integer ids, ids outside ``[0, vocab_size)``, or a total length beyond
 ``max_position_embeddings``; ``NotImplementedError`` for a cache together with ``cu_seqlens`` on MLA.
@@ -17,12 +18,13 @@ import torch
 from torch import nn
 
 from openk3.config import AnyConfig, KimiK3Config, KimiLinearConfig, text_config_of
-from openk3.model.attn_res import attn_res_mix, make_res_pair
+from openk3.model.attn_res import TwoPhaseAttnRes, attn_res_mix, attn_res_sites, make_res_pair
 from openk3.model.cache import KimiCache
 from openk3.model.decoder import KimiDecoderLayer
 from openk3.model.init import init_weights
 from openk3.model.norm import RMSNorm
 from openk3.model.varlen import check_cu_seqlens
+from openk3.model.vision import MoonViT, PatchMergerProjector, merge_patches, place_media
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias")
@@ -46,6 +48,11 @@ class KimiLinearModel(nn.Module):
         self.norm = RMSNorm(D, config.rms_norm_eps)
         if config.uses_attn_res:
             self.output_attn_res_norm, self.output_attn_res_proj = make_res_pair(D, config.rms_norm_eps)
+
+    @property
+    def attn_res_sites(self):
+        """The AttnRes mixes in forward order (:func:`~openk3.model.attn_res.attn_res_sites`)."""
+        return attn_res_sites(self)
 
     def check_inputs(self, input_ids: torch.Tensor, cache: KimiCache | None, cu_seqlens) -> None:
         cfg = self.config
@@ -82,23 +89,30 @@ class KimiLinearModel(nn.Module):
         cache: KimiCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         check_inputs: bool = True,
+        two_phase_attn_res: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states ``[B, T, D]`` (after the output AttnRes mix and the final norm).
 
-        ``check_inputs=False`` skips :meth:`check_inputs` (one host sync) for ids the caller has checked."""
+        ``check_inputs=False`` skips :meth:`check_inputs` (one host sync) for ids the caller has checked.
+        ``two_phase_attn_res``: mix by :class:`~openk3.model.attn_res.TwoPhaseAttnRes` (inference: the
+        pseudo-queries of one block set scored in one pass) instead of one mix at a time.
+        ``inputs_embeds`` ``[B, T, D]`` replaces the embedding lookup of ``input_ids`` (which still give the
+        shape and are checked): text embeddings with media placed in them."""
         if check_inputs:
             self.check_inputs(input_ids, cache, cu_seqlens)
-        h_BTD = self.embed_tokens(input_ids)
+        h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
         if self.config.uses_attn_res:
             blocks: list[torch.Tensor] = []
             partial = h_BTD
+            mix = TwoPhaseAttnRes(self.attn_res_sites) if two_phase_attn_res else attn_res_mix
             for layer, c in zip(self.layers, layer_caches):
                 closed = partial if layer.opens_block else None
-                partial = layer.forward_attn_res(blocks, partial, c, cu_seqlens)
+                partial = layer.forward_attn_res(blocks, partial, c, cu_seqlens, mix)
                 if closed is not None:
                     blocks.append(closed)
-            h_BTD = attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
+            h_BTD = mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
         else:
             for layer, c in zip(self.layers, layer_caches):
                 h_BTD = layer.forward_residual(h_BTD, c, cu_seqlens)
@@ -117,9 +131,13 @@ class KimiLinearForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, cache: KimiCache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cache: KimiCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        h_BTD = self.model(input_ids, cache, cu_seqlens)
+        h_BTD = self.model(input_ids, cache, cu_seqlens, inputs_embeds=inputs_embeds)
         return CausalLMOutput(self.lm_head(h_BTD), cache)
 
     def new_cache(self) -> KimiCache:
@@ -127,17 +145,53 @@ class KimiLinearForCausalLM(nn.Module):
 
 
 class KimiK3ForConditionalGeneration(nn.Module):
-    """K3 top level: ``language_model`` (a :class:`KimiLinearForCausalLM`). The vision tower is not built yet."""
+    """K3 top level: ``language_model`` (a :class:`KimiLinearForCausalLM`) and, when the config has a
+    ``vision_config``, ``vision_tower`` (MoonViT-V2) and ``mm_projector`` (the official prefixes)."""
 
     def __init__(self, config: KimiK3Config) -> None:
         super().__init__()
         self.config = config
         self.language_model = KimiLinearForCausalLM(config.text_config)
+        if config.vision_config is not None:
+            self.vision_tower = MoonViT(config.vision_config)
+            self.mm_projector = PatchMergerProjector(config.vision_config)
+
+    def embed_media(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
+        """Text-width embeddings ``[M, hidden_size]`` of packed media (:mod:`openk3.model.vision`).
+
+        Raises ``ValueError`` for a model without a vision tower or a grid the tower does not take."""
+        if self.config.vision_config is None:
+            raise ValueError(
+                "this model has no vision tower (its config has no vision_config): pass text only"
+            )
+        x_LD = self.vision_tower(pixel_values, grid_thws)
+        return self.mm_projector(merge_patches(x_LD, grid_thws, self.config.vision_config.merge_kernel_size))
+
+    def embed_inputs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
+        """Token embeddings ``[B, T, hidden_size]`` with the media placed at the placeholder tokens.
+
+        Raises ``ValueError`` when the placeholder count differs from the media's token count."""
+        media_MD = self.embed_media(pixel_values, grid_thws)
+        embeds_BTD = self.language_model.model.embed_tokens(input_ids)
+        return place_media(input_ids, embeds_BTD, media_MD, self.config.media_placeholder_token_id)
 
     def forward(
-        self, input_ids: torch.Tensor, cache: KimiCache | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cache: KimiCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        grid_thws: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        return self.language_model(input_ids, cache, cu_seqlens)
+        """Logits ``[B, T, V]``; with ``pixel_values`` and ``grid_thws`` the media fill the placeholder tokens
+        (``inputs_embeds`` instead: embeddings already built by :meth:`embed_inputs`)."""
+        if (pixel_values is None) != (grid_thws is None):
+            raise ValueError("pass pixel_values and grid_thws together (or neither)")
+        if pixel_values is not None:
+            self.language_model.model.check_inputs(input_ids, cache, cu_seqlens)
+            inputs_embeds = self.embed_inputs(input_ids, pixel_values, grid_thws)
+        return self.language_model(input_ids, cache, cu_seqlens, inputs_embeds=inputs_embeds)
 
     def new_cache(self) -> KimiCache:
         return self.language_model.new_cache()

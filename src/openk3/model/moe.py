@@ -13,6 +13,10 @@ Expert compute is batched: token-slots are sorted by expert and run through a gr
 (``torch.nn.functional.grouped_mm`` with per-expert offsets), with no per-expert Python loop and no host
 sync. :func:`experts_loop_reference` is the readable loop kept as the test oracle.
 
+Quantised experts (``docs/quantization.md``): with ``RoutedExperts.qat`` set (``openk3 train --qat mxfp4``) the
+GEMMs see MXFP4 fake-quantised weights and MXFP8 fake-quantised inputs, with straight-through gradients;
+:class:`openk3.quant.experts.MXFP4RoutedExperts` keeps the weights packed and dequantises them per forward.
+
 Legend: ``N`` tokens, ``D`` width, ``L`` expert input width (latent or D), ``F`` expert width,
 ``E`` experts, ``k`` experts per token, ``M = N·k`` token-slots.
 Official names: expert ``j`` is ``experts.{j}.w1`` (gate, ``[F, L]``), ``w3`` (up, ``[F, L]``),
@@ -30,6 +34,7 @@ from openk3.model.mlp import MLP
 from openk3.model.norm import RMSNorm
 from openk3.model.router import MoEGate, RouterOutput
 from openk3.model.routing_stats import COUNT_DTYPE, RoutingStats, accumulate_histogram_, histogram_range
+from openk3.quant.mxfp4 import mxfp4_ste, mxfp8_ste
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,20 +48,45 @@ def _grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tenso
     return torch.bmm(w_EOI[expert_M], x_MI.unsqueeze(-1)).squeeze(-1)
 
 
-def grouped_expert_ffn(config, x_ML, w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M) -> torch.Tensor:
+def grouped_expert_ffn(config, x_ML, w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M, x_quant=None) -> torch.Tensor:
     """The GLU experts on rows sorted by expert: ``w2_e · glu(w1_e x, w3_e x)`` for row ``x`` of expert ``e``.
 
     ``offs_E`` (int32 ``[E]``) is the cumulative row count per expert, ``expert_M`` the expert of each row.
-    Shared by :class:`RoutedExperts` and the expert-parallel module (``openk3.dist``), which passes its local
-    experts and the rows it received. Returns ``[M, L]`` in ``x_ML.dtype``.
+    ``x_quant`` (optional) maps each GEMM input (``x`` and the GLU output) to what the GEMM reads, e.g. MXFP8
+    fake quantisation. Shared by :class:`RoutedExperts` and the expert-parallel module (``openk3.dist``),
+    which passes its local experts and the rows it received. Returns ``[M, L]`` in ``x_ML.dtype``.
     """
+    q = x_quant or (lambda t: t)
+    x_ML = q(x_ML)
     gate_MF = _grouped_linear(x_ML, w1_EFL, offs_E, expert_M)
     up_MF = _grouped_linear(x_ML, w3_EFL, offs_E, expert_M)
-    return _grouped_linear(glu(config, gate_MF, up_MF), w2_ELF, offs_E, expert_M)
+    return _grouped_linear(q(glu(config, gate_MF, up_MF)), w2_ELF, offs_E, expert_M)
+
+
+def combine_experts(config, z_NL, weights_Nk, indices_Nk, w1_EFL, w3_EFL, w2_ELF, x_quant=None):
+    """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])``, shape ``[N, L]`` in ``z_NL.dtype``: sorts the
+    token-slots by expert and runs :func:`grouped_expert_ffn` on them (no host sync)."""
+    N, k = indices_Nk.shape
+    E = w1_EFL.shape[0]
+    expert_M = indices_Nk.reshape(-1)
+    order_M = torch.argsort(expert_M, stable=True)
+    expert_M = expert_M[order_M]
+    token_M = order_M // k
+    counts_E = torch.zeros(E, dtype=torch.int64, device=z_NL.device).scatter_add_(
+        0, expert_M, torch.ones_like(expert_M)
+    )
+    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    y_ML = grouped_expert_ffn(config, z_NL[token_M], w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M, x_quant)
+    w_M = weights_Nk.reshape(-1)[order_M].to(y_ML.dtype)
+    out_NL = torch.zeros_like(z_NL)
+    return out_NL.index_add_(0, token_M, y_ML * w_M[:, None])
 
 
 class RoutedExperts(nn.Module):
-    """``E`` SiTU/SwiGLU experts stored stacked: ``w1, w3 [E, F, L]`` and ``w2 [E, L, F]``."""
+    """``E`` SiTU/SwiGLU experts stored stacked: ``w1, w3 [E, F, L]`` and ``w2 [E, L, F]``.
+
+    ``qat`` (default ``False``; :func:`openk3.quant.qat.enable_qat` sets it): the forward reads MXFP4
+    fake-quantised weights and MXFP8 fake-quantised GEMM inputs, with straight-through gradients."""
 
     def __init__(self, config, input_size: int) -> None:
         super().__init__()
@@ -65,23 +95,14 @@ class RoutedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, F_, L))
         self.w3 = nn.Parameter(torch.empty(E, F_, L))
         self.w2 = nn.Parameter(torch.empty(E, L, F_))
+        self.qat = False
 
     def forward(self, z_NL: torch.Tensor, weights_Nk: torch.Tensor, indices_Nk: torch.Tensor) -> torch.Tensor:
         """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])``, shape ``[N, L]``, in ``z_NL.dtype``."""
-        N, k = indices_Nk.shape
-        E = self.w1.shape[0]
-        expert_M = indices_Nk.reshape(-1)
-        order_M = torch.argsort(expert_M, stable=True)
-        expert_M = expert_M[order_M]
-        token_M = order_M // k
-        counts_E = torch.zeros(E, dtype=torch.int64, device=z_NL.device).scatter_add_(
-            0, expert_M, torch.ones_like(expert_M)
-        )
-        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        y_ML = grouped_expert_ffn(self.config, z_NL[token_M], self.w1, self.w3, self.w2, offs_E, expert_M)
-        w_M = weights_Nk.reshape(-1)[order_M].to(y_ML.dtype)
-        out_NL = torch.zeros_like(z_NL)
-        return out_NL.index_add_(0, token_M, y_ML * w_M[:, None])
+        w = (self.w1, self.w3, self.w2)
+        if self.qat:
+            return combine_experts(self.config, z_NL, weights_Nk, indices_Nk, *map(mxfp4_ste, w), mxfp8_ste)
+        return combine_experts(self.config, z_NL, weights_Nk, indices_Nk, *w)
 
 
 def experts_loop_reference(experts: RoutedExperts, z_NL, weights_Nk, indices_Nk) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Legend: ``B`` batch, ``T`` new tokens, ``C`` channels (H·K), ``W`` kernel size, ``N`` packed documents.
 The conv cache holds the last ``W − 1`` *inputs* per channel, ``[B, C, W−1]`` (the layout vLLM and fla use).
 Weight ``[C, 1, W]`` as ``nn.Conv1d(groups=C)``; official checkpoints store it in fp32 without bias.
+:func:`short_conv_step_` runs a few new tokens of several such convolutions at once (``G`` stacked, as
+KDA's q, k, v) on a cache updated in place.
 """
 
 from __future__ import annotations
@@ -70,3 +72,18 @@ class ShortConvolution(nn.Module):
         state_NWC = xp_SC[pos_NW + (W - 1)]  # xp is shifted by W - 1 zeros
         state_NWC = state_NWC * (pos_NW >= starts_N[:, None])[..., None].to(xp_SC.dtype)
         return state_NWC.transpose(1, 2).contiguous()
+
+
+def short_conv_step_(
+    x_BGCT: torch.Tensor, state_BGCW: torch.Tensor, weight_GCW: torch.Tensor
+) -> torch.Tensor:
+    """``SiLU(causal depthwise conv)`` of ``T`` new inputs per channel for ``G`` convolutions at once (the taps
+    summed in :meth:`ShortConvolution.forward`'s order); the cache ``state`` (the last ``W − 1`` inputs, any
+    float dtype) is overwritten in place. Returns ``[B, G, C, T]`` in ``x``'s dtype."""
+    W, T = weight_GCW.shape[-1], x_BGCT.shape[-1]
+    xp_BGCS = torch.cat([state_BGCW.to(x_BGCT.dtype), x_BGCT], -1)  # S = W − 1 + T
+    y_BGCT = torch.zeros_like(x_BGCT)
+    for w in range(W):
+        y_BGCT = y_BGCT + xp_BGCS[..., w : w + T] * weight_GCW[..., w, None]
+    state_BGCW.copy_(xp_BGCS[..., T:])
+    return F.silu(y_BGCT)

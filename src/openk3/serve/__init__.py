@@ -11,8 +11,8 @@ Files (one concept each)::
     kv_manager.py      block tables, state slots, copy-on-write hits, checkpoints, reservations
     request.py         Request, SamplingParams, RequestOutput
     scheduler.py       budgets, admission, chunked prefill, update
-    decode_forward.py  paged batched forward (decodes, continuing chunks): paged MLA, two-phase Block AttnRes
-    kda_decode.py      one KDA decode token on gathered states, in place
+    decode_forward.py  paged batched forward: the model's forward on paged caches (decodes, continuing chunks)
+    decode_graph.py    short greedy chunks at static shapes, captured in CUDA graphs (an eager twin elsewhere)
     model_runner.py    execute a step (chunks batched by length; lone first chunks packed), sample
     engine.py          LLMEngine: schedule → execute → update
     async_engine.py    the engine on a background thread

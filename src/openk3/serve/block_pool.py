@@ -24,7 +24,7 @@ Invariants (checked by :meth:`BlockPool.check_invariants`):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 NULL_BLOCK_ID = 0
@@ -68,6 +68,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[CacheKey, tuple[int, ...]] = {}
         self.num_evicted_entries = 0
+        self.on_evict: Callable[[CacheKey, tuple[int, ...]], object] | None = None
+        """Called with an entry's key and blocks just before eviction reuses them (their content intact):
+        the host-memory tier's write-back (:meth:`openk3.serve.host_tier.HostTier.save`)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,8 +100,17 @@ class BlockPool:
         return out
 
     def _evict(self, key: CacheKey) -> None:
-        ids = self.cached.pop(key)
+        if self.on_evict is not None:
+            self.on_evict(key, self.cached[key])
         self.num_evicted_entries += 1
+        self.uncache(key)
+
+    def uncache(self, key: CacheKey) -> None:
+        """Forget a cached entry (no-op when absent): its blocks stay with their users, or, unused, move to
+        the front of the free queue as empty blocks."""
+        ids = self.cached.pop(key, None)
+        if ids is None:
+            return
         for block_id in ids:
             self.blocks[block_id].cache_key = None
         for block_id in reversed(ids):

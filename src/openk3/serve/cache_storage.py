@@ -147,13 +147,22 @@ class CacheStorage:
         ``[B, S]`` bool (True = a real token)); ``S = max(lengths)`` (may be 0). Padded entries read the null
         block (zeros). One ``index_select`` over the token rows of the pool."""
         lo, dev = self.layout, self.pages.device
-        bs, L, B, S = lo.block_size, lo.num_mla_layers, len(lengths), max(lengths)
+        bs, S = lo.block_size, max(lengths)
         nb = math.ceil(S / bs)
         table_BN = torch.tensor(
             [t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.int64, device=dev
         )
+        return self.gather_latents_padded(table_BN, torch.tensor(lengths, device=dev), S)
+
+    def gather_latents_padded(
+        self, table_BN: torch.Tensor, lengths_B: torch.Tensor, S: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gather_latents` from device tensors (no host data: a CUDA graph can capture it): block
+        tables int64 ``[B, N]`` with ``N·bs ≥ S``, lengths int64 ``[B]`` ≤ ``S``."""
+        lo, dev = self.layout, self.pages.device
+        bs, L, B = lo.block_size, lo.num_mla_layers, table_BN.shape[0]
         pos_S = torch.arange(S, device=dev)
-        mask_BS = pos_S < torch.tensor(lengths, device=dev)[:, None]
+        mask_BS = pos_S < lengths_B[:, None]
         block_BS = torch.where(mask_BS, table_BN[:, pos_S // bs], 0)
         layer_L11 = torch.arange(L, device=dev)[:, None, None]
         row_LBS = (block_BS * L + layer_L11) * bs + pos_S % bs  # token rows of pages.view(-1, C + r)
@@ -250,6 +259,19 @@ class CacheStorage:
         """Copy-on-write of a KDA checkpoint into a request's own slot (or back)."""
         self._flush_if_touching(src + dst)
         self.pages[list(dst)] = self.pages[list(src)]
+
+    def copy_to_host(self, pages: tuple[int, ...], host: torch.Tensor, rows: tuple[int, ...]) -> None:
+        """Copy device pages into rows of a host buffer ``[R, page_numel]`` (asynchronous on CUDA when
+        ``host`` is pinned: ordered on the current stream before any later write of those pages)."""
+        self._flush_if_touching(pages)
+        for page, row in zip(pages, rows):
+            host[row].copy_(self.pages[page], non_blocking=True)
+
+    def copy_from_host(self, host: torch.Tensor, rows: tuple[int, ...], pages: tuple[int, ...]) -> None:
+        """Copy rows of a host buffer into device pages (the inverse of :meth:`copy_to_host`)."""
+        self._flush_if_touching(pages)
+        for row, page in zip(rows, pages):
+            self.pages[page].copy_(host[row], non_blocking=True)
 
     def zero_pages(self, pages: tuple[int, ...]) -> None:
         self._flush_if_touching(pages)

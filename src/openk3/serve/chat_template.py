@@ -9,6 +9,9 @@ documented default is ChatML over the tokenizer's reserved special tokens (openk
 
 In the default, message text is encoded as plain text (a special token's string inside a message does
 not become the special token). Generation stops at ``<|im_end|>`` as well as at the eos token.
+
+A message's ``content`` may also be a list of pieces: text (``str``) and token ids (``list[int]``, an
+image's placeholder tokens), kept in order; the default template takes them, a Jinja template does not.
 """
 
 from __future__ import annotations
@@ -42,8 +45,13 @@ class ChatTemplate:
         return cls(tokenizer, source if isinstance(source, str) else None)
 
     def encode(self, messages: list[dict]) -> list[int]:
-        """``messages``: ``[{"role": ..., "content": str}, ...]`` → prompt ids ending in the assistant header."""
+        """``messages``: ``[{"role": ..., "content": str | list[str | list[int]]}, ...]`` → prompt ids ending in
+        the assistant header. Raises ``ValueError`` for token-id pieces under a Jinja template."""
         tok = self.tokenizer
+        if any(isinstance(m["content"], list) for m in messages):
+            if self.template is not None:
+                raise ValueError("this checkpoint's chat template (Jinja) does not take images")
+            return self._encode_pieces(messages)
         if self.template is not None:
             text = self.template.render(
                 messages=messages, add_generation_prompt=True, eos_token=tok.eos_token
@@ -61,3 +69,24 @@ class ChatTemplate:
                 + tok.encode("\n")
             )
         return ids + [self.im_start] + tok.encode("assistant\n")
+
+    def _encode_pieces(self, messages: list[dict]) -> list[int]:
+        """The default template over content pieces: text runs encoded, id pieces inserted as they are."""
+        tok = self.tokenizer
+        chatml = self.im_start is not None and self.im_end is not None
+        ids: list[int] = []
+        for m in messages:
+            pieces = m["content"] if isinstance(m["content"], list) else [m["content"] or ""]
+            head = f"{m['role']}\n" if chatml else f"{m['role']}: "
+            body: list[int] = []
+            for piece in pieces:
+                if isinstance(piece, str):
+                    body += tok.encode(head + piece)
+                else:
+                    body += (tok.encode(head) if head else []) + list(piece)
+                head = ""
+            if chatml:
+                ids += [self.im_start] + body + [self.im_end] + tok.encode("\n")
+            else:
+                ids += body + tok.encode("\n")
+        return ids + ([self.im_start] + tok.encode("assistant\n") if chatml else tok.encode("assistant:"))

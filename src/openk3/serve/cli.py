@@ -18,11 +18,16 @@ def port_number(text: str) -> int:
     return port
 
 
-SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+SERVER_MODULES = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "prometheus_client": "prometheus-client",
+    "httpx": "httpx",
+}
 """Modules the server imports, and their PyPI names (base dependencies of openk3, also the ``serve`` extra)."""
 
 
-def check_server_modules() -> None:
+def check_server_modules(command: str = "serve") -> None:
     """Raise ``ValueError`` naming the missing PyPI packages and the install command when a module of
     :data:`SERVER_MODULES` cannot be imported (an install older than these dependencies)."""
     import importlib
@@ -35,7 +40,7 @@ def check_server_modules() -> None:
             missing.append(package)
     if missing:
         raise ValueError(
-            f'openk3 serve needs {", ".join(missing)}, not installed here: pip install -e ".[serve]" '
+            f'openk3 {command} needs {", ".join(missing)}, not installed here: pip install -e ".[serve]" '
             f"(or pip install {' '.join(missing)})"
         )
 
@@ -65,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pool_mib=args.pool_mib,
         checkpoint_interval=args.checkpoint_interval,
         enable_prefix_caching=not args.no_prefix_caching,
+        host_pool_mib=args.host_pool_mib,
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -85,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=dtype,
         draft=args.draft,
         num_speculative_tokens=args.speculative_tokens,
+        allowed_local_media_path=args.allowed_local_media_path,
     )
     return 0
 
@@ -112,6 +119,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="drafted tokens per step with --draft (a request's num_speculative_tokens overrides it)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
+    p.add_argument(
+        "--allowed-local-media-path",
+        dest="allowed_local_media_path",
+        help="folder whose image files chat requests may name in image_url (default: only data: URLs)",
+    )
     g = p.add_argument_group("cache")
     g.add_argument(
         "--block-size",
@@ -134,6 +146,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=d_cache.checkpoint_interval,
         help="KDA state checkpoint every N blocks (0: last only)",
+    )
+    g.add_argument(
+        "--host-pool-mib",
+        dest="host_pool_mib",
+        type=float,
+        default=d_cache.host_pool_mib,
+        help="host-memory tier in MiB for cache entries the pool evicts (pinned on CUDA; 0: none)",
     )
     g.add_argument(
         "--no-prefix-caching",
@@ -192,3 +211,96 @@ def _defaults():
     from openk3.serve.config import CacheConfig, SchedulerConfig
 
     return CacheConfig(), SchedulerConfig()
+
+
+def worker_list(text: str) -> tuple[str, ...]:
+    """``--workers``: comma-separated ``http://host:port`` roots; raises ``argparse.ArgumentTypeError``
+    naming the bad one."""
+    from openk3.serve.router.config import normalize_worker_url
+
+    urls = [u for u in text.split(",") if u.strip()]
+    if not urls:
+        raise argparse.ArgumentTypeError("give at least one worker URL, e.g. http://127.0.0.1:8001")
+    try:
+        return tuple(normalize_worker_url(u) for u in urls)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    check_server_modules("route")
+    from openk3.serve.router.app import run_router
+    from openk3.serve.router.config import RouterConfig
+
+    config = RouterConfig(
+        workers=args.workers,
+        cache_threshold=args.cache_threshold,
+        max_inflight=args.max_inflight,
+        health_interval_s=args.health_interval,
+        quarantine_s=args.quarantine,
+        chunk_chars=args.chunk_chars,
+        chunk_tokens=args.chunk_tokens,
+    )
+    run_router(config, args.host, args.port)
+    return 0
+
+
+def add_route_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``route`` subcommand (the cache-aware router in front of ``openk3 serve`` workers)."""
+    from openk3.serve.router.config import RouterConfig
+
+    d = RouterConfig(workers=("http://127.0.0.1:1",))
+    p = sub.add_parser(
+        "route", help="cache-aware router over several openk3 serve workers (one OpenAI endpoint)"
+    )
+    p.add_argument(
+        "--workers",
+        type=worker_list,
+        required=True,
+        help="worker roots, comma-separated: http://127.0.0.1:8001,http://127.0.0.1:8002",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port, 1..65535 (0: any free port)")
+    p.add_argument(
+        "--cache-threshold",
+        dest="cache_threshold",
+        type=float,
+        default=d.cache_threshold,
+        help="route by prefix when a worker holds at least this fraction of the prompt's blocks",
+    )
+    p.add_argument(
+        "--max-inflight",
+        dest="max_inflight",
+        type=int,
+        default=d.max_inflight,
+        help="requests in flight at which a worker counts as saturated (spill to the next one)",
+    )
+    p.add_argument(
+        "--health-interval",
+        dest="health_interval",
+        type=float,
+        default=d.health_interval_s,
+        help="seconds between health probes of every worker",
+    )
+    p.add_argument(
+        "--quarantine",
+        type=float,
+        default=d.quarantine_s,
+        help="seconds a worker that answered garbage stays out",
+    )
+    p.add_argument(
+        "--chunk-chars",
+        dest="chunk_chars",
+        type=int,
+        default=d.chunk_chars,
+        help="characters per prefix block of a text prompt",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        dest="chunk_tokens",
+        type=int,
+        default=d.chunk_tokens,
+        help="ids per prefix block of a token-id prompt",
+    )
+    p.set_defaults(func=cmd_route)
+    return p

@@ -7,6 +7,7 @@ Names follow vLLM (``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 LARGE_MODEL_HIDDEN = 2048
@@ -33,8 +34,15 @@ class CacheConfig:
     """Keep a KDA state checkpoint every this many blocks of a prompt (0: only the last boundary before
     the prompt's end, plus branching points)."""
     enable_prefix_caching: bool = True
+    host_pool_mib: float = 0.0
+    """Host-memory tier in MiB (pinned on CUDA) that keeps the cache entries the pool evicts, so a later
+    hit copies them back instead of recomputing them; 0: no host tier."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.host_pool_mib) and self.host_pool_mib >= 0):
+            raise ValueError(
+                f"host_pool_mib must be a number of MiB >= 0 (0: no host tier), got {self.host_pool_mib}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -85,3 +93,11 @@ class SchedulerConfig:
 class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    static_decode: bool | None = None
+    """Run greedy one-token decode batches through the static-shape step of ``serve/decode_graph.py``,
+    captured in CUDA graphs on CUDA (eager elsewhere); ``None``: on CUDA only, and never with a speculative
+    draft (``True`` with one raises ``ValueError``)."""
+
+    def __post_init__(self) -> None:
+        if self.static_decode not in (None, True, False):
+            raise ValueError(f"static_decode must be None, True or False, got {self.static_decode!r}")

@@ -15,6 +15,7 @@ from torch import nn
 from openk3.serve.block_pool import BlockPool
 from openk3.serve.cache_storage import CacheStorage, PageLayout
 from openk3.serve.config import EngineConfig
+from openk3.serve.decode_graph import DecodeGraphs
 from openk3.serve.kv_manager import KVCacheManager
 from openk3.serve.model_runner import ModelRunner, language_model
 from openk3.serve.request import Request, RequestOutput
@@ -37,6 +38,20 @@ def free_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def check_request_media(model: nn.Module, request: Request) -> None:
+    """Raise ``ValueError`` unless ``model`` has a vision tower and ``request``'s prompt holds exactly as many
+    media placeholder tokens as its images take."""
+    if getattr(model, "vision_tower", None) is None:
+        raise ValueError("this model has no vision tower: images cannot be given to it")
+    placeholder = model.config.media_placeholder_token_id
+    found = request.prompt_token_ids.count(placeholder)
+    if found != request.media.num_tokens:
+        raise ValueError(
+            f"the prompt holds {found} media placeholder tokens (id {placeholder}) but its images take "
+            f"{request.media.num_tokens}"
+        )
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -49,6 +64,10 @@ class EngineStats:
     prefix_hit_tokens: int
     num_checkpoints_stored: int
     num_rejected: int
+    host_hit_tokens: int = 0
+    """Prompt tokens of hits that used entries of the host-memory tier."""
+    host_tier_usage: float = 0.0
+    """Fraction of the host tier's pages holding entries (0 without a host tier)."""
 
 
 class LLMEngine:
@@ -85,11 +104,26 @@ class LLMEngine:
                 f"the cache pool needs {need / 2**30:.2f} GiB ({num_blocks} pages of {layout.page_bytes} B) but "
                 f"only {free / 2**30:.2f} GiB is free on {device}: lower --pool-mib or --num-blocks"
             )
+        static = self.config.static_decode
+        if static and draft is not None:
+            raise ValueError(
+                "EngineConfig.static_decode=True cannot run with a draft: a speculative engine runs every step "
+                "on the paged forward (the draft reads each forward's features; verification keeps every state)"
+            )
+        static = device.type == "cuda" and draft is None if static is None else static
         self.pool = BlockPool(num_blocks)
-        self.storage = CacheStorage(layout, num_blocks, device)
+        # the static decode step's padding rows keep their KDA state in pages past the pool's
+        scratch = tuple(range(num_blocks, num_blocks + layout.state_pages)) if static else ()
+        self.storage = CacheStorage(layout, num_blocks + len(scratch), device)
         self.kv = KVCacheManager(self.pool, self.storage, cc)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self.runner = ModelRunner(model, self.storage, sample_vocab_size)
+        graphs = None
+        if static:
+            graphs = DecodeGraphs(
+                lm, self.storage, scratch, self.config.scheduler.max_num_seqs, sample_vocab_size,
+                capture=device.type == "cuda",
+            )  # fmt: skip
+        self.runner = ModelRunner(model, self.storage, sample_vocab_size, graphs)
         if draft is not None:
             from openk3.serve.speculative import SpeculativeDecoder
 
@@ -98,7 +132,8 @@ class LLMEngine:
             )
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit) or ``QueueFullError``."""
+        """Queue ``request``. Raises ``ValueError`` (bad ids, too long, cannot fit, images the model cannot
+        take or whose token count differs from the prompt's placeholders) or ``QueueFullError``."""
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -106,6 +141,8 @@ class LLMEngine:
             raise ValueError(
                 "num_speculative_tokens needs a server started with a draft (openk3 serve --draft)"
             )
+        if request.media is not None:
+            check_request_media(self.model, request)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -154,6 +191,8 @@ class LLMEngine:
             kv.prefix_hit_tokens,
             kv.num_checkpoints_stored,
             self.scheduler.num_rejected,
+            kv.host_hit_tokens,
+            kv.host.num_used_pages / kv.host.num_pages if kv.host else 0.0,
         )
 
     def generate(self, requests: list[Request], max_steps: int = 1_000_000) -> dict[str, list[int]]:

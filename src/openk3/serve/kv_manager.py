@@ -12,10 +12,17 @@ so "free plus evictable" is what admission compares against).
 A hit (:func:`~openk3.serve.prefix_cache.find_longest_cache_hit`) reuses the matched MLA blocks (their
 ``ref_cnt`` goes up) and copies the matched KDA checkpoint into the request's own slot (copy-on-write: the
 checkpoint itself is never written). Checkpoints are stored at ``request.checkpoint_positions``: the last
-block boundary before the prompt's end, every ``checkpoint_interval``-th boundary, and the branching point
-where a previous lookup's MLA match went deeper than its state (SGLang ``mamba_branching_seqlen``).
+block boundary before the prompt's end, the prompt's end itself when it is a block boundary (so an extension
+of the prompt reuses every full block), every ``checkpoint_interval``-th boundary, and the branching point
+where a previous lookup's MLA match went deeper than its state (SGLang ``mamba_branching_seqlen``);
+while decoding, the latest block boundary of the generated text (one per request: the next turn's prompt
+holds that text).
 A checkpoint is a cache entry with ``ref_cnt`` 0 (evictable at once); it is skipped when storing it would
 eat into reservations.
+
+With ``host_pool_mib`` > 0, entries the pool evicts are written back to a host-memory tier
+(:mod:`openk3.serve.host_tier`) and a lookup finds them there too; admission counts the blocks such a hit
+brings back as blocks it needs now.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from openk3.serve.block_pool import BlockPool, CacheKey, PoolExhaustedError
+from openk3.serve.block_pool import NULL_BLOCK_ID, BlockPool, CacheKey, PoolExhaustedError
 from openk3.serve.cache_storage import CacheStorage
 from openk3.serve.config import CacheConfig
+from openk3.serve.host_tier import HostTier
 from openk3.serve.prefix_cache import CacheHit, extend_block_hashes, find_longest_cache_hit
 from openk3.serve.request import Request
 
@@ -52,6 +60,21 @@ class KVCacheManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_checkpoints_stored = 0
+        self.decode_checkpoints: dict[str, CacheKey] = {}
+        """Request id → its latest checkpoint inside its generated text (the one the next turn can use)."""
+        self.host_hit_tokens = 0
+        """Prompt tokens of hits whose MLA blocks or checkpoint came back from the host tier."""
+        self.host: HostTier | None = None
+        if config.host_pool_mib and config.enable_prefix_caching:
+            page = storage.layout.page_bytes
+            num_pages = int(config.host_pool_mib * 2**20 // page)
+            if num_pages < max(1, self.state_pages):
+                raise ValueError(
+                    f"host_pool_mib={config.host_pool_mib:g} holds {num_pages} pages of {page} B, fewer than "
+                    f"one cache entry ({max(1, self.state_pages)} pages); raise it or set it to 0"
+                )
+            self.host = HostTier(storage, num_pages)
+            pool.on_evict = self.host.save
 
     # ---- budgets ---------------------------------------------------------------------------------------
     @property
@@ -77,13 +100,16 @@ class KVCacheManager:
         """Look up the prefix and size the request's needs; ``None`` when it does not fit now."""
         hit = CacheHit()
         if self.config.enable_prefix_caching:
-            extend_block_hashes(request.block_hashes, request.prompt_token_ids, self.block_size)
+            extend_block_hashes(
+                request.block_hashes, request.prompt_token_ids, self.block_size, request.hash_root
+            )
             hit = find_longest_cache_hit(
                 self.pool,
                 request.block_hashes,
                 request.num_prompt_tokens,
                 self.block_size,
                 self.state_pages > 0,
+                self.host,
             )
         plan = self._plan(request, hit)
         if plan.num_pages_needed > self.num_available_blocks and hit.num_tokens:
@@ -91,23 +117,41 @@ class KVCacheManager:
         return plan if plan.num_pages_needed <= self.num_available_blocks else None
 
     def _plan(self, request: Request, hit: CacheHit) -> AdmissionPlan:
-        leaving_free = sum(1 for b in hit.mla_blocks if self.pool.blocks[b].ref_cnt == 0)
+        device = [b for b in hit.mla_blocks if b != NULL_BLOCK_ID]
+        leaving_free = sum(1 for b in device if self.pool.blocks[b].ref_cnt == 0)
         held = sum(1 for b in hit.checkpoint_blocks if self.pool.blocks[b].ref_cnt == 0)
         new_blocks = self.max_blocks(request) - len(hit.mla_blocks)
-        return AdmissionPlan(hit, new_blocks, self.state_pages + leaving_free + max(new_blocks, held))
+        need = self.state_pages + leaving_free + len(hit.host_mla) + max(new_blocks, held)
+        return AdmissionPlan(hit, new_blocks, need)
 
     def admit(self, request: Request, plan: AdmissionPlan) -> None:
-        """Take the hit blocks, allocate and fill the state slot (checkpoint copy or zeros), reserve."""
+        """Take the hit blocks (bringing host-tier ones back into new blocks), allocate and fill the state
+        slot (checkpoint copy from either tier, or zeros), reserve."""
         rid, hit = request.request_id, plan.hit
+        on_host = list(hit.host_mla.values()) + ([hit.host_checkpoint] if hit.host_checkpoint else [])
+        if on_host:
+            self.host.lock(on_host)  # allocating below may evict device entries into the host tier
         self.pool.touch(hit.checkpoint_blocks)
-        self.pool.touch(hit.mla_blocks)
+        self.pool.touch([b for b in hit.mla_blocks if b != NULL_BLOCK_ID])
+        table = list(hit.mla_blocks)
+        for (i, key), block in zip(hit.host_mla.items(), self.pool.get_new_blocks(len(hit.host_mla))):
+            self.host.load(key, (block,))
+            table[i] = block
         slot = tuple(self.pool.get_new_blocks(self.state_pages))
         if hit.checkpoint_blocks:
             self.storage.copy_pages(hit.checkpoint_blocks, slot)
+        elif hit.host_checkpoint:
+            self.host.load(hit.host_checkpoint, slot)
         elif slot:
             self.storage.zero_pages(slot)
         self.pool.free_blocks(hit.checkpoint_blocks)
-        self.block_tables[rid] = list(hit.mla_blocks)
+        if on_host:
+            self.host.unlock(on_host)
+            for i, key in hit.host_mla.items():  # back on the device: one tier holds a block
+                self.pool.cache(key, (table[i],))
+                self.host.discard(key)
+            self.host_hit_tokens += hit.num_tokens
+        self.block_tables[rid] = table
         self.state_slots[rid] = slot
         self.reserved[rid] = plan.num_new_blocks
         self.num_cached_blocks[rid] = len(hit.mla_blocks)
@@ -120,11 +164,14 @@ class KVCacheManager:
         if not (self.config.enable_prefix_caching and self.state_pages):
             return frozenset()
         bs, P = self.block_size, request.num_prompt_tokens
-        positions = {(P - 1) // bs * bs, hit.num_mla_matched_tokens}
+        # the last boundary before the end (an exact repeat of the prompt can use it) and the last at or
+        # before the end: equal unless the prompt ends on a boundary, where the state after the whole
+        # prompt is the one an extension of it (the next turn) can use
+        positions = {(P - 1) // bs * bs, P // bs * bs, hit.num_mla_matched_tokens}
         if self.config.checkpoint_interval:
             step = self.config.checkpoint_interval * bs
             positions.update(range(step, P, step))
-        return frozenset(p for p in positions if hit.num_tokens < p < P)
+        return frozenset(p for p in positions if hit.num_tokens < p <= P)
 
     # ---- running ---------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int) -> None:
@@ -149,7 +196,10 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = extend_block_hashes(
-            request.block_hashes, request.all_token_ids[: n_full * self.block_size], self.block_size
+            request.block_hashes,
+            request.all_token_ids[: n_full * self.block_size],
+            self.block_size,
+            request.hash_root,
         )
         table = self.block_tables[rid]
         for i in range(start, n_full):
@@ -164,7 +214,9 @@ class KVCacheManager:
         n = request.num_computed_tokens
         if n % self.block_size or not self.state_pages or self.num_available_blocks < self.state_pages:
             return False
-        extend_block_hashes(request.block_hashes, request.all_token_ids[:n], self.block_size)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids[:n], self.block_size, request.hash_root
+        )
         key = CacheKey("kda", request.block_hashes[n // self.block_size - 1])
         if self.pool.lookup(key) is not None:
             return False
@@ -173,6 +225,23 @@ class KVCacheManager:
         self.pool.cache(key, pages)
         self.pool.free_blocks(pages)
         self.num_checkpoints_stored += 1
+        return True
+
+    def store_decode_checkpoint(self, request: Request) -> bool:
+        """At a block boundary inside the generated text, keep the state there as the request's one decode
+        checkpoint (its previous one is dropped), so the next turn, whose prompt holds this output, reuses
+        it. Returns whether one was stored."""
+        n = request.num_computed_tokens
+        if not self.config.enable_prefix_caching or n <= request.num_prompt_tokens or n % self.block_size:
+            return False
+        if not self.store_checkpoint(request):
+            return False
+        previous = self.decode_checkpoints.get(request.request_id)
+        if previous is not None:
+            self.pool.uncache(previous)
+        self.decode_checkpoints[request.request_id] = CacheKey(
+            "kda", request.block_hashes[n // self.block_size - 1]
+        )
         return True
 
     def free(self, request: Request) -> None:
@@ -186,3 +255,4 @@ class KVCacheManager:
         self.storage.release_states(slot)
         self.pool.free_blocks(slot)
         del self.reserved[rid], self.num_cached_blocks[rid]
+        self.decode_checkpoints.pop(rid, None)  # the last one stays cached

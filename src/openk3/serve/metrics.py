@@ -3,7 +3,8 @@
 Names follow vLLM's (``docs/references.md#openai-api``) under the ``openk3:`` prefix: running and waiting
 requests,
 cache usage, prefix-cache query/hit tokens and hit rate, prompt/generation tokens, generated tokens per
-second (over the last ``window_s`` seconds), a time-to-first-token histogram, admission rejections.
+second (over the last ``window_s`` seconds), a time-to-first-token histogram, admission rejections, and
+the host-memory tier's hit tokens and usage.
 """
 
 from __future__ import annotations
@@ -52,10 +53,19 @@ class ServerMetrics:
             registry=r,
         )
         self.rejections = Counter("openk3:admission_rejections", "Requests answered 429.", registry=r)
+        self.host_hits = Counter(
+            "openk3:host_tier_hits", "Prompt tokens of hits that used the host-memory tier.", registry=r
+        )
+        self.host_usage = Gauge(
+            "openk3:host_tier_usage_perc",
+            "Fraction of host-tier pages holding cache entries (0-1).",
+            registry=r,
+        )
         self.window_s = window_s
         self._window: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
         self._seen = (0, 0)
+        self._seen_host = 0
 
     def on_step(self, outputs, duration_s: float) -> None:
         """Engine-thread hook: count generated tokens."""
@@ -73,7 +83,12 @@ class ServerMetrics:
         queried, hit = self._seen
         self.prefix_queries.inc(stats.prefix_query_tokens - queried)
         self.prefix_hits.inc(stats.prefix_hit_tokens - hit)
-        self._seen = (stats.prefix_query_tokens, stats.prefix_hit_tokens)
+        self.host_hits.inc(stats.host_hit_tokens - self._seen_host)
+        self._seen, self._seen_host = (
+            (stats.prefix_query_tokens, stats.prefix_hit_tokens),
+            stats.host_hit_tokens,
+        )
+        self.host_usage.set(stats.host_tier_usage)
         self.hit_rate.set(
             stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens else 0.0
         )

@@ -3,9 +3,19 @@
 * Chunks run through :class:`~openk3.serve.decode_forward.PagedForward`, one batch per chunk length: all
   one-token decodes together, and prefill chunks of equal length together (first chunks, chunks that
   continue a prefix hit or an earlier chunk).
+* Chunks of up to 16 tokens (decodes, a prefix hit's suffix) that sample greedily, if at all, run through
+  :class:`~openk3.serve.decode_graph.DecodeGraphs` when the engine has one (CUDA graphs on CUDA): static
+  shapes, the argmax on the device.
 * A first chunk (nothing cached: ``start == 0``) whose length no other chunk of the step shares runs
   through the model's own forward (the reference path) instead, packed into one row with ``cu_seqlens``
   together with the other such chunks; latents and final KDA states are written to blocks and slots.
+
+A chunk holding media placeholder tokens of a request with images (``request.media``) runs on the token
+embeddings with the images' embeddings placed at those tokens (:meth:`ModelRunner.chunk_embeds`); the
+images are encoded once per request, at its first such chunk.
+
+With a draft (:mod:`openk3.serve.speculative`), the speculative decodes of a step are taken out first and
+verified through the paged forward; the other chunks run as above.
 
 Sampling reuses :func:`openk3.generate.sample_next` per request (temperature 0 = argmax; ``seed`` gives the
 request its own generator); greedy rows cost one ``argmax`` and one device→host copy per batch.
@@ -24,6 +34,7 @@ from openk3.generate import sample_next
 from openk3.model.cache import KDACache, KimiCache, MLACache
 from openk3.serve.cache_storage import CacheStorage
 from openk3.serve.decode_forward import PagedForward
+from openk3.serve.decode_graph import DecodeGraphs
 from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -34,17 +45,27 @@ def language_model(model: nn.Module) -> nn.Module:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, storage: CacheStorage, sample_vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        storage: CacheStorage,
+        sample_vocab_size: int | None = None,
+        decode_graphs: DecodeGraphs | None = None,
+    ) -> None:
         """``sample_vocab_size``: sample only ids below it (the tokenizer's id space when it is smaller than
-        the model's vocabulary; ``None``: every id)."""
+        the model's vocabulary; ``None``: every id). ``decode_graphs``: the static step for short greedy
+        chunks (``None``: they take the paged forward)."""
         self.lm = language_model(model)
+        self.model = model
         self.storage = storage
         self.sample_vocab_size = sample_vocab_size
         self.kinds = self.lm.config.layer_types
         self.device = self.lm.model.embed_tokens.weight.device
         self.paged_forward = PagedForward(self.lm, storage)
+        self.decode_graphs = decode_graphs
         self.speculative = None
-        """A :class:`~openk3.serve.speculative.SpeculativeDecoder` when the engine has a draft."""
+        """A :class:`~openk3.serve.speculative.SpeculativeDecoder` when the engine has a draft (the engine
+        then has no decode graphs: the draft reads every forward's features)."""
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -74,11 +95,17 @@ class ModelRunner:
         for chunks in by_length.values():
             if len(chunks) == 1 and chunks[0].start == 0:
                 continue
+            embeds = self.chunk_embeds(chunks)  # None unless a chunk holds an image's placeholders
+            if embeds is None and self.decode_graphs is not None and self.decode_graphs.supports(chunks):
+                tokens = self.decode_graphs.run(chunks)
+                sampled.update({c.request.request_id: t for c, t in zip(chunks, tokens) if c.samples})
+                continue
             logits_BV = self.paged_forward(
                 [c.token_ids for c in chunks],
                 [c.start for c in chunks],
                 [c.block_table for c in chunks],
                 [c.state_slot for c in chunks],
+                embeds,
             )
             self._sample(chunks, logits_BV, sampled)
             if spec is not None:
@@ -104,7 +131,11 @@ class ModelRunner:
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=self.device)
         layers = [KDACache() if kind == "kda" else MLACache() for kind in self.kinds]
         ids = torch.tensor([[t for c in chunks for t in c.token_ids]], device=self.device)
-        h_BTD = self.lm.model(ids, KimiCache(layers), cu_seqlens)
+        embeds = self.chunk_embeds(chunks)
+        embeds = None if embeds is None else embeds.reshape(1, -1, embeds.shape[-1])
+        # ids were checked when the requests were added; one document needs no cu_seqlens (plain causal)
+        packed = cu_seqlens if len(chunks) > 1 else None
+        h_BTD = self.lm.model(ids, KimiCache(layers), packed, check_inputs=False, inputs_embeds=embeds)
         logits_NV = self.lm.lm_head(h_BTD[0, cu_seqlens[1:] - 1])
         kda = [c for c in layers if isinstance(c, KDACache)]
         if kda:
@@ -116,6 +147,42 @@ class ModelRunner:
             offsets = [p % bs for c in chunks for p in range(c.num_tokens)]
             st.write_latents(pages, offsets, new_LTd)
         return logits_NV
+
+    def chunk_embeds(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Token embeddings ``[B, T, D]`` of the chunks with their requests' images placed at the media
+        placeholder tokens of the prompt (in reading order); ``None`` when no chunk holds one. A generated
+        token equal to the placeholder id stays a token."""
+        placeholder = getattr(self.model.config, "media_placeholder_token_id", None)
+        slots = [self._media_slots(c, placeholder) for c in chunks]
+        if not any(slots):
+            return None
+        embed = self.lm.model.embed_tokens
+        rows = []
+        for c, slot in zip(chunks, slots):
+            row_TD = embed(torch.tensor(c.token_ids, device=self.device))
+            r = c.request
+            if slot:
+                if r.media_embeds is None:
+                    pixels = r.media.pixel_values.to(self.device)
+                    r.media_embeds = self.model.embed_media(pixels, r.media.grid_thws)
+                before = r.prompt_token_ids[: c.start].count(placeholder)
+                mask_T = torch.zeros(c.num_tokens, dtype=torch.bool)
+                mask_T[slot] = True
+                taken = r.media_embeds[before : before + len(slot)]
+                row_TD = row_TD.masked_scatter(mask_T.to(self.device)[:, None], taken.to(row_TD.dtype))
+                if c.start + c.num_tokens >= r.num_prompt_tokens:
+                    r.media_embeds = None  # the prompt is computed: its images are in the cache now
+            rows.append(row_TD)
+        return torch.stack(rows)
+
+    @staticmethod
+    def _media_slots(chunk: ScheduledChunk, placeholder: int | None) -> list[int]:
+        """Offsets in ``chunk`` of its request's prompt placeholder tokens (none without media)."""
+        r = chunk.request
+        if r.media is None:
+            return []
+        prompt_part = r.prompt_token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        return [j for j, t in enumerate(prompt_part) if t == placeholder]
 
 
 def sample_tokens(requests: list[Request], logits_BV: torch.Tensor) -> list[int]:

@@ -30,15 +30,24 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from openk3.data.images import MediaInputs, image_patches, load_image
+from openk3.model.vision import media_token_count
 from openk3.serve.async_engine import AsyncEngine, EngineClosedError
 from openk3.serve.chat_template import ChatTemplate
 from openk3.serve.detokenizer import IncrementalDetokenizer
 from openk3.serve.metrics import ServerMetrics
-from openk3.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from openk3.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TextPart,
+    validation_error,
+)
 from openk3.serve.request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from openk3.serve.scheduler import QueueFullError
 
@@ -67,6 +76,8 @@ class ServingConfig:
     """Most choices (``n``) per request."""
     retry_after_s: int = 1
     """``Retry-After`` seconds sent with 429."""
+    allowed_local_media_path: str | None = None
+    """Folder whose files an ``image_url`` may name; ``None``: only ``data:`` URLs."""
 
 
 @dataclass
@@ -187,7 +198,9 @@ class OpenAIServing:
                 )
         return prompts
 
-    def _start(self, req, prompts: list[list[int]], max_tokens: list[int], stop_ids: set[int]) -> _Call:
+    def _start(
+        self, req, prompts: list[list[int]], max_tokens: list[int], stop_ids: set[int], media=None
+    ) -> _Call:
         if req.num_speculative_tokens and self.engine.engine.runner.speculative is None:
             raise APIError(
                 400,
@@ -205,7 +218,8 @@ class OpenAIServing:
                     req.num_speculative_tokens,
                 )  # fmt: skip
                 detok = IncrementalDetokenizer(self.tokenizer, req.stop_strings, self.hidden_ids | stop_ids)
-                choices.append(_Choice(index, p, Request(f"{base}-{index}", ids, params), detok))
+                request = Request(f"{base}-{index}", ids, params, media=media)
+                choices.append(_Choice(index, p, request, detok))
         call = _Call(choices, [len(ids) for ids in prompts])
         loop = asyncio.get_running_loop()
         for choice in choices:
@@ -305,12 +319,49 @@ class OpenAIServing:
 
     async def chat(self, body, http: HTTPRequest):
         req = self._parse(ChatCompletionRequest, body)
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        ids = await self._off_loop(self.chat_template.encode, messages)
+        ids, media = await self._off_loop(self._chat_prompt, req.messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = [self._max_tokens(requested, len(ids), "messages")]
-        call = self._start(req, [ids], max_tokens, set(self.chat_template.stop_token_ids))
+        call = self._start(req, [ids], max_tokens, set(self.chat_template.stop_token_ids), media)
         return await self._respond(call, req, http, chat=True)
+
+    def _chat_prompt(self, messages) -> tuple[list[int], MediaInputs | None]:
+        """Prompt ids and images of a chat request (on the tokenizer thread, where images are decoded): each
+        ``image_url`` part becomes its ``(h/2)·(w/2)`` media placeholder tokens at its place in the message.
+        Raises a 400 :class:`APIError` naming the part for an image that cannot be read or taken."""
+        if not any(m.image_urls for m in messages):
+            return self.chat_template.encode([{"role": m.role, "content": m.text} for m in messages]), None
+        model = self.engine.engine.model
+        vision = getattr(model.config, "vision_config", None)
+        if vision is None:
+            raise APIError(400, "this model has no vision tower: it cannot read images", param="messages")
+        placeholder = model.config.media_placeholder_token_id
+        allowed = self.config.allowed_local_media_path or ""
+        pixels, grids, counts, turns = [], [], [], []
+        for i, m in enumerate(messages):
+            if not isinstance(m.content, list):
+                turns.append({"role": m.role, "content": m.text})
+                continue
+            pieces: list = []
+            for j, part in enumerate(m.content):
+                if isinstance(part, TextPart):
+                    pieces.append(part.text)
+                    continue
+                param = f"messages.{i}.content.{j}.image_url"
+                try:
+                    patches, grid = image_patches(load_image(part.image_url.url, allowed), vision)
+                except ValueError as e:
+                    raise APIError(400, f"{param}: {e}", param=param, code="invalid_image") from None
+                pixels.append(patches)
+                grids.append(grid)
+                counts.append(media_token_count(vision, grid))
+                pieces.append([placeholder] * counts[-1])
+            turns.append({"role": m.role, "content": pieces})
+        try:
+            ids = self.chat_template.encode(turns)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return ids, MediaInputs(torch.cat(pixels), torch.tensor(grids, dtype=torch.int64), counts)
 
     async def _respond(self, call: _Call, req, http: HTTPRequest, chat: bool):
         cid = ("chatcmpl-" if chat else "cmpl-") + call.choices[0].request.request_id.split("-")[0]

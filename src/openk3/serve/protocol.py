@@ -64,7 +64,15 @@ def validation_error(e: ValidationError) -> APIError:
 def _field_names() -> set[str]:
     return {
         name
-        for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+        for model in (
+            CompletionRequest,
+            ChatCompletionRequest,
+            ChatMessage,
+            TextPart,
+            ImagePart,
+            ImageURL,
+            StreamOptions,
+        )
         for name in model.model_fields
     }
 
@@ -217,11 +225,24 @@ class TextPart(BaseModel):
         return check_unicode(v, "message content")
 
 
+class ImageURL(BaseModel):
+    url: str
+    """A ``data:image/...;base64,...`` URL, or a local file (``file://`` or a path) inside the server's
+    ``--allowed-local-media-path``; web URLs are refused (nothing is downloaded)."""
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted and ignored: every image is read at its own size (up to 3584 × 3584)."""
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
 
     @field_validator("content")
     @classmethod
@@ -231,8 +252,15 @@ class ChatMessage(BaseModel):
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The ``image_url`` parts' URLs, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
 
 class ChatCompletionRequest(_SamplingFields):

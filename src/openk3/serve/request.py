@@ -8,10 +8,14 @@ whose KDA state / MLA latents are in the cache); every step moves ``num_computed
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from openk3.data.images import MediaInputs
+from openk3.serve.prefix_cache import ROOT_HASH
 
 
 class RequestStatus(enum.Enum):
@@ -112,12 +116,25 @@ class Request:
     sampled_logprobs: TokenLogprobs | None = None
     """Log-probabilities of the token the runner sampled in this step (``logprobs`` requested), handed to
     the step's :class:`RequestOutput` by the scheduler."""
+    media: MediaInputs | None = None
+    """The prompt's images, for its media placeholder tokens (:mod:`openk3.data.images`)."""
+    media_embeds: torch.Tensor | None = None
+    """``[M, D]`` text-width embeddings of ``media``, computed by the runner at the first chunk that needs
+    them and kept until the prompt is computed."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt is empty")
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def hash_root(self) -> bytes:
+        """Parent hash of the request's first cache block: the media's digest enters the chain, so blocks
+        are shared only between prompts with the same tokens and the same images."""
+        if self.media is None:
+            return ROOT_HASH
+        return hashlib.blake2b(ROOT_HASH + self.media.digest, digest_size=16).digest()
 
     @property
     def num_prompt_tokens(self) -> int:

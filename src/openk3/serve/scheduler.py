@@ -202,8 +202,12 @@ class Scheduler:
                     break
             request.num_computed_tokens += chunk.num_tokens + max(len(emitted) - 1, 0)
             self.kv.cache_full_blocks(request)
-            if request.num_computed_tokens in request.checkpoint_positions:
-                self.kv.store_checkpoint(request)
+            # a stop inside a speculative decode's tokens leaves the state further on: no checkpoint then
+            if len(emitted) == len(tokens):
+                if request.num_computed_tokens in request.checkpoint_positions:
+                    self.kv.store_checkpoint(request)
+                else:
+                    self.kv.store_decode_checkpoint(request)
             if not tokens:
                 continue
             if request.first_token_time is None:

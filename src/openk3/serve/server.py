@@ -62,17 +62,25 @@ def build_server(
     model_name: str = "openk3",
     chat_template: ChatTemplate | None = None,
     max_n: int = 8,
+    allowed_local_media_path: str | None = None,
     draft=None,
     num_speculative_tokens: int = 3,
 ) -> tuple[FastAPI, OpenAIServing]:
-    """An app (and its serving object, for inspection) over an in-memory model and tokenizer; ``draft``: a
-    speculative draft of the model (:mod:`openk3.serve.speculative`)."""
+    """An app (and its serving object, for inspection) over an in-memory model and tokenizer.
+    ``allowed_local_media_path``: the folder a chat request's ``image_url`` may name local files in
+    (``None``: only ``data:`` URLs); ``draft``: a speculative draft of the model
+    (:mod:`openk3.serve.speculative`) with ``num_speculative_tokens`` drafted tokens per step by default."""
     engine_config = engine_config or EngineConfig()
     tokenizer.check_fits(getattr(model, "language_model", model).config.vocab_size)
     metrics = ServerMetrics()
     llm = LLMEngine(model, engine_config, tokenizer.vocab_size, draft, num_speculative_tokens)
     engine = AsyncEngine(llm, on_step=metrics.on_step)
-    config = ServingConfig(model_name, engine_config.scheduler.max_model_len, max_n)
+    config = ServingConfig(
+        model_name,
+        engine_config.scheduler.max_model_len,
+        max_n,
+        allowed_local_media_path=allowed_local_media_path,
+    )
     serving = OpenAIServing(engine, tokenizer, chat_template or ChatTemplate(tokenizer), metrics, config)
     return build_app(serving), serving
 
@@ -83,12 +91,13 @@ def load_server(
     model_name: str | None = None,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    allowed_local_media_path: str | None = None,
     draft: str | Path | None = None,
     num_speculative_tokens: int = 3,
 ) -> tuple[FastAPI, OpenAIServing]:
     """Build the server for a checkpoint or run folder (``model_name`` defaults to
-    :func:`served_model_name` of ``ckpt``); ``draft``: a draft folder for that model (a draft of another
-    target raises ``ValueError``)."""
+    :func:`served_model_name` of ``ckpt``; ``allowed_local_media_path`` as in :func:`build_server`);
+    ``draft``: a draft folder for that model (a draft of another target raises ``ValueError``)."""
     from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
     from openk3.data import Tokenizer
     from openk3.model.draft import load_draft
@@ -105,6 +114,7 @@ def load_server(
         engine_config,
         name,
         template,
+        allowed_local_media_path=allowed_local_media_path,
         draft=drafter,
         num_speculative_tokens=num_speculative_tokens,
     )

@@ -10,9 +10,13 @@
 * **Decodes.** A running request with a token to decode (and ``k ≥ 1`` for it) is taken out of the normal
   path (:meth:`decode`): its draft proposes a chain of ``k`` tokens, the chains of all such requests with
   the same ``k`` are verified in one :class:`~openk3.serve.decode_forward.PagedForward` call of ``k + 1``
-  tokens each (all positions' logits, every KDA state kept), each row is accepted by the rule of
+  tokens each (all positions' logits; each KDA layer runs one decode step per token on the requests'
+  :class:`~openk3.model.cache.KDAStateSlots` and keeps every state), each row is accepted by the rule of
   :mod:`openk3.speculative` with the request's own sampling settings and generator, and its KDA state and
-  conv window are set to those after its last kept token. MLA latents written for rejected drafts lie
+  conv window are set to those after its last kept token (:meth:`~openk3.model.cache.KDAStateSlots.rollback`,
+  in place). Verification never takes the decode graphs of :mod:`openk3.serve.decode_graph` (their step
+  returns the last position's argmax, keeps no intermediate state and runs no hooks), and an engine with a
+  draft builds none. MLA latents written for rejected drafts lie
   beyond ``num_computed_tokens`` and are overwritten before their block is full, so no block the prefix
   cache can hand out ever holds them.
 
@@ -205,20 +209,5 @@ class SpeculativeDecoder:
             emitted.append([*drafts[:n], nxt])
             sampled[c.request.request_id] = emitted[-1]
         self._feed([c.request for c in chunks], [taps_BTF[b, :n] for b, n in enumerate(kept)], emitted)
-        if steps:
-            self._roll_back(chunks, steps, kept)
-
-    def _roll_back(self, chunks, caches, kept: list[int]) -> None:
-        """Set each row's KDA state and conv window to those after its ``kept`` verified tokens."""
-        states = self.runner.storage.gather_states([c.state_slot for c in chunks])  # the resident batch
-        dev = states.recurrent.device
-        n_B = torch.tensor(kept, device=dev)
-        b_B = torch.arange(len(chunks), device=dev)
-        W1 = states.conv.shape[-1]
-        win_BW = n_B[:, None] + torch.arange(W1, device=dev)
-        for i, c in enumerate(caches):
-            rec_TBHKV = torch.stack(c.steps.recurrent)
-            states.recurrent[i].copy_(rec_TBHKV[n_B, b_B])
-            for j, x_BPS in enumerate(c.steps.conv_inputs):
-                idx = win_BW[:, None, :].expand(-1, x_BPS.shape[1], -1)
-                states.conv[i, :, j].copy_(x_BPS.gather(2, idx))
+        for slots in steps:  # each row's KDA state and conv window after its last kept token
+            slots.rollback(kept)

@@ -51,7 +51,7 @@ Partition (first matching rule wins; :func:`partition_parameters`):
 parameter                                              kind               weight decay
 =====================================================  =================  ============
 ``requires_grad=False``                                (left out)         —
-``*embed_tokens*``, ``*lm_head*``                      ``adamw``          yes
+``*embed_tokens*``, ``*lm_head*``, ``*pos_emb*``       ``adamw``          yes
 ``*_res_proj.weight`` (AttnRes pseudo-queries [1, D])  ``adamw``          yes
 ``*conv1d*`` (short convolutions [P, 1, K])            ``adamw``          yes
 any 0-/1-D: norms, ``A_log``, ``dt_bias``, biases      ``adamw``          no
@@ -97,7 +97,7 @@ ADAMW_EPS = 1e-8
 KINDS = ("muon", "muon_per_head", "adamw")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
-_DECAYED_ADAMW = re.compile(r"(^|\.)(embed_tokens|lm_head)(\.|$)|_res_proj\.weight$|_conv1d(\.|$)")
+_DECAYED_ADAMW = re.compile(r"(^|\.)(embed_tokens|lm_head|pos_emb)(\.|$)|_res_proj\.weight$|_conv1d(\.|$)")
 _PER_HEAD_KDA = ("q_proj", "k_proj", "v_proj")
 _PER_HEAD_MLA = ("q_proj", "q_b_proj", "kv_b_proj")
 
@@ -373,58 +373,87 @@ class KimiMuon(Optimizer):
         """Momentum and weight decay per group with ``torch._foreach_*``; then one Newton–Schulz per bucket of
         same-shape matrices across all Muon groups (heads, experts and parameters stacked), and one
         ``_foreach_add_`` per (group, shape). A model's hundreds of matrices cost a few dozen launches."""
-        buckets: dict[tuple, list[tuple[dict, torch.Tensor, torch.Tensor]]] = {}
+        items = []
         for group in groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            bufs = []
-            for p, g in zip(params, grads, strict=True):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-                bufs.append(state["momentum_buffer"])
-            mu = group["momentum"]
-            torch._foreach_lerp_(bufs, grads, 1 - mu)
-            updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-            if group["lr"] * group["weight_decay"] != 0:
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            params, updates = self._momentum(group)
+            items += [(group, p, self._whole(u)) for p, u in zip(params, updates, strict=True)]
+        outs = self._orthogonalise(items)
+        self._apply(
+            [
+                (group, *self._update_target(p, o_bMN, u), *o_bMN.shape[-2:])
+                for (group, p, u), o_bMN in zip(items, outs, strict=True)
+            ]
+        )
+
+    def _momentum(self, group: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(params, updates)`` of the group's parameters that have a gradient: momentum (lerp), Nesterov
+        and the decoupled weight decay (applied to the parameters here)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return [], []
+        grads = [p.grad for p in params]
+        bufs = []
+        for p, g in zip(params, grads, strict=True):
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        mu = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        if group["lr"] * group["weight_decay"] != 0:
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        return params, updates
+
+    @staticmethod
+    def _ns_matrices(group: dict, u: torch.Tensor) -> torch.Tensor:
+        """The whole update ``u`` as the ``[b, M, N]`` matrices Newton–Schulz sees (head blocks, experts)."""
+        if group["kind"] == "muon_per_head":
+            u = u.reshape(group["heads"], -1, u.shape[-1])  # [H, d_h, d_in]
+        return u.reshape(-1, *u.shape[-2:])
+
+    def _orthogonalise(self, items: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """``NS(u)`` as ``[b, M, N]`` in ``p``'s dtype for each ``(group, p, whole update u)``, in order: one
+        batched Newton–Schulz per bucket of same-shape matrices (and NS settings, device)."""
+        buckets: dict[tuple, list[int]] = {}
+        mats = []
+        for i, (group, p, u) in enumerate(items):
+            u_bMN = self._ns_matrices(group, u)
+            mats.append(u_bMN)
             ns_key = (group["ns_coefficients"], group["ns_steps"], group["ns_eps"], group["ns_dtype"])
-            for p, u in zip(params, updates, strict=True):
-                u = self._whole(u)
-                if group["kind"] == "muon_per_head":
-                    u = u.reshape(group["heads"], -1, u.shape[-1])  # [H, d_h, d_in]
-                u_bMN = u.reshape(-1, *u.shape[-2:])
-                key = (*u_bMN.shape[-2:], p.device, ns_key)
-                buckets.setdefault(key, []).append((group, p, u_bMN))
-        for (M, N, device, (coefficients, steps, eps, ns_dtype)), items in buckets.items():
+            buckets.setdefault((*u_bMN.shape[-2:], p.device, ns_key), []).append(i)
+        outs: list[torch.Tensor | None] = [None] * len(items)
+        for (_, _, device, (coefficients, steps, eps, ns_dtype)), members in buckets.items():
             ns_dtype = ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-            U_bMN = torch.cat([u for _, _, u in items]) if len(items) > 1 else items[0][2]
+            U_bMN = torch.cat([mats[i] for i in members]) if len(members) > 1 else mats[members[0]]
             O_bMN = newton_schulz(U_bMN, coefficients, steps, eps, ns_dtype)
-            dtypes = {p.dtype for _, p, _ in items}
+            dtypes = {items[i][1].dtype for i in members}
             if len(dtypes) == 1:  # one cast per bucket, contiguous so slices match the parameter views
                 O_bMN = O_bMN.to(dtypes.pop(), memory_format=torch.contiguous_format)
-            per_group: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = {}
-            for (group, p, u), o_bMN in zip(
-                items, O_bMN.split([u.shape[0] for _, _, u in items]), strict=True
-            ):
-                _, targets, outs = per_group.setdefault(id(group), (group, [], []))
-                target, out = self._update_target(p, o_bMN.to(p.dtype), u)
-                targets.append(target)
-                outs.append(out)
-            for group, targets, outs in per_group.values():
-                scale = muon_lr_scale(M, N, group["adjust_lr_fn"])
-                torch._foreach_add_(targets, outs, alpha=-group["lr"] * scale)
+            for i, o_bMN in zip(members, O_bMN.split([mats[i].shape[0] for i in members]), strict=True):
+                outs[i] = o_bMN.to(items[i][1].dtype)
+        return outs
+
+    def _apply(self, entries: list[tuple[dict, torch.Tensor, torch.Tensor, int, int]]) -> None:
+        """``target ← target − lr·s(M, N)·out`` for each ``(group, target, out, M, N)``: one
+        ``_foreach_add_`` per (group, NS matrix shape)."""
+        per_key: dict[tuple, tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = {}
+        for group, target, out, M, N in entries:
+            _, targets, outs = per_key.setdefault((id(group), M, N), (group, [], []))
+            targets.append(target)
+            outs.append(out)
+        for (_, M, N), (group, targets, outs) in per_key.items():
+            scale = muon_lr_scale(M, N, group["adjust_lr_fn"])
+            torch._foreach_add_(targets, outs, alpha=-group["lr"] * scale)
 
     def _whole(self, u: torch.Tensor) -> torch.Tensor:
         """The whole update matrix Newton–Schulz must see (a sharded optimizer gathers it here)."""
         return u
 
-    def _update_target(self, p: torch.Tensor, o_bMN: torch.Tensor, u_bMN: torch.Tensor):
+    def _update_target(self, p: torch.Tensor, o_bMN: torch.Tensor, u: torch.Tensor):
         """``(tensor to update, its update)`` for parameter ``p`` and its orthogonalised ``o_bMN``."""
         if p.is_contiguous():  # update through a [b, M, N] view: same shapes for the foreach op
-            return p.view(u_bMN.shape), o_bMN
+            return p.view(o_bMN.shape), o_bMN
         return p, o_bMN.reshape(p.shape)
 
     def _adamw_step(self, group: dict) -> None:

@@ -62,6 +62,7 @@ from openk3.data import RandomBatches, TokenDataset, Tokenizer, data_fingerprint
 from openk3.data.corpus import resolve_inputs, source_records
 from openk3.model import build_model
 from openk3.presets import get_preset
+from openk3.quant.qat import QAT_SCHEMES, enable_qat
 from openk3.synthetic.long_context import LongContextBatches
 from openk3.train.balance import QuantileBalancer
 from openk3.train.checkpointing import wrap_decoder_layers
@@ -174,6 +175,9 @@ class TrainConfig:
     """Stop (with a checkpoint) after this many steps, as Ctrl-C would; for tests and chunked runs."""
     tensorboard: bool = False
     """Also log ``metrics.jsonl``'s scalars as TensorBoard events in ``<out>/tensorboard``."""
+    qat: str | None = None
+    """Quantization-aware training of the routed experts: ``mxfp4`` (MXFP4 weights, MXFP8 inputs, straight-through
+    gradients; :mod:`openk3.quant.qat`) or ``None``."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field and the bad value (ints must be ints, floats finite)."""
@@ -228,6 +232,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.balance={self.balance!r}: use 'quantile', 'sign' or 'none'")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: use 'cosine' or 'wsd'")
+        if self.qat not in (None, *QAT_SCHEMES):
+            raise ValueError(f"TrainConfig.qat={self.qat!r}: use 'mxfp4' or null (no QAT)")
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
@@ -636,6 +642,8 @@ class Trainer:
         self.train_set, self.val_set = TokenDataset(self.data.train_path), TokenDataset(self.data.val_path)
         torch.manual_seed(config.seed)
         self.model = build_model(self.model_config, device=self.device, seed=config.seed)
+        if config.qat:
+            enable_qat(self.model, config.qat)
         compile = config.compile if config.compile is not None else self.device.type == "cuda"
         wrap_decoder_layers(self.model, self.plan.checkpointing, compile)
         if progress:

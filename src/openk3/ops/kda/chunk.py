@@ -24,6 +24,7 @@ import torch
 from openk3.ops.kda.chunk_intra import SUB_CHUNK, GateSums, gate_sums, intra_chunk_matrices
 from openk3.ops.kda.inputs import KDAInputs, check_kda_args, prepare_kda_inputs
 from openk3.ops.kda.layout import ChunkLayout
+from openk3.ops.kda.triton.config import KDAOptions, LaunchConfig
 from openk3.ops.kda.triton.dispatch import use_triton_chunk
 
 
@@ -44,6 +45,8 @@ def chunk_kda(
     lower_bound: float | None = None,
     chunk_size: int = 64,
     use_beta_sigmoid_in_kernel: bool = False,
+    options: KDAOptions | None = None,
+    launch: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA by chunks; equals :func:`~openk3.ops.kda.naive.naive_recurrent_kda` up to rounding.
 
@@ -69,7 +72,7 @@ def chunk_kda(
         beta: ``[B, T, H]`` post-sigmoid delta-rule strength, in ``[0, 1]`` (logits with
             ``use_beta_sigmoid_in_kernel``). Not checked (a check would
             sync with the device); the CUDA path's fp16 operand bounds assume it (see
-            :data:`openk3.ops.kda.triton.chunk_prepare.LAUNCH`; at β = 1.9 with repeated keys the results
+            :func:`openk3.ops.kda.triton.chunk_prepare.fp16_inverse`; at β = 1.9 with repeated keys the results
             stay finite but are 2% off in Triton's interpreter).
         scale: multiplies q; default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` (K first) in the compute dtype, or None for zeros; ``N = B``, or the
@@ -86,6 +89,9 @@ def chunk_kda(
             dtype (fp32, fp64 for fp64 inputs; inside the kernels on the GPU) rather than rounded to
             ``beta``'s dtype first (fla's flag of that name); the gradient is w.r.t. the logits. Default
             False.
+        options, launch: the Triton kernels' memory/precision trades and launch geometry
+            (:class:`~openk3.ops.kda.triton.config.KDAOptions`, :class:`~openk3.ops.kda.triton.config.LaunchConfig`;
+            None: the defaults); the torch path has neither and ignores them.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``final_state`` ``[N, H, K, V]`` in the
@@ -115,6 +121,7 @@ def chunk_kda(
             initial_state=initial_state, output_final_state=output_final_state, seq_lens=seq_lens,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            options=options, launch=launch,
         )  # fmt: skip
     x = prepare_kda_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,

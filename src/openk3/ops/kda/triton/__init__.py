@@ -1,4 +1,4 @@
-"""Triton KDA kernels (GPU): chunked forward and backward, decode on a state pool; see README.md here.
+"""Triton KDA kernels (GPU): chunked forward and backward, decode and verify on a state pool; see README.md here.
 
 This package imports without Triton (:mod:`~openk3.ops.kda.triton.dispatch` decides whether the public
 ops in :mod:`openk3.ops.kda` use the kernels); the entry points below import ``triton`` on first access.
@@ -7,13 +7,18 @@ ops in :mod:`openk3.ops.kda` use the kernels); the entry points below import ``t
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 
-_EXPORTS = {
-    "ChunkKDAFunction": "chunk_function",
-    "chunk_kda_triton": "chunk_function",
-    "fused_recurrent_kda_decode": "decode",
-    "fused_recurrent_kda_triton": "decode",
-}
+_EXPORTS = MappingProxyType(
+    {
+        "ChunkKDAFunction": "chunk_function",
+        "chunk_kda_triton": "chunk_function",
+        "fused_recurrent_kda_decode": "decode",
+        "fused_recurrent_kda_triton": "decode",
+        "KDAOptions": "config",
+        "LaunchConfig": "config",
+    }
+)
 
 __all__ = list(_EXPORTS)
 

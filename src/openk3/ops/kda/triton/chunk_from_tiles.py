@@ -14,12 +14,12 @@ so ``Aqk_su = Q̃_s Diag(c_su) K̂_uᵀ`` and ``L_su = Diag(β_s) K̃_s Diag(c_s
 ``c_su = Π_{u<w<s} D_w ≤ 1`` per channel: six ``16×16`` blocks each, as one ``[16, BK] × [BK, 64]``
 tensor-core product per row block and key slice, with no exponential (every factor is a stored tile value or
 a product of decays ≤ 1). ``T = (I + L)^{-1}`` then follows by block substitution from the tiles' inverses
-(:func:`~openk3.ops.kda.triton.chunk_prepare.block_substitution`, as in the 64-token prepare).
+(:func:`block_substitution`).
 
-The result differs from :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare`'s by the rounding of the
-stored ``Q̃``, ``K̃``, ``K̂`` (the input dtype), and by default of the decayed columns ``K̂ ⊙ c`` too
-(:data:`LAUNCH` ``["half_operands"]``), where the 64-token prepare multiplies fp32 values; the backward
-only needs it to be the chunks' ``Aqk`` and ``T`` to within the tolerances its gradients are tested to.
+With 16-bit gated keys the products take the stored 16-bit ``Q̃``, ``K̃`` as they are and the decayed columns
+``K̂ ⊙ c`` rounded to that dtype once (``K̂`` alone is exact in it); with fp32 ones (fp32 inputs, or
+``KDAOptions.fp32_gated_keys``), tf32 operands rounded to nearest. The backward only needs the chunks' ``Aqk``
+and ``T`` to within the tolerances its gradients are tested to.
 
 Legend: ``BT`` chunk rows, ``BC`` tile rows, ``BK`` key slice, ``K`` key dim, ``H`` heads, ``P`` chunks.
 """
@@ -30,13 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
-from openk3.ops.kda.triton.chunk_prepare import block_substitution, fp16_inverse
+from openk3.ops.kda.triton.chunk_prepare import fp16_inverse
+from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, KernelLaunch
 from openk3.ops.kda.triton.kernel_math import (
+    bounded_dot,
     cat4_cols,
     cat4_rows,
-    check_launch_entries,
     check_out,
     chunk_grid,
     chunk_of,
@@ -44,61 +44,57 @@ from openk3.ops.kda.triton.kernel_math import (
     chunk_rows,
     dot,
     dot_precision,
-    launch_options,
     load_beta,
     load_rows,
+    split4_cols,
     split4_rows,
     store_rows,
 )
 from openk3.ops.kda.triton.tile_forward import TILE, TileBackward, TilePrepared
 
-LAUNCH = {"num_warps": 2, "num_stages": 1, "key_block": 32, "half_operands": True}
-"""Launch configuration: warps, stages and the key slice ``BK`` of the products. On the H200
-(docs/LOG.md, run 2) 2 warps with 32-channel slices took 0.51–0.55 ms at
-B1 T8192 H96 D128 and 0.66–0.70 at B1 T32768 H32, against 0.61–0.64 / 0.83–0.88 with 4 warps and 64-channel
-slices, 0.75–0.80 / 1.04–1.11 with 4 warps and 32, and more with 8 warps (0.86–1.36 / 1.33–1.78).
 
-``half_operands`` (bf16/fp16 gated keys, i.e. 16-bit inputs without the tile forward's ``fp32_gated_keys``):
-the products take the stored 16-bit ``Q̃``, ``K̃`` as they are and the column tiles ``K̂ ⊙ c`` rounded to that
-dtype once (``K̂`` alone is exact in it), instead of tf32 operands, each passed through
-:func:`~openk3.ops.kda.triton.kernel_math.round_tf32_finite`. On the H200 (``benchmarks/results/
-kda_h200_2026-11-30d_runs.txt``, run 5; the kernel alone, the two settings alternating in one process) it took
-0.593–0.594 ms against 0.654–0.657 at B1 T32768 H32 D128 and 0.464–0.479 against 0.502–0.503 at B1 T8192 H96;
-``Aqk`` and ``T`` moved by 9.8e-4 and 9.3e-5 relative RMSE (B1 T32768 H32). In the interpreter, against the
-64-token prepare's (packed documents, D64 bf16): 2.8e-3 / 6.3e-4 against 2.7e-3 / 5.7e-4 with tf32. ``dA_log``
-at B1 T300 H2 D64 bf16 moves both ways: over its 0.02 at none of seeds 100–119 against 2 with tf32, higher at
-4 of the 6 seeds over it in ``kda_h200_2026-11-30c_runs.txt``; under slowly decaying gates (B1 T130 H2, K 32
-and 64, 24 seeds) over at 6 against 7 with tf32, partly at other seeds (Triton README, Precision). The GPU
-tests passed with it on (its 2 flipped-option tests and 50 tests of the default paths, the d file's run 5),
-and all 88 with it on by default (``kda_h200_2026-11-30e_runs.txt``, run 5). On by default: forward+backward
-was faster with it in each of 12 alternating pairs at the four benchmark shapes, by 0.005–0.15 ms (0.05–1.1%;
-that file's run 4)."""
+@triton.jit
+def block_substitution(L, D0, D1, D2, D3, BT: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr,
+                       FP16: tl.constexpr):  # fmt: skip
+    """``T = (I + L)^{-1}`` of a strictly lower-triangular ``[BT, BT]`` fp32 tile (``BT = 4·BC``) by block
+    forward substitution over its ``BC``-row blocks, given the diagonal blocks' inverses
+    ``D_s = (I + L_ss)^{-1}`` (``[BC, BC]`` fp32; ``L``'s diagonal blocks are not read).
 
-
-def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
-    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
-    check_launch_entries(
-        "chunk_from_tiles",
-        LAUNCH,
-        dict(num_warps="warps", num_stages="stages", key_block="block", half_operands="bool"),
-    )
+    Row block ``s`` of ``T`` is ``T_s = D_s (E_s − Σ_{u<s} L_su T_u)`` (``E_s`` the identity's rows), i.e.
+    ``D_s`` on the diagonal block plus ``−D_s Σ_{u<s} L_su T_u``: nine ``16×16×64`` tensor-core products
+    (fp16 operands when ``FP16``; every factor is bounded by 1 and every sum has at most 48 terms).
+    Row ``i`` of every factor reads only rows ``≤ i`` of ``L``, and of the ``D_s`` (causal).
+    """
+    tl.static_assert(BT == 4 * BC, "four anchor blocks per chunk")
+    _, L1, L2, L3 = split4_rows(L, BT, BT)
+    L10, _, _, _ = split4_cols(L1, BC, BT)
+    L20, L21, _, _ = split4_cols(L2, BC, BT)
+    L30, L31, L32, _ = split4_cols(L3, BC, BT)
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    T0 = cat4_cols(D0, zero, zero, zero, BC, BC)
+    R1 = bounded_dot(L10, T0, DOT, FP16)
+    T1 = cat4_cols(zero, D1, zero, zero, BC, BC) - bounded_dot(D1, R1, DOT, FP16)
+    R2 = bounded_dot(L21, T1, DOT, FP16) + bounded_dot(L20, T0, DOT, FP16)
+    T2 = cat4_cols(zero, zero, D2, zero, BC, BC) - bounded_dot(D2, R2, DOT, FP16)
+    R3 = bounded_dot(L30, T0, DOT, FP16) + bounded_dot(L31, T1, DOT, FP16)
+    R3 += bounded_dot(L32, T2, DOT, FP16)
+    T3 = cat4_cols(zero, zero, zero, D3, BC, BC) - bounded_dot(D3, R3, DOT, FP16)
+    return cat4_rows(T0, T1, T2, T3, BC, BT)
 
 
 @triton.jit
 def chunk_from_tiles_kernel(
     qg, kt, kh, M, Td, gend, beta, Aqk, Akk,
     cu_seqlens, chunk_table, tile_offsets,
-    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     FP16: tl.constexpr, BETA_SIGMOID: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P, H)``. Reads the tile prepare's ``qg``, ``kt``, ``kh`` ``[tokens, H, K]``,
     ``M``, ``Td`` ``[tokens, H, BC]``, ``gend`` ``[P16, H, K]``; writes ``Aqk`` and ``Akk`` = T
-    ``[tokens, H, BT]``. With ``HALF`` the products take 16-bit operands in ``qg``'s dtype
-    (``LAUNCH["half_operands"]``)."""
+    ``[tokens, H, BT]``. With ``HALF`` (16-bit gated keys) the products take 16-bit operands in ``qg``'s
+    dtype."""
     dt = qg.dtype.element_ty
-    i_c, i_h = chunk_program(H, HEADS_FIRST)
+    i_c, i_h = chunk_program(H)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     i_n, i_j = chunk_of(chunk_table, i_c)
     tile0 = tl.load(tile_offsets + i_n).to(tl.int64) + i_j * (BT // BC)  # the chunk's first tile
@@ -160,6 +156,7 @@ def chunk_from_tiles(
     *,
     use_l2norm: bool,
     beta_sigmoid: bool = False,
+    launch: KernelLaunch = DEFAULT_GEOMETRY.chunk_from_tiles,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`chunk_from_tiles_kernel`.
 
@@ -169,11 +166,12 @@ def chunk_from_tiles(
             ``index`` (chunks of 64).
         beta: ``[tokens, H]`` as the prepare got it (logits with ``beta_sigmoid``).
         use_l2norm: as the prepare got it (with the input dtype, it decides ``T``'s dtype).
+        launch: warps, stages and the key slice.
 
     Returns:
         ``(Aqk, Akk)`` ``[tokens, H, 64]``: ``Aqk`` in the input dtype (``M``'s), ``Akk`` = T in fp16 under
         :func:`~openk3.ops.kda.triton.chunk_prepare.fp16_inverse`'s condition, else fp32, as
-        :func:`~openk3.ops.kda.triton.chunk_prepare.chunk_prepare` writes them.
+        the backward reads them (:class:`~openk3.ops.kda.triton.chunk_prepare.Saved`).
 
     Raises:
         ValueError: ``back.Td`` not of the dtype that condition gives (a ``TileBackward`` from another call).
@@ -183,17 +181,15 @@ def chunk_from_tiles(
     fp16 = fp16_inverse(dt, use_l2norm)
     check_out("chunk_from_tiles back.Td", back.Td, (TT, H, TILE), torch.float16 if fp16 else torch.float32,
               pre.qg.device)  # fmt: skip
-    half = LAUNCH["half_operands"] and pre.qg.dtype in (torch.bfloat16, torch.float16)
+    half = pre.qg.dtype in (torch.bfloat16, torch.float16)
     Aqk = pre.M.new_empty(TT, H, CHUNK)
     Akk = pre.M.new_empty(TT, H, CHUNK, dtype=back.Td.dtype)
     if index.num_chunks == 0:
         return Aqk, Akk
-    heads_first = kernel_math.LAUNCH["heads_first"]
-    chunk_from_tiles_kernel[chunk_grid(index.num_chunks, H, heads_first=heads_first)](
+    chunk_from_tiles_kernel[chunk_grid(index.num_chunks, H)](
         pre.qg, pre.kt, pre.kh, pre.M, back.Td, pre.gend, beta, Aqk, Akk,
         index.cu_seqlens, index.chunk_table, tiles.chunk_offsets,
-        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(dt), K=K, BT=CHUNK, BC=TILE,
-        BK=min(K, LAUNCH["key_block"]), FP16=fp16,
-        BETA_SIGMOID=beta_sigmoid, HALF=half, **launch_options(LAUNCH),
+        H=H, DOT=dot_precision(dt), K=K, BT=CHUNK, BC=TILE, BK=min(K, launch.key_block), FP16=fp16,
+        BETA_SIGMOID=beta_sigmoid, HALF=half, **launch.options(),
     )  # fmt: skip
     return Aqk, Akk

@@ -22,8 +22,7 @@ exact arithmetic (otherwise, with a fast gate, the residue of the large near pai
 ``dg``): the diagonal ``dAqk_ii`` (no gate in ``Aqk_ii = scale q_i·k_i``) is kept out of the tensor-core tiles,
 its ``dq``/``dk`` terms added in fp32 and its two ``dΓ`` terms (equal and opposite) left out; and the pairs
 inside one anchor block, where a fast gate's ``dg`` lives, are taken once more with the rounding remainder of
-their factors (``x − bf16(x)``, or ``x − tf32(x)`` with tf32 products; not with ``split_factors``, which
-splits every factor, nor with fp32 inputs' ``tf32x3``), against the block-diagonal part of the gradient
+their factors (``x − bf16(x)``, or ``x − tf32(x)`` with tf32 products; not with fp32 inputs' ``tf32x3``), against the block-diagonal part of the gradient
 tiles, so both sides carry the same pair to ~2^-16. ``dL`` is rounded once for both sides (β goes with the
 column side's keys).
 
@@ -41,13 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_grad_wy import WYGrads
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import SUB_CHUNK, Prepared
+from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, KernelLaunch
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
-    check_launch_entries,
     chunk_grid,
     chunk_program,
     chunk_rows,
@@ -55,76 +53,22 @@ from openk3.ops.kda.triton.kernel_math import (
     dot,
     dot_precision,
     gate_cumsum_slice,
-    launch_options,
     load_beta,
     load_row_vec,
     load_rows,
     round_tf32,
     row_at,
     sigmoid,
-    split_bf16,
     store_row_vec,
     store_rows,
 )
 
-LAUNCH = {
-    "num_warps": 4,
-    "num_stages": 1,
-    "key_block": 32,
-    "bf16_operands": True,
-    "cumsum_by_dot": True,
-    "split_factors": False,
-}
-"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives.
-
-``bf16_operands`` (bf16/fp16 inputs with ``K ≥ BF16_MIN_KEY_DIM``; otherwise tf32, and tf32x3 for fp32
-inputs): the four loop-invariant ``[BT, BT]`` gradient tiles (``dAqk``, ``dL`` and their transposes) in bf16,
-half the registers and shared memory of tf32 ones, and each decay-weighted factor tile (``k 2^{a−Γ}``,
-``q 2^{Γ−b}``, ``k 2^{Γ−b}``) rounded to bf16, products accumulated in fp32. Measured 4.41 ms at B1 T8192 H96
-on the H200 against 5.22 with tf32 (with ``split_factors``).
-
-``split_factors`` (read only where ``bf16_operands`` applies: bf16/fp16 inputs, ``K ≥ BF16_MIN_KEY_DIM``):
-each factor tile as two bf16 pieces (:func:`~openk3.ops.kda.triton.kernel_math.split_bf16`, twice the
-products). At ``K ≥ 128`` one piece is about as accurate against the fp64 reference: over 144 cases in
-Triton's interpreter (B ≤ 2, T 1–200, H ≤ 2, D128, gates ``init``/``lb``/``mixed``, 6 seeds each) the worst
-errors with one / two pieces were ``dA_log`` 0.0206 / 0.0212 of the term size, ``ddt_bias`` 0.0175 / 0.0143,
-``dg`` 0.0070 / 0.0066, ``dq`` 0.0167 / 0.0162, ``dβ`` 0.0206 / 0.0206 (``benchmarks/results/kda_h200.md``;
-``dA_log``, ``dq`` and ``dβ`` there are over their tolerances in both forms at a few seeds: partly the tests'
-bf16 cotangent, since matched to the reference's, otherwise 16-bit ``E``/``dE`` under cancelling sums, traced
-in that file; not the pieces), and on the H200 it took grad_intra 3.68 / 4.86 ms against 4.38 /
-5.62 at B1 T8192 H96 / B1 T32768 H32. At those sizes it moves the gate's gradients further from fla's
-(relative RMSE ``g`` 0.0108 against 0.0056, ``A_log`` 0.008 against 0.005, ``dt_bias`` 0.015 against 0.0055 at
-the four benchmark shapes; ``q``, ``k``, ``v``, ``β`` unchanged), inside the tolerances against fp64 in the
-GPU tests (T8192 H96 included). At ``K = 64`` one piece was too coarse (``dA_log`` 0.021 of the term size at
-B2 T65 H1 D64, coherent rounding in that one sum per head; two pieces 0.0022), which is one reason smaller key
-dims take tf32 (:data:`BF16_MIN_KEY_DIM`).
-
-``cumsum_by_dot``: the gate's cumsum and the reverse cumsum of ``dΓ`` as tensor-core products
-(:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`)."""
 BF16_MIN_KEY_DIM = 128
-"""Smallest key dim given ``bf16_operands`` (smaller ones take tf32). ``dA_log``, one sum per head, is the
-measure: over 20 seeds of B2 T64 H1 D64 in the interpreter (tf32 operands rounded as on the GPU), bf16 put it
-over its 0.02 tolerance in 2 (0.0205, 0.026; the H200 failed this shape at the test's seed 65, value not
-reported, 0.023 in the interpreter) against none with tf32 (max 0.0187); at D128 none of 12 seeds was over
-(max 0.015). Earlier, over 10 seeds of B1 T64 H3: K = 16 over in 6 (median 0.025) against 1 with exact fp32
-products, K = 32 raised the median from 0.010 to 0.015."""
-
-
-def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
-    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`)."""
-    check_launch_entries(
-        "chunk_grad_intra",
-        LAUNCH,
-        dict(
-            num_warps="warps",
-            num_stages="stages",
-            key_block="block",
-            bf16_operands="bool",
-            cumsum_by_dot="bool",
-            split_factors="bool",
-        ),
-    )
+"""Smallest key dim whose 16-bit inputs take bf16 operands here: the four loop-invariant ``[BT, BT]``
+gradient tiles (``dAqk``, ``dL`` and their transposes) in bf16 and each decay-weighted factor tile rounded
+to bf16 once, products accumulated in fp32 (half the registers of tf32 tiles). Smaller key dims take tf32
+(fp32 inputs tf32x3): there ``dA_log``, one sum over a head's tokens, went past its tolerance with bf16
+factors (docs/LOG.md)."""
 
 
 @triton.jit
@@ -153,15 +97,14 @@ def chunk_grad_intra_kernel(
     dq, dk, dg, dbeta, dA_log_part, ddt_part,
     cu_seqlens, chunk_table, part_stride_b,
     scale, lower_bound, lower_bound_log2,
-    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     NB: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-    SCAN_BY_DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr, SPLIT: tl.constexpr, REMAINDER: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, REMAINDER: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P, H)``. Writes ``dq, dk, dg`` ``[tokens, H, K]``, ``dβ`` ``[tokens, H]`` and the
     per-chunk partial sums ``dA_log_part`` ``[P, H]``, ``ddt_part`` ``[P, H, K]`` (fp32); overwrites
     ``dqn``/``dkn`` with the totals before the L2-norm backward."""
-    i_c, i_h = chunk_program(H, HEADS_FIRST)
+    i_c, i_h = chunk_program(H)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < n_valid
@@ -190,7 +133,7 @@ def chunk_grad_intra_kernel(
         k0 = i_k * BK
         o_k = k0 + tl.arange(0, BK)
         b_G, _ = gate_cumsum_slice(
-            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS, SCAN_BY_DOT
+            g, t0, n_valid, i_h, A_h, dt_bias, k0, lower_bound_log2, H, K, BT, BK, HAS_BIAS, True
         )
         b_q = load_rows(q, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rq[:, None]
         b_k = load_rows(k, t0, n_valid, i_h, k0, H, K, BT, BK).to(tl.float32) * b_rk[:, None]
@@ -211,15 +154,7 @@ def chunk_grad_intra_kernel(
             # column block s, anchor b_s (Γ at its last row)
             b_rows = tl.exp2(tl.where((blk >= s)[:, None], b_G - b_s[None, :], float("-inf")))
             b_cf = tl.exp2(tl.where((blk == s)[:, None], b_s[None, :] - b_G, float("-inf")))
-            if BF16 and SPLIT:  # bf16 gradient tiles against the factors' two bf16 pieces
-                c_hi, c_lo = split_bf16(b_col)
-                acc_q += tl.dot(b_dA, c_lo, tl.dot(b_dA, c_hi)) * b_rf
-                acc_m += tl.dot(b_dL, c_lo, tl.dot(b_dL, c_hi)) * b_rf
-                q_hi, q_lo = split_bf16(b_q * b_rows)
-                k_hi, k_lo = split_bf16(b_k * b_rows * b_beta[:, None])
-                b_c = tl.dot(b_dAt, q_lo, tl.dot(b_dAt, q_hi))
-                acc_c += tl.dot(b_dLt, k_lo, tl.dot(b_dLt, k_hi, b_c)) * b_cf
-            elif BF16:  # against the factors rounded to bf16 once
+            if BF16:  # against the factors rounded to bf16 once
                 b_cb = b_col.to(tl.bfloat16)
                 acc_q += tl.dot(b_dA, b_cb) * b_rf
                 acc_m += tl.dot(b_dL, b_cb) * b_rf
@@ -262,7 +197,7 @@ def chunk_grad_intra_kernel(
         store_rows(dkn, b_dkn, t0, n_valid, i_h, k0, H, K, BT, BK)
 
         # per-step gate gradient, then the K3 gate backward (natural log): g = lb·σ(z), z = e^{A_log}(x + b)
-        b_dgc = cumsum_rows(b_dG, BT, True, SCAN_BY_DOT)
+        b_dgc = cumsum_rows(b_dG, BT, True, True)
         if HAS_BIAS:
             bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
         else:
@@ -298,8 +233,10 @@ def chunk_grad_intra_kernel(
 def chunk_grad_intra(
     q, k, g, beta, A_log, dt_bias, pre: Prepared, wy: WYGrads, index: ChunkIndex,
     *, scale: float, lower_bound: float, use_l2norm: bool, beta_sigmoid: bool = False,
+    launch: KernelLaunch = DEFAULT_GEOMETRY.chunk_grad_intra,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Launch :func:`chunk_grad_intra_kernel` (``wy.dqn``/``wy.dkn`` are overwritten).
+    """Launch :func:`chunk_grad_intra_kernel` (``wy.dqn``/``wy.dkn`` are overwritten; ``launch``: warps,
+    stages and the key slice).
 
     Returns:
         ``(dq, dk, dg, dbeta, dA_log [H] fp32, ddt_bias [H*K] fp32)``; dq, dk, dg in the dtypes of q, k, g,
@@ -312,21 +249,15 @@ def chunk_grad_intra(
     dbeta = torch.empty_like(beta)
     dA_log_part = q.new_empty(P, H, dtype=torch.float32)
     ddt_part = q.new_empty(P, H, K, dtype=torch.float32)
-    heads_first = kernel_math.LAUNCH["heads_first"]
-    bf16 = LAUNCH["bf16_operands"] and q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM
-    split = LAUNCH["split_factors"]
-    chunk_grad_intra_kernel[chunk_grid(P, H, heads_first=heads_first)](
+    chunk_grad_intra_kernel[chunk_grid(P, H)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         wy.dA, wy.dL, wy.dqn, wy.dkn, wy.dG, wy.dbeta,
         dq, dk, dg, dbeta, dA_log_part, ddt_part,
         index.cu_seqlens, index.chunk_table, TT * H,
         scale, lower_bound, lower_bound * LOG2E,
-        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK,
-        BK=min(K, LAUNCH["key_block"]), NB=NB,
+        H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, launch.key_block), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        BF16=bf16,
-        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid, SPLIT=split,
-        REMAINDER=dot_precision(q.dtype) == "tf32" and not (bf16 and split),
-        **launch_options(LAUNCH),
+        BF16=q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM, BETA_SIGMOID=beta_sigmoid,
+        REMAINDER=dot_precision(q.dtype) == "tf32", **launch.options(),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)

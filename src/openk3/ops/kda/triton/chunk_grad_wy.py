@@ -13,11 +13,9 @@ of the state at the chunk end), ``E = v_new`` and ``dE = dv_new`` from the two s
         dq += scale·dQ̃ ⊙ e^{Γ}         dk += β dXk ⊙ e^{Γ} + dK̂ ⊙ e^{Γ_C − Γ}
         dΓ += dQ̃ ⊙ Q̃ + β dXk ⊙ K̃ − dK̂ ⊙ K̂      dΓ_C += Σ_rows dK̂ ⊙ K̂ + D ⊙ dD   (Γ_C is the last row)
 
-The one-term ``dL`` is exact algebra and needs neither ``W`` nor ``U`` nor the key side's share of ``dL``
-(grad_wy 3.43 → 3.04 ms at B1 T8192 H96 on the H200). Its ``E`` is the stored one, rounded to the input
-dtype, where the two-term form was the exact derivative with respect to the stored ``U``, ``W`` and ``h``:
-against fp64 in the interpreter (bf16, 8 seeds per group) ``dβ``'s error is 3–7% higher, ``dA_log``'s 6–22%
-lower, the others within ±3% or unchanged (``benchmarks/results/kda_h200.md``).
+The one-term ``dL`` is exact algebra and needs neither ``W`` nor ``U`` nor the key side's share of ``dL``.
+Its ``E`` is the stored one, rounded to the input dtype, where the two-term form would be the exact
+derivative with respect to the stored ``U``, ``W`` and ``h``.
 
 Two kernels: the value side (``dAqk``, ``dXv``, ``dv``, ``dL``, the ``dXv`` term of ``dβ``) once per chunk,
 and the key side per key block of ``BK`` (``dQ̃``, ``dK̂``, ``dW``, the ``dXk`` terms), so neither holds more
@@ -36,19 +34,17 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
+from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, GradWYLaunch
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
-    check_launch_entries,
     chunk_grid,
     chunk_program,
     chunk_rows,
     dot,
     dot_precision,
     gate_cumsum_slice,
-    launch_options,
     load_beta,
     load_row_vec,
     load_rows,
@@ -61,13 +57,12 @@ from openk3.ops.kda.triton.kernel_math import (
 def chunk_grad_wy_value_kernel(
     v, beta, Akk, v_new, dv_new, do, dv, dA, dL, dbeta,
     cu_seqlens, chunk_table,
-    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    DOT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P, H)``: the value-side terms ``dAqk = tril(dO Eᵀ)``, ``dXv = Tᵀ dE``,
     ``dv = β dXv``, ``dL = −strict_lower(dXv Eᵀ)`` and ``dβ ← Σ_v V dXv`` (partial 0 of ``dβ``)."""
-    i_c, i_h = chunk_program(H, HEADS_FIRST)
+    i_c, i_h = chunk_program(H)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
     dt = v_new.dtype.element_ty
@@ -100,14 +95,12 @@ def chunk_grad_wy_key_kernel(
     dqn, dkn, dG, dbeta,
     cu_seqlens, chunk_table, part_stride_b,
     scale, lower_bound_log2,
-    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SCAN_BY_DOT: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P, H, K/BK)``: the key-side terms of one key block (partial ``1 + i_k`` of
     ``dβ``)."""
-    i_c, i_h = chunk_program(H, HEADS_FIRST)
+    i_c, i_h = chunk_program(H)
     i_k = tl.program_id(2)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     o_t = tl.arange(0, BT)
@@ -139,7 +132,7 @@ def chunk_grad_wy_key_kernel(
     # the gate and the normalised q, k of this key block
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_G, b_GC = gate_cumsum_slice(
-        g, t0, n_valid, i_h, A_h, dt_bias, i_k * BK, lower_bound_log2, H, K, BT, BK, HAS_BIAS, SCAN_BY_DOT
+        g, t0, n_valid, i_h, A_h, dt_bias, i_k * BK, lower_bound_log2, H, K, BT, BK, HAS_BIAS, False
     )
     b_eG = tl.exp2(b_G)
     b_beta = load_beta(beta, t0, n_valid, i_h, H, BT, BETA_SIGMOID)
@@ -184,70 +177,24 @@ class WYGrads(NamedTuple):
     """``[1 + NK, tokens, H]`` partials of ``dβ``: value side, then each key block."""
 
 
-LAUNCH = {"num_warps": 4, "num_stages": 2, "cumsum_by_dot": False, "key_block": 64, "value_block": 64}
-"""Launch configuration; ``benchmarks/kda.py --sweep`` times the alternatives. ``key_block``: the key side's
-``BK`` (``K/BK`` programs per chunk and head); ``value_block``: the ``BV`` both kernels step over the values
-by (narrower blocks hold fewer registers). At B1 T8192 H96 / B1 T32768 H32 on the H200 (one sweep run,
-docs/LOG.md) the defaults took 3.11 / 3.99 ms; ``key_block`` 32 3.24 / 4.38,
-``value_block`` 32 3.66 / 4.70, both 3.82 / 5.18, 8 warps 3.60 / 4.89. ``cumsum_by_dot``: the gate's
-cumsum as tensor-core products (:func:`~openk3.ops.kda.triton.kernel_math.cumsum_rows`); within noise of
-``tl.cumsum``'s scan at B1 T8192 H96 on the H200 (3.46 vs 3.54 ms in one run, 3.48 vs 3.42 in the next), so
-off."""
-
-
-def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
-    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`; ``key_block`` and ``value_block`` powers
-    of two ≥ 16, tensor-core operands), and ``value_block < 4·key_block`` (:func:`blocks`).
-    :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` calls it before the forward, so a bad
-    setting fails before any work rather than in the backward; :func:`chunk_grad_wy` again."""
-    check_launch_entries(
-        "chunk_grad_wy",
-        LAUNCH,
-        dict(
-            num_warps="warps",
-            num_stages="stages",
-            cumsum_by_dot="bool",
-            key_block="block",
-            value_block="block",
-        ),
-    )
-    if LAUNCH["value_block"] >= 4 * LAUNCH["key_block"]:
-        raise ValueError(
-            f"chunk_grad_wy.LAUNCH['value_block'] ({LAUNCH['value_block']}) must be less than 4 x "
-            f"LAUNCH['key_block'] ({LAUNCH['key_block']}): key block 32 with value block 128 faulted on the GPU"
-        )
-
-
-def blocks(K: int, V: int) -> tuple[int, int]:
+def blocks(K: int, V: int, launch: GradWYLaunch) -> tuple[int, int]:
     """The key and value blocks ``(BK, BV)`` the kernels take for head dims ``K``, ``V``: ``BK = min(K,
-    key_block)`` and ``BV = min(V, value_block, 2·BK)``.
-
-    The value block stays within two key blocks because key block 32 with value block 128 made the key-side
-    kernel fault on the H200 (an illegal memory access, with ``cumsum_by_dot`` on, in the launch-option GPU
-    test at T1000 H4 D128; 32 / 64, 64 / 128 and 64 / 64 passed the same test, and 32 / 128 ran in another
-    setting; docs/LOG.md, runs r5–r8). The cause is not known, so
-    no pair of four or more is launched: settings asking for one are refused (:func:`check_launch`), and small
-    head dims that would give one (K 16 against V 64 by default) get the narrower value block. Such a pair
-    was slower anyway: 32 / 128 took grad_wy 3.55–3.66 ms against 3.04 at B1 T8192 H96."""
-    BK = min(K, LAUNCH["key_block"])
-    return BK, min(V, LAUNCH["value_block"], 2 * BK)
+    key_block)`` and ``BV = min(V, value_block, 2·BK)``: small head dims never give a value block of four key
+    blocks or more (such a pair faulted on the H200, cause unknown; docs/LOG.md)."""
+    BK = min(K, launch.key_block)
+    return BK, min(V, launch.value_block, 2 * BK)
 
 
 def chunk_grad_wy(
     q, k, v, g, beta, A_log, dt_bias, pre: Prepared, h, dh, v_new, dv_new, do, index: ChunkIndex,
     *, scale: float, lower_bound: float, use_l2norm: bool, beta_sigmoid: bool = False,
+    launch: GradWYLaunch = DEFAULT_GEOMETRY.chunk_grad_wy,
 ) -> WYGrads:  # fmt: skip
     """Launch the value-side and key-side kernels (arguments as the tensors of the forward and the two
-    state passes, flat ``[tokens, H, ·]``).
-
-    Raises:
-        ValueError: from :func:`check_launch`.
-    """
+    state passes, flat ``[tokens, H, ·]``; ``launch``: warps, stages, key and value blocks, :func:`blocks`)."""
     TT, H, K = q.shape
     V = v.shape[-1]
-    check_launch()
-    BK, BV = blocks(K, V)
+    BK, BV = blocks(K, V, launch)
     NK = K // BK
     f32 = torch.float32
     out = WYGrads(
@@ -260,23 +207,18 @@ def chunk_grad_wy(
         dbeta=q.new_empty(1 + NK, TT, H, dtype=f32),
     )
     P = index.num_chunks
-    heads_first = kernel_math.LAUNCH["heads_first"]
-    chunk_grad_wy_value_kernel[chunk_grid(P, H, heads_first=heads_first)](
+    chunk_grad_wy_value_kernel[chunk_grid(P, H)](
         v, beta, pre.Akk, v_new, dv_new, do, out.dv, out.dA, out.dL, out.dbeta,
         index.cu_seqlens, index.chunk_table,
-        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV,
-        BETA_SIGMOID=beta_sigmoid,
-        **launch_options(LAUNCH),
+        H=H, DOT=dot_precision(q.dtype), V=V, BT=CHUNK, BV=BV, BETA_SIGMOID=beta_sigmoid, **launch.options(),
     )  # fmt: skip
-    chunk_grad_wy_key_kernel[chunk_grid(P, H, NK, heads_first=heads_first)](
+    chunk_grad_wy_key_kernel[chunk_grid(P, H, NK)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         pre.Akk, h, dh, v_new, dv_new, do,
         out.dqn, out.dkn, out.dG, out.dbeta,
         index.cu_seqlens, index.chunk_table, TT * H,
         scale, lower_bound * LOG2E,
-        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
-        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        SCAN_BY_DOT=LAUNCH["cumsum_by_dot"], BETA_SIGMOID=beta_sigmoid,
-        **launch_options(LAUNCH),
+        H=H, DOT=dot_precision(q.dtype), K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
+        USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, BETA_SIGMOID=beta_sigmoid, **launch.options(),
     )  # fmt: skip
     return out

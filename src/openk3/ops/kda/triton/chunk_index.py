@@ -9,9 +9,8 @@ Legend: ``N`` sequences, ``P`` chunks over all sequences.
 
 from __future__ import annotations
 
+import functools
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -35,33 +34,19 @@ class ChunkIndex:
     num_tokens: int
 
 
-FIXED_LENGTH_CACHE: OrderedDict[tuple, ChunkIndex] = OrderedDict()
-"""The last :data:`FIXED_LENGTH_CACHE_SIZE` fixed-length indexes, by ``(B, T, device, size)``: a model calls
-the op with the same shape in every layer, and building one costs six small launches (about 0.1 ms of host
-time before the first kernel of a call, measured on the H200). The kernels only read them."""
-FIXED_LENGTH_CACHE_SIZE = 32
-_CACHE_LOCK = threading.Lock()
-
-
 def fixed_length_index(B: int, T: int, device: torch.device, size: int = CHUNK) -> ChunkIndex:
-    """``B`` sequences of ``T`` tokens in chunks of ``size`` tokens (no host↔device sync; reused from
-    :data:`FIXED_LENGTH_CACHE` when built before). During CUDA-graph capture a fresh index is built and not
-    kept: its tables are filled only when the graph replays."""
+    """``B`` sequences of ``T`` tokens in chunks of ``size`` tokens (no host↔device sync). The last 32 built
+    are reused (a model calls the op with the same shape in every layer, and building one costs six small
+    launches); during CUDA-graph capture a fresh index is built and not kept, since its tables are filled only
+    when the graph replays. The kernels only read them."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return _build_fixed_length_index(B, T, device, size)
-    key = (B, T, device, size)
-    with _CACHE_LOCK:
-        index = FIXED_LENGTH_CACHE.get(key)
-        if index is None:
-            index = FIXED_LENGTH_CACHE[key] = _build_fixed_length_index(B, T, device, size)
-            while len(FIXED_LENGTH_CACHE) > FIXED_LENGTH_CACHE_SIZE:
-                FIXED_LENGTH_CACHE.popitem(last=False)
-        FIXED_LENGTH_CACHE.move_to_end(key)
-    return index
+    return _cached_fixed_length_index(B, T, device, size)
 
 
 def _build_fixed_length_index(B: int, T: int, device: torch.device, size: int) -> ChunkIndex:
+    """The index of :func:`fixed_length_index`, built afresh."""
     nt = math.ceil(T / size)
     ids = torch.arange(B * nt, device=device, dtype=torch.int32)
     table = torch.stack([ids // nt, ids % nt], dim=1).contiguous()
@@ -73,6 +58,9 @@ def _build_fixed_length_index(B: int, T: int, device: torch.device, size: int) -
         num_chunks=B * nt,
         num_tokens=B * T,
     )
+
+
+_cached_fixed_length_index = functools.lru_cache(maxsize=32)(_build_fixed_length_index)
 
 
 def varlen_index(cu_seqlens: torch.Tensor, seq_lens: tuple[int, ...], size: int = CHUNK) -> ChunkIndex:

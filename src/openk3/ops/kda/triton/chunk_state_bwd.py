@@ -23,6 +23,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.chunk_index import CHUNK, ChunkIndex
 from openk3.ops.kda.triton.chunk_prepare import Prepared
 from openk3.ops.kda.triton.chunk_state import state_launch_options, value_block
+from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, StateLaunch
 from openk3.ops.kda.triton.kernel_math import (
     check_index,
     check_out,
@@ -76,6 +77,7 @@ def chunk_state_bwd(
     dht: torch.Tensor | None,
     index: ChunkIndex,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    launch: StateLaunch = DEFAULT_GEOMETRY.chunk_state,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the reverse pass.
 
@@ -83,6 +85,7 @@ def chunk_state_bwd(
         pre: the prepared chunk tensors. do: ``[tokens, H, V]`` gradient of ``o``. dht: fp32
             ``[N, H, K, V]`` gradient of the final state, or None. index: chunk tables.
         out: the ``(dh, dv_new, dh0)`` tensors to write, or None to allocate them.
+        launch: warps, stages, value block (as the forward-direction pass's).
 
     Raises:
         ValueError: a tensor of ``out`` of another shape or dtype than returned below, or not contiguous; an
@@ -110,12 +113,12 @@ def chunk_state_bwd(
             pre.w.new_empty(N, H, K, V, dtype=torch.float32),
         )
     dh, dv_new, dh0 = out
-    BV = value_block(V, N * H)
+    BV = value_block(V, N * H, launch)
     grid = (triton.cdiv(V, BV), N * H)
     chunk_state_bwd_kernel[grid](
         pre.qg, pre.kg, pre.w, pre.Aqk, pre.gend, do, dht, dh, dv_new, dh0,
         index.cu_seqlens, index.chunk_offsets,
         H=H, DOT=dot_precision(pre.w.dtype), K=K, V=V, BT=CHUNK, BV=BV, USE_DHT=dht is not None,
-        **state_launch_options(grid[0] * grid[1], pre.w.device),
+        **state_launch_options(grid[0] * grid[1], pre.w.device, launch),
     )  # fmt: skip
     return dh, dv_new, dh0

@@ -21,19 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.triton.kernel_math import check_launch_entries
+from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, DecodeLaunch
 
 GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 """Gate kinds of :func:`kda_decode_kernel` (constexpr ``GATE``)."""
-LAUNCH = {"small_bv": 32, "large_bv": 64, "large_programs": 1024}
-"""Value-block width below / from ``large_programs`` sequence·head pairs; ``benchmarks/kda.py --sweep``
-times the alternatives."""
-
-
-def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
-    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`); :func:`launch_decode` calls it."""
-    check_launch_entries("decode", LAUNCH, dict(small_bv="block", large_bv="block", large_programs="count"))
 
 
 @triton.jit
@@ -124,13 +115,13 @@ def launch_decode(
     lower_bound: float | None,
     use_l2norm: bool,
     beta_sigmoid: bool = False,
+    launch: DecodeLaunch = DEFAULT_GEOMETRY.decode,
 ) -> None:
     """Launch :func:`kda_decode_kernel` on flat ``[tokens, H, ·]`` tensors (the arguments unchecked: see the
-    callers; :data:`LAUNCH` checked, :func:`check_launch`)."""
-    check_launch()
+    callers; ``launch``: the value block by program count)."""
     H, K = q.shape[-2:]
     V = v.shape[-1]
-    BV = min(V, LAUNCH["small_bv"] if num_seqs * H < LAUNCH["large_programs"] else LAUNCH["large_bv"])
+    BV = min(V, launch.small_bv if num_seqs * H < launch.large_programs else launch.large_bv)
     kda_decode_kernel[(triton.cdiv(V, BV), num_seqs * H)](
         q, k, v, g, beta, A_log, dt_bias, state, slot_idx, o, cu_seqlens,
         scale, 0.0 if lower_bound is None else lower_bound, tokens_per_seq,

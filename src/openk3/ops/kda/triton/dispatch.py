@@ -17,9 +17,8 @@ SUPPORTED_DIMS = (16, 32, 64, 128)
 """Head dims K and V of the Triton kernels (whole-dim register tiles, powers of two)."""
 CHUNK_GRAD_MIN_KEY_DIM = 32
 """Smallest key dim K for which the chunked Triton path runs when a gradient is needed (calls without one take
-the 16-token tile forward at every K). At K = 16 the 64-token chunks' bf16 output is 4.9–5.4e-3 from the fp64
-reference, over the 5e-3 tolerance in 3 of 4 seeds, where the tile forward stays at 4.0–4.3e-3 and K = 32 at
-4.4–4.7e-3 (Triton's interpreter, B1 T200 H2 V64 bf16); K = 16 with a gradient takes the torch path."""
+the 16-token tile forward at every K): at K = 16 the 64-token chunks' bf16 output goes past the 5e-3
+tolerance against the fp64 reference (docs/LOG.md), so K = 16 with a gradient takes the torch path."""
 SAFE_LOWER_BOUND = -5.0
 """Most negative gate bound of the chunked Triton path (16 steps × 5 nats × log2 e = 115 bits < 127)."""
 

@@ -1,6 +1,6 @@
 """Triton device functions shared by the KDA kernels: the in-kernel gate and its cumsum over a key slice,
-the chunk rows of a program, the dot precision, and tile loads/stores by token rows; on the host, the program
-order of the token-parallel kernels (:data:`LAUNCH`) and the checks of every module's ``LAUNCH``.
+the chunk rows of a program, the dot precision, and tile loads/stores by token rows; on the host, the grid of
+the token-parallel kernels and the checks of tensors a launcher is given to write.
 
 Units: the chunk kernels keep log-decays in **log2** units (natural-log gate × log2(e)) so every decay is
 one ``exp2`` (docs/references.md#kda-chunked-form, "log-base convention"); gradients stay w.r.t. the natural-log gate,
@@ -35,45 +35,12 @@ def dot_precision(dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def launch_options(launch: dict) -> dict:
-    """Triton launch keywords from a kernel module's ``LAUNCH`` dict: ``num_warps``, ``num_stages`` and, when
-    ``launch["maxnreg"]`` is set (> 0), the register cap per thread (more programs per multiprocessor at the
-    price of spills; FlashKDA's prepare kernel makes the same trade, docs/references.md#flashkda)."""
-    options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
-    if launch.get("maxnreg"):
-        options["maxnreg"] = launch["maxnreg"]
-    return options
-
-
-LAUNCH = {"heads_first": True}
-"""Program order of the token-parallel kernels (one program per chunk or tile and head). ``heads_first``: a
-1-D grid whose program ``p`` works on head ``p mod H`` of chunk ``p div H``, so the programs that run at the
-same time read and write whole ``[rows, H, K]`` blocks of the ``[tokens, H, K]`` tensors; off: the
-``(chunks, H)`` grid, whose programs at any time walk one or two heads' rows, ``H·K`` elements apart. Same
-values either way (each program computes the same thing). On the H200 (B1 T32768 H32 D128, each launch alone,
-``benchmarks/results/kda_h200.md``) heads first took grad_wy 3.64–3.75 ms against 3.99, grad_intra 4.51–4.52
-against 4.70–4.71, the tile prepare for a backward 0.94 against 1.09 and ``chunk_from_tiles`` 0.52 against
-0.60–0.66; the 64-token prepare's first pass was slower (3.80–4.00 against 3.60–3.62), so it keeps the
-``(chunks, H)`` grid. ``benchmarks/kda.py --set kernel_math:heads_first=False`` times the other order."""
-
-
-def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its key, a bool (:func:`check_launch_entries`;
-    :func:`~openk3.ops.kda.triton.tile_forward.check_launch` calls it, which every call of the chunk entry
-    point runs before any work). The backward reads the setting again without a check; whatever it holds then,
-    each launch passes the one value to both :func:`chunk_grid` and the kernel, so the results are the
-    same."""
-    check_launch_entries("kernel_math", LAUNCH, dict(heads_first="bool"))
-
-
-def chunk_grid(num_chunks: int, H: int, *rest: int, heads_first: bool) -> tuple[int, ...]:
+def chunk_grid(num_chunks: int, H: int, *rest: int) -> tuple[int, ...]:
     """Launch grid of a token-parallel kernel over ``num_chunks`` chunks (or tiles) and ``H`` heads, with
-    further grid axes ``rest`` (as axes 2, …): ``(num_chunks·H, 1, *rest)`` when ``heads_first`` (see
-    :data:`LAUNCH`), else ``(num_chunks, H, *rest)``. The kernel reads it back with :func:`chunk_program`,
-    given the same ``heads_first``."""
-    if heads_first:
-        return (num_chunks * H, 1, *rest) if rest else (num_chunks * H,)
-    return (num_chunks, H, *rest)
+    further grid axes ``rest`` (as axes 2, …): ``(num_chunks·H, 1, *rest)``, the head fastest, so that the
+    programs resident at one time read and write whole ``[rows, H, K]`` blocks of the token-major tensors
+    instead of one head's rows ``H·K`` apart. The kernel reads it back with :func:`chunk_program`."""
+    return (num_chunks * H, 1, *rest) if rest else (num_chunks * H,)
 
 
 def check_out(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
@@ -120,44 +87,6 @@ def check_outs(name: str, given: tuple, layout: tuple, device, optional: tuple[s
         check_out(f"{name}.{field}", t, shape, dtype, device)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_block(x) -> bool:
-    return _is_int(x) and x >= 16 and not x & (x - 1)
-
-
-LAUNCH_KINDS = {
-    "bool": ("True or False", lambda x: isinstance(x, bool)),
-    "warps": ("an int in 1, 2, 4, 8, 16", lambda x: _is_int(x) and x in (1, 2, 4, 8, 16)),
-    "stages": ("an int >= 1", lambda x: _is_int(x) and x >= 1),
-    "count": ("an int >= 0", lambda x: _is_int(x) and x >= 0),
-    "block": ("an int power of two >= 16 (a tensor-core operand)", _is_block),
-    "block_or_0": (
-        "0 (chosen per call) or an int power of two >= 16",
-        lambda x: _is_block(x) or x == 0 and _is_int(x),
-    ),
-}
-"""The kinds of ``LAUNCH`` entry :func:`check_launch_entries` knows: what each must be, and the test."""
-
-
-def check_launch_entries(module: str, launch: dict, kinds: dict[str, str]) -> None:
-    """Raise ``ValueError`` unless the kernel module ``module``'s ``launch`` dict has exactly the keys of
-    ``kinds`` (a misspelt key would otherwise be ignored and a missing one fail mid-call) and each entry is of
-    its kind in :data:`LAUNCH_KINDS` (a string ``"False"`` would read as true; a warp count of 3 fails only at
-    the launch). Numbers must be Python ``int`` (not numpy's or ``bool``). Each module's ``check_launch`` calls
-    it, and the entry points (:func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton`,
-    :func:`~openk3.ops.kda.triton.decode.launch_decode`) call those for every setting their path reads, once per
-    call, before any work."""
-    if set(launch) != set(kinds):
-        raise ValueError(f"{module}.LAUNCH must have exactly the keys {sorted(kinds)}; got {sorted(launch)}")
-    for key, kind in kinds.items():
-        want, ok = LAUNCH_KINDS[kind]
-        if not ok(launch[key]):
-            raise ValueError(f"{module}.LAUNCH[{key!r}] must be {want}; got {launch[key]!r}")
-
-
 @triton.jit
 def round_tf32(x):
     """``x`` (fp32) rounded to tf32's 10-bit stored significand, to nearest (ties away from zero), as fp32;
@@ -165,10 +94,8 @@ def round_tf32(x):
     ``0x7FFFFFFF``, into ±0 or inf), values within half a tf32 ulp of the fp32 maximum round to inf.
 
     Hopper's tensor cores read a tf32 operand from an fp32 register by dropping its low 13 bits, i.e. they
-    **truncate** toward zero. Truncation is biased, so errors of many products add up instead of cancelling:
-    with it, ``dA_log`` (one sum over a head's tokens and channels) missed its 0.02 tolerance at B2 T65 H1 D64
-    on the H200 (0.0208; in Triton's interpreter 0.0193 with truncation emulated, 0.0014 with rounding, both
-    with the bf16 operands grad_intra then used at D64)."""
+    **truncate** toward zero. Truncation is biased, so errors of many products add up instead of cancelling
+    (``dA_log``, one sum over a head's tokens and channels, is where it shows)."""
     return tl.where(x == x, round_tf32_finite(x), x)
 
 
@@ -178,10 +105,8 @@ def round_tf32_finite(x):
     significand carries (the GPU's canonical ``0x7FFFFFFF``) becomes ±0 or inf. Only for operands whose NaN
     reaches every output by another path as well: the prepares' products of gated ``q``/``k`` (a NaN in
     ``q``, ``k``, ``g`` or ``β`` also lands in the stored ``Q̃``, ``K̃``, ``K̂``, ``W``, which the state pass
-    multiplies). The select keeps ``x`` and its rounding live together (the prepare's stack in an offline
-    sm_90 compile: 728 bytes with it, 560 without): in the 64-token prepare's ``Aqk``/``L`` products it cost
-    0.7 ms of 3.3 (B1 T8192 H96, H200; ``round_tf32`` as the ``cvt.rna.tf32.f32`` instruction measured 3.3
-    too)."""
+    multiplies). The select keeps ``x`` and its rounding live together in registers, which costs spills
+    (docs/LOG.md)."""
     bits = x.to(tl.uint32, bitcast=True)
     return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
@@ -243,10 +168,8 @@ inline PTX."""
 def sigmoid(z):
     """``σ(z) = 1 / (1 + 2^{−z·log2 e})`` of fp32 ``z`` with the GPU's approximate ``exp2`` and reciprocal
     (``ex2.approx.ftz.f32``, ``rcp.approx.ftz.f32``). ``tl.sigmoid`` takes the same ``ex2.approx`` and the
-    approximate ``div.full`` (both within 2 ulp), with range fix-ups that only matter for subnormals; without
-    them the tile prepare's loop over a 64-channel key slice is 1679 instructions instead of 1904 (offline
-    sm_90 compile), and on the H200 the tile prepare took 0.87–0.90 ms against 0.94–1.07 for a backward at
-    B1 T32768 H32 D128 (``benchmarks/results/kda_h200.md``). Subnormal intermediates flush to 0, so ``σ(z)``
+    approximate ``div.full`` (both within 2 ulp), with range fix-ups that only matter for subnormals and cost
+    instructions in the prepares' loops. Subnormal intermediates flush to 0, so ``σ(z)``
     is 0 below ``z ≈ −87`` (``tl.sigmoid``: a subnormal). In the interpreter (:data:`INTERPRETED`),
     ``tl.sigmoid``. The chunk kernels' gate (:func:`k3_gate_log2`) and its backward in grad_intra use it; the
     decode kernel keeps ``tl.sigmoid`` (one row per token, and the two agree within those ulps)."""
@@ -313,16 +236,10 @@ def unit_lower_inverse_stacked(X, NB: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def chunk_program(H: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    """``(chunk, head)`` of this program in a :func:`chunk_grid` launch with ``heads_first=HEADS_FIRST``."""
-    if HEADS_FIRST:
-        pid = tl.program_id(0)
-        i_c = pid // H
-        i_h = pid % H
-    else:
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-    return i_c, i_h
+def chunk_program(H: tl.constexpr):
+    """``(chunk, head)`` of this program in a :func:`chunk_grid` launch."""
+    pid = tl.program_id(0)
+    return pid // H, pid % H
 
 
 @triton.jit

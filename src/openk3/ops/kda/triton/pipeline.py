@@ -1,5 +1,5 @@
-"""One long sequence on two streams: the token-parallel prepare of the next segment beside the sequential
-state pass over the current one.
+"""One long sequence on two streams: the backward's token-parallel prepare of the next segment beside the
+sequential reverse state pass over the current one.
 
 With a single sequence the state passes have one program per (value block, head): 128 at B1 T32768 H32 D128
 on the H200's 132 multiprocessors, each walking 512 chunks (2048 tiles) one after another, so the pass is
@@ -7,8 +7,10 @@ bound by the latency of its dependency chain and leaves most of each multiproces
 before it needs nothing from it. :func:`segments` cuts the sequence on the chunk (or tile) grid and
 :func:`pipelined` launches segment ``j + 1``'s prepare on a side stream while a high-priority stream runs the
 pass over segment ``j``, carrying the fp32 state from one segment's launch to the next (the pass's own
-carry, so outputs and states are the same bits as in one launch; tested). By default only the training path
-(64-token chunks, forward and backward) is cut (:data:`LAUNCH`).
+carry, so outputs and states are the same bits as in one launch; tested). Only the backward is cut
+(:class:`~openk3.ops.kda.triton.config.PipelineLaunch`): only calls with one sequence (``B = 1``, or one
+document in ``cu_seqlens``) on CUDA, since several sequences give the state pass one program per sequence
+and head already.
 
 Legend: ``T`` tokens of the sequence, ``size`` tokens per chunk or tile, ``n`` segments.
 """
@@ -23,31 +25,7 @@ from typing import NamedTuple
 import torch
 
 from openk3.ops.kda.triton.chunk_index import ChunkIndex, fixed_length_index
-from openk3.ops.kda.triton.kernel_math import check_launch_entries
-
-LAUNCH = {"segments": 4, "tile_segments": 0, "min_tokens": 16384}
-"""``segments``: how many pieces a long single sequence is cut into on the training path (64-token chunks,
-forward and backward; ``< 2``: never cut); ``tile_segments``: the same for the 16-token tile forward (calls
-without a gradient; ``≥ 2`` also keeps such calls off the pairs of tiles, ``tile_pairs.use_pairs``, which are
-never cut); ``min_tokens``: the shortest sequence that is cut. Only calls with one sequence
-(``B = 1``, or one document in ``cu_seqlens``) on CUDA are cut; several sequences give the state pass one
-program per sequence and head already.
-
-Measured at B1 T32768 H32 D128 on the H200 (docs/LOG.md): forward+
-backward 17.97–18.01 ms cut in 4 against 18.46–18.61 uncut (run 9, interleaved in one process after fla's
-forward, as ``benchmarks/kda.py`` runs). The tile forward is not cut by default: in that setting it took
-3.32–3.38 ms cut in 4 and 3.12–3.27 in 2 against 2.97–3.09 uncut (run 8), although without fla in the
-process the cut measured 0.1–0.2 ms faster (runs 3 and 4); its pieces are short, each adds about 0.15 ms
-of host time, and under a CUDA graph the cut saved at most 0.28 of 2.77 ms."""
-
-
-def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has exactly its keys (a misspelt one would otherwise be
-    ignored) and they hold ints ≥ 0 (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`; checked
-    before any work)."""
-    check_launch_entries(
-        "pipeline", LAUNCH, dict(segments="count", tile_segments="count", min_tokens="count")
-    )
+from openk3.ops.kda.triton.config import PipelineLaunch
 
 
 def side_stream(device: torch.device, *, high_priority: bool = False) -> torch.cuda.Stream:
@@ -69,9 +47,7 @@ def _side_stream(index: int, high_priority: bool) -> torch.cuda.Stream:
 
 def overlaps(device: torch.device, programs: int) -> bool:
     """Whether a state pass of ``programs`` programs on ``device`` leaves room to overlap: CUDA, and at most
-    one program per multiprocessor. With more, the pass already shares the GPU among its own programs and
-    the cut measured slower on the H200 (tile forward at B1 T8192 H96 D128, 384 programs: 1.78–1.84 ms cut
-    in 2 or 4 against 1.68–1.71 uncut; docs/LOG.md)."""
+    one program per multiprocessor. With more, the pass already shares the GPU among its own programs."""
     return torch.device(device).type == "cuda" and programs <= multiprocessors(device)
 
 
@@ -97,30 +73,23 @@ class Segment(NamedTuple):
 
 
 def segments(
-    index: ChunkIndex, size: int, device: torch.device, programs: int, key: str = "segments"
+    index: ChunkIndex, size: int, device: torch.device, programs: int, launch: PipelineLaunch
 ) -> list[Segment] | None:
-    """The segments of a call's single sequence, or None when the call is not cut (:data:`LAUNCH`).
+    """The segments of a call's single sequence, or None when the call is not cut.
 
     Args:
         index: the call's chunk tables, in chunks of ``size`` tokens. device: the tensors' device.
         programs: how many programs the state pass runs (one per value block and head).
-        key: the :data:`LAUNCH` entry that gives the number of pieces (``"segments"`` or
-            ``"tile_segments"``).
+        launch: the number of pieces and the shortest sequence cut.
 
     Returns:
-        ``LAUNCH[key]`` segments (fewer when the chunks run out), each a whole number of chunks, the
+        ``launch.segments`` segments (fewer when the chunks run out), each a whole number of chunks, the
         last possibly ending in a partial chunk; None for several sequences, devices without streams or passes
         with more programs than multiprocessors (:func:`overlaps`), a sequence shorter than
-        ``LAUNCH["min_tokens"]``, or ``LAUNCH[key] < 2``.
+        ``launch.min_tokens``, or ``launch.segments < 2``.
     """
-    check_launch()
-    n, T = LAUNCH[key], index.num_tokens
-    if (
-        n < 2
-        or index.num_seqs != 1
-        or T < max(LAUNCH["min_tokens"], 2 * size)
-        or not overlaps(device, programs)
-    ):
+    n, T = launch.segments, index.num_tokens
+    if n < 2 or index.num_seqs != 1 or T < max(launch.min_tokens, 2 * size) or not overlaps(device, programs):
         return None
     chunks = math.ceil(T / size)
     per = math.ceil(chunks / n)
@@ -168,8 +137,7 @@ def pipelined(
 
     The priority matters: ``produce(j + 1)`` (a prepare of thousands of programs) is queued before
     ``consume(j)`` can start, and the block scheduler would otherwise hand the multiprocessors to its
-    waiting programs first, so that ``consume(j)`` started only as ``produce(j + 1)`` ended (measured on the
-    H200: no gain at all with ``consume`` on the current stream).
+    waiting programs first, so that ``consume(j)`` would start only as ``produce(j + 1)`` ended.
 
     ``produce``, ``consume`` and ``side_tail`` must only write tensors allocated before, on the current stream
     (the caching allocator then reuses their memory on that stream as usual, and no ``record_stream`` holds
@@ -209,27 +177,3 @@ def pipelined(
                 consume(j)
         main.wait_stream(side)
         main.wait_stream(fast)
-
-
-def forward_segments(
-    segs: list[Segment],
-    device: torch.device,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    state_shape: tuple[int, ...],
-    prepare: Callable[[Segment], None],
-    state_pass: Callable[[Segment, torch.Tensor | None, torch.Tensor | None], None],
-) -> torch.Tensor | None:
-    """A forward over ``segs`` in order: ``prepare(seg)`` on the side stream, ``state_pass(seg, h_in,
-    h_out)`` after it on the high-priority one (:func:`pipelined`), reading the fp32 state ``h_in`` the
-    segment before wrote (``initial_state`` for the first, None for zeros) and writing ``h_out`` (None after
-    the last unless ``output_final_state``; :func:`carried_states`, ``state_shape``).
-
-    Returns:
-        the final state, or None without ``output_final_state``.
-    """
-    states = carried_states(initial_state, len(segs), output_final_state, state_shape, device)
-    pipelined(
-        device, len(segs), lambda j: prepare(segs[j]), lambda j: state_pass(segs[j], states[j], states[j + 1])
-    )
-    return states[-1]

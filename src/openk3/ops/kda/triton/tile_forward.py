@@ -19,42 +19,44 @@ and the recurrence, from the state ``S`` before the tile (docs/references.md#kda
 ``2^{115}`` where masked, so no anchor is needed (the 64-token chunks of
 :mod:`~openk3.ops.kda.triton.chunk_prepare` need four). The state, ``E`` and ``O`` are as in
 :mod:`~openk3.ops.kda.triton.chunk_state` (fp32 state, matmul operands in the storage dtype). ``P`` is saved in
-fp16 under the condition of ``chunk_prepare.LAUNCH["fp16_inverse"]`` (that switch on, bf16/fp16 inputs, the
+fp16 under :func:`~openk3.ops.kda.triton.chunk_prepare.fp16_inverse`'s condition (bf16/fp16 inputs, the
 in-kernel L2 norm: unit keys and ``β ≤ 1`` bound it by 1), else in fp32; ``E = P X`` is a tf32 product with
 both operands rounded (:func:`~openk3.ops.kda.triton.kernel_math.dot`; an fp16 ``P`` is exact in tf32), tf32x3
 for fp32 inputs.
 
-The prepare is one warp per tile and head (:data:`LAUNCH`): it walks the key in slices of ``BK`` channels,
-the row norms first, then the gate, the gated copies and ``M``, ``L`` accumulated slice by slice, so every row
+The prepare is one warp per tile and head: it walks the key in slices of ``key_block`` channels, the row
+norms first, then the gate, the gated copies and ``M``, ``L`` accumulated slice by slice, so every row
 reduction of the 16×16 substitution stays inside the warp.
 
-Used by :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` when no gradient is needed and
-``LAUNCH["enabled"]`` (the default: the B1 T8192 H96 D128 forward took 1.69 ms on the H200 against fla's 2.88
-ms in the same run, and 4.2–4.5 ms on 64-token chunks, ``benchmarks/results/kda_h200.md``; with at most one
-recurrence program per multiprocessor, on pairs of tiles, :mod:`~openk3.ops.kda.triton.tile_pairs`), and with
-a gradient through ``chunk_function.LAUNCH["forward_on_tiles"]``. Legend: ``BT`` tile rows,
-``BK`` key slice, ``K``/``V`` key/value dims, ``BV`` value block, ``H`` heads, ``N`` sequences, ``P16`` tiles
-of all sequences.
+Every call without a gradient runs this forward (:func:`tile_forward`; with at most one recurrence program per
+multiprocessor, on pairs of tiles, :mod:`~openk3.ops.kda.triton.tile_pairs`), and so does the training forward
+(:mod:`~openk3.ops.kda.triton.chunk_function`). Legend: ``BT`` tile rows, ``BK`` key slice, ``K``/``V``
+key/value dims, ``BV`` value block, ``H`` heads, ``N`` sequences, ``P16`` tiles of all sequences.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import ChunkIndex
-from openk3.ops.kda.triton.chunk_prepare import check_launch as check_prepare_launch
 from openk3.ops.kda.triton.chunk_prepare import fp16_inverse
-from openk3.ops.kda.triton.chunk_state import check_launch as check_state_launch
-from openk3.ops.kda.triton.chunk_state import state_programs, value_block
+from openk3.ops.kda.triton.chunk_state import value_block
+from openk3.ops.kda.triton.config import (
+    DEFAULT_GEOMETRY,
+    DEFAULT_OPTIONS,
+    KDAOptions,
+    KernelLaunch,
+    LaunchConfig,
+    StateLaunch,
+)
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
     check_index,
-    check_launch_entries,
     check_out,
     check_outs,
     chunk_grid,
@@ -64,7 +66,6 @@ from openk3.ops.kda.triton.kernel_math import (
     dot_precision,
     empty_outs,
     gate_cumsum_slice,
-    launch_options,
     load_beta,
     load_rows,
     state_program,
@@ -73,67 +74,9 @@ from openk3.ops.kda.triton.kernel_math import (
     tf32_operand,
     unit_lower_inverse_stacked,
 )
-from openk3.ops.kda.triton.pipeline import Segment, forward_segments, segment_of, segments
 
 TILE = 16
 """Tokens per tile (FlashKDA's chunk; the bound ``16·|lb|·log2 e ≤ 115.4`` needs ``lb ≥ −5``)."""
-LAUNCH = {
-    "enabled": True,
-    "num_warps": 1,
-    "num_stages": 1,
-    "key_block": 64,
-    "recurrence_warps": 4,
-    "recurrence_stages": 3,
-    "value_block": 0,
-    "fp32_gated_keys": False,
-    "pair_steps": True,
-    "pair_max_programs": 0,
-}
-"""``enabled``: use this path for calls without a gradient. Warps, pipeline stages and key slice ``BK`` of
-the prepare; warps and stages of the recurrence (its loads do not depend on the state, so stages prefetch
-them) and its value block (0: as the chunk state pass, :func:`~openk3.ops.kda.triton.chunk_state.value_block`
-with its ``min_programs``; > 0: that width). Chosen by ``benchmarks/kda.py --sections sweep`` at B1 T8192 H96
-D128 on the H200 (``benchmarks/results/kda_h200.md``): the prepare took 0.93 ms with one warp and 64-channel
-slices against 1.25 with two warps and 1.99 with four (whole key, 252 registers: two programs per
-multiprocessor, and the substitution's row reductions crossed warps); the recurrence 0.95–0.98 ms with three
-stages against 1.93 with one.
-
-``fp32_gated_keys``: store ``Q̃``, ``K̃``, ``K̂`` in fp32 for bf16/fp16 inputs too, so that the recurrence's
-products take tf32 operands (the state and ``E`` included) instead of 16-bit ones. It is for the delta rule's
-worst conditioning, nearly parallel keys (a repeated token, β ≈ 1, little decay), where the residual
-``E = V − K̃S`` cancels and the 16-bit gated keys put o and the final state past 5e-3 of the fp64 reference
-(Triton README, Precision; interpreter, K = 32: 5.7e-3 / 6.7e-3 with 16 bits, 2.8e-3 / 0.9e-3 with this on).
-Off by default: it doubles those three tensors' bytes, and on the H200 it cost the prepare 0.44 ms at
-B1 T8192 H96 D128 (1.36 vs 0.92 ms, the recurrence 0.85 vs 0.96) and 0.49 ms at B1 T32768 H32 (about +17%
-on the forward).
-
-``pair_steps``: calls without a gradient whose recurrence has at most ``pair_max_programs`` programs (0:
-the GPU's multiprocessor count; on CPU, none) run the forward on pairs of tiles instead
-(:mod:`~openk3.ops.kda.triton.tile_pairs`: 32 tokens a recurrence step), unless
-``pipeline.LAUNCH["tile_segments"]`` asks to cut the tile forward. There the recurrence runs one
-program per multiprocessor and is bound by its step's latency: at B1 T32768 H32 D128 (128 programs) the
-forward took 2.53–2.68 ms against 2.79–2.96 on tiles, in one process on the H200. With more programs the
-pair recurrence's 212 registers (136 on tiles) fit two programs per multiprocessor instead of three, and at
-B1 T8192 H96 (384) the forward took 1.95–2.15 ms against 1.66–1.87 (``benchmarks/results/kda_h200.md``)."""
-
-
-def check_launch() -> None:
-    """Raise ``ValueError`` unless :data:`LAUNCH` has its keys, each of its kind
-    (:func:`~openk3.ops.kda.triton.kernel_math.check_launch_entries`), and so do the three other ``LAUNCH``
-    dicts this path reads: :mod:`~openk3.ops.kda.triton.chunk_prepare`'s (``fp16_inverse``),
-    :mod:`~openk3.ops.kda.triton.chunk_state`'s (``min_programs``, for the value block) and
-    :mod:`~openk3.ops.kda.triton.kernel_math`'s (the program order, which the other token-parallel kernels
-    read too)."""
-    check_launch_entries(
-        "tile_forward",
-        LAUNCH,
-        dict(enabled="bool", num_warps="warps", num_stages="stages", key_block="block",
-             recurrence_warps="warps", recurrence_stages="stages", value_block="block_or_0",
-             fp32_gated_keys="bool", pair_steps="bool", pair_max_programs="count"),
-    )  # fmt: skip
-    check_prepare_launch()
-    check_state_launch()
-    kernel_math.check_launch()
 
 
 @triton.jit
@@ -142,15 +85,14 @@ def tile_prepare_kernel(
     qg, kt, kh, M, Pb, gend, Td, q_rstd, k_rstd,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
-    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, FOR_BACKWARD: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P16, H)``. Writes ``qg`` = Q̃, ``kt`` = K̃, ``kh`` = K̂ ``[tokens, H, K]``, ``M`` and
     ``Pb`` = P ``[tokens, H, BT]``, ``gend`` = D ``[P16, H, K]``; with ``FOR_BACKWARD`` also ``Td`` =
     ``(I + L)^{-1}`` ``[tokens, H, BT]`` (P's dtype) and the l2norm ``1/‖·‖`` ``[tokens, H]`` (fp32; ones
     without the norm)."""
-    i_c, i_h = chunk_program(H, HEADS_FIRST)
+    i_c, i_h = chunk_program(H)
     t0, n_valid = chunk_rows(cu_seqlens, chunk_table, i_c, BT)
     A_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     # the row norms first (a per-row factor of every later product), then the gated copies and the two
@@ -248,12 +190,7 @@ def tile_recurrence_kernel(
     recurrence's own products take them in fp32).
 
     The small loads of a tile (``V``, ``P``, ``M``, ``D``) are issued before its first product, so their
-    latencies overlap the products instead of adding up along the state's dependency chain. Issued where each
-    is used (``D`` last, by the state update) the recurrence took 2.36–2.50 ms at B1 T32768 H32 on the H200,
-    against 1.88 ms this way (0.91 against 0.86 at B1 T8192 H96); at B1 T32768 H32 one program runs per
-    multiprocessor, so latency is all that counts. Carrying them one tile ahead in registers was slower (2.42
-    ms), and the 64-token state passes got slower with this order (2.19 against 1.78 ms for the pass with
-    ``O``), so they keep theirs."""
+    latencies overlap the products instead of adding up along the state's dependency chain."""
     i_h, bos, eos, c0, v0, o_k, _, p_state = state_program(cu_seqlens, chunk_offsets, H, K, V, BV)
     dt = qg.dtype.element_ty
     if USE_H0:
@@ -288,7 +225,7 @@ def tile_recurrence_kernel(
 
 class TilePrepared(NamedTuple):
     """Outputs of :func:`tile_prepare`: ``qg, kt, kh`` ``[tokens, H, K]`` in the storage dtype (fp32 with
-    ``LAUNCH["fp32_gated_keys"]``), ``M`` ``[tokens, H, TILE]`` in the storage dtype, ``P``
+    ``KDAOptions.fp32_gated_keys``), ``M`` ``[tokens, H, TILE]`` in the storage dtype, ``P``
     ``[tokens, H, TILE]`` fp16 or fp32, ``gend`` fp32 ``[P16, H, K]``; for the pair forward
     (:mod:`~openk3.ops.kda.triton.tile_pairs`) the same of 32-token steps (``M``, ``P`` ``[tokens, H, 32]``,
     ``gend`` ``[P32, H, K]``)."""
@@ -302,15 +239,15 @@ class TilePrepared(NamedTuple):
 
 
 def tile_prepared_layout(
-    q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, step: int = TILE
+    q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, step: int = TILE, fp32_gated_keys: bool = False
 ) -> TilePrepared:
     """``(shape, dtype)`` of each :class:`TilePrepared` tensor for ``q`` ``[tokens, H, K]`` in steps of
     ``step`` tokens ``index`` (tiles of :data:`TILE`, or pairs of them): ``P`` in fp16 under
-    :mod:`~openk3.ops.kda.triton.chunk_prepare`'s fp16 condition (its ``LAUNCH["fp16_inverse"]``, bf16/fp16
-    inputs, the in-kernel L2 norm; then ``|P_ij| ≤ 1``), else fp32."""
+    :func:`~openk3.ops.kda.triton.chunk_prepare.fp16_inverse`'s condition (then ``|P_ij| ≤ 1``), else fp32;
+    the gated keys in fp32 with ``fp32_gated_keys`` (:class:`~openk3.ops.kda.triton.config.KDAOptions`)."""
     TT, H, K = q.shape
     dt = q.dtype
-    keys = ((TT, H, K), torch.float32 if LAUNCH["fp32_gated_keys"] else dt)
+    keys = ((TT, H, K), torch.float32 if fp32_gated_keys else dt)
     return TilePrepared(
         qg=keys,
         kt=keys,
@@ -350,10 +287,12 @@ def empty_tile_backward(q: torch.Tensor, *, use_l2norm: bool) -> TileBackward:
 
 
 def empty_tile_prepared(
-    q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, step: int = TILE
+    q: torch.Tensor, index: ChunkIndex, *, use_l2norm: bool, step: int = TILE, fp32_gated_keys: bool = False
 ) -> TilePrepared:
     """Uninitialised :class:`TilePrepared` tensors (:func:`tile_prepared_layout`)."""
-    return empty_outs(q, tile_prepared_layout(q, index, use_l2norm=use_l2norm, step=step))
+    return empty_outs(
+        q, tile_prepared_layout(q, index, use_l2norm=use_l2norm, step=step, fp32_gated_keys=fp32_gated_keys)
+    )
 
 
 def tile_prepare(
@@ -371,26 +310,28 @@ def tile_prepare(
     beta_sigmoid: bool = False,
     out: TilePrepared | None = None,
     for_backward: TileBackward | None = None,
+    fp32_gated_keys: bool = False,
+    launch: KernelLaunch = DEFAULT_GEOMETRY.tile_prepare,
 ) -> TilePrepared:
     """Launch :func:`tile_prepare_kernel` (arguments as in :func:`tile_forward`; ``out``: the tensors to
     write, from :func:`empty_tile_prepared`, or None to allocate them; ``for_backward``: also write the
-    tiles' inverses and the norms there, from :func:`empty_tile_backward`).
+    tiles' inverses and the norms there, from :func:`empty_tile_backward`; ``launch``: warps, stages and the
+    key slice).
 
     Returns:
         :class:`TilePrepared` (``out`` when given).
 
     Raises:
-        ValueError: ``LAUNCH["key_block"]`` is not a power of two ≥ 16 (the key slice is a tensor-core operand);
-            a tensor of ``out`` or ``for_backward`` of another shape or dtype, or not contiguous.
+        ValueError: a tensor of ``out`` or ``for_backward`` of another shape or dtype, or not contiguous.
     """
     TT, H, K = q.shape
     dt = q.dtype
-    check_launch()
-    BK = min(K, LAUNCH["key_block"])
+    BK = min(K, launch.key_block)
+    layout = tile_prepared_layout(q, index, use_l2norm=use_l2norm, fp32_gated_keys=fp32_gated_keys)
     if out is None:
-        out = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
+        out = empty_outs(q, layout)
     else:
-        check_outs("tile_prepare out", out, tile_prepared_layout(q, index, use_l2norm=use_l2norm), q.device)
+        check_outs("tile_prepare out", out, layout, q.device)
     if for_backward is not None:
         check_outs(
             "tile_prepare for_backward",
@@ -398,15 +339,13 @@ def tile_prepare(
             tile_backward_layout(q, use_l2norm=use_l2norm),
             q.device,
         )
-    heads_first = kernel_math.LAUNCH["heads_first"]
-    tile_prepare_kernel[chunk_grid(index.num_chunks, H, heads_first=heads_first)](
+    tile_prepare_kernel[chunk_grid(index.num_chunks, H)](
         q, k, g, beta, A_log, dt_bias,
         *out, *(for_backward or (None, None, None)),
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
-        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(dt), K=K, BT=TILE, BK=BK, USE_L2NORM=use_l2norm,
-        HAS_BIAS=dt_bias is not None,
-        BETA_SIGMOID=beta_sigmoid, FOR_BACKWARD=for_backward is not None, **launch_options(LAUNCH),
+        H=H, DOT=dot_precision(dt), K=K, BT=TILE, BK=BK, USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
+        BETA_SIGMOID=beta_sigmoid, FOR_BACKWARD=for_backward is not None, **launch.options(),
     )  # fmt: skip
     return out
 
@@ -421,6 +360,8 @@ def tile_recurrence(
     o_out: torch.Tensor | None = None,
     ht_out: torch.Tensor | None = None,
     e_out: torch.Tensor | None = None,
+    launch: KernelLaunch = DEFAULT_GEOMETRY.tile_recurrence,
+    state_launch: StateLaunch = DEFAULT_GEOMETRY.chunk_state,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch :func:`tile_recurrence_kernel` on :func:`tile_prepare`'s tensors, or
     :func:`~openk3.ops.kda.triton.tile_pairs.pair_prepare`'s (32 tokens a step: ``pre.M``'s last dim;
@@ -428,7 +369,8 @@ def tile_recurrence(
     final state to, or None to allocate them; ``e_out``: also write the delta-rule residuals ``E`` there,
     ``[tokens, H, V]`` in the inputs' storage dtype (``M``'s), the backward's ``v_new``; ``ValueError`` if any
     has another shape or dtype, or is not contiguous, or if ``index`` covers other tokens or tiles than
-    ``pre``)."""
+    ``pre``; ``launch``: warps, stages and the value block, 0 chosen as the state passes' by ``state_launch``,
+    :func:`~openk3.ops.kda.triton.chunk_state.value_block`)."""
     TT, H, K = pre.qg.shape
     V = v.shape[-1]
     N = index.num_seqs
@@ -444,16 +386,14 @@ def tile_recurrence(
     ht = None
     if output_final_state:
         ht = v.new_empty(N, H, K, V, dtype=torch.float32) if ht_out is None else ht_out
-    BV = value_block(V, N * H, LAUNCH["value_block"])
+    BV = value_block(V, N * H, replace(state_launch, value_block=launch.value_block))
     tile_recurrence_kernel[(triton.cdiv(V, BV), N * H)](
         *pre, v, initial_state, o, ht, e_out,
         index.cu_seqlens, index.chunk_offsets,
         # precision from the inputs' storage dtype (M's), not qg's: fp32 gated keys still take tf32 products
         H=H, DOT=dot_precision(pre.M.dtype), K=K, V=V, BT=pre.M.shape[-1], BV=BV,
         USE_H0=initial_state is not None, STORE_FINAL=output_final_state, STORE_E=e_out is not None,
-        **launch_options(
-            dict(LAUNCH, num_warps=LAUNCH["recurrence_warps"], num_stages=LAUNCH["recurrence_stages"])
-        ),
+        **launch.options(),
     )  # fmt: skip
     return o, ht
 
@@ -474,11 +414,11 @@ def tile_forward(
     use_l2norm: bool,
     output_final_state: bool,
     beta_sigmoid: bool = False,
+    options: KDAOptions = DEFAULT_OPTIONS,
+    launch: LaunchConfig = DEFAULT_GEOMETRY,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward of the chunked KDA on 16-token tiles (no autograd): :func:`tile_prepare` then
-    :func:`tile_recurrence`. The ``LAUNCH`` settings it reads are checked by its caller
-    (:func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton`, :func:`check_launch`), and again by
-    :func:`tile_prepare`.
+    :func:`tile_recurrence`.
 
     Args:
         q, k, g: ``[tokens, H, K]`` (g raw). v: ``[tokens, H, V]``. beta: ``[tokens, H]`` in ``[0, 1]``
@@ -490,29 +430,16 @@ def tile_forward(
         output_final_state: also return the fp32 ``[N, H, K, V]`` state after each sequence.
         beta_sigmoid: ``beta`` holds logits and the kernel uses ``σ(beta)``
             (``use_beta_sigmoid_in_kernel``).
+        options: its ``fp32_gated_keys`` is read. launch: the kernels' geometry.
 
     Returns:
         ``(o [tokens, H, V] in v.dtype, final_state or None)``.
     """
-    opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
-    programs = state_programs(v.shape[-1], v.shape[1], index.num_seqs, LAUNCH["value_block"])
-    segs = segments(index, TILE, q.device, programs, "tile_segments")
-    if segs is None:
-        pre = tile_prepare(q, k, g, beta, A_log, dt_bias, index, **opts)
-        return tile_recurrence(pre, v, initial_state, index, output_final_state=output_final_state)
-    # one long sequence: segment j+1's prepare beside segment j's recurrence (pipeline module)
-    pre = empty_tile_prepared(q, index, use_l2norm=use_l2norm)
-    o = v.new_empty(v.shape)
-    shape = (1, v.shape[1], q.shape[-1], v.shape[-1])
-
-    def prepare(s: Segment) -> None:
-        cut = (t[s.start : s.stop] for t in (q, k, g, beta))
-        tile_prepare(*cut, A_log, dt_bias, s.index, out=segment_of(pre, s), **opts)
-
-    def recurrence(s: Segment, h_in: torch.Tensor | None, h_out: torch.Tensor | None) -> None:
-        tile_recurrence(
-            segment_of(pre, s), v[s.start : s.stop], h_in, s.index, output_final_state=h_out is not None,
-            o_out=o[s.start : s.stop], ht_out=h_out,
-        )  # fmt: skip
-
-    return o, forward_segments(segs, q.device, initial_state, output_final_state, shape, prepare, recurrence)
+    pre = tile_prepare(
+        q, k, g, beta, A_log, dt_bias, index, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm,
+        beta_sigmoid=beta_sigmoid, fp32_gated_keys=options.fp32_gated_keys, launch=launch.tile_prepare,
+    )  # fmt: skip
+    return tile_recurrence(
+        pre, v, initial_state, index, output_final_state=output_final_state, launch=launch.tile_recurrence,
+        state_launch=launch.chunk_state,
+    )  # fmt: skip

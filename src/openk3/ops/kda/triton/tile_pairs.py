@@ -3,10 +3,8 @@ with its recurrence stepping 32 tokens at a time, for calls without a gradient.
 
 The recurrence's tile step is bound by the latency of its chain through the state (docs/references.md#flashkda: one program per value
 block and head, each step three dependent products). Two tiles per step halve the steps for less than twice
-the step's latency: on the H200 at B1 T32768 H32 D128 the same recurrence kernel took 1.43–1.46 ms stepping 32
-tokens against 1.75 ms stepping 16 (synthetic prepared tensors,
-docs/LOG.md, run 4). What the 32-token step needs is written by a
-prepare that works on pairs of tiles, so that the recurrence is
+the step's latency. What the 32-token step needs is written by a prepare that works on pairs of tiles, so
+that the recurrence is
 :func:`~openk3.ops.kda.triton.tile_forward.tile_recurrence_kernel` unchanged with ``BT = 32``.
 
 Per pair of tiles ``a``, ``b`` (Γ each tile's gate cumsum from its own start, ``Q̃``, ``K̃``, ``K̂``, ``M``,
@@ -38,18 +36,13 @@ and ``K̃_b`` times ``D_a``, and rewrite ``K̂_a`` times ``D_b`` (so ``K̂_a`` i
 twice).
 
 :func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton` takes this path for a call without a gradient
-when :func:`use_pairs`: the recurrence's programs (``⌈V/BV⌉·N·H``) are at most
-``tile_forward.LAUNCH["pair_max_programs"]`` (0, the default: the GPU's multiprocessor count; on CPU never,
-unless set), ``["pair_steps"]`` is on and no cut of the tile forward is asked for
-(``pipeline.LAUNCH["tile_segments"]``). With more programs than multiprocessors the 32-token step's registers
-(212 against 136 at ``BV = 32``, offline sm_90 compile) fit fewer programs per multiprocessor, and on the H200
-the pair forward was slower at B1 T8192 H96 D128 (1.95–2.15 ms against 1.66–1.87). Values: with fp32 inputs
-within 2e-7 of the tile forward; with bf16 a little further from fp64 than the tile forward where ``E_b``
-cancels (nearly parallel keys: o 8–18% more; the Triton README's Precision section), since its second
-tile's residual is the one tf32 product ``P_b X'_b − P_b C P_a X_a`` where the tile step takes
-``V_b − K̃_b S_a`` in fp32 first (docs/LOG.md, interpreter section).
+when :func:`use_pairs`: the recurrence has at most one program per multiprocessor, where it is bound by its
+step's latency. With more programs the 32-token step's registers (212 against 136 at ``BV = 32``) fit fewer
+programs per multiprocessor and the tile forward is faster. With bf16 inputs and nearly parallel keys its
+error against fp64 is a little larger than the tile forward's, since its second tile's residual is the one
+tf32 product ``P_b X'_b − P_b C P_a X_a`` where the tile step takes ``V_b − K̃_b S_a`` in fp32 first.
 
-Legend: ``BT`` tile rows (16), ``BK`` key slice, ``K`` key dim, ``H`` heads, ``P32`` pairs of all sequences.
+Legend: ``BT`` tile rows, ``BK`` key slice, ``K`` key dim, ``H`` heads, ``P32`` pairs of all sequences.
 """
 
 from __future__ import annotations
@@ -58,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.triton import kernel_math
 from openk3.ops.kda.triton.chunk_index import ChunkIndex
+from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, DEFAULT_OPTIONS, KDAOptions, LaunchConfig
 from openk3.ops.kda.triton.kernel_math import (
     LOG2E,
     check_outs,
@@ -68,19 +61,14 @@ from openk3.ops.kda.triton.kernel_math import (
     chunk_rows,
     dot,
     dot_precision,
-    launch_options,
     load_rows,
     store_rows,
     tf32_operand,
 )
-from openk3.ops.kda.triton.pipeline import LAUNCH as PIPELINE_LAUNCH
-from openk3.ops.kda.triton.pipeline import check_launch as check_pipeline_launch
 from openk3.ops.kda.triton.pipeline import overlaps
 from openk3.ops.kda.triton.tile_forward import (
-    LAUNCH,
     TILE,
     TilePrepared,
-    check_launch,
     empty_tile_prepared,
     gated_slice,
     row_rstd,
@@ -95,17 +83,10 @@ PAIR = 2 * TILE
 
 def use_pairs(programs: int, device: torch.device) -> bool:
     """Whether a call without a gradient whose recurrence runs ``programs`` programs
-    (:func:`~openk3.ops.kda.triton.chunk_state.state_programs` with ``tile_forward.LAUNCH["value_block"]``)
-    runs on pairs of tiles: ``tile_forward.LAUNCH["pair_steps"]`` and at most ``LAUNCH["pair_max_programs"]``
-    programs (0: one per multiprocessor of a CUDA ``device``,
-    :func:`~openk3.ops.kda.triton.pipeline.overlaps`; never on CPU), unless ``pipeline.LAUNCH["tile_segments"]`` asks to cut the 16-token tile forward
-    (``≥ 2``), which then runs. ``ValueError`` from :func:`~openk3.ops.kda.triton.pipeline.check_launch` for
-    a pipeline entry of the wrong kind."""
-    check_pipeline_launch()
-    if not LAUNCH["pair_steps"] or PIPELINE_LAUNCH["tile_segments"] >= 2:
-        return False
-    limit = LAUNCH["pair_max_programs"]
-    return overlaps(device, programs) if limit == 0 else programs <= limit
+    (:func:`~openk3.ops.kda.triton.chunk_state.state_programs` with the recurrence's value block) runs on
+    pairs of tiles: at most one program per multiprocessor of a CUDA ``device``
+    (:func:`~openk3.ops.kda.triton.pipeline.overlaps`; never on CPU)."""
+    return overlaps(device, programs)
 
 
 @triton.jit
@@ -114,13 +95,12 @@ def pair_prepare_kernel(
     qg, kt, kh, M, Pb, gend,
     cu_seqlens, chunk_table,
     scale, lower_bound_log2,
-    H: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, DOT: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_L2NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):  # fmt: skip
     """Grid ``chunk_grid(P32, H)``. Writes ``qg`` = Q̃₂, ``kt`` = K̃₂, ``kh`` = K̂₂ ``[tokens, H, K]``,
     ``M`` = M₂ and ``Pb`` = P₂ ``[tokens, H, 2·BT]``, ``gend`` = D₂ ``[P32, H, K]`` (module docstring)."""
-    i_c, i_h = chunk_program(H, HEADS_FIRST)
+    i_c, i_h = chunk_program(H)
     t_a, n_pair = chunk_rows(cu_seqlens, chunk_table, i_c, 2 * BT)
     n_a = tl.minimum(n_pair, BT)
     n_b = tl.maximum(n_pair - BT, 0)  # 0: a pair of one tile (its decay D_b is 1)
@@ -205,35 +185,33 @@ def pair_prepare(
     use_l2norm: bool,
     beta_sigmoid: bool = False,
     out: TilePrepared | None = None,
+    fp32_gated_keys: bool = False,
+    launch: LaunchConfig = DEFAULT_GEOMETRY,
 ) -> TilePrepared:
     """Launch :func:`pair_prepare_kernel` (arguments as in :func:`pair_forward`; ``out``: the tensors to
     write, ``empty_tile_prepared(q, index, use_l2norm=…, step=PAIR)``, or None to allocate them). The key
-    slice and warps are the tile prepare's (``tile_forward.LAUNCH``).
+    slice and warps are the tile prepare's (``launch.tile_prepare``).
 
     Returns:
         :class:`~openk3.ops.kda.triton.tile_forward.TilePrepared` of 32-token steps.
 
     Raises:
-        ValueError: a ``LAUNCH`` entry :func:`~openk3.ops.kda.triton.tile_forward.check_launch` refuses (a key
-            slice that is no tensor-core operand); a tensor of ``out`` of another shape or dtype, or not
-            contiguous.
+        ValueError: a tensor of ``out`` of another shape or dtype, or not contiguous.
     """
     TT, H, K = q.shape
-    check_launch()
-    BK = min(K, LAUNCH["key_block"])
-    layout = tile_prepared_layout(q, index, use_l2norm=use_l2norm, step=PAIR)
+    BK = min(K, launch.tile_prepare.key_block)
+    layout = tile_prepared_layout(q, index, use_l2norm=use_l2norm, step=PAIR, fp32_gated_keys=fp32_gated_keys)
     if out is None:
-        out = empty_tile_prepared(q, index, use_l2norm=use_l2norm, step=PAIR)
+        out = empty_tile_prepared(q, index, use_l2norm=use_l2norm, step=PAIR, fp32_gated_keys=fp32_gated_keys)
     else:
         check_outs("pair_prepare out", out, layout, q.device)
-    heads_first = kernel_math.LAUNCH["heads_first"]
-    pair_prepare_kernel[chunk_grid(index.num_chunks, H, heads_first=heads_first)](
+    pair_prepare_kernel[chunk_grid(index.num_chunks, H)](
         q, k, g, beta, A_log, dt_bias, *out,
         index.cu_seqlens, index.chunk_table,
         scale, lower_bound * LOG2E,
-        H=H, HEADS_FIRST=heads_first, DOT=dot_precision(q.dtype), K=K, BT=TILE, BK=BK,
+        H=H, DOT=dot_precision(q.dtype), K=K, BT=TILE, BK=BK,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None, BETA_SIGMOID=beta_sigmoid,
-        **launch_options(LAUNCH),
+        **launch.tile_prepare.options(),
     )  # fmt: skip
     return out
 
@@ -254,12 +232,18 @@ def pair_forward(
     use_l2norm: bool,
     output_final_state: bool,
     beta_sigmoid: bool = False,
+    options: KDAOptions = DEFAULT_OPTIONS,
+    launch: LaunchConfig = DEFAULT_GEOMETRY,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward of the chunked KDA on pairs of 16-token tiles (no autograd): :func:`pair_prepare` then
     :func:`~openk3.ops.kda.triton.tile_forward.tile_recurrence` stepping 32 tokens. Arguments and result as
     in :func:`~openk3.ops.kda.triton.tile_forward.tile_forward`, except ``index``: steps of :data:`PAIR`
-    tokens (``chunk_index`` with ``size=PAIR``). The ``LAUNCH`` settings it reads are checked by its caller
-    (:func:`~openk3.ops.kda.triton.chunk_function.chunk_kda_triton`)."""
-    opts = dict(scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm, beta_sigmoid=beta_sigmoid)
-    pre = pair_prepare(q, k, g, beta, A_log, dt_bias, index, **opts)
-    return tile_recurrence(pre, v, initial_state, index, output_final_state=output_final_state)
+    tokens (``chunk_index`` with ``size=PAIR``)."""
+    pre = pair_prepare(
+        q, k, g, beta, A_log, dt_bias, index, scale=scale, lower_bound=lower_bound, use_l2norm=use_l2norm,
+        beta_sigmoid=beta_sigmoid, fp32_gated_keys=options.fp32_gated_keys, launch=launch,
+    )  # fmt: skip
+    return tile_recurrence(
+        pre, v, initial_state, index, output_final_state=output_final_state, launch=launch.tile_recurrence,
+        state_launch=launch.chunk_state,
+    )  # fmt: skip

@@ -3,7 +3,7 @@
 ``torch.compile`` cannot trace a Triton launch inside an ``autograd.Function`` whose arguments include Python
 objects (the chunk index), so the decoder layers broke their graphs at every KDA call. Here the training case
 (fixed-length rows, no initial or final state, the K3 gate and β's sigmoid in the kernels, the in-kernel L2
-norm, the default :data:`~openk3.ops.kda.triton.chunk_function.LAUNCH`) is two ops with tensor-only
+norm, the default options and launch geometry) is two ops with tensor-only
 signatures and fake (meta) implementations:
 
 * ``openk3::kda_chunk_fwd(q, k, v, g, β, A_log, dt_bias, scale, lower_bound) -> (o, Aqk, Akk, q_rstd,
@@ -29,25 +29,11 @@ from openk3.ops.kda.triton.dispatch import use_triton_chunk
 Tensor = torch.Tensor
 
 
-class _Saved:
+class _Context:
     """Stands in for an autograd context: receives ``save_for_backward`` and carries what backward reads."""
 
     def save_for_backward(self, *tensors) -> None:
         self.saved_tensors = tensors
-
-
-def _checks() -> None:
-    from openk3.ops.kda.triton import (
-        chunk_from_tiles,
-        chunk_function,
-        chunk_grad_intra,
-        chunk_grad_wy,
-        tile_forward,
-    )
-
-    tile_forward.check_launch()
-    for module in (chunk_function, chunk_from_tiles, chunk_grad_wy, chunk_grad_intra):
-        module.check_launch()
 
 
 def _opts(scale: float, lower_bound: float) -> dict:
@@ -62,18 +48,15 @@ def kda_chunk_fwd(
     from openk3.ops.kda.triton.chunk_function import ChunkKDAFunction
     from openk3.ops.kda.triton.tile_forward import TILE
 
-    _checks()
     B, T, H, _ = q.shape
     flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
-    ctx = _Saved()
+    ctx = _Context()
     o, _ = ChunkKDAFunction.forward(
         ctx, *flat, beta.reshape(B * T, H).contiguous(), A_log.contiguous(), dt_bias.contiguous(), None,
         fixed_length_index(B, T, q.device, CHUNK), fixed_length_index(B, T, q.device, TILE),
         scale, lower_bound, True, False, True,
     )  # fmt: skip
     kept = ctx.saved_tensors[8:]
-    if len(kept) != 4:
-        raise RuntimeError("kda_chunk_fwd needs LAUNCH keep_intermediates and keep_residuals off")
     return (o.view(B, T, H, -1), *(t if t._base is None else t.clone() for t in kept))
 
 
@@ -98,19 +81,19 @@ def kda_chunk_bwd(
     Akk: Tensor, q_rstd: Tensor, k_rstd: Tensor, do: Tensor, scale: float, lower_bound: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     from openk3.ops.kda.triton.chunk_function import ChunkKDAFunction
+    from openk3.ops.kda.triton.config import LaunchConfig
 
-    _checks()
     B, T, H, _ = q.shape
     flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
-    ctx = _Saved()
+    ctx = _Context()
     ctx.saved_tensors = (
         *flat, beta.reshape(B * T, H).contiguous(), A_log.contiguous(), dt_bias.contiguous(), None,
         Aqk, Akk, q_rstd, k_rstd,
     )  # fmt: skip
-    ctx.index, ctx.opts, ctx.keep = (
+    ctx.index, ctx.opts, ctx.launch = (
         fixed_length_index(B, T, q.device, CHUNK),
         _opts(scale, lower_bound),
-        False,
+        LaunchConfig(),
     )
     dq, dk, dv, dg, dbeta, dA_log, ddt = ChunkKDAFunction.backward(
         ctx, do.reshape(B * T, H, -1).contiguous(), None
@@ -142,21 +125,14 @@ kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 def use_train_op(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, cache, cu_seqlens) -> bool:
     """Whether a KDA layer call takes :func:`chunk_kda_train`: the Triton chunked path applies
     (:func:`~openk3.ops.kda.triton.dispatch.use_triton_chunk`), a gradient is needed, rows of equal length, no
-    cache, ``dt_bias`` given, K ≥ 32, and the default forward on tiles without kept intermediates."""
+    cache, ``dt_bias`` given, K ≥ 32."""
     from openk3.ops.kda.triton.dispatch import needs_grad
 
     if cache is not None or cu_seqlens is not None or dt_bias is None:
         return False
-    if not (
-        use_triton_chunk(
-            q, k, v, g, beta, A_log=A_log, lower_bound=lower_bound, chunk_size=64, dt_bias=dt_bias
-        )
-        and needs_grad(q, k, v, g, beta, A_log, dt_bias)
-    ):
-        return False
-    from openk3.ops.kda.triton.chunk_function import LAUNCH
-
-    return LAUNCH["forward_on_tiles"] and not LAUNCH["keep_intermediates"] and not LAUNCH["keep_residuals"]
+    return use_triton_chunk(
+        q, k, v, g, beta, A_log=A_log, lower_bound=lower_bound, chunk_size=64, dt_bias=dt_bias
+    ) and needs_grad(q, k, v, g, beta, A_log, dt_bias)
 
 
 def chunk_kda_train(

@@ -1,0 +1,279 @@
+"""Where a serving step spends its time: a ``torch.profiler`` profile of single engine steps, prefill and
+decode, with per-step host time, device kernel time, kernel launches, host syncs and device→host copies.
+
+Engine-level, random weights (seed 0), greedy. Each profiled step is one ``LLMEngine.step()`` (schedule →
+execute → update) between two device synchronisations:
+
+* **prefill**: one request of ``--prefill`` tokens (``--max-num-batched-tokens`` and
+  ``--long-prefill-token-threshold`` set the chunk sizes); every step until its first token is profiled.
+* **decode**: for each ``--streams`` ``n``, ``n`` requests of 32-token prompts are prefilled and run a few
+  decode steps unprofiled, then ``--steps`` decode steps (``n`` tokens each) are profiled.
+
+Per step: ``host_ms`` (wall time of the step), ``kernel_ms`` (sum of the device kernels' durations; 0 on a
+CPU), ``launches`` (kernel launches and CUDA-graph launches issued by the host), ``syncs`` (host waits on the
+device: ``cuda*Synchronize`` and ``aten::_local_scalar_dense``, i.e. ``.item()``/``.tolist()`` of a device
+tensor; not counted on a CPU, where the latter only reads memory — CPU ``grouped_mm`` calls it per expert),
+``d2h_copies`` (``Memcpy DtoH`` on the device), ``ops`` (``aten::`` calls). The report gives the
+median step of each setting and the operators with the most self time over all profiled decode steps.
+
+    python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 16384 --streams 1 64 \\
+        --out OUT_DIR        # GPU: 8192-token chunks (a first chunk, then one continuing a cached prefix)
+    python benchmarks/serve_profile.py --prefill 512 --streams 1 8 --out /tmp/p   # CPU, k3-tiny
+
+``--out`` is a folder; it receives ``serve_profile_<device>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from serve import DTYPES, device_tag, environment, sync
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import openk3
+from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+
+PROMPT = 32
+"""Prompt tokens of each decode stream."""
+WARM_DECODE_STEPS = 3
+"""Decode steps run unprofiled before the profiled ones (first-call costs: Triton compilation, caching)."""
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+)
+SYNC_CALLS = (
+    "cudaDeviceSynchronize",
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+    "aten::_local_scalar_dense",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="k3-tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="weights; default bfloat16 on CUDA, else float32")
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill profile")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch size")
+    p.add_argument("--block-size", type=int, help="default 512 on CUDA, else 16")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, help="default 8192 + the largest batch on CUDA, else 512"
+    )
+    p.add_argument("--long-prefill-token-threshold", type=int, help="default 8192 on CUDA, else 256")
+    p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
+    p.add_argument("--top", type=int, default=15, help="operators listed in the report")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
+    )
+    p.add_argument("--out", type=Path, help="a folder for serve_profile_<device>.md and .json")
+    args = p.parse_args(argv)
+    if args.prefill < 1 or args.steps < 1 or min(args.streams) < 1:
+        p.error("--prefill, --steps and every --streams value must be at least 1")
+    cuda = args.device.startswith("cuda")
+    args.block_size = args.block_size or (512 if cuda else 16)
+    args.long_prefill_token_threshold = args.long_prefill_token_threshold or (8192 if cuda else 256)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or (8192 + max(args.streams) if cuda else 512)
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.pool_mib = args.pool_mib or (8192.0 if cuda else 256.0)
+    return args
+
+
+def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
+    cache = CacheConfig(
+        block_size=args.block_size,
+        pool_mib=args.pool_mib,
+        checkpoint_interval=max(1, args.long_prefill_token_threshold // args.block_size),
+    )
+    sched = SchedulerConfig(
+        max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs),
+        max_num_seqs=num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_model_len=max_model_len,
+        max_waiting=num_seqs,
+    )
+    return LLMEngine(model, EngineConfig(cache, sched, static_decode=False if args.eager else None))
+
+
+def step_summary(prof, host_s: float, tokens: int, cuda: bool) -> dict:
+    """The numbers of one profiled step (see the module docstring); ``syncs`` is None on a CPU."""
+    kernel_us, launches, syncs, d2h, ops = 0.0, 0, 0, 0, 0
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            kernel_us += e.time_range.elapsed_us()
+            d2h += "Memcpy DtoH" in e.name
+        else:
+            launches += e.name in LAUNCH_CALLS
+            syncs += e.name in SYNC_CALLS
+            ops += e.name.startswith("aten::")
+    return {
+        "tokens": tokens,
+        "host_ms": host_s * 1e3,
+        "kernel_ms": kernel_us / 1e3,
+        "launches": launches,
+        "syncs": syncs if cuda else None,
+        "d2h_copies": d2h,
+        "ops": ops,
+    }
+
+
+def profiled_step(engine: LLMEngine, device: str, activities, keep: list) -> dict:
+    """One ``engine.step()`` under the profiler, between device synchronisations."""
+    scheduled_tokens = sum(len(r.all_token_ids) - r.num_computed_tokens for r in engine.scheduler.running)
+    sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        sync(device)
+        host_s = time.perf_counter() - t0
+    keep.append(prof)
+    return step_summary(prof, host_s, scheduled_tokens, device.startswith("cuda"))
+
+
+def profile_prefill(model, args, tokens, activities) -> list[dict]:
+    engine = make_engine(model, args, args.prefill + 2, 1)
+    request = Request("prefill", tokens(args.prefill), SamplingParams(max_tokens=1))
+    engine.add_request(request)
+    steps: list[dict] = []
+    while engine.has_unfinished_requests():
+        start = request.num_computed_tokens
+        steps.append(profiled_step(engine, args.device, activities, []))
+        steps[-1]["tokens"] = request.num_computed_tokens - start or args.prefill - start
+    return steps
+
+
+def profile_decode(model, args, tokens, n: int, activities, keep: list) -> list[dict]:
+    engine = make_engine(model, args, PROMPT + WARM_DECODE_STEPS + args.steps + 3, n)
+    max_tokens = WARM_DECODE_STEPS + args.steps + 2
+    reqs = [Request(f"s{i}", tokens(PROMPT), SamplingParams(max_tokens=max_tokens)) for i in range(n)]
+    for r in reqs:
+        engine.add_request(r)
+    while min(len(r.output_token_ids) for r in reqs) < WARM_DECODE_STEPS:
+        engine.step()
+    steps = [profiled_step(engine, args.device, activities, keep) for _ in range(args.steps)]
+    for s in steps:
+        s["tokens"] = n
+    return steps
+
+
+def median_step(steps: list[dict]) -> dict:
+    return {k: None if steps[0][k] is None else statistics.median(s[k] for s in steps) for k in steps[0]}
+
+
+def top_ops(profs: list, n: int, cuda: bool) -> list[dict]:
+    """Operators with the most self time (device time on CUDA, host time on a CPU) over ``profs``."""
+    totals: dict[str, dict] = {}
+    for prof in profs:
+        for a in prof.key_averages():
+            t = totals.setdefault(
+                a.key, {"name": a.key, "calls": 0, "self_cpu_ms": 0.0, "self_device_ms": 0.0}
+            )
+            t["calls"] += a.count
+            t["self_cpu_ms"] += a.self_cpu_time_total / 1e3
+            t["self_device_ms"] += getattr(a, "self_device_time_total", 0.0) / 1e3
+    key = "self_device_ms" if cuda else "self_cpu_ms"
+    return sorted(totals.values(), key=lambda t: -t[key])[:n]
+
+
+def markdown(report: dict) -> str:
+    a, env = report["args"], report["env"]
+    machine = f"GPU: {env['gpu']}, CUDA {env['cuda']}" if "gpu" in env else f"CPU: {env['cpu']}"
+    head = "| step | tokens | host ms | kernel ms | launches | syncs | D→H copies | aten ops |"
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
+
+    def row(name: str, s: dict) -> str:
+        syncs = "—" if s["syncs"] is None else f"{s['syncs']:.0f}"
+        return (
+            f"| {name} | {s['tokens']:.0f} | {s['host_ms']:.2f} | {s['kernel_ms']:.2f} | {s['launches']:.0f} "
+            f"| {syncs} | {s['d2h_copies']:.0f} | {s['ops']:.0f} |"
+        )
+
+    lines = [
+        f"# Serving step profile ({a['preset']}, {a['device']}, {a['dtype']})",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"{machine}; torch {env['torch']}, triton {env['triton'] or 'not installed'}, Python {env['python']}. "
+        f"block_size {a['block_size']}, prefill chunks ≤ {a['long_prefill_token_threshold']} tokens, step "
+        f"budget {a['max_num_batched_tokens']} tokens. Wall time of the run: {report['wall_s']:.0f} s.",
+        "",
+        f"## Prefill of {a['prefill']} tokens, every step",
+        "",
+        head,
+        rule,
+        *(row(str(i), s) for i, s in enumerate(report["prefill"])),
+        "",
+        f"## Decode, median of {a['steps']} steps per batch size ({PROMPT}-token prompts)",
+        "",
+        head.replace("| step |", "| streams |"),
+        rule,
+        *(row(str(d["streams"]), d["median"]) for d in report["decode"]),
+        "",
+        f"## Operators with the most self {'device' if 'gpu' in env else 'host'} time, all profiled decode steps",
+        "",
+        "| operator | calls | self host ms | self device ms |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| `{t['name']}` | {t['calls']} | {t['self_cpu_ms']:.2f} | {t['self_device_ms']:.2f} |"
+            for t in report["top_ops"]
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = environment(args)
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    config = openk3.get_preset(args.preset)
+    model = openk3.build_model(config, device=args.device, dtype=DTYPES[args.dtype], seed=0).eval()
+    vocab = openk3.config.text_config_of(config).vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+    profile_prefill(model, args, tokens, activities)  # warm-up: compile and cache every prefill shape
+    prefill = profile_prefill(model, args, tokens, activities)
+    decode, profs = [], []
+    for n in args.streams:
+        steps = profile_decode(model, args, tokens, n, activities, profs)
+        decode.append({"streams": n, "steps": steps, "median": median_step(steps)})
+        print(f"decode {n} streams: {decode[-1]['median']}", file=sys.stderr, flush=True)
+    report = {
+        "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/serve_profile.py", *argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "env": env,
+        "prefill": prefill,
+        "decode": decode,
+        "top_ops": top_ops(profs, args.top, cuda),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    text = markdown(report)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"serve_profile_{device_tag(env)}"
+        (args.out / f"{name}.md").write_text(text)
+        (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The decode step at static shapes, captured in CUDA graphs (as gpt-fast and vLLM do,
+``docs/references.md#serving-at-the-speed-of-the-gpu``): a batch of decodes (or
+of short chunks of ``T ≤ 16`` tokens each: a prefix hit's suffix) runs as one graph
+replay, greedy tokens chosen on the device and read back once per step.
+
+A step of ``n`` requests with ``T`` tokens each is padded to a **bucket** ``B`` (a power of two ≥ ``n``) and
+its cached lengths to ``N`` blocks (a power of two covering the longest request); each ``(B, T, N)`` gets its
+own :class:`StaticDecode`: fixed input buffers (token ids, cached lengths, block tables, a valid flag), and
+one forward of the model on paged caches built from them inside the step, with no host data and no host
+sync:
+
+* KDA: the states of the ``B`` slots are checked out into the storage's workspace
+  (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_states`), whose address is fixed for a given ``B``
+  (the workspace is sized for the largest bucket once, and a graph is captured again should it move); padding
+  rows use a scratch state slot outside the block pool;
+* MLA: the cached latents are gathered from the block tables on the device
+  (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_latents_padded`, ``N·bs`` tokens, a key mask), the
+  new latent of position ``p`` written at ``table[p // bs]``, offset ``p % bs``; a padding row writes back
+  the value it read at null block 0, so block 0 stays zero;
+* the last position's logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer, copied to pinned host memory
+  without blocking; the host waits once, when it reads the tokens.
+
+On CUDA the step is captured once per ``(B, T, N)`` (after two warm-up runs on a side stream, all rows padding,
+so no request's state or latent changes) and replayed; elsewhere :meth:`StaticDecode.forward`, the same
+code, runs eagerly: the twin the CPU tests compare with the model and the engine's other path.
+
+Legend: ``n`` requests, ``B`` bucket rows, ``T`` new tokens per row, ``N`` blocks per row, ``S = N·bs`` cached tokens, ``V`` vocabulary,
+``L`` MLA layers, ``W = C + r`` latent width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.model.cache import KDAStateSlots, KimiCache, PagedLatents
+from openk3.model.mla import ABSORB_MAX_TOKENS
+from openk3.serve.cache_storage import CacheStorage, StateBatch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Decode batch sizes with a graph of their own; a batch runs in the smallest bucket that holds it."""
+
+
+def bucket_of(n: int) -> int:
+    """The smallest power of two ≥ ``n`` (``n ≥ 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
+class StaticDecode:
+    """One step for ``B`` rows of ``T`` new tokens over ``N`` blocks each, on fixed buffers (see the module
+    docstring)."""
+
+    def __init__(
+        self, lm: nn.Module, storage: CacheStorage, B: int, T: int, N: int, sample_vocab_size: int | None
+    ) -> None:
+        self.lm, self.storage, self.B, self.T, self.N = lm, storage, B, T, N
+        self.sample_vocab_size = sample_vocab_size
+        self.kinds = lm.config.layer_types
+        dev = storage.pages.device
+        self.inputs = torch.zeros(B * (T + 2 + N), dtype=torch.int64, device=dev)
+        """Packed int64 inputs: ids ``[B, T]``, cached lengths ``[B]``, valid ``[B]`` (0/1), tables ``[B, N]``."""
+        self.ids_BT = self.inputs[: B * T].view(B, T)
+        self.lengths_B = self.inputs[B * T : B * (T + 1)]
+        self.valid_B = self.inputs[B * (T + 1) : B * (T + 2)]
+        self.table_BN = self.inputs[B * (T + 2) :].view(B, N)
+        self.next_B = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.state_ptr: int | None = None
+        """Address of the KDA states the graph was captured on (0 without KDA layers)."""
+
+    @torch.no_grad()
+    def forward(self, states: StateBatch | None) -> None:
+        """The step: reads the input buffers and ``states`` (updated in place), writes the new latents to
+        the pool and the greedy tokens to :attr:`next_B`."""
+        st = self.storage
+        lo = st.layout
+        if states is not None:
+            kda = iter(KDAStateSlots(r, c) for r, c in zip(states.recurrent, states.conv))
+        if lo.num_mla_layers:
+            past_LBSW, mask_BS = st.gather_latents_padded(
+                self.table_BN, self.lengths_B, self.N * lo.block_size
+            )
+            mla = [PagedLatents(past, mask_BS) for past in past_LBSW]
+            mla_iter = iter(mla)
+        caches = [next(kda) if kind == "kda" else next(mla_iter) for kind in self.kinds]
+        h_BTD = self.lm.model(self.ids_BT, KimiCache(caches), check_inputs=False, two_phase_attn_res=True)
+        logits_BV = self.lm.lm_head(h_BTD[:, -1])
+        if self.sample_vocab_size is not None:
+            logits_BV = logits_BV[:, : self.sample_vocab_size]
+        self.next_B.copy_(logits_BV.argmax(-1))
+        if lo.num_mla_layers:
+            bs = lo.block_size
+            view = st.pages.view(-1, lo.num_mla_layers, bs, lo.latent_width)
+            valid_B1 = self.valid_B.bool()[:, None]
+            pos_BT = self.lengths_B[:, None] + torch.arange(self.T, device=self.lengths_B.device)
+            page_BT = torch.where(valid_B1, self.table_BN.gather(1, pos_BT // bs), 0)
+            off_BT = torch.where(valid_B1, pos_BT % bs, 0)
+            new_BTLW = torch.stack([c.new for c in mla], 2).to(lo.dtype)
+            old_BTLW = view[page_BT, :, off_BT]
+            view[page_BT, :, off_BT] = torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW)
+
+    def capture(self, states: StateBatch | None) -> None:
+        """Capture :meth:`forward` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
+        states), after two warm-up runs on a side stream (Triton compilation, lazy initialisation)."""
+        self.inputs.zero_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(states)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # a private memory pool: graphs never share temporaries
+            self.forward(states)
+        self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
+
+
+class DecodeGraphs:
+    """Runs batches of short chunks (``T ≤ 16`` tokens each: decodes, a prefix hit's suffix), greedy where
+    they sample, through :class:`StaticDecode` steps, one per ``(B, T, N)``, captured in CUDA graphs when
+    ``capture`` (CUDA only), else eager.
+
+    ``scratch_slot``: state pages outside the block pool for padding rows (``()`` without KDA layers).
+    ``max_batch``: the most decodes of one step (the scheduler's ``max_num_seqs``)."""
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        storage: CacheStorage,
+        scratch_slot: tuple[int, ...],
+        max_batch: int,
+        sample_vocab_size: int | None,
+        capture: bool,
+    ) -> None:
+        if capture and storage.pages.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {storage.pages.device}")
+        if max_batch > BATCH_BUCKETS[-1]:
+            raise ValueError(f"max_batch={max_batch} exceeds the largest decode bucket {BATCH_BUCKETS[-1]}")
+        self.lm, self.storage, self.scratch_slot = lm, storage, scratch_slot
+        self.sample_vocab_size, self.capture = sample_vocab_size, capture
+        self.has_kda = "kda" in lm.config.layer_types
+        self.max_bucket = bucket_of(max_batch)
+        self.steps: dict[tuple[int, int, int], StaticDecode] = {}
+        self.pinned = storage.pages.device.type == "cuda"
+        self.host_B = torch.zeros(self.max_bucket, dtype=torch.int64, pin_memory=self.pinned)
+        self.host_inputs = torch.zeros(
+            self.max_bucket * 4, dtype=torch.int64, pin_memory=self.pinned
+        )  # grows
+        if self.has_kda:  # size the workspace for the largest bucket now, so its address never changes
+            storage.gather_states([scratch_slot] * self.max_bucket)
+            storage.flush_states()
+
+    def supports(self, chunks) -> bool:
+        """Whether a step's chunks (of one length) can run here: at most ``ABSORB_MAX_TOKENS`` tokens each,
+        greedy without logprobs where they sample."""
+        return len(chunks) <= self.max_bucket and all(
+            c.num_tokens <= ABSORB_MAX_TOKENS
+            and not (
+                c.samples
+                and (
+                    c.request.sampling_params.temperature != 0
+                    or c.request.sampling_params.logprobs is not None
+                )
+            )
+            for c in chunks
+        )
+
+    def run(self, chunks) -> list[int]:
+        """Run the chunks (``ScheduledChunk``s of ``T`` tokens each); returns the greedy token after each."""
+        n, T, bs = len(chunks), chunks[0].num_tokens, self.storage.layout.block_size
+        B = bucket_of(n)
+        N = bucket_of(max((c.start + T - 1) // bs + 1 for c in chunks))
+        step = self.steps.get((B, T, N))
+        if step is None:
+            step = self.steps[(B, T, N)] = StaticDecode(
+                self.lm, self.storage, B, T, N, self.sample_vocab_size
+            )
+        pad = B - n
+        slots = [c.state_slot for c in chunks] + [self.scratch_slot] * pad
+        states = self.storage.gather_states(slots) if self.has_kda else None
+        moved = states is not None and states.recurrent.data_ptr() != step.state_ptr
+        if self.capture and (step.graph is None or moved):
+            scratch = self.storage.gather_states([self.scratch_slot] * B) if self.has_kda else None
+            step.capture(scratch)
+            states = self.storage.gather_states(slots) if self.has_kda else None
+        values = (
+            [t for c in chunks for t in c.token_ids] + [0] * (pad * T)
+            + [c.start for c in chunks] + [0] * pad
+            + [1] * n + [0] * pad
+            + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)
+        )  # fmt: skip
+        if self.host_inputs.numel() < len(values):
+            self.host_inputs = torch.zeros(len(values), dtype=torch.int64, pin_memory=self.pinned)
+        host = self.host_inputs[: len(values)]
+        host.copy_(torch.tensor(values, dtype=torch.int64))
+        step.inputs.copy_(host, non_blocking=True)
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.forward(states)
+        if not step.next_B.is_cuda:
+            return step.next_B[:n].tolist()
+        out = self.host_B[:B]
+        out.copy_(step.next_B, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the step's one host wait: the tokens are needed now
+        return out[:n].tolist()

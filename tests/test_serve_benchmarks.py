@@ -1,0 +1,86 @@
+"""The serving benchmarks on the CPU: ``benchmarks/serve_profile.py``'s argument checks, and that a profiled
+decode step is one engine step that gives every stream exactly one token; ``benchmarks/serve.py``'s limits
+against the numbers of the issue that set the targets (k3-small: 70,082,496 active parameters, ~140 MB read
+per token in bf16)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import openk3
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def serve_profile(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("serve_profile")
+
+
+@pytest.fixture
+def serve_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("serve")
+
+
+def test_serve_limits_of_k3_small(serve_bench):
+    args = serve_bench.parse_args(["--device", "cuda", "--preset", "k3-small", "--prefix", "32768"])
+    assert args.dtype == "bfloat16" and args.long_prefill_token_threshold == 8192
+    assert serve_bench.checkpoint_interval(args) == 8192 // 16  # checkpoints never cut a chunk
+    text = openk3.config.text_config_of(openk3.get_preset("k3-small"))
+    lim = serve_bench.limits(text, args)
+    assert lim["weight_bytes_1"] == 2 * 70_082_496  # every active weight once, in bf16
+    # 12 KDA layers × (8 heads × 64 × 64 state + 3 × 512 × 3 conv inputs) in fp32
+    assert lim["state_bytes"] == 12 * (8 * 64 * 64 + 3 * 512 * 3) * 4
+    per_token = 140.16e6 / 4.3e12  # seconds for the weights; the states and latents add a little
+    assert 0.9 / per_token < lim["decode_tok_s"][1] < 1 / per_token
+    assert lim["decode_tok_s"][64] > 10 * lim["decode_tok_s"][1]  # 64 streams share the weights
+
+
+def test_serve_refuses_bad_arguments(serve_bench, capsys):
+    with pytest.raises(SystemExit) as stop:
+        serve_bench.parse_args(["--prefix", "0"])
+    assert stop.value.code == 2 and "--prefix must be at least 1" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_refused(serve_profile, capsys):
+    with pytest.raises(SystemExit) as stop:
+        serve_profile.parse_args(["--streams", "0"])
+    assert stop.value.code == 2 and "every --streams value must be at least 1" in capsys.readouterr().err
+
+
+def test_profiled_decode_steps(serve_profile):
+    args = serve_profile.parse_args(["--steps", "2", "--pool-mib", "16"])
+    model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=512), seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(1, 512, (n,), generator=gen).tolist()
+
+    calls = []
+    real_step = openk3.serve.LLMEngine.step
+
+    def counting_step(self, *a, **kw):
+        out = real_step(self, *a, **kw)
+        calls.append(sorted(len(r.output_token_ids) for r in self.scheduler.running))
+        return out
+
+    keep: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(openk3.serve.LLMEngine, "step", counting_step)
+        steps = serve_profile.profile_decode(
+            model, args, tokens, 3, [torch.profiler.ProfilerActivity.CPU], keep
+        )
+    assert len(steps) == len(keep) == 2
+    # the last two engine steps were the profiled ones: each added one token to each of the 3 streams
+    assert [c[0] - calls[-3][0] for c in calls[-2:]] == [1, 2] and all(len(set(c)) == 1 for c in calls[-3:])
+    for s in steps:
+        assert s["tokens"] == 3 and s["host_ms"] > 0 and s["ops"] > 0
+        assert s["kernel_ms"] == 0 and s["launches"] == 0 and s["syncs"] is None  # no device on a CPU
+    assert serve_profile.median_step(steps)["tokens"] == 3

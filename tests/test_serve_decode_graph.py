@@ -1,0 +1,188 @@
+"""The static decode step (``serve/decode_graph.py``): its eager twin on the CPU against the model's own
+greedy generation and the engine's paged path (decodes, a prefix hit's suffix of several tokens), padding
+that leaves null block 0 untouched, no host reads inside the step; on a GPU, the
+CUDA-graph replay against the eager twin and the reference, and a load test that ends with an empty pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import openk3
+from openk3.generate import greedy
+from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of
+
+VOCAB = 512
+pytestmark = pytest.mark.usefixtures("one_thread")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def build(device="cpu", dtype=torch.float32):
+    return openk3.build_model(
+        openk3.presets.k3_shaped(4, vocab_size=VOCAB), device=device, dtype=dtype, seed=0
+    ).eval()
+
+
+def engine(model, static, num_blocks=400, max_num_seqs=16, caching=True) -> LLMEngine:
+    return LLMEngine(
+        model,
+        EngineConfig(
+            CacheConfig(
+                block_size=8, num_blocks=num_blocks, checkpoint_interval=2, enable_prefix_caching=caching
+            ),
+            SchedulerConfig(
+                max_num_batched_tokens=96, max_num_seqs=max_num_seqs, long_prefill_token_threshold=32
+            ),
+            static_decode=static,
+        ),
+    )
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(eng, ps, n, tag="r"):
+    reqs = [Request(f"{tag}{i}", p, SamplingParams(max_tokens=n)) for i, p in enumerate(ps)]
+    out = eng.generate(reqs)
+    return [out[r.request_id] for r in reqs], reqs
+
+
+def reference(model, prompt, n):
+    device = next(model.parameters()).device
+    return greedy(model, torch.tensor([prompt], device=device), n)[0].tolist()
+
+
+def test_bucket_of():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 63, 64, 65)] == [1, 2, 4, 4, 8, 64, 64, 128]
+
+
+def test_static_decode_equals_reference_and_leaves_null_block_zero():
+    """Three streams (bucket 4: one padding row) whose cached lengths cross block boundaries (N = 1 … 4)."""
+    model = build()
+    eng = engine(model, static=True)
+    assert isinstance(eng.runner.decode_graphs, DecodeGraphs) and not eng.runner.decode_graphs.capture
+    calls = []
+    real_run = eng.runner.decode_graphs.run
+    eng.runner.decode_graphs.run = lambda chunks: calls.append(len(chunks)) or real_run(chunks)
+    ps = prompts([3, 9, 17])
+    outs, _ = run(eng, ps, 20)
+    assert 3 in calls  # the three streams decoded as one padded batch
+    keys = eng.runner.decode_graphs.steps
+    assert 4 in {b for b, _, _ in keys} and len({n for *_, n in keys}) >= 2  # padding rows, growing tables
+    for p, out in zip(ps, outs):
+        assert out == reference(model, p, 20)
+    assert torch.count_nonzero(eng.storage.pages[0]) == 0  # padding rows wrote nothing to the null block
+    eng.pool.check_invariants()
+    assert eng.pool.usage == 0.0
+
+
+def test_static_decode_prefix_hit_equals_cold():
+    model = build()
+    shared = prompts([48], seed=1)[0]
+    a, b = shared + prompts([5], seed=2)[0], shared + prompts([7], seed=3)[0]
+    eng = engine(model, static=True)
+    run(eng, [a], 6, "a")
+    (hot,), (req,) = run(eng, [b], 6, "b")
+    assert req.num_cached_tokens == 48
+    assert (1, 7, 8) in eng.runner.decode_graphs.steps  # the 7-token suffix after 48 cached, one static step
+    (cold,), _ = run(engine(model, static=False, caching=False), [b], 6, "c")
+    assert hot == cold == reference(model, b, 6)
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host (a device sync on a GPU, fatal in a capture)."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_static_step_reads_nothing_on_the_host(monkeypatch):
+    """What a CUDA graph captures must not read device values on the host; the eager twin is the same code.
+    (The model's own prefill forward reads some on the CPU, which shows the check sees them.)"""
+    model = build()
+    with HostReads() as reads, torch.no_grad():
+        model(torch.tensor([prompts([5])[0]]))
+    assert reads.ops  # input checks and the CPU chunk path read values
+    seen: list[list[str]] = []
+    real_forward = StaticDecode.forward
+
+    def watched(self, states):
+        with HostReads() as reads:
+            real_forward(self, states)
+        seen.append(reads.ops)
+
+    monkeypatch.setattr(StaticDecode, "forward", watched)
+    run(engine(model, static=True), prompts([4, 11]), 6)
+    assert len(seen) >= 5 and all(ops == [] for ops in seen)
+
+
+def test_sampling_and_logprobs_take_the_paged_path():
+    model = build()
+    eng = engine(model, static=True)
+    graphs = eng.runner.decode_graphs
+    seeded = Request("s", prompts([5])[0], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    logp = Request("l", prompts([6])[0], SamplingParams(max_tokens=4, logprobs=2))
+    eng.generate([seeded, logp])
+    assert graphs.steps == {}  # no static step was built
+    assert len(seeded.output_token_ids) == 4
+    assert logp.output_token_ids == reference(model, logp.prompt_token_ids, 4)
+
+
+@cuda
+@pytest.mark.gpu
+def test_graphs_equal_eager_twin_and_reference_on_gpu(monkeypatch):
+    """fp32 on the GPU (TF32 off): graph replay == the eager twin == the model's own greedy generation."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = build("cuda")
+    ps = prompts([3, 9, 17, 30, 1, 12])
+    graphed = engine(model, static=None)
+    assert graphed.runner.decode_graphs.capture
+    outs, _ = run(graphed, ps, 20)
+    twin = engine(model, static=True)
+    twin.runner.decode_graphs.capture = False
+    eager, _ = run(twin, ps, 20)
+    assert outs == eager
+    for p, out in zip(ps, outs):
+        assert out == reference(model, p, 20)
+    assert any(s.graph is not None for s in graphed.runner.decode_graphs.steps.values())
+    assert torch.count_nonzero(graphed.storage.pages[0]) == 0
+
+
+@cuda
+@pytest.mark.gpu
+def test_graph_engine_load_on_gpu():
+    """240 requests of random lengths, at most 32 running at once, bf16 with graphs: every request ends with
+    its max_tokens, and the pool ends empty."""
+    model = build("cuda", torch.bfloat16)
+    eng = engine(model, static=None, num_blocks=2000, max_num_seqs=32)
+    rng = random.Random(0)
+    reqs = [
+        Request(
+            f"q{i}", prompts([rng.randint(1, 60)], seed=i)[0], SamplingParams(max_tokens=rng.randint(1, 24))
+        )
+        for i in range(240)
+    ]
+    pending = list(reqs)
+    while pending or eng.has_unfinished_requests():
+        while pending and len(eng.scheduler.running) + len(eng.scheduler.waiting) < 32:
+            eng.add_request(pending.pop())
+        for out in eng.step():
+            assert out.error is None
+    for r in reqs:
+        assert len(r.output_token_ids) == r.sampling_params.max_tokens
+    eng.pool.check_invariants()
+    assert eng.pool.usage == 0.0

@@ -1,0 +1,255 @@
+"""The router's parts without processes: consistent hashing (a new worker takes only its share), the
+routing decision (session, prefix, primary/secondary, fallback), prompt blocks, the config's errors, and
+the router app against fake workers (all down: 503 + Retry-After; a worker answering garbage is taken out
+and the request served by another; streams passed through byte for byte). The fleet of real
+``openk3 serve`` processes is ``tests/test_serve_fleet.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from openk3.serve.router import HashRing, RouterConfig, RoutingPolicy
+from openk3.serve.router.app import Router, build_router_app
+from openk3.serve.router.prefix_index import prompt_blocks
+from openk3.serve.server import BackgroundServer
+
+W = ("http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003")
+
+
+def test_a_new_worker_takes_only_its_share_and_a_removed_one_gives_only_its_own():
+    keys = [f"session-{i}".encode() for i in range(4000)]
+    three, four = HashRing(W), HashRing(W + ("http://127.0.0.1:9004",))
+    before = {k: three.preference(k)[0] for k in keys}
+    after = {k: four.preference(k)[0] for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "http://127.0.0.1:9004" for k in moved)
+    assert 0.17 < len(moved) / len(keys) < 0.33  # 1/4 expected, 64 points per worker
+    assert HashRing(reversed(W)).preference(keys[0]) == three.preference(keys[0])  # the set decides
+    two = HashRing(W)
+    two.remove(W[0])
+    for k in keys:
+        owner = two.preference(k)[0]
+        assert owner == (three.preference(k)[1] if before[k] == W[0] else before[k])
+
+
+def policy(**kw) -> RoutingPolicy:
+    p = RoutingPolicy(RouterConfig(workers=W, **kw))
+    for w in p.workers.values():
+        w.healthy = True
+    return p
+
+
+def test_routing_decisions():
+    p = policy(max_inflight=2, cache_threshold=0.5, chunk_tokens=4)
+    blocks = prompt_blocks({"prompt": list(range(40))}, p.config)  # 10 blocks of 4 ids
+    d = p.choose(None, blocks)
+    assert d.route == "primary" and d.worker.url == p.ring.preference(b"".join(blocks[:4]))[0]
+    p.record_success(d, "s1")
+    holder = d.worker
+    longer = prompt_blocks({"prompt": list(range(60))}, p.config)  # 10 of its 15 blocks held: 0.67
+    d2 = p.choose(None, longer)
+    assert (d2.route, d2.worker, d2.matched_blocks) == ("prefix", holder, 10)
+    other = prompt_blocks({"prompt": list(range(100, 160))}, p.config)
+    assert p.choose("s1", other).route == "session" and p.choose("s1", other).worker is holder
+    holder.inflight = 2  # saturated: the session and the prefix spill along the ring
+    d3 = p.choose("s1", other)
+    assert d3.route in ("primary", "secondary") and d3.worker is not holder
+    assert p.choose(None, longer).worker is not holder
+    for w in p.workers.values():
+        w.inflight = 2
+    p.workers[W[1]].inflight = 3
+    d4 = p.choose(None, longer)
+    assert d4.route == "fallback" and d4.worker.inflight == 2
+    assert p.choose(None, longer, exclude=set(W)) is None
+    for w in p.workers.values():
+        w.healthy = False
+    assert p.choose("s1", longer) is None
+
+
+def test_secondary_is_the_same_for_every_request_of_a_key():
+    p = policy()
+    first, second = p.ring.preference(b"session\x00abc")[:2]
+    p.workers[first].healthy = False
+    for _ in range(3):
+        d = p.choose("abc", [])
+        assert (d.route, d.worker.url) == ("secondary", second)
+
+
+def test_prompt_blocks_share_prefixes():
+    c = RouterConfig(workers=W, chunk_chars=8, chunk_tokens=4)
+    a = prompt_blocks({"prompt": "x" * 20}, c)
+    b = prompt_blocks({"prompt": "x" * 20 + "y" * 7}, c)
+    assert len(a) == 2 and b[:2] == a and len(b) == 3
+    assert prompt_blocks({"prompt": ["x" * 16, "z"]}, c) == a
+    chat = [{"role": "system", "content": "be brief " * 3}, {"role": "user", "content": "hello there"}]
+    more = chat + [{"role": "assistant", "content": [{"type": "text", "text": "hi"}]}]
+    one, two = prompt_blocks({"messages": chat}, c), prompt_blocks({"messages": more}, c)
+    assert one and two[: len(one)] == one
+    assert prompt_blocks({"prompt": [1, 2, 3, 4, 5]}, c) != prompt_blocks({"prompt": [1, 2, 3, 5]}, c)
+    assert prompt_blocks({"prompt": [True, 2, 3, 4]}, c) == [] and prompt_blocks({"prompt": 3}, c) == []
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"workers": ()}, "workers is empty"),
+        ({"workers": "http://a:1"}, "not one string"),
+        ({"workers": ("http://a:1", "http://a:1/")}, "twice"),
+        ({"workers": ("ftp://a:1",)}, "http://host:port"),
+        ({"workers": ("http://a",)}, "explicit port"),
+        ({"workers": ("http://a:1/v1",)}, "server root"),
+        ({"workers": W, "cache_threshold": 1.5}, "cache_threshold"),
+        ({"workers": W, "max_inflight": 0}, "max_inflight"),
+        ({"workers": W, "health_interval_s": float("nan")}, "health_interval_s"),
+    ],
+)
+def test_config_errors_name_the_field(kw, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**kw)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_all_workers_down_is_503_with_retry_after():
+    config = RouterConfig(workers=(f"http://127.0.0.1:{closed_port()}",), health_interval_s=2.5)
+    with BackgroundServer(build_router_app(config)) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["code"] == "no_worker_available"
+        assert httpx.get(srv.base_url + "/health").status_code == 503
+        assert "openk3:router_unavailable_total 1.0" in httpx.get(srv.base_url + "/metrics").text
+        bad = httpx.post(srv.base_url + "/v1/completions", content=b"{nope", timeout=10)
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+
+
+COMPLETION = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+    "usage": {
+        "prompt_tokens": 10,
+        "completion_tokens": 1,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    },
+}
+STREAM = (
+    b'data: {"object": "text_completion", "choices": [{"index": 0, "text": "o"}]}\n\n'
+    b'data: {"object": "text_completion", "choices": [], "usage": {"prompt_tokens": 10, '
+    b'"completion_tokens": 1, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 8}}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def fake_transport(garbage: set[str]):
+    """Workers on 127.0.0.1:9001..9003; those in ``garbage`` answer 200 with nonsense to completions."""
+
+    async def chunks(data: bytes):
+        for i in range(0, len(data), 50):  # a stream arrives in pieces that cut events
+            yield data[i : i + 50]
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        root = f"http://{request.url.host}:{request.url.port}"
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if root in garbage:
+            return httpx.Response(200, content=chunks(b"<html>surprise</html>\n\n"))
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, content=chunks(STREAM), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=COMPLETION)
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_worker_answering_garbage_is_taken_out_and_the_request_served_elsewhere(stream):
+    config = RouterConfig(workers=W, quarantine_s=60)
+    body = {"model": "m", "prompt": "hello", "user": "sess", "stream": stream}
+    bad = RoutingPolicy(config).ring.preference(b"session\x00sess")[0]
+    with BackgroundServer(build_router_app(config, fake_transport({bad}))) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200 and r.headers["x-openk3-worker"] != bad
+        if stream:
+            assert r.content == STREAM and r.headers["content-type"].startswith("text/event-stream")
+        else:
+            assert r.json() == COMPLETION
+        workers = {w["url"]: w for w in httpx.get(srv.base_url + "/workers").json()["workers"]}
+        assert not workers[bad]["up"] and workers[bad]["quarantined_s"] > 50
+        assert sum(w["up"] for w in workers.values()) == 2
+        metrics = httpx.get(srv.base_url + "/metrics").text
+        assert f'openk3:router_retries_total{{reason="garbage",worker="{bad}"}} 1.0' in metrics
+        good = r.headers["x-openk3-worker"]
+        assert f'openk3:router_cached_tokens_total{{worker="{good}"}} 8.0' in metrics
+        assert f'openk3:router_prefix_cache_hit_rate{{worker="{good}"}} 0.8' in metrics
+
+
+def test_workers_can_be_added_and_removed_at_run_time():
+    config = RouterConfig(workers=W[:1])
+    with BackgroundServer(build_router_app(config, fake_transport(set()))) as srv:
+        r = httpx.post(srv.base_url + "/workers", json={"url": W[1] + "/"})
+        assert [w["url"] for w in r.json()["workers"]] == list(W[:2]) and r.json()["workers"][1]["up"]
+        assert httpx.post(srv.base_url + "/workers", json={"url": "nope"}).status_code == 400
+        assert httpx.request("DELETE", srv.base_url + "/workers", json={"url": W[2]}).status_code == 404
+        r = httpx.request("DELETE", srv.base_url + "/workers", json={"url": W[0]})
+        assert [w["url"] for w in r.json()["workers"]] == [W[1]]
+
+
+def test_a_client_leaving_before_the_first_event_cancels_the_worker_request():
+    closed = []
+
+    async def slow_stream():
+        try:
+            await asyncio.sleep(30)  # a long prefill
+            yield STREAM
+        finally:
+            closed.append(True)
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(200, content=slow_stream(), headers={"content-type": "text/event-stream"})
+
+    config = RouterConfig(workers=W[:1])
+    with BackgroundServer(build_router_app(config, httpx.MockTransport(handle))) as srv:
+        body = json.dumps({"model": "m", "prompt": "hi", "stream": True})
+        host, port = srv.base_url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        time.sleep(0.3)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 5
+        while not closed:
+            assert time.monotonic() < deadline, "the worker stream was not closed"
+            time.sleep(0.05)
+        assert "openk3:router_client_disconnects_total 1.0" in httpx.get(srv.base_url + "/metrics").text
+        assert httpx.get(srv.base_url + "/workers").json()["workers"][0]["in_flight"] == 0
+
+
+def test_one_failed_health_probe_does_not_take_a_worker_out():
+    statuses = iter([200, 500, 200, 500, 500, 200])
+
+    async def probes() -> list[bool]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(next(statuses), json={"status": "ok"}))
+        router = Router(RouterConfig(workers=W[:1], health_failures=2), transport)
+        router.client = httpx.AsyncClient(transport=transport)
+        worker = router.policy.workers[W[0]]
+        ups = []
+        for _ in range(6):
+            await router.probe(worker)
+            ups.append(worker.healthy)
+        await router.client.aclose()
+        return ups
+
+    assert asyncio.run(probes()) == [True, True, True, True, False, True]
