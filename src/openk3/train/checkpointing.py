@@ -30,6 +30,7 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from openk3.model.attn_res import attn_res_mix
 from openk3.train.memory import MODES
 
 
@@ -107,9 +108,9 @@ def wrap_decoder_layers(model: torch.nn.Module, checkpointing: str = "none", com
 def _dispatcher(attn_res: bool, plain, step):
     if attn_res:
 
-        def forward_attn_res(blocks, partial_BTD, cache=None, cu_seqlens=None):
-            if cache is not None or not torch.is_grad_enabled():
-                return plain(blocks, partial_BTD, cache, cu_seqlens)
+        def forward_attn_res(blocks, partial_BTD, cache=None, cu_seqlens=None, mix=attn_res_mix):
+            if cache is not None or not torch.is_grad_enabled() or mix is not attn_res_mix:
+                return plain(blocks, partial_BTD, cache, cu_seqlens, mix)
             return step(partial_BTD, *blocks, cu_seqlens=cu_seqlens)  # the caller appends a block it opens
 
         return forward_attn_res
