@@ -8,8 +8,21 @@ Select with ``-m``, e.g. ``python -m pytest -m "interpreter and not slow"``.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import os
+
 import pytest
 import torch
+
+if (
+    not torch.cuda.is_available()
+    and importlib.util.find_spec("triton") is not None
+    and tuple(int(x) for x in importlib.metadata.version("triton").split(".")[:2]) >= (3, 9)
+):
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is first imported; any
+    # test module may import the model, which imports the kernels, so set it before every test module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -250,10 +250,11 @@ def test_pack_experts_writes_a_config_compressed_tensors_reads(tmp_path):
 def test_checkpoint_size_of_kimi_k3():
     """Bytes from the published counts: 92 MoE layers × 896 experts × 3·3072·3584 routed numbers in MXFP4
     (4.25 bits), 11,122,432 numbers in F32 (69 KDA layers × (3·12288·4 + 128 + 12288 + 128), 92 × 896 router
-    biases), the rest of the 2,779,484,478,208 in bf16."""
+    biases), the rest of the 2,779,484,478,208 text parameters and the vision tower's 401,214,464 + 46,144,512
+    (encoder + projector) in bf16."""
     experts = 92 * 896 * 3 * 3072 * 3584
     f32 = 69 * (3 * 12288 * 4 + 128 + 12288 + 128) + 92 * 896
-    total = 2_779_484_478_208
+    total = 2_779_484_478_208 + 401_214_464 + 46_144_512
     got = checkpoint_bytes(get_preset("kimi-k3"))
     assert got["bf16"] == 2 * total + 2 * f32
     assert got["mxfp4"] == 2 * (total - experts) + 2 * f32 + math.ceil(experts * 17 / 32)
@@ -265,4 +266,4 @@ def test_info_prints_the_checkpoint_size(capsys):
 
     assert main(["info", "--preset", "kimi-k3"]) == 0
     out = capsys.readouterr().out
-    assert "MXFP4 routed experts         1,559,965,606,912 B (1.56 TB, 1.42 TiB)" in out
+    assert "MXFP4 routed experts         1,560,860,324,864 B (1.56 TB, 1.42 TiB)" in out

@@ -119,6 +119,7 @@ class RoutedExperts(nn.ModuleList):  # noqa: F811  (per-expert tensors, as the o
     def __init__(self, config, input_size: int) -> None:
         super().__init__(_Expert(config.moe_intermediate_size, input_size) for _ in range(config.num_experts))
         self.config = config
+        self.qat = False  # the served forward: no fake quantisation (openk3 train --qat only)
 
     @property
     def w1(self):
