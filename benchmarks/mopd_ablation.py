@@ -14,7 +14,8 @@ and each student, the mean over the six rows, and the wall time. Run::
 
     python benchmarks/mopd_ablation.py --md benchmarks/results/mopd_ablation.md
 
-(``--quick`` for the recipe's quick sizes: every stage in seconds to minutes, too short to learn.)
+(``--stages FILE`` keeps the SFT base and the experts in ``FILE`` and reuses them on the next run, so
+variants of the MOPD stage cost a minute; ``--quick`` for the recipe's quick sizes: every stage in seconds to minutes, too short to learn.)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import math
 import platform
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -50,18 +52,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the recipe's quick sizes")
     ap.add_argument("--mopd-steps", type=int, default=None, help="override the config's MOPD steps")
+    ap.add_argument("--mopd-lr", type=float, default=None, help="override the config's MOPD learning rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/mopd-ablation"), help="plots and logs")
     ap.add_argument("--md", type=Path, default=None, help="write the results table here")
+    ap.add_argument(
+        "--stages",
+        type=Path,
+        default=None,
+        help="torch file of the SFT base and the experts: loaded if it exists (same config assumed), else written",
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     cfg = replace(quick_config() if args.quick else DemoConfig(), seed=args.seed)
     if args.mopd_steps is not None:
         cfg = replace(cfg, mopd_steps=args.mopd_steps)  # __post_init__ checks it
+    if args.mopd_lr is not None:
+        cfg = replace(cfg, mopd_lr=args.mopd_lr)
     demo = Demo(cfg, args.out)
     t0 = time.monotonic()
-    base = demo.stage_sft()
-    experts = demo.stage_experts(base)
+    if args.stages is not None and args.stages.exists():
+        saved = torch.load(args.stages, weights_only=False)  # our own file, written below
+        base, experts = saved["base"], saved["experts"]
+    else:
+        base = demo.stage_sft()
+        experts = demo.stage_experts(base)
+        if args.stages is not None:
+            torch.save({"base": base, "experts": experts}, args.stages)
     t_stages = time.monotonic() - t0
     students, t_mopd = {}, {}
     for name, kw in VARIANTS.items():
@@ -91,8 +108,7 @@ def main() -> None:
         [
             "# MOPD ablations: clip, no clip, wrong teacher",
             "",
-            f"Command: `python benchmarks/mopd_ablation.py{' --quick' if args.quick else ''}"
-            f"{f' --mopd-steps {args.mopd_steps}' if args.mopd_steps else ''} --md <this file>`",
+            f"Command: `python benchmarks/mopd_ablation.py {' '.join(sys.argv[1:])}`",
             "",
             f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} thread(s). Wall time {wall:.0f} s (SFT + experts {t_stages:.0f} s; "

@@ -72,3 +72,10 @@ def test_wrong_routing_scores_with_the_other_teacher_and_no_clip_is_unclipped(ab
     assert unclipped.abs().max() > 10  # really beyond R_max = 2
     assert math.isinf(ablation.VARIANTS["no-clip"]["r_max"]) and "route" not in ablation.VARIANTS["clip"]
     assert ablation.VARIANTS["wrong"]["route"] is ablation.wrong_route
+
+
+def test_demo_config_refuses_a_non_positive_mopd_lr():
+    from openk3.rl.recipe import DemoConfig
+
+    with pytest.raises(ValueError, match="mopd_lr must be > 0"):
+        DemoConfig(mopd_lr=0.0)

@@ -55,6 +55,8 @@ class DemoConfig:
     prompts_per_step: int = 6
     group_size: int = 6
     rl_lr: float = 5e-5
+    mopd_lr: float = 5e-5
+    """The student's learning rate in MOPD (the experts train at ``rl_lr``)."""
     max_tokens: int = 24
     train_problems: int = 48
     eval_problems: int = 24
@@ -77,6 +79,9 @@ class DemoConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("sft_lr", "rl_lr", "mopd_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.eval_problems < 1 or self.eval_every < 1:
             raise ValueError("eval_problems and eval_every must be >= 1")
         if tuple(self.efforts.names) != ("low", "medium", "high"):
@@ -324,7 +329,7 @@ class Demo:
         model = copy.deepcopy(base).train()
         engine = self.engine(model, 1.0)
         trainer = PolicyTrainer(
-            model, engine, RLConfig(cfg.group_size, cfg.max_tokens, cfg.rl_lr, loss=LossConfig())
+            model, engine, RLConfig(cfg.group_size, cfg.max_tokens, cfg.mopd_lr, loss=LossConfig())
         )
         rng = random.Random(cfg.seed + 7)
         hist = []
