@@ -71,7 +71,8 @@ def main() -> None:
         cfg = replace(cfg, mopd_lr=args.mopd_lr)
     demo = Demo(cfg, args.out)
     t0 = time.monotonic()
-    if args.stages is not None and args.stages.exists():
+    loaded = args.stages is not None and args.stages.exists()
+    if loaded:
         saved = torch.load(args.stages, weights_only=False)  # our own file, written below
         base, experts = saved["base"], saved["experts"]
     else:
@@ -111,7 +112,7 @@ def main() -> None:
             f"Command: `python benchmarks/mopd_ablation.py {' '.join(sys.argv[1:])}`",
             "",
             f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} thread(s). Wall time {wall:.0f} s (SFT + experts {t_stages:.0f} s; "
+            f"{torch.get_num_threads()} thread(s). Wall time {wall:.0f} s (SFT + experts {t_stages:.0f} s{', loaded from --stages' if loaded else ''}; "
             + ", ".join(f"MOPD {n} {t:.0f} s" for n, t in t_mopd.items())
             + ").",
             "",
