@@ -20,6 +20,7 @@ import functools
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,8 @@ class DemoConfig:
     prompts_per_step: int = 6
     group_size: int = 6
     rl_lr: float = 5e-5
+    mopd_lr: float = 5e-5
+    """The student's learning rate in MOPD (the experts train at ``rl_lr``)."""
     max_tokens: int = 24
     train_problems: int = 48
     eval_problems: int = 24
@@ -76,6 +79,9 @@ class DemoConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("sft_lr", "rl_lr", "mopd_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.eval_problems < 1 or self.eval_every < 1:
             raise ValueError("eval_problems and eval_every must be >= 1")
         if tuple(self.efforts.names) != ("low", "medium", "high"):
@@ -88,6 +94,38 @@ def quick_config() -> DemoConfig:
         sft_steps=40, sft_batch=16, high_steps=2, effort_steps=2, mopd_steps=3, prompts_per_step=2,
         group_size=4, train_problems=8, eval_problems=4, eval_every=2,
     )  # fmt: skip
+
+
+Route = Callable[[str, str], tuple[str, str]]
+"""``(domain, effort)`` of a rollout → ``(domain, effort)`` of the teacher that scores it."""
+
+
+def mopd_dense_reward(
+    registry: TeacherRegistry, trajs: list[Trajectory], r_max: float, route: Route | None = None
+) -> torch.Tensor:
+    """The MOPD reward ``[B, T]`` of finished rollouts (``meta`` holds ``domain`` and ``effort``): each
+    rollout's realised tokens scored by the teacher ``registry.get(*route(domain, effort))`` (identity
+    routing by default), one prefill per teacher, against the rollout's behaviour log-probs, clipped at
+    ``r_max`` (:func:`openk3.rl.rewards.mopd.mopd_reward`); 0 past each rollout's end."""
+    T = max(t.num_generated for t in trajs)
+    s_BT = torch.zeros(len(trajs), T)
+    t_BT = torch.zeros(len(trajs), T)
+    m_BT = torch.zeros(len(trajs), T)
+    keys = []
+    for b, t in enumerate(trajs):
+        n = t.num_generated
+        s_BT[b, :n] = torch.tensor(t.behaviour_logprobs)
+        m_BT[b, :n] = 1
+        d, e = t.meta["domain"], t.meta["effort"]
+        keys.append(route(d, e) if route is not None else (d, e))
+    for key in sorted(set(keys)):
+        rows = [b for b, k in enumerate(keys) if k == key]
+        lp = teacher_logprobs(
+            registry.get(*key), [trajs[b].prompt_ids for b in rows], [trajs[b].response_ids for b in rows]
+        )
+        for i, b in enumerate(rows):
+            t_BT[b, : lp.shape[1]] = lp[i]
+    return mopd_reward(t_BT, s_BT, m_BT, r_max)
 
 
 def engine_config(max_tokens: int) -> EngineConfig:
@@ -278,7 +316,12 @@ class Demo:
                 experts[(d, e)] = self._rl(f"rl-{d}-{e}", high, d, e, cfg.effort_steps, sched)
         return experts
 
-    def stage_mopd(self, base, experts) -> torch.nn.Module:
+    def stage_mopd(
+        self, base, experts, name: str = "mopd", r_max: float | None = None, route: Route | None = None
+    ) -> torch.nn.Module:
+        """The student from ``base``, distilled from ``experts`` for ``mopd_steps``. ``r_max`` overrides the
+        config's clip (``math.inf``: no clip) and ``route`` the teacher routing (both for the ablations of
+        ``benchmarks/mopd_ablation.py``); the history is kept under ``name``."""
         cfg = self.cfg
         registry = TeacherRegistry(self.tok.tokenizer_id)
         for (d, e), m in experts.items():
@@ -286,30 +329,15 @@ class Demo:
         model = copy.deepcopy(base).train()
         engine = self.engine(model, 1.0)
         trainer = PolicyTrainer(
-            model, engine, RLConfig(cfg.group_size, cfg.max_tokens, cfg.rl_lr, loss=LossConfig())
+            model, engine, RLConfig(cfg.group_size, cfg.max_tokens, cfg.mopd_lr, loss=LossConfig())
         )
         rng = random.Random(cfg.seed + 7)
         hist = []
 
+        r_max = cfg.r_max if r_max is None else r_max
+
         def dense(trajs: list[Trajectory]) -> torch.Tensor:
-            T = max(t.num_generated for t in trajs)
-            s_BT = torch.zeros(len(trajs), T)
-            t_BT = torch.zeros(len(trajs), T)
-            m_BT = torch.zeros(len(trajs), T)
-            for b, t in enumerate(trajs):
-                n = t.num_generated
-                s_BT[b, :n] = torch.tensor(t.behaviour_logprobs)
-                m_BT[b, :n] = 1
-            for key in {(t.meta["domain"], t.meta["effort"]) for t in trajs}:
-                rows = [b for b, t in enumerate(trajs) if (t.meta["domain"], t.meta["effort"]) == key]
-                lp = teacher_logprobs(
-                    registry.get(*key),
-                    [trajs[b].prompt_ids for b in rows],
-                    [trajs[b].response_ids for b in rows],
-                )
-                for i, b in enumerate(rows):
-                    t_BT[b, : lp.shape[1]] = lp[i]
-            return mopd_reward(t_BT, s_BT, m_BT, cfg.r_max)
+            return mopd_dense_reward(registry, trajs, r_max, route)
 
         for step in range(cfg.mopd_steps):
             keys = [(rng.choice(DOMAINS), rng.choice(EFFORTS)) for _ in range(cfg.prompts_per_step)]
@@ -332,10 +360,10 @@ class Demo:
                 model.train()
             hist.append(row)
             self.log(
-                "[mopd] "
+                f"[{name}] "
                 + " ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
             )
-        self.history["mopd"] = hist
+        self.history[name] = hist
         return model.eval()
 
     # ---- outputs ---------------------------------------------------------------------------------------

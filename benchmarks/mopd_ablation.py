@@ -1,0 +1,140 @@
+"""MOPD ablations: the clip, and the teacher routing.
+
+From one SFT base and one set of RL experts (the demo recipe's stages, :mod:`openk3.rl.recipe`), the student
+is distilled three ways for the same steps, the same prompts and the same sampling seeds:
+
+* ``clip`` — MOPD as the recipe runs it: ``clip(sg(log π_T − log π_S), −R_max, R_max)``, ``R_max`` from the
+  config (2);
+* ``no-clip`` — the same log-ratio unclipped (``R_max = ∞``);
+* ``wrong`` — clipped, but every rollout is scored by the teacher of the *other* domain at the next effort
+  (``(add, high)`` → ``(chain, medium)``, …, :func:`wrong_route`): each teacher is used, at the wrong key.
+
+Reported: held-out greedy accuracy and mean response length (tokens) per domain and effort for each teacher
+and each student, the mean over the six rows, and the wall time. Run::
+
+    python benchmarks/mopd_ablation.py --md benchmarks/results/mopd_ablation.md
+
+(``--stages FILE`` keeps the SFT base and the experts in ``FILE`` and reuses them on the next run, so
+variants of the MOPD stage cost a minute; ``--quick`` for the recipe's quick sizes: every stage in seconds to minutes, too short to learn.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from openk3.rl.recipe import Demo, DemoConfig, quick_config
+from openk3.rl.tasks import DOMAINS, EFFORTS
+
+
+def wrong_route(domain: str, effort: str) -> tuple[str, str]:
+    """The teacher of the other domain at the next effort (cyclically): never the rollout's own key."""
+    other = DOMAINS[(DOMAINS.index(domain) + 1) % len(DOMAINS)]
+    return other, EFFORTS[(EFFORTS.index(effort) + 1) % len(EFFORTS)]
+
+
+VARIANTS = {
+    "clip": {},
+    "no-clip": {"r_max": math.inf},
+    "wrong": {"route": wrong_route},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the recipe's quick sizes")
+    ap.add_argument("--mopd-steps", type=int, default=None, help="override the config's MOPD steps")
+    ap.add_argument("--mopd-lr", type=float, default=None, help="override the config's MOPD learning rate")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("runs/mopd-ablation"), help="plots and logs")
+    ap.add_argument("--md", type=Path, default=None, help="write the results table here")
+    ap.add_argument(
+        "--stages",
+        type=Path,
+        default=None,
+        help="torch file of the SFT base and the experts: loaded if it exists (same config assumed), else written",
+    )
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    cfg = replace(quick_config() if args.quick else DemoConfig(), seed=args.seed)
+    if args.mopd_steps is not None:
+        cfg = replace(cfg, mopd_steps=args.mopd_steps)  # __post_init__ checks it
+    if args.mopd_lr is not None:
+        cfg = replace(cfg, mopd_lr=args.mopd_lr)
+    demo = Demo(cfg, args.out)
+    t0 = time.monotonic()
+    loaded = args.stages is not None and args.stages.exists()
+    if loaded:
+        saved = torch.load(args.stages, weights_only=False)  # our own file, written below
+        base, experts = saved["base"], saved["experts"]
+    else:
+        base = demo.stage_sft()
+        experts = demo.stage_experts(base)
+        if args.stages is not None:
+            torch.save({"base": base, "experts": experts}, args.stages)
+    t_stages = time.monotonic() - t0
+    students, t_mopd = {}, {}
+    for name, kw in VARIANTS.items():
+        t1 = time.monotonic()
+        students[name] = demo.stage_mopd(base, experts, name=f"mopd-{name}", **kw)
+        t_mopd[name] = time.monotonic() - t1
+    rows = []
+    for d in DOMAINS:
+        for e in EFFORTS:
+            row = {"domain": d, "effort": e, "teacher": demo.evaluate(experts[(d, e)], d, e)}
+            row.update({n: demo.evaluate(m, d, e) for n, m in students.items()})
+            rows.append(row)
+    wall = time.monotonic() - t0
+    demo.plot()
+    names = ["teacher", *VARIANTS]
+    head = "| domain | effort | " + " | ".join(f"{n} acc | {n} len" for n in names) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(names))]
+    for r in rows:
+        cells = " | ".join(f"{r[n]['accuracy']:.2f} | {r[n]['length']:.1f}" for n in names)
+        lines.append(f"| {r['domain']} | {r['effort']} | {cells} |")
+    mean = {n: {k: sum(r[n][k] for r in rows) / len(rows) for k in ("accuracy", "length")} for n in names}
+    lines.append("| mean | | " + " | ".join(f"{mean[n]['accuracy']:.2f} | {mean[n]['length']:.1f}" for n in names) + " |")  # fmt: skip
+    final = {n: [r["reward"] for r in demo.history[f"mopd-{n}"]][-3:] for n in VARIANTS}
+    config = asdict(cfg)
+    config["efforts"] = dict(cfg.efforts.taus)
+    text = "\n".join(
+        [
+            "# MOPD ablations: clip, no clip, wrong teacher",
+            "",
+            f"Command: `python benchmarks/mopd_ablation.py {' '.join(sys.argv[1:])}`",
+            "",
+            f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} thread(s). Wall time {wall:.0f} s (SFT + experts {t_stages:.0f} s{', loaded from --stages' if loaded else ''}; "
+            + ", ".join(f"MOPD {n} {t:.0f} s" for n, t in t_mopd.items())
+            + ").",
+            "",
+            f"Config: `{json.dumps(config)}`",
+            "",
+            "Held-out greedy accuracy and mean response length (tokens) per domain and effort; `teacher` is the "
+            "expert of that (domain, effort); `wrong` routes every rollout to the teacher of the other domain at "
+            "the next effort.",
+            "",
+            *lines,
+            "",
+            "MOPD per-token reward (mean over the response tokens) of the last three steps: "
+            + "; ".join(f"{n} " + ", ".join(f"{v:.3f}" for v in vals) for n, vals in final.items())
+            + ".",
+            "",
+        ]
+    )
+    print(text)
+    (args.out / "mopd_ablation.json").write_text(json.dumps(rows, indent=1))
+    if args.md:
+        args.md.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
