@@ -320,3 +320,52 @@ def test_train_refuses_more_tokens_per_step_than_it_can_draw(tmp_path, capsys):
     assert "batch_size × grad_accum × the longest context = 2 × 100000000000000000000 × 128" in err
     assert "above 2,147,483,647" in err
     assert not out.exists()
+
+
+def test_generate_with_an_image_takes_an_empty_prompt_and_names_the_real_problem(lone, tmp_path, capsys):
+    """``--image`` with ``--prompt ""`` is a prompt of an image alone: the empty-prompt check does not fire, and
+    a text-only checkpoint is refused for what it is (no vision tower)."""
+    image = tmp_path / "x.png"
+    image.write_bytes(b"not an image")
+    assert main(["generate", "--ckpt", str(lone / "ckpt"), "--image", str(image), "--prompt", ""]) == 2
+    err = capsys.readouterr().err
+    assert "vision tower" in err and "prompt is empty" not in err
+    assert main(["generate", "--ckpt", str(lone / "ckpt"), "--prompt", ""]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+
+
+def test_train_refuses_options_its_path_would_ignore(tmp_path, capsys):
+    """``--ep-dispatcher moonep`` without expert parallelism, and ``--qat`` on image-text pairs, are refused
+    before any work instead of being silently ignored."""
+    assert main(["train", "--out", str(tmp_path / "a"), "--steps", "1", "--ep-dispatcher", "moonep"]) == 2
+    assert "--ep-dispatcher moonep needs expert parallelism" in capsys.readouterr().err
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"image": "x.png", "text": "a red square"}) + "\n")
+    argv = [
+        "train",
+        "--preset",
+        "k3-vision-tiny",
+        "--data",
+        str(pairs),
+        "--out",
+        str(tmp_path / "b"),
+        "--qat",
+        "mxfp4",
+    ]
+    assert main(argv) == 2
+    assert "take --qat" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_distributed_run_folder_is_read_through_its_final_export(lone, tmp_path):
+    """``--ckpt RUN`` of a distributed run resolves to ``RUN/final``; without one, the error says the folder
+    holds DCP checkpoints and how to use them."""
+    from openk3.checkpoint.io import latest_checkpoint
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="distributed \\(DCP\\) checkpoints"):
+        latest_checkpoint(run)
+    (run / "final").symlink_to(lone / "ckpt")
+    assert latest_checkpoint(run) == run / "final"

@@ -187,9 +187,9 @@ def _train(args: argparse.Namespace) -> int:
     if is_image_text_jsonl(given.get("data")):  # image-text pairs: openk3.train.image_text
         from openk3.train.image_text import train_image_text
 
-        if args.resume or args.dp_shard or args.ep or args.dp_replicate or args.cp:
+        if args.resume or args.dp_shard or args.ep or args.dp_replicate or args.cp or args.qat:
             raise ValueError(
-                "image-text training (a JSONL of image and text) does not resume or run distributed"
+                "image-text training (a JSONL of image and text) does not resume, run distributed or take --qat"
             )
         summary = train_image_text(TrainConfig(**given))
         print(
@@ -198,6 +198,11 @@ def _train(args: argparse.Namespace) -> int:
             f"{summary['heldout_rows']} images not trained on"
         )
         return 0
+    if args.ep_dispatcher != "alltoall" and not (args.ep or 1) > 1:
+        raise ValueError(
+            f"--ep-dispatcher {args.ep_dispatcher} needs expert parallelism: --ep B > 1 under torchrun "
+            "(docs/distributed.md)"
+        )
     if args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ:  # torchrun
         if args.qat:
             raise ValueError("--qat is not supported in distributed training yet: train on one device")
@@ -384,8 +389,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # the sampling flags were checked by their argparse types; the prompt and its length are checked before
     # the (slow) model load
     prompt = _read_prompt(args)
-    if not prompt:
-        raise ValueError("the prompt is empty")
+    if not prompt and not args.image:
+        raise ValueError("the prompt is empty (give --prompt, or --image for a prompt of an image alone)")
     if args.draft and args.image:
         raise ValueError("--draft does not take --image (the draft reads text features only)")
     folder = checkpoint_with_tokenizer(args.ckpt)
@@ -877,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"openk3: error: {e}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:

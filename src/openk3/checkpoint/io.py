@@ -270,7 +270,8 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
     """Resolve a model folder, a training run folder or its ``checkpoints`` folder to a model folder.
 
     A folder with ``config.json`` is returned as is; otherwise ``<path>/checkpoints/latest`` (or
-    ``<path>/latest``) names the checkpoint folder. Raises ``FileNotFoundError`` when there is none.
+    ``<path>/latest``) names the checkpoint folder, else a distributed run's exported ``<path>/final``.
+    Raises ``FileNotFoundError`` when there is none (saying so when the folder holds DCP checkpoints).
     """
     path = Path(path)
     if (path / "config.json").is_file():
@@ -282,9 +283,19 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
             if (ckpt / "config.json").is_file():
                 return ckpt
             raise FileNotFoundError(f"{marker} names {ckpt}, which holds no config.json")
+    if (
+        path / "final" / "config.json"
+    ).is_file():  # a distributed run: its DCP checkpoints resume under torchrun
+        return path / "final"
+    hint = ""
+    if any(path.glob("checkpoints/step-*/*.distcp")) or any(path.glob("step-*/*.distcp")):
+        hint = (
+            "; it holds distributed (DCP) checkpoints: resume the run under torchrun, or use RUN/final, the "
+            "model folder a distributed run writes when it ends"
+        )
     raise FileNotFoundError(
         f"no checkpoint at {path} (expected a model folder with config.json, or a run folder with "
-        "checkpoints/latest)"
+        f"checkpoints/latest){hint}"
     )
 
 

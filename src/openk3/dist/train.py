@@ -12,8 +12,8 @@ every mesh (dense and expert parameters together). Checkpoints are DCP folders
 Rank 0 prints one line per step and writes ``metrics.jsonl`` (and ``loss.png`` at the end). Evaluation is the
 single-process trainer's (:func:`evaluate_distributed`): ``val_loss_subset`` every ``eval_every`` steps, and
 after the last step ``val_loss`` on the row of that step and in the summary;
-with a ``sample_prompt`` the final weights are also exported as a Hugging Face folder ``<out>/final`` (with
-the run's tokenizer), from which ``openk3 train`` prints the end-of-run sample on rank 0.
+the final weights are exported as a Hugging Face folder ``<out>/final`` (with the run's tokenizer: what
+``openk3 generate``/``eval``/``serve`` read), from which ``openk3 train`` prints the end-of-run sample on rank 0.
 
 With ``--cp C`` each group of ``C`` consecutive ranks shares its data rank's sequences: a micro-batch's rows
 are packed into one row (a document each) and split over the group by the layout
@@ -306,7 +306,7 @@ def train_distributed(
             metrics.close()
     if rank == 0:
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if final and config.sample_prompt:  # collective: every rank gathers, rank 0 writes
+    if final:  # collective: every rank gathers, rank 0 writes (the folder generate, eval and serve read)
         export_hf(model, run_dir / "final", tokenizer=data.tokenizer_dir)
         final["export"] = str(run_dir / "final")
     return {
