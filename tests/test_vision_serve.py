@@ -132,6 +132,8 @@ def test_engine_serves_images_and_caches_their_tokens(model):
     assert cached == 0 and other == full_forward_greedy(model, ids, blue, 5)
     with pytest.raises(ValueError, match=r"holds 3 media placeholder tokens .* take 4"):
         engine.add_request(Request("d", [5, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER], params, media=red))
+    with pytest.raises(ValueError, match=r"holds 2 media placeholder tokens .* take 0"):  # ids without an image
+        engine.add_request(Request("e", [5, PLACEHOLDER, PLACEHOLDER], params))
 
 
 # ---- the OpenAI API ------------------------------------------------------------------------------------

@@ -39,16 +39,19 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def check_request_media(model: nn.Module, request: Request) -> None:
-    """Raise ``ValueError`` unless ``model`` has a vision tower and ``request``'s prompt holds exactly as many
-    media placeholder tokens as its images take."""
+    """Raise ``ValueError`` unless ``request``'s prompt holds exactly as many media placeholder tokens as its
+    images take (none without images: a placeholder with no image would embed nothing), and a request with
+    images goes to a model with a vision tower."""
     if getattr(model, "vision_tower", None) is None:
+        if request.media is None:
+            return
         raise ValueError("this model has no vision tower: images cannot be given to it")
     placeholder = model.config.media_placeholder_token_id
     found = request.prompt_token_ids.count(placeholder)
-    if found != request.media.num_tokens:
+    wanted = 0 if request.media is None else request.media.num_tokens
+    if found != wanted:
         raise ValueError(
-            f"the prompt holds {found} media placeholder tokens (id {placeholder}) but its images take "
-            f"{request.media.num_tokens}"
+            f"the prompt holds {found} media placeholder tokens (id {placeholder}) but its images take {wanted}"
         )
 
 
@@ -141,8 +144,7 @@ class LLMEngine:
             raise ValueError(
                 "num_speculative_tokens needs a server started with a draft (openk3 serve --draft)"
             )
-        if request.media is not None:
-            check_request_media(self.model, request)
+        check_request_media(self.model, request)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
