@@ -54,6 +54,7 @@ def test_train_rejects_bad_numbers_before_any_work(tmp_path, capsys, flag, value
         ("--top-p", "1.5", "a number in (0, 1]"),
         ("--top-p", "nan", "a number in (0, 1]"),
         ("--max-new-tokens", "0", "an int >= 1"),
+        ("--speculative-tokens", "17", "an int in [1, 16]"),
     ],
 )
 def test_generate_rejects_bad_sampling_before_loading(tmp_path, capsys, flag, value, expected):

@@ -763,9 +763,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: a random one)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
+    from openk3.serve.cli import speculative_tokens_arg
+
     gen.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
     gen.add_argument(
-        "--speculative-tokens", dest="speculative_tokens", type=_positive_int, default=3,
+        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg, default=3,
         help="drafted tokens per target forward with --draft (at most 16)",
     )  # fmt: skip
     gen.set_defaults(func=cmd_generate)

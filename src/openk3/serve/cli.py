@@ -45,7 +45,9 @@ def check_server_modules(command: str = "serve") -> None:
         )
 
 
-def _speculative_tokens(text: str) -> int:
+def speculative_tokens_arg(text: str) -> int:
+    """argparse type of ``--speculative-tokens`` (``openk3 serve`` and ``openk3 generate``): an int in
+    ``[1, MAX_SPECULATIVE_TOKENS]``."""
     from openk3.speculative import MAX_SPECULATIVE_TOKENS
 
     try:
@@ -53,7 +55,7 @@ def _speculative_tokens(text: str) -> int:
     except ValueError:
         value = 0
     if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
-        raise argparse.ArgumentTypeError(f"expected an int in [1, {MAX_SPECULATIVE_TOKENS}], got {text}")
+        raise argparse.ArgumentTypeError(f"expected an int in [1, {MAX_SPECULATIVE_TOKENS}], got {text!r}")
     return value
 
 
@@ -115,7 +117,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
     p.add_argument(
-        "--speculative-tokens", dest="speculative_tokens", type=_speculative_tokens, default=3,
+        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg, default=3,
         help="drafted tokens per step with --draft (a request's num_speculative_tokens overrides it)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
