@@ -287,3 +287,45 @@ def test_gpu_qat_compiled_step_and_export():
     around the packed experts) matches the QAT forward to bf16 rounding of a differently fused graph."""
     qat, packed = _compiled_qat_step_and_export("cuda", compile=True)
     torch.testing.assert_close(packed, qat, rtol=2e-2, atol=2e-2)
+
+
+def test_quantize_prints_the_bytes_it_wrote(tmp_path, capsys):
+    """``openk3 quantize`` reports the safetensors bytes on disk and their parts, read back here from the files
+    (the tensors by dtype, the 8-byte length and JSON header of each file), and, for an fp32 checkpoint, the
+    size the same tensors take in the release's dtypes."""
+    import struct
+
+    from safetensors.torch import load_file
+
+    from openk3.cli import main
+    from openk3.model.modeling import FP32_TENSORS
+
+    src = tmp_path / "dense"
+    openk3.save_pretrained(openk3.build_model(k3_shaped(4, vocab_size=VOCAB), seed=0), src, tokenizer=None)
+    assert main(["quantize", "--ckpt", str(src), "--out", str(tmp_path / "packed")]) == 0
+    printed = capsys.readouterr().out
+    files = sorted((tmp_path / "packed").glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in files)
+    headers = sum(8 + struct.unpack("<Q", f.read_bytes()[:8])[0] for f in files)
+    codes = scales = release_other = 0
+    other: dict[str, int] = {}
+    for f in files:
+        for name, t in load_file(f).items():
+            n = t.numel() * t.element_size()
+            if name.endswith(".weight_packed"):
+                codes += n
+            elif name.endswith(".weight_scale"):
+                scales += n
+            else:
+                key = str(t.dtype).removeprefix("torch.")
+                other[key] = other.get(key, 0) + n
+                release_other += t.numel() * (4 if name.endswith(FP32_TENSORS) else 2)
+    assert list(other) == ["float32"] and codes == 16 * scales  # 32 four-bit codes per scale byte
+    assert codes + scales + other["float32"] + headers == on_disk
+    mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
+    assert (
+        f"{mb(on_disk)} of safetensors = routed experts in MXFP4 (expert inputs mxfp8) {mb(codes + scales)} "
+        f"(E2M1 codes {mb(codes)}, E8M0 scales {mb(scales)}) + other tensors {mb(other['float32'])} (float32 "
+        f"{mb(other['float32'])}) + headers {mb(headers)}"
+    ) in printed, printed
+    assert f"the tensors would take {mb(codes + scales + release_other)}" in printed
