@@ -204,8 +204,6 @@ def _train(args: argparse.Namespace) -> int:
             "(docs/distributed.md)"
         )
     if args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ:  # torchrun
-        if args.qat:
-            raise ValueError("--qat is not supported in distributed training yet: train on one device")
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
