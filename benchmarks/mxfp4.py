@@ -127,7 +127,10 @@ def gemm_section(args) -> list[str]:
     from openk3.quant.experts import MXFP4RoutedExperts
     from openk3.quant.mxfp4 import quantize_mxfp4
 
-    text = dataclasses.replace(text_config_of(get_preset(args.shape)), num_experts=args.experts)
+    text = text_config_of(get_preset(args.shape))  # the layer's widths; routing is drawn below (--top-k)
+    text = dataclasses.replace(
+        text, num_experts=args.experts, num_experts_per_token=min(text.num_experts_per_token, args.experts)
+    )
     L, F_, E, k, N = text.expert_input_size, text.moe_intermediate_size, args.experts, args.top_k, args.tokens
     dev = torch.device(args.device)
     g = torch.Generator(device="cpu").manual_seed(0)
