@@ -6,11 +6,12 @@ Three tables:
    KCP summaries (independent of T), the conv halo and the MLA latents (which grow with T), for K3
    (96 heads of 128, conv width 4, 576-number latent) and for the measured model below;
 2. **time** on one process, one document through the rank (the worst case: the whole local row is one
-   summarised piece), as KCP runs them in a training step: the forward of the local ``chunk_kda`` and of
-   :func:`segment_summaries` over the same row (inputs requiring grad), the fold of ``W − 1`` predecessors
-   (the merge), and forward + backward of op and summary. KCP's extra work per step is the summary's
-   forward plus, activation-checkpointed, its forward + backward again in the backward: the last column,
-   against the op's forward + backward. ``--device cpu``: fp32, the torch summaries from the chunk factors;
+   summarised piece), as KCP runs them in a training step: the local ``chunk_kda`` forward (inputs requiring
+   grad) and forward + backward, :func:`segment_summaries` over the same row without a graph, and the fold
+   of ``W − 1`` predecessors (the merge). KCP's extra work per step (:mod:`openk3.dist.kcp`) is the summary,
+   the merge and a second local backward (the exit-state cotangents): the last column, against the op's
+   forward + backward (the two small all-gathers are not included). ``--device cpu``: fp32, the torch
+   summaries from the chunk factors;
    ``--device cuda``: bf16 inputs, the Triton op and the Triton summaries (the augmented-value calls of
    :func:`~openk3.ops.kda.summary.kernel_summaries`), timed after a warm-up (compilation) with the device
    synchronised, best of ``--repeats``;
@@ -56,8 +57,8 @@ def bytes_table(H: int, K: int, conv_width: int, latent: int | None, T: int, W: 
 
 
 def _inputs(L: int, H: int, K: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
+    g = torch.Generator(device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)  # noqa: E731
     x = dict(q=r(1, L, H, K), k=r(1, L, H, K), v=r(1, L, H, K), g=r(1, L, H, K), beta=r(1, L, H))
     gate = dict(
         A_log=torch.zeros(H, device=device), dt_bias=torch.zeros(H * K, device=device), lower_bound=-5.0
@@ -84,35 +85,34 @@ def _best(fn, device: torch.device, repeats: int) -> float:
 
 
 def _jobs(x: dict, kw: dict, W: int):
-    """The five timed calls on one local row as a training step runs them (inputs requiring grad): op fwd,
-    summary fwd, merge, op fwd+bwd, summary fwd+bwd."""
+    """The four timed calls on one local row as a training step under KCP runs them: op fwd and op fwd+bwd
+    (inputs requiring grad), summary fwd (no graph), merge."""
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    chain = segment_summaries(*x.values(), **kw).detach().expand(W - 1, -1, -1, -1).contiguous()
+    chain = segment_summaries(*x.values(), **kw).expand(W - 1, -1, -1, -1).contiguous()
 
     def op_fwd():
         chunk_kda(*leaves.values(), **kw)
 
-    def summary_fwd():
-        segment_summaries(*leaves.values(), **kw)
-
     def op_fwd_bwd():
         chunk_kda(*leaves.values(), **kw)[0].float().sum().backward()
 
-    def summary_fwd_bwd():
-        segment_summaries(*leaves.values(), **kw).sum().backward()
+    def summary_fwd():
+        with torch.no_grad():
+            segment_summaries(*x.values(), **kw)
 
-    return op_fwd, summary_fwd, lambda: fold_from_zero(chain), op_fwd_bwd, summary_fwd_bwd
+    return op_fwd, op_fwd_bwd, summary_fwd, lambda: fold_from_zero(chain)
 
 
 def time_table(lengths, H: int, K: int, W: int, device: torch.device, dtype, repeats: int) -> list[str]:
     rows = []
     for L in lengths:
         x, kw = _inputs(L, H, K, device, dtype)
-        t = [_best(f, device, repeats) * 1e3 for f in _jobs(x, kw, W)]
+        fwd, fwd_bwd, summary, merge = (_best(f, device, repeats) * 1e3 for f in _jobs(x, kw, W))
         del x
+        extra = summary + merge + (fwd_bwd - fwd)
         rows.append(
-            f"| {L:,} | {t[0]:.2f} | {t[1]:.2f} ({t[1] / t[0]:.2f}×) | {t[2]:.3f} | {t[3]:.2f} | "
-            f"{t[4]:.2f} ({t[4] / t[3]:.2f}×) | {(t[1] + t[2] + t[4]) / t[3]:.2f}× |"
+            f"| {L:,} | {fwd:.2f} | {fwd_bwd:.2f} | {summary:.2f} ({summary / fwd:.2f}×) | {merge:.3f} | "
+            f"{extra:.2f} ({extra / fwd_bwd:.2f}×) |"
         )
     return rows
 
@@ -233,10 +233,10 @@ def main() -> None:
         f"(H={H}, K=V={K}, {str(dtype)[6:]}, ms, best of {repeats})\n"
     )
     print(
-        f"| L (local tokens) | chunk_kda fwd | summary fwd | merge of {args.world - 1} | chunk_kda fwd+bwd | "
-        "summary fwd+bwd | KCP extra per step |"
+        f"| L (local tokens) | chunk_kda fwd | chunk_kda fwd+bwd | summary (no graph; × op fwd) | "
+        f"merge of {args.world - 1} | KCP extra per step (× op fwd+bwd) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     print(*time_table(lengths, H, K, args.world, device, dtype, repeats), sep="\n")
     if cuda:
         return

@@ -6,7 +6,8 @@ outputs and input gradients must equal the oracle's rows at the rank's global po
 gradients summed over ranks the oracle's (fp32: max relative difference ≤ 1e-5; fp64: ≤ 1e-12). Cases: one
 document; documents cut at odd places (a document over several ranks, several per rank, one starting exactly
 on a rank boundary, an empty one); one-token documents; every rank starting a document (nobody needs a
-predecessor: the backward must not hang); zig-zag; per-head ``A_log`` that differ.
+predecessor: the backward must not hang); zig-zag; per-head ``A_log`` that differ; the same op under
+``torch.no_grad`` (no graph).
 
 Legend: ``T`` global tokens, ``L`` local tokens, ``H`` heads, ``K`` key dim, ``V`` value dim.
 """
@@ -75,6 +76,10 @@ def _op_world(rank: int, world: int) -> dict:
                                    dt_bias=mine["dt_bias"], chunk_size=chunk, **GATE)  # fmt: skip
         (o_l * plan.shard(dO)).sum().backward()
         worst = rel_max(o_l.detach(), plan.shard(o.detach()))
+        with torch.no_grad():  # the inference path: no local graph kept
+            o_ng = context_parallel_kda(*(mine[n] for n in TOKENS), plan=plan, A_log=mine["A_log"],
+                                        dt_bias=mine["dt_bias"], chunk_size=chunk, **GATE)  # fmt: skip
+        worst = max(worst, rel_max(o_ng, plan.shard(o.detach())))
         for n in x:
             grad = mine[n].grad
             if n in TOKENS:
