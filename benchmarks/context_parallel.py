@@ -3,7 +3,8 @@
 Three tables:
 
 1. **bytes per rank per layer and direction** (from the shapes, :func:`openk3.dist.kcp.summary_bytes`): the
-   KCP summaries (independent of T), the conv halo and the MLA latents (which grow with T), for K3
+   KCP summaries (forward) and entry-state cotangents (backward), both independent of T, the conv halo and
+   the MLA latents (which grow with T), for K3
    (96 heads of 128, conv width 4, 576-number latent) and for the measured model below;
 2. **time** on one process, one document through the rank (the worst case: the whole local row is one
    summarised piece), as KCP runs them in a training step: the local ``chunk_kda`` forward (inputs requiring
@@ -51,9 +52,12 @@ def bytes_table(H: int, K: int, conv_width: int, latent: int | None, T: int, W: 
     """One row; ``latent`` None (a bare KDA op, no MLA layer) prints a dash for the latents."""
     L = T // W
     kcp = summary_bytes(H, K, K)
+    reverse = H * K * K * 4  # the backward's entry-state cotangents F, K×V per head
     halo = (conv_width - 1) * 3 * H * K * 4
     mla = "—" if latent is None else f"{L * latent * 4 / MIB:.2f}"
-    return [f"| {name} | {H}×{K} | {T:,} / {W} | {kcp / MIB:.3f} | {halo / MIB:.4f} | {mla} |"]
+    return [
+        f"| {name} | {H}×{K} | {T:,} / {W} | {kcp / MIB:.3f} | {reverse / MIB:.3f} | {halo / MIB:.4f} | {mla} |"
+    ]
 
 
 def _inputs(L: int, H: int, K: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -219,8 +223,11 @@ def main() -> None:
     )
     print(f"# context parallelism on {args.device} ({where})\n")
     print("## Bytes one rank sends per layer, each direction (fp32)\n")
-    print("| model | heads × dim | T / W | KCP summaries (MiB) | conv halo (MiB) | MLA latents (MiB) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| model | heads × dim | T / W | KCP summaries, forward (MiB) | KCP cotangents F, backward (MiB) | "
+        "conv halo (MiB) | MLA latents (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for T in (131072, 1048576):
         print(*bytes_table(96, 128, 4, 576, T, 8, "K3"), sep="\n")
     tiny = get_preset("k3-tiny").text_config

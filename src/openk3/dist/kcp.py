@@ -57,8 +57,9 @@ from openk3.ops.kda.summary import fold_from_zero, segment_summaries
 
 
 def summary_bytes(heads: int, key_dim: int, value_dim: int, slots: int = 1, element_size: int = 4) -> int:
-    """Bytes one rank sends in the KCP all-gather of one layer, one direction: ``S·H·K·(K+V)`` summary values
-    (fp32 by default), independent of the sequence length; each rank receives ``W`` times that."""
+    """Bytes one rank sends in the KCP forward all-gather of one layer: ``S·H·K·(K+V)`` summary values (fp32 by
+    default), independent of the sequence length; each rank receives ``W`` times that. The backward's
+    all-gather of the entry-state cotangents sends ``S·H·K·V`` values."""
     return slots * heads * key_dim * (key_dim + value_dim) * element_size
 
 
