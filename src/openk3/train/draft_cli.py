@@ -27,14 +27,14 @@ SETTINGS = ("loss", "data", "steps", "batch_size", "seq_len", "ttt_steps", "lr",
 """The options a resume must repeat (``--steps`` may grow)."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
@@ -54,15 +54,15 @@ def add_draft_parser(sub) -> None:
         "--data", choices=["corpus", "generations"], default="corpus",
         help="train on the run's corpus split, or on the target's own samples",
     )  # fmt: skip
-    p.add_argument("--steps", type=_positive_int, default=DEFAULT_DRAFT_STEPS, help="optimizer steps")
-    p.add_argument("--batch-size", dest="batch_size", type=_positive_int, default=8, help="windows per step")
-    p.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=128, help="tokens per window")
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_DRAFT_STEPS, help="optimizer steps")
+    p.add_argument("--batch-size", dest="batch_size", type=positive_int, default=8, help="windows per step")
+    p.add_argument("--seq-len", dest="seq_len", type=positive_int, default=128, help="tokens per window")
     p.add_argument(
-        "--ttt-steps", dest="ttt_steps", type=_positive_int, default=3, help="training-time-test unroll"
+        "--ttt-steps", dest="ttt_steps", type=positive_int, default=3, help="training-time-test unroll"
     )
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak AdamW learning rate")
     p.add_argument(
-        "--gen-windows", dest="gen_windows", type=_positive_int, default=64,
+        "--gen-windows", dest="gen_windows", type=positive_int, default=64,
         help="target samples drawn up front with --data generations",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="draft init and batch order")
@@ -90,7 +90,7 @@ def _run_split(folder: Path, name: str) -> Path:
     )
 
 
-def _generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str):
+def generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str):
     """``n`` windows ``[n, seq_len]``: 16 corpus tokens, then the target's own continuation at temperature 1."""
     import torch
 
@@ -109,7 +109,7 @@ def _generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str
     return torch.cat(rows)
 
 
-def _pool_batches(pool, batch_size: int, seed: int, step: int):
+def pool_batches(pool, batch_size: int, seed: int, step: int):
     """Endless batches of ``batch_size`` rows of ``pool``; batch ``s`` depends only on ``(seed, s)``, so a
     resume at ``step`` draws what the uninterrupted run would have."""
     import torch
@@ -212,10 +212,10 @@ def _train_draft(args: argparse.Namespace) -> int:
                 pool = state["pool"].to(args.device)
             else:
                 t0 = time.perf_counter()
-                pool = _generated_windows(lm, dataset, args.gen_windows, args.seq_len, args.seed, args.device)
+                pool = generated_windows(lm, dataset, args.gen_windows, args.seq_len, args.seed, args.device)
                 print(f"sampled {pool.shape[0]} target windows of {args.seq_len} tokens in "
                       f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
-            batches = _pool_batches(pool, args.batch_size, args.seed, start)
+            batches = pool_batches(pool, args.batch_size, args.seed, start)
         result = train_draft(
             draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10),
             start_step=start, optimizer_state=None if state is None else state["optimizer"],
