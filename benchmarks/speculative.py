@@ -33,6 +33,7 @@ and ``.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -365,14 +366,23 @@ def main(argv: list[str] | None = None) -> int:
     folder = latest_checkpoint(run)
     run = folder.parent.parent
     result["target"] = str(folder)
-    model = from_pretrained(folder, device=device, dtype=dtype).eval()
-    lm = getattr(model, "language_model", model)
+    # the drafts train (and α is measured) against an fp32 target, under autocast to ``dtype`` as `openk3
+    # train` runs on CUDA; decoding runs a ``dtype`` copy of the target and of the drafts
+    master = from_pretrained(folder, device=device, dtype=torch.float32).eval()
+    model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+    amp = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    amp_dtype = None if dtype == torch.float32 else dtype
+    lm = getattr(master, "language_model", master)
     cfg = lm.config
     train_set, val = TokenDataset(run / "data" / "train.bin"), TokenDataset(run / "data" / "val.bin")
-    loss, tokens = validation_loss(model, val, args.batch_size, args.seq_len, args.eval_batches, device)
-    result["target_val"] = {"loss": loss, "tokens": tokens, "unigram_entropy": unigram_entropy(val.tokens_N)}
+    val_loss, tokens = validation_loss(
+        master, val, args.batch_size, args.seq_len, args.eval_batches, device, amp_dtype
+    )
+    result["target_val"] = {
+        "loss": val_loss, "tokens": tokens, "unigram_entropy": unigram_entropy(val.tokens_N)
+    }  # fmt: skip
 
-    batches, gen_s = draft_batches(args, lm, train_set, device)
+    batches, gen_s = draft_batches(args, getattr(model, "language_model", model), train_set, device)
     result["draft_data_seconds"] = gen_s
     drafts, steps = {}, None
     for loss in ("lk", "kl"):
@@ -380,16 +390,17 @@ def main(argv: list[str] | None = None) -> int:
             feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
             loss=loss, ttt_steps=args.ttt_steps,
         )  # fmt: skip
-        draft = build_draft(cfg, dc, device=device, dtype=dtype, seed=args.seed)
-        if steps is None:  # fitted once, so both drafts train for the same steps
-            steps, step_s = fitted_draft_steps(draft, lm, batches, args, clock)
-            result["draft_steps"], result["draft_seconds_per_step"] = steps, step_s
-        fit = train_draft(draft, lm, batches(), steps, lr=args.lr, log_every=max(1, steps // 5))
-        windows = (
-            x.to(device) for x, _ in val.iter_sequential(args.batch_size, args.seq_len, args.eval_batches)
-        )
-        alphas = acceptance_by_step(draft, lm, windows, DEPTH)
-        drafts[loss] = draft
+        draft = build_draft(cfg, dc, device=device, dtype=torch.float32, seed=args.seed)
+        with amp:
+            if steps is None:  # fitted once, so both drafts train for the same steps
+                steps, step_s = fitted_draft_steps(draft, lm, batches, args, clock)
+                result["draft_steps"], result["draft_seconds_per_step"] = steps, step_s
+            fit = train_draft(draft, lm, batches(), steps, lr=args.lr, log_every=max(1, steps // 5))
+            windows = (
+                x.to(device) for x, _ in val.iter_sequential(args.batch_size, args.seq_len, args.eval_batches)
+            )
+            alphas = acceptance_by_step(draft, lm, windows, DEPTH)
+        drafts[loss] = draft if dtype == torch.float32 else copy.deepcopy(draft).to(dtype)
         result["drafts"][loss] = {
             "train_seconds": fit.seconds, "final_loss": fit.losses[-1], "alpha_by_depth": alphas,
             "expected_tokens_per_forward": {k: expected_accepted_length(alphas, k) for k in range(1, DEPTH + 1)},
@@ -428,7 +439,13 @@ def render(result: dict, args) -> str:
         "",
         f"Command: `{result['command']}`",
         "",
-        f"Machine: {where}; torch {env['torch']}, Python {env['python']}; {result['dtype']}. "
+        f"Machine: {where}; torch {env['torch']}, Python {env['python']}; {result['dtype']}"
+        + (
+            ""
+            if result["dtype"] == "torch.float32"
+            else " decoding; the drafts trained and α measured in fp32 under autocast to it"
+        )
+        + ". "
         f"Wall time of the whole run: {result['wall_seconds']:.0f} s.",
         "",
     ]
