@@ -213,7 +213,12 @@ def draft_batches(args, lm, train_set, device):
         return lambda: (
             x.to(device) for x, _ in RandomBatches(train_set, args.batch_size, args.seq_len, args.seed)
         ), 0.0
-    pool, seconds = timed(generated_windows, lm, train_set, args.gen_windows, args.seq_len, args.seed, device)
+    rows = (
+        args.gen_windows if device.type == "cuda" else 32
+    )  # one batch on a GPU: decode steps are launch-bound
+    pool, seconds = timed(
+        generated_windows, lm, train_set, args.gen_windows, args.seq_len, args.seed, device.type, rows
+    )
     return lambda: pool_batches(pool, args.batch_size, args.seed, 0), seconds
 
 
@@ -269,12 +274,56 @@ def engine_throughput(model, draft, val, args, device, clock: Clock, skipped: li
             spec = eng.runner.speculative
             if spec is not None:
                 row[name]["acceptance_rate"] = spec.num_accepted / max(spec.num_drafted, 1)
+                reqs = [
+                    Request(f"phases-{i}", p, SamplingParams(max_tokens=args.new_tokens))
+                    for i, p in enumerate(prompts)
+                ]
+                row[name]["ms_per_verify_step"] = phase_times(eng, reqs)
         row["identical_streams"] = sum(a == b for a, b in zip(outputs["plain"], outputs["speculative"]))
         row["speedup"] = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
         print(f"engine {n} streams: {row['plain']['tokens_per_s']:.1f} → {row['speculative']['tokens_per_s']:.1f} "
               f"tok/s ({row['speedup']:.2f}x), identical {row['identical_streams']}/{n}", file=sys.stderr)  # fmt: skip
         out[n] = row
     return out
+
+
+def phase_times(eng, requests) -> dict:
+    """One more (untimed) round of the speculative engine with a device sync around its phases: mean ms per
+    verify step of the draft chain, the target's verify forward, and the draft reading the verified tokens'
+    features (the syncs add a little to each)."""
+    spec = eng.runner.speculative
+    totals = {"draft chain": 0.0, "draft update": 0.0, "verify step": 0.0}
+    inside = []
+
+    def wrap(name, fn):
+        def run(*a, **kw):
+            inside.append(name)
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sync()
+                inside.pop()
+                if name != "draft update" or inside:  # the draft's prefill reads are not a verify step's
+                    totals[name] += time.perf_counter() - t0
+
+        return run
+
+    for name, attr in (("draft chain", "_chains"), ("draft update", "_feed"), ("verify step", "_verify")):
+        setattr(spec, attr, wrap(name, getattr(spec, attr)))
+    steps = [0]
+    verify = spec._verify
+
+    def counted(*a, **kw):
+        steps[0] += 1
+        return verify(*a, **kw)
+
+    spec._verify = counted
+    eng.generate(requests)
+    n = max(steps[0], 1)
+    chain, update, whole = (1e3 * totals[k] / n for k in ("draft chain", "draft update", "verify step"))
+    return {"draft_chain": chain, "target_verify": whole - chain - update, "draft_update": update}
 
 
 def single_sequence(model, drafts, val, args, device, clock: Clock, skipped: list[str]) -> dict:
@@ -500,6 +549,20 @@ def render(result: dict, args) -> str:
             lines.append(
                 f"| {n} | {row['plain']['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | {row['speedup']:.2f}× | "
                 f"{s['acceptance_rate']:.2f} | {row['identical_streams']}/{n} |"
+            )
+        lines += [
+            "",
+            "Where a speculative engine step goes (ms per verify step, an extra round with a device sync around "
+            "each phase; the step's other work is the scheduler and the sampling):",
+            "",
+            "| streams | draft chain | target verify forward | draft update | plain engine ms per token-step |",
+            "|---|---|---|---|---|",
+        ]
+        for n, row in result["engine"].items():
+            ph = row["speculative"]["ms_per_verify_step"]
+            lines.append(
+                f"| {n} | {ph['draft_chain']:.1f} | {ph['target_verify']:.1f} | {ph['draft_update']:.1f} | "
+                f"{1e3 * int(n) / row['plain']['tokens_per_s']:.1f} |"
             )
     single = result["single_sequence"]
     if single["lk"]:

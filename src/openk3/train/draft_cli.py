@@ -90,8 +90,9 @@ def _run_split(folder: Path, name: str) -> Path:
     )
 
 
-def generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str):
-    """``n`` windows ``[n, seq_len]``: 16 corpus tokens, then the target's own continuation at temperature 1."""
+def generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str, per_call: int = 32):
+    """``n`` windows ``[n, seq_len]``: 16 corpus tokens, then the target's own continuation at temperature 1,
+    sampled ``per_call`` windows at a time."""
     import torch
 
     from openk3.generate import generate
@@ -100,7 +101,7 @@ def generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str)
     prompts, _ = dataset.get_batch(n, GEN_PROMPT_TOKENS, g)
     prompts = prompts.to(device)
     rows = []
-    for chunk in prompts.split(32):
+    for chunk in prompts.split(per_call):
         rows.append(
             torch.cat(
                 [chunk, generate(lm, chunk, seq_len - GEN_PROMPT_TOKENS, temperature=1.0, seed=seed)], 1
@@ -216,11 +217,14 @@ def _train_draft(args: argparse.Namespace) -> int:
                 print(f"sampled {pool.shape[0]} target windows of {args.seq_len} tokens in "
                       f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
             batches = pool_batches(pool, args.batch_size, args.seed, start)
-        result = train_draft(
-            draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10),
-            start_step=start, optimizer_state=None if state is None else state["optimizer"],
-            stop=lambda: stop.requested,
-        )  # fmt: skip
+        # on CUDA under bf16 autocast with fp32 weights and AdamW state, as `openk3 train` runs there
+        amp = torch.autocast("cuda", torch.bfloat16) if args.device == "cuda" else contextlib.nullcontext()
+        with amp:
+            result = train_draft(
+                draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10),
+                start_step=start, optimizer_state=None if state is None else state["optimizer"],
+                stop=lambda: stop.requested,
+            )  # fmt: skip
         save_draft(draft, out)
         resume_file = out / RESUME_STATE
         if result.step < args.steps:
