@@ -23,8 +23,10 @@ forward and the single-sequence speed-up over plain decoding.
   measurements follow in the order above; one that would start past the budget is skipped and listed.
 
     python benchmarks/speculative.py --target runs/k3-tiny --out benchmarks/results/   # CPU
-    python benchmarks/speculative.py --train-target k3-small --device cuda --budget-s 330 \\
-        --data CORPUS --out OUT_DIR                                                  # one H200, ~6 min
+    python benchmarks/speculative.py --train-target k3-small --device cuda --data CORPUS --work /tmp/spec \\
+        --budget-s 240 --target-steps 3000 --target-batch-size 32 --target-seq-len 256 --draft-steps 1000 \\
+        --batch-size 32 --seq-len 128 --gen-windows 128 --eval-batches 16 --streams 1,64 --new-tokens 64 \\
+        --ks 1,3,5 --prompts 1 --out OUT_DIR                                        # one H200, ~5 min
 
 Prints a Markdown report; ``--out`` is a ``.md`` file or a folder (which receives ``speculative_<device>.md``
 and ``.json``).
