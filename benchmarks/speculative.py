@@ -186,7 +186,7 @@ def train_target(args, clock: Clock) -> tuple[Path, dict]:
         preset=args.train_target, data=args.data, out=str(work / args.train_target),
         steps=args.target_steps, batch_size=args.target_batch_size,
         context_schedule=[(0, args.target_seq_len)], lr=args.target_lr,
-        warmup_steps=max(1, args.target_steps // 20), eval_every=args.target_steps, save_every=args.target_steps,
+        warmup_steps=max(1, min(20, args.target_steps // 10)), eval_every=args.target_steps, save_every=args.target_steps,
         final_eval_batches=8, device=args.device, compile=False, sample_prompt=None, seed=args.seed,
     )  # fmt: skip
     first = min(TIMED_STEPS, args.target_steps)
