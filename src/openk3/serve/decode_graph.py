@@ -17,8 +17,9 @@ sync:
   (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_latents_padded`, ``N·bs`` tokens, a key mask), the
   new latent of position ``p`` written at ``table[p // bs]``, offset ``p % bs``; a padding row writes back
   the value it read at null block 0, so block 0 stays zero;
-* the last position's logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer, copied to pinned host memory
-  without blocking; the host waits once, when it reads the tokens.
+* the last position's logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer; the host reads the
+  ``n`` real rows once (``tolist``: one device→host copy, the step's only host wait). The inputs go the other
+  way from pinned host memory without blocking.
 
 On CUDA the step is captured once per ``(B, T, N)`` (after two warm-up runs on a side stream, all rows padding,
 so no request's state or latent changes) and replayed; elsewhere :meth:`StaticDecode.forward`, the same
@@ -142,7 +143,6 @@ class DecodeGraphs:
         self.max_bucket = bucket_of(max_batch)
         self.steps: dict[tuple[int, int, int], StaticDecode] = {}
         self.pinned = storage.pages.device.type == "cuda"
-        self.host_B = torch.zeros(self.max_bucket, dtype=torch.int64, pin_memory=self.pinned)
         self.host_inputs = torch.zeros(
             self.max_bucket * 4, dtype=torch.int64, pin_memory=self.pinned
         )  # grows
@@ -198,9 +198,4 @@ class DecodeGraphs:
             step.graph.replay()
         else:
             step.forward(states)
-        if not step.next_B.is_cuda:
-            return step.next_B[:n].tolist()
-        out = self.host_B[:B]
-        out.copy_(step.next_B, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the step's one host wait: the tokens are needed now
-        return out[:n].tolist()
+        return step.next_B[:n].tolist()  # the step's one host wait: one device→host copy of n tokens

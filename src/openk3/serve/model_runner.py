@@ -18,7 +18,8 @@ With a draft (:mod:`openk3.serve.speculative`), the speculative decodes of a ste
 verified through the paged forward; the other chunks run as above.
 
 Sampling reuses :func:`openk3.generate.sample_next` per request (temperature 0 = argmax; ``seed`` gives the
-request its own generator); greedy rows cost one ``argmax`` and one device→host copy per batch.
+request its own generator, on the model's device); a batch's tokens, greedy or drawn, come back in one
+device→host copy.
 
 Legend: ``B`` requests, ``N`` packed requests, ``T`` chunk tokens, ``V`` vocabulary.
 """
@@ -186,21 +187,29 @@ class ModelRunner:
 
 
 def sample_tokens(requests: list[Request], logits_BV: torch.Tensor) -> list[int]:
-    """One token per row with each request's sampling parameters (no host sync for greedy rows until the
-    final ``tolist``)."""
+    """One token per row with each request's sampling parameters, read back in one device→host copy (the
+    batch's one host wait): greedy rows take the row's argmax, the others a draw on the device
+    (:func:`~openk3.generate.sample_next` with the request's generator, in row order)."""
     if not requests:
         return []
-    greedy = logits_BV.argmax(-1).tolist()
-    out = []
+    tokens_B = logits_BV.argmax(-1)
     for i, request in enumerate(requests):
         sp = request.sampling_params
-        if sp.temperature == 0:
-            out.append(greedy[i])
-        else:
-            out.append(
-                int(sample_next(logits_BV[i : i + 1], sp.temperature, sp.top_p, request.generator)[0, 0])
-            )
-    return out
+        if sp.temperature != 0:
+            generator = request_generator(request, logits_BV.device)
+            tokens_B[i : i + 1] = sample_next(logits_BV[i : i + 1], sp.temperature, sp.top_p, generator)[:, 0]
+    return tokens_B.tolist()
+
+
+def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
+    """The request's seeded generator on ``device`` (``None`` without a seed: the default generator).
+
+    A request builds its generator on the CPU; a draw on a GPU needs one of that GPU, so the first draw there
+    replaces it with one seeded the same way (its stream of numbers is the GPU's, not the CPU's)."""
+    generator = request.generator
+    if generator is not None and generator.device != device:
+        generator = request.generator = torch.Generator(device).manual_seed(request.sampling_params.seed)
+    return generator
 
 
 def record_logprobs(requests: list[Request], logits_BV: torch.Tensor, tokens: list[int]) -> None:
