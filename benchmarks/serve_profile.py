@@ -9,17 +9,17 @@ execute → update) between two device synchronisations:
 * **decode**: for each ``--streams`` ``n``, ``n`` requests of 32-token prompts are prefilled and run a few
   decode steps unprofiled, then ``--steps`` decode steps (``n`` tokens each) are profiled.
 
-Per step, counting only what happens inside ``engine.step()`` (a ``record_function`` range; the harness's
-own synchronisation after it and the profiler's are left out): ``step_ms`` (wall time of the step's call),
-``wait_ms`` (time the host spent blocked in those waits), ``host_ms`` (``step_ms − wait_ms``: the host's own
+Per step, counting only what happens inside ``engine.step()`` (a ``record_function`` range; the harness's own
+synchronisation after it and the profiler's are left out): ``step_ms`` (wall time of the step's call),
+``wait_ms`` (time blocked in the step's ``syncs``, below), ``host_ms`` (``step_ms − wait_ms``: the host's own
 work, inflated by the profiler's per-op cost), ``kernel_ms`` (sum of the device kernels' durations; 0 on a
-CPU), ``launches`` (kernel launches and CUDA-graph launches issued by the host), ``syncs`` (host waits on the
-device: ``cuda*Synchronize``, a blocking ``cudaMemcpy`` and ``aten::_local_scalar_dense``, i.e.
-``.item()``/``.tolist()`` of a device tensor; not counted on a CPU, where the latter only reads memory — CPU
-``grouped_mm`` calls it per expert), ``d2h_copies`` (``Memcpy DtoH`` on the device), ``ops`` (``aten::``
-calls). The report gives the median step of each setting, the median wall time of ``--steps`` further decode
-steps run without the profiler (``unprofiled_ms``: what a step costs), and the operators with the most self
-time over all profiled decode steps.
+CPU), ``kernels`` (device kernels run, those inside a CUDA graph included), ``launches`` (kernel launches and
+CUDA-graph launches issued by the host), ``syncs`` (host waits on the device: ``cuda*Synchronize``, a blocking
+``cudaMemcpy`` and ``aten::_local_scalar_dense``, i.e. ``.item()``/``.tolist()`` of a device tensor; not
+counted on a CPU, where the latter only reads memory — CPU ``grouped_mm`` calls it per expert), ``d2h_copies``
+(``Memcpy DtoH`` on the device), ``ops`` (``aten::`` calls). The report gives the median step of each setting,
+the median wall time of ``--steps`` further decode steps run without the profiler (``unprofiled_ms``: what a
+step costs), and the operators with the most self time over all profiled decode steps.
 
     python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 16384 --streams 1 64 \\
         --out OUT_DIR        # GPU: 8192-token chunks (a first chunk, then one continuing a cached prefix)
@@ -120,11 +120,12 @@ def step_summary(prof, tokens: int, cuda: bool) -> dict:
     events = list(prof.events())
     step = next(e for e in events if e.name == STEP and e.device_type == DeviceType.CPU)
     lo, hi = step.time_range.start, step.time_range.end
-    kernel_us, launches, d2h, ops, waits = 0.0, 0, 0, 0, []
+    kernel_us, kernels, launches, d2h, ops, waits = 0.0, 0, 0, 0, 0, []
     for e in events:
         if e.device_type == DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
             d2h += "Memcpy DtoH" in e.name
+            kernels += not e.name.startswith(("Memcpy", "Memset"))
         elif lo <= e.time_range.start and e.time_range.end <= hi:
             launches += e.name in LAUNCH_CALLS
             ops += e.name.startswith("aten::")
@@ -143,6 +144,7 @@ def step_summary(prof, tokens: int, cuda: bool) -> dict:
         "wait_ms": wait_us / 1e3,
         "host_ms": (step_us - wait_us) / 1e3,
         "kernel_ms": kernel_us / 1e3,
+        "kernels": kernels,
         "launches": launches,
         "syncs": syncs if cuda else None,
         "d2h_copies": d2h,
@@ -221,14 +223,17 @@ def top_ops(profs: list, n: int, cuda: bool) -> list[dict]:
 def markdown(report: dict) -> str:
     a, env = report["args"], report["env"]
     machine = f"GPU: {env['gpu']}, CUDA {env['cuda']}" if "gpu" in env else f"CPU: {env['cpu']}"
-    head = "| step | tokens | step ms | host ms | wait ms | kernel ms | launches | syncs | D→H copies | aten ops |"
-    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    head = (
+        "| step | tokens | step ms | host ms | wait ms | kernel ms | kernels | launches | syncs | D→H copies "
+        "| aten ops |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 
     def row(name: str, s: dict) -> str:
         syncs = "—" if s["syncs"] is None else f"{s['syncs']:.0f}"
         return (
             f"| {name} | {s['tokens']:.0f} | {s['step_ms']:.2f} | {s['host_ms']:.2f} | {s['wait_ms']:.2f} "
-            f"| {s['kernel_ms']:.2f} | {s['launches']:.0f} "
+            f"| {s['kernel_ms']:.2f} | {s['kernels']:.0f} | {s['launches']:.0f} "
             f"| {syncs} | {s['d2h_copies']:.0f} | {s['ops']:.0f} |"
         )
 

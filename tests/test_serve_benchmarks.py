@@ -85,5 +85,5 @@ def test_profiled_decode_steps(serve_profile):
     for s in steps:
         assert s["tokens"] == 3 and s["host_ms"] > 0 and s["ops"] > 0
         assert s["step_ms"] == s["host_ms"] and s["wait_ms"] == 0  # no device to wait for on a CPU
-        assert s["kernel_ms"] == 0 and s["launches"] == 0 and s["syncs"] is None
+        assert s["kernel_ms"] == s["kernels"] == 0 and s["launches"] == 0 and s["syncs"] is None
     assert serve_profile.median_step(steps)["tokens"] == 3
