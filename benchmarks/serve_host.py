@@ -12,12 +12,18 @@ launch call): the times are the host's alone, not the model's. ``--real`` runs t
 steps; each phase's median over those steps is reported in microseconds, and ``--cprofile K`` lists the
 ``K`` functions with the most own time over the timed steps.
 
+``--count-ops`` instead runs one real static decode step of one stream (eagerly, on the CPU) and counts the
+ATen operators it dispatches that write memory (views left out): on a GPU each is one kernel of the captured
+graph (the KDA state update is one Triton kernel there, a few operators here), listed per innermost module.
+
     python benchmarks/serve_host.py --streams 1 64 --block-size 512
+    python benchmarks/serve_host.py --preset k3-small --dtype bfloat16 --count-ops
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
@@ -27,6 +33,8 @@ import time
 from unittest import mock
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
@@ -45,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--real", action="store_true", help="run the model's forward, not the stand-in")
     p.add_argument("--cprofile", type=int, default=0, help="list this many functions by own time")
+    p.add_argument("--count-ops", action="store_true", help="count a real step's operators per module")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's weights")
     args = p.parse_args(argv)
     if args.steps < 1 or args.block_size < 1 or min(args.streams) < 1:
         p.error("--steps, --block-size and every --streams value must be at least 1")
@@ -109,10 +119,67 @@ def measure(model, args, n: int) -> dict:
     return result
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts dispatched ATen operators that write memory (not views), by the innermost running module."""
+
+    NO_KERNEL = (torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = ["(outside modules)"]
+        self.by_module: collections.Counter = collections.Counter()
+        self.by_op: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in self.NO_KERNEL:
+            self.by_module[self.stack[-1]] += 1
+            self.by_op[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(model: nn.Module, args) -> OpCounter:
+    """The operators of one static decode step of one stream (see the module docstring)."""
+    counter = OpCounter()
+    cache = CacheConfig(block_size=args.block_size, pool_mib=256)
+    engine = LLMEngine(model, EngineConfig(cache, SchedulerConfig(max_model_len=64), static_decode=True))
+    engine.add_request(Request("s", list(range(2, 2 + PROMPT)), SamplingParams(max_tokens=4)))
+    for _ in range(2):  # the prefill, a decode
+        engine.step()
+    pre = nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: counter.stack.append(type(m).__name__)
+    )
+    post = nn.modules.module.register_module_forward_hook(lambda m, a, o: counter.stack.pop() and None)
+    real = StaticDecode.forward
+
+    def counted(self, states):
+        with counter:
+            real(self, states)
+
+    try:
+        with mock.patch.object(StaticDecode, "forward", counted):
+            engine.step()
+    finally:
+        pre.remove()
+        post.remove()
+    return counter
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    model = openk3.build_model(openk3.get_preset(args.preset), dtype=torch.float32, seed=0).eval()
+    dtype = getattr(torch, args.dtype)
+    model = openk3.build_model(openk3.get_preset(args.preset), dtype=dtype, seed=0).eval()
+    if args.count_ops:
+        counter = count_ops(model, args)
+        total = sum(counter.by_op.values())
+        print(f"{total} operators that write memory, one decode step of {args.preset} ({args.dtype})")
+        print("\n| module | operators |\n|---|---:|")
+        for name, n in counter.by_module.most_common():
+            print(f"| {name} | {n} |")
+        print("\n| operator | calls |\n|---|---:|")
+        for name, n in counter.by_op.most_common(15):
+            print(f"| {name} | {n} |")
+        return []
     print(f"| streams | {' | '.join(PHASES)} | step (µs, median of {args.steps}) |")
     print("|---:|" + "---:|" * (len(PHASES) + 1))
     rows = []
