@@ -143,12 +143,16 @@ class DecodeGraphs:
         self.max_bucket = bucket_of(max_batch)
         self.steps: dict[tuple[int, int, int], StaticDecode] = {}
         self.pinned = storage.pages.device.type == "cuda"
-        self.host_inputs = torch.zeros(
-            self.max_bucket * 4, dtype=torch.int64, pin_memory=self.pinned
-        )  # grows
+        self._stage(self.max_bucket * 4)
         if self.has_kda:  # size the workspace for the largest bucket now, so its address never changes
             storage.gather_states([scratch_slot] * self.max_bucket)
             storage.flush_states()
+
+    def _stage(self, numel: int) -> None:
+        """A host buffer of ``numel`` int64 for the step's packed inputs (pinned on CUDA, so the copy to the
+        device does not block), written in place through its numpy view."""
+        self.host_inputs = torch.zeros(numel, dtype=torch.int64, pin_memory=self.pinned)
+        self.host_inputs_np = self.host_inputs.numpy()
 
     def supports(self, chunks) -> bool:
         """Whether a step's chunks (of one length) can run here: at most ``ABSORB_MAX_TOKENS`` tokens each,
@@ -190,10 +194,9 @@ class DecodeGraphs:
             + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)
         )  # fmt: skip
         if self.host_inputs.numel() < len(values):
-            self.host_inputs = torch.zeros(len(values), dtype=torch.int64, pin_memory=self.pinned)
-        host = self.host_inputs[: len(values)]
-        host.copy_(torch.tensor(values, dtype=torch.int64))
-        step.inputs.copy_(host, non_blocking=True)
+            self._stage(len(values))
+        self.host_inputs_np[: len(values)] = values  # no tensor built per step
+        step.inputs.copy_(self.host_inputs[: len(values)], non_blocking=True)
         if step.graph is not None:
             step.graph.replay()
         else:
