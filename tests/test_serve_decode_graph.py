@@ -272,14 +272,37 @@ def test_graph_engine_load_on_gpu():
     assert eng.pool.usage == 0.0
 
 
-@cuda
-@pytest.mark.gpu
-def test_graph_decode_step_waits_once_on_gpu():
-    """A steady decode step with CUDA graphs, under ``torch.profiler``: inside the step one host wait
-    (``cuda*Synchronize``, a blocking ``cudaMemcpy`` or ``_local_scalar_dense``) and one device→host copy."""
+GPU_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profiled_step(eng):
+    """One ``eng.step()`` under ``torch.profiler``: (its outputs, the host waits inside it — ``cuda*Synchronize``
+    or a blocking ``cudaMemcpy``; an ``.item()`` shows as one of these too —, the names of the device→host
+    copies, whether a CUDA graph was launched)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("engine_step"):
+            outs = eng.step()
+    events = list(prof.events())
+    step = next(e for e in events if e.name == "engine_step" and e.device_type == DeviceType.CPU)
+    inside = [
+        e.name
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and step.time_range.start <= e.time_range.start
+        and e.time_range.end <= step.time_range.end
+    ]
+    d2h = [e.name for e in events if e.device_type == DeviceType.CUDA and "DtoH" in e.name]
+    return outs, [n for n in inside if n in GPU_WAITS], d2h, "cudaGraphLaunch" in inside
+
+
+@cuda
+@pytest.mark.gpu
+def test_graph_decode_step_waits_once_on_gpu():
+    """A steady decode step with CUDA graphs: one host wait and one device→host copy (the tokens)."""
     eng = engine(build("cuda", torch.bfloat16), static=None)
     # the measured step computes positions 6, 11 and 4: no block boundary (no checkpoint copy), and the
     # (B, T, N) = (4, 1, 2) graph the step before captured
@@ -288,30 +311,29 @@ def test_graph_decode_step_waits_once_on_gpu():
         eng.add_request(r)
     while min(len(r.output_token_ids) for r in reqs) < 3:  # prefilled, graphs captured
         eng.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("engine_step"):
-            outs = eng.step()
-    assert len(outs) == 3
-    events = list(prof.events())
-    step = next(e for e in events if e.name == "engine_step" and e.device_type == DeviceType.CPU)
-    inside = [
-        e
-        for e in events
-        if e.device_type == DeviceType.CPU
-        and step.time_range.start <= e.time_range.start
-        and e.time_range.end <= step.time_range.end
-    ]
-    waits = [
-        e.name
-        for e in inside
-        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-        or e.name == "aten::_local_scalar_dense"
-    ]
-    d2h = [e.name for e in events if e.device_type == DeviceType.CUDA and "DtoH" in e.name]
+    outs, waits, d2h, graphed = profiled_step(eng)
+    assert len(outs) == 3 and graphed
     assert len(waits) == 1, waits
     assert len(d2h) == 1, d2h
-    assert any(e.name == "cudaGraphLaunch" for e in inside)
+
+
+@cuda
+@pytest.mark.gpu
+def test_prefill_steps_do_not_wait_on_gpu():
+    """A prompt prefilled in chunks (a first chunk, chunks continuing the cached prefix, KDA checkpoints
+    copied at block boundaries): steps that sample nothing never wait on the device; the one that samples
+    waits once, for the token. The same shapes ran once before (kernel compilation, autotuning)."""
+    eng = engine(build("cuda", torch.bfloat16), static=None)
+    eng.generate([Request("warm", prompts([100], seed=5)[0], SamplingParams(max_tokens=1))])
+    request = Request("p", prompts([100], seed=6)[0], SamplingParams(max_tokens=1))
+    eng.add_request(request)
+    per_step = []
+    while eng.has_unfinished_requests():
+        _, waits, d2h, _ = profiled_step(eng)
+        per_step.append((len(waits), len(d2h)))
+    assert eng.kv.num_checkpoints_stored > 0 and len(per_step) >= 3
+    assert per_step[:-1] == [(0, 0)] * (len(per_step) - 1), per_step
+    assert per_step[-1] == (1, 1), per_step
 
 
 @cuda
