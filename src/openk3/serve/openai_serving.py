@@ -143,10 +143,10 @@ class OpenAIServing:
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
         self.metrics, self.config = metrics, config
         self.hidden_ids = set(tokenizer.special_tokens.values())
+        """Special tokens are not written into the text (vLLM ``skip_special_tokens``)."""
         self._mailbox: LoopMailbox | None = None
         """How the engine thread's outputs reach the calls' queues on the serving event loop (one per loop:
         a call keeps the mailbox of the loop it started on)."""
-        """Special tokens are not written into the text (vLLM ``skip_special_tokens``)."""
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="openk3-tokenize")
 
     def close(self) -> None:
