@@ -1,9 +1,9 @@
 """Handing the engine thread's outputs to the asyncio event loop with one wake-up per burst.
 
-``loop.call_soon_threadsafe`` wakes the loop by writing to its self-pipe, a system call per call; called once
-per output, a step of 64 streams costs the engine thread ~0.2 ms (measured on the 2-core CPU of the tests),
-as much as the rest of its host work for that step. :class:`LoopMailbox` queues the outputs and wakes the loop
-once for all those posted before it runs.
+``loop.call_soon_threadsafe`` wakes the loop by writing to its self-pipe, a system call per call
+(``docs/references.md#one-host-wait-per-step``); called once per output, a step of many streams costs the
+engine thread as much as the rest of its host work for that step (``docs/LOG.md``). :class:`LoopMailbox`
+queues the outputs and wakes the loop once for all those posted before it runs.
 """
 
 from __future__ import annotations
