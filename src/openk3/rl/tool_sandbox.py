@@ -18,7 +18,6 @@ A command that exits non-zero is a normal result (the policy sees its output), n
 from __future__ import annotations
 
 import abc
-import shlex
 from dataclasses import dataclass
 
 
@@ -116,7 +115,7 @@ class E2BSandbox(ToolSandbox):
         except TimeoutException:
             return CommandResult(124, "", f"command timed out after {timeout_s} s")
         except Exception as e:
-            raise _died(self.sandbox_id, f"running {shlex.quote(command)[:80]}", e) from e
+            raise _died(self.sandbox_id, f"running {command[:80]!r}", e) from e
 
     def write_file(self, path: str, text: str) -> None:
         try:
