@@ -21,34 +21,14 @@ from openk3.rl.rollout import Trajectory
 from openk3.rl.tool_sandbox import E2BConnection, E2BSandboxes, SandboxDiedError
 from openk3.sandbox.api import owner_of
 from test_rl_agentic import CALL_END, TOK, call, no_tool, tool_user
-from test_sandbox import Server, _skip_reason, _vmm_pids
+from test_sandbox import _vmm_pids, server  # noqa: F401 (the fixture: a sandbox server in a thread)
 
 pytestmark = pytest.mark.slow
-KEY = "key-rl"
+KEY = "key-a"  # a key the server fixture accepts
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    from openk3.sandbox.image import build_image
-
-    try:
-        image = build_image()
-    except RuntimeError as e:
-        pytest.skip(f"guest image not buildable here: {e}")
-    root = tmp_path_factory.mktemp("rl-sandbox-state")
-    srv = Server(root, image, [KEY])
-    yield srv, root
-    srv.stop()
-    for live in list(srv.manager._live.values()):
-        if live.vm is not None:
-            live.vm.kill()
-
-
-def test_agentic_rollouts_in_microvms(server):
-    srv, root = server
+def test_agentic_rollouts_in_microvms(server):  # noqa: F811 (the imported fixture)
+    srv, root = server["srv"], server["root"]
     owner = owner_of(KEY)
 
     def state_of(sandbox_id: str) -> str:
