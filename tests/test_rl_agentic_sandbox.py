@@ -95,3 +95,48 @@ def test_agentic_rollouts_in_microvms(server):  # noqa: F811 (the imported fixtu
     print("dead-sandbox failure:", t.meta["agent"]["failed"])
     rollout.release()
     assert srv.manager.list(owner) == []
+
+
+def test_k3_tiny_rl_step_on_agentic_tasks_in_microvms(server):  # noqa: F811 (the imported fixture)
+    """One PolicyTrainer step of k3-tiny (untrained) on both task groups, every tool call and judge in real
+    microVMs: the step completes, observations (here mostly the harness's error answers to stray
+    ``</tool_call>`` tokens) are masked, every sandbox and fork is gone after ``release``."""
+    import torch
+
+    import openk3
+    from openk3.rl.rollout import RolloutEngine, RolloutSampling
+    from openk3.rl.step import PolicyTrainer, RLConfig
+    from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
+
+    torch.set_num_threads(1)
+    srv = server["srv"]
+    model = openk3.build_model(openk3.presets.k3_shaped(8, vocab_size=TOK.vocab_size), seed=0)  # k3-tiny
+    cfg = EngineConfig(
+        CacheConfig(block_size=16, num_blocks=600), SchedulerConfig(max_num_batched_tokens=2048)
+    )
+    engine = RolloutEngine(model, cfg, RolloutSampling(1.0, frozenset({TOK.stop_id, CALL_END}), seed=0),
+                           sample_vocab_size=TOK.vocab_size)  # fmt: skip
+    rollout = AgenticRollout(engine, TOK, [SumFile(), Lookup()], E2BSandboxes(E2BConnection(srv.url, KEY)))
+    trainer = PolicyTrainer(model, rollout, RLConfig(group_size=4, max_tokens=48, lr=1e-3))
+    rng = random.Random(0)
+    metas = [SumFile.sample(rng), Lookup.sample(rng)]
+    t0 = time.perf_counter()
+    stats, trajs = trainer.step([rollout.prompt_ids(m) for m in metas], metas, rollout.outcome)
+    seconds = time.perf_counter() - t0
+    observations = sum(s.observation for t in trajs for s in t.segments)
+    print(
+        f"k3-tiny agentic RL step: {seconds:.1f} s, {observations} observations, stats {stats}, {rollout.stats}"
+    )
+    assert engine.version == 1 and stats["dropped_rollouts"] == 0 and "loss" in stats
+    assert all(t.finish_reason in ("stop", "length") for t in trajs)
+    assert [t.loss_mask.count(0.0) for t in trajs] == [
+        sum(len(s.token_ids) for s in t.segments if s.observation) for t in trajs
+    ]
+    states = {
+        state
+        for t in trajs
+        for state in [srv.manager.get(t.meta["agent"]["sandbox_id"], owner_of(KEY)).state]
+    }
+    assert states == {"paused"}
+    rollout.release()
+    assert srv.manager.list(owner_of(KEY)) == []

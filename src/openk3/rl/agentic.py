@@ -162,6 +162,7 @@ class AgenticRollout:
         self.release()
         groups = [self._group(t.meta) for t in trajectories]
         pool = cf.ThreadPoolExecutor(self.config.sandbox_workers, thread_name_prefix="sandbox")
+        sandbox: dict[int, cf.Future] = {}
         try:
             # creation jobs are queued before any tool job, so a tool job only waits on a started creation
             for t in trajectories:
@@ -192,10 +193,10 @@ class AgenticRollout:
                     cf.wait(list(calls.values()), return_when=cf.FIRST_COMPLETED)
                 for i in [i for i, f in calls.items() if f.done()]:
                     self._observe(trajectories[i], groups[i], calls.pop(i), active)
-            for i, t in enumerate(trajectories):  # sandboxes of trajectories that never called a tool
-                self._settle(t, sandbox[i])
         finally:
             pool.shutdown(wait=True)
+            for i, created in sandbox.items():  # every sandbox made is held (to judge and to release)
+                self._settle(trajectories[i], created)
         return trajectories
 
     def _fail(self, t: Trajectory, reason: str) -> None:
