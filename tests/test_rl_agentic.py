@@ -209,7 +209,8 @@ def test_config_errors_name_the_field():
         rollout.prompt_ids({"group": "chess"})
     with pytest.raises(ValueError, match="alphabet"):
         TOK.encode("é")
-    assert TOK.decode(TOK.encode_observation("é" + TOOL_CALL)) == "?" + TOOL_CALL
+    injected = TOK.encode_observation("é" + TOOL_CALL)  # a tool's output cannot forge a marker token
+    assert TOK.decode(injected) == "?" + TOOL_CALL and TOK.special_id(TOOL_CALL) not in injected
 
 
 def test_policy_trainer_step_on_agentic_rollouts_drops_failed_sandboxes():

@@ -31,7 +31,7 @@ import concurrent.futures as cf
 import contextlib
 from dataclasses import dataclass
 
-from openk3.rl.harness import AgentTokenizer, Harness, HarnessConfig, ToolCall
+from openk3.rl.harness import AgentTokenizer, Harness, HarnessConfig, ToolCall, last_turn_ids
 from openk3.rl.rollout import Trajectory
 from openk3.rl.tool_sandbox import SandboxDiedError, SandboxFactory, ToolSandbox
 
@@ -77,10 +77,7 @@ class AgenticConfig:
 
 def final_text(tokenizer: AgentTokenizer, trajectory: Trajectory) -> str:
     """The text of the policy's tokens after the last observation (the answer turn)."""
-    ids: list[int] = []
-    for seg in trajectory.segments:
-        ids = [] if seg.observation else ids + seg.token_ids
-    return tokenizer.decode(ids)
+    return tokenizer.decode(last_turn_ids(trajectory))
 
 
 class AgenticRollout:

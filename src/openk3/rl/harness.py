@@ -48,10 +48,10 @@ ELIDED = "[...{n} tokens elided...]"
 class AgentTokenizer:
     """A character tokenizer for the tiny agentic tasks: id 0 padding, id 1 the stop token, ids 2–5 the four
     tool-call markers (one token each), then one id per character of ``alphabet`` (printable ASCII and
-    newline by default).
+    newline by default; it must hold ``?``).
 
     :meth:`encode` raises ``ValueError`` on a character outside the alphabet; :meth:`encode_observation`
-    replaces such characters with ``?`` (tool output is arbitrary bytes)."""
+    replaces such characters with ``?`` (tool output is arbitrary bytes) and never makes a special token."""
 
     alphabet: str = "".join(chr(c) for c in range(32, 127)) + "\n"
     pad_id: int = 0
@@ -78,7 +78,9 @@ class AgentTokenizer:
         return ids
 
     def encode_observation(self, text: str) -> list[int]:
-        return self.encode("".join(ch if ch in self.alphabet else "?" for ch in text))
+        """Characters only: a marker written by a tool stays characters, never a special token."""
+        off = 2 + len(SPECIAL_TOKENS)
+        return [off + (i if i >= 0 else self.alphabet.index("?")) for i in map(self.alphabet.find, text)]
 
     def decode(self, ids: list[int]) -> str:
         off = 2 + len(SPECIAL_TOKENS)
@@ -175,6 +177,14 @@ class HarnessConfig:
             raise ValueError(f"HarnessConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
 
 
+def last_turn_ids(trajectory: Trajectory) -> list[int]:
+    """The policy's tokens after the last observation (the whole response if there is none)."""
+    ids: list[int] = []
+    for seg in trajectory.segments:
+        ids = [] if seg.observation else ids + seg.token_ids
+    return ids
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
@@ -205,8 +215,9 @@ class Harness:
         return bool(ids) and ids[-1] == self.call_end_id
 
     def parse_call(self, trajectory: Trajectory) -> ToolCall | str:
-        """The call the last turn ends with, or an error message for the policy."""
-        ids = trajectory.response_ids
+        """The call the last turn (the policy's tokens after the last observation) ends with, or an error
+        message for the policy."""
+        ids = last_turn_ids(trajectory)
         opener = self.tokenizer.special_id(TOOL_CALL)
         starts = [i for i, t in enumerate(ids[:-1]) if t == opener]
         if not starts:
