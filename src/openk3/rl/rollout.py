@@ -113,6 +113,7 @@ class Trajectory:
 
     @property
     def num_generated(self) -> int:
+        """Response tokens, observation segments included (``max_tokens`` bounds this)."""
         return sum(len(s.token_ids) for s in self.segments)
 
     @property
