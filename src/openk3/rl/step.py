@@ -103,7 +103,8 @@ class PolicyTrainer:
         behav_BT = torch.zeros_like(logp_BT)
         for b, t in enumerate(trajs):
             behav_BT[b, : t.num_generated] = torch.tensor(t.behaviour_logprobs)
-            mask_BT[b, : t.num_generated] *= torch.tensor(train_mask(t, self.engine.version, "correct"))
+            keep = torch.tensor(train_mask(t, self.engine.version, "correct")) * torch.tensor(t.loss_mask)
+            mask_BT[b, : t.num_generated] *= keep
         mask_BT = mask_BT * keep_PG.reshape(-1, 1).float()
         adv_BT = adv_PG.reshape(-1, 1).expand(-1, T).clone()
         dense_mean = 0.0
