@@ -8,7 +8,9 @@ Every ``eval_every`` steps it is scored on a fixed held-out set drawn from anoth
   forced, the answers before it given);
 * ``token_accuracy``: the fraction of answer tokens predicted.
 
-At the end, ``extrapolate`` lengths (multiples of the training length) are scored with the trained number
+With ``stop_at``, training ends at the first evaluation whose exact-match accuracy reaches it (steps to
+solve is the paper's measure, and a solved cell frees its device for the others). At the end,
+``extrapolate`` lengths (multiples of the training length) are scored with the trained number
 of items, only the noise growing. Everything is deterministic given the seed on the CPU (the GPU's kernels
 may round differently from run to run).
 """
@@ -47,6 +49,9 @@ class CellConfig:
     eval_every: int = 50
     eval_size: int = 128
     """Held-out sequences scored at each evaluation."""
+    stop_at: float | None = None
+    """Stop training at the first evaluation with exact-match accuracy ≥ this (e.g. 0.99); ``None``: run
+    all ``steps``. The learning-rate schedule is always laid over ``steps``."""
     extrapolate: list[int] = field(default_factory=list)
     """Multiples of ``seq_len`` scored at the end (e.g. ``[4, 8]``)."""
     size: MixerSize = field(default_factory=MixerSize)
@@ -73,6 +78,10 @@ class CellConfig:
             raise ValueError(f"CellConfig.extrapolate={self.extrapolate!r} is invalid: expected ints >= 1")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"CellConfig.lr={self.lr!r} is invalid: expected a finite number > 0")
+        if self.stop_at is not None and not 0 < self.stop_at <= 1:
+            raise ValueError(
+                f"CellConfig.stop_at={self.stop_at!r} is invalid: expected None or a number in (0, 1]"
+            )
 
 
 def _to_device(batch, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +120,17 @@ def _lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> dict:
+def run_cell(
+    config: CellConfig, log: Callable[[dict], None] | None = None, deadline: float | None = None
+) -> dict:
     """Train and score one cell; returns its result (JSON-serialisable).
 
     Keys: ``config``, ``params``, ``curve`` (``step``, ``accuracy``, ``token_accuracy``, ``loss``,
     ``train_loss`` per evaluation, step 0 included), ``final`` (the last evaluation), ``steps_to_full``
-    (first step with accuracy ≥ :data:`FULL_ACCURACY`, or None), ``extrapolation`` (``{length: scores}``),
-    ``seconds``. ``log`` receives each curve point as it is measured."""
+    (first step with accuracy ≥ :data:`FULL_ACCURACY`, or None), ``stopped`` (``"steps"``: all steps ran,
+    ``"solved"``: ``stop_at`` reached, ``"deadline"``: cut at ``deadline``), ``extrapolation``
+    (``{length: scores}``), ``seconds``. ``log`` receives each curve point as it is measured. ``deadline``
+    (``time.time()`` seconds) ends training at the first evaluation after it, keeping the curve so far."""
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
@@ -133,7 +146,7 @@ def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> d
     )
     train_rng, held_rng = np.random.default_rng([config.seed, 0]), np.random.default_rng([config.seed, 1])
     held_out = make_batch(config.task, config.eval_size, config.seq_len, config.items, held_rng)
-    curve, steps_to_full, train_loss = [], None, float("nan")
+    curve, steps_to_full, train_loss, stopped = [], None, float("nan"), "steps"
     start = time.perf_counter()
     for step in range(config.steps + 1):
         if step % config.eval_every == 0 or step == config.steps:
@@ -143,7 +156,11 @@ def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> d
                 log(point)
             if steps_to_full is None and point["accuracy"] >= FULL_ACCURACY:
                 steps_to_full = step
-        if step == config.steps:
+            if config.stop_at is not None and point["accuracy"] >= config.stop_at:
+                stopped = "solved"
+            elif deadline is not None and step < config.steps and time.time() >= deadline:
+                stopped = "deadline"
+        if step == config.steps or stopped != "steps":
             break
         for group in optimizer.param_groups:
             group["lr"] = config.lr * _lr_factor(step, config.steps)
@@ -170,6 +187,7 @@ def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> d
         "curve": curve,
         "final": curve[-1],
         "steps_to_full": steps_to_full,
+        "stopped": stopped,
         "extrapolation": extrapolation,
         "seconds": time.perf_counter() - start,
     }
