@@ -44,9 +44,14 @@ class Grid:
     mixers: list[str]
     lengths: list[int]
     """Training lengths (tokens per sequence)."""
+    curriculum: bool
+    """True: one cell per task, mixer and seed trains at the lengths in increasing order, a stage each
+    (:attr:`~openk3.synthetic.cell.CellConfig.curriculum`); False: a cell per length, from scratch."""
     seeds: list[int]
     items: dict[str, int]
     """Items per sequence by task, the same at every length (longer sequences: more noise between them)."""
+    noise: int
+    """Noise symbols filling the gaps (1: one filler token, up to 120)."""
     steps: int
     """Most training steps of a cell (the schedule's length)."""
     batch_size: int
@@ -70,14 +75,15 @@ class Grid:
 
 GRIDS = {
     "cpu": Grid(
-        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], seeds=[0],
-        items={"palindrome": 2, "mqar": 2, "stack": 2}, steps=300, batch_size=32,
+        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], curriculum=False, seeds=[0],
+        items={"palindrome": 2, "mqar": 2, "stack": 2}, noise=120, steps=300, batch_size=32,
         lr={m: 1e-2 for m in MIXERS}, size=dict(hidden_size=64, num_layers=1, num_heads=2, head_dim=32),
         eval_every=25, eval_size=64, stop_at=None, workers=2,
     ),
     "gpu": Grid(
-        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[256, 512, 1024], seeds=[0, 1],
-        items={"palindrome": 8, "mqar": 8, "stack": 8}, steps=1500, batch_size=32,
+        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[256, 512, 1024], curriculum=True,
+        seeds=[0, 1],
+        items={"palindrome": 8, "mqar": 8, "stack": 8}, noise=120, steps=1500, batch_size=32,
         lr={"kda": 3e-3, "gdn": 3e-3, "decay": 3e-3, "mla": 1e-3, "hybrid": 3e-3},
         size=dict(hidden_size=128, num_layers=2, num_heads=2, head_dim=64),
         eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=12, budget_s=420,
@@ -95,11 +101,12 @@ def cell_id(c: CellConfig | dict) -> str:
 
 def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellConfig]:
     """The cells of grid ``name``, seed by seed (a cut loses seeds, not whole rows), the longest lengths first
-    in each seed (the slowest cells start early), each seed's hybrid cells after its controls."""
+    in each seed (the slowest cells start early) or one curriculum cell per task and mixer, each seed's hybrid
+    cells after its controls."""
     g = GRIDS[name]
     common = dict(
         steps=steps or g.steps, eval_every=g.eval_every, eval_size=g.eval_size, batch_size=g.batch_size,
-        stop_at=g.stop_at, device=device,
+        stop_at=g.stop_at, noise=g.noise, device=device,
     )  # fmt: skip
 
     def cell(task, mixer, length, seed, size=g.size, **extra) -> CellConfig:
@@ -109,8 +116,15 @@ def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellCon
         )  # fmt: skip
 
     cells = []
+    lengths = sorted(g.lengths)
     for seed in g.seeds:
-        for length in sorted(g.lengths, reverse=True):
+        if g.curriculum:
+            cells += [
+                cell(task, mixer, lengths[0], seed, curriculum=lengths[1:])
+                for task in g.tasks
+                for mixer in g.mixers
+            ]
+        for length in [] if g.curriculum else lengths[::-1]:
             cells += [cell(task, mixer, length, seed) for task in g.tasks for mixer in g.mixers]
         if g.hybrid:
             h = g.hybrid
@@ -249,10 +263,12 @@ def merge(paths: list[Path], out: Path) -> Path:
 
 
 def _group(cells: list[dict]) -> dict[tuple, list[dict]]:
+    """Results by ``(task, length, mixer)``: each stage of a curriculum cell counts at its own length."""
     groups: dict[tuple, list[dict]] = {}
     for r in cells:
         c = r["config"]
-        groups.setdefault((c["task"], c["seq_len"], c["mixer"]), []).append(r)
+        for stage in r.get("stages") or [{**r, "seq_len": c["seq_len"]}]:
+            groups.setdefault((c["task"], stage["seq_len"], c["mixer"]), []).append(stage)
     return groups
 
 
@@ -287,6 +303,14 @@ def render(path: Path) -> None:
         "Each entry: exact-match accuracy on the held-out set at the cell's last evaluation (a solved cell stops",
         "there), mean over seeds (min–max) / the mean step at which accuracy first reached 0.99 (seeds that",
         "reached it / seeds); — never reached; † a seed was cut by the time budget before its last step.",
+        *(
+            [
+                "Curriculum: each model trains at the lengths in increasing order, continuing from the previous",
+                "length; the steps at a longer length count from the start of that stage.",
+            ]
+            if data.get("preset", {}).get("curriculum")
+            else []
+        ),
         "",
         "| task | length | " + " | ".join(mixers) + " |",
         "|---|---|" + "---|" * len(mixers),

@@ -60,10 +60,41 @@ def test_stop_at_is_checked():
         CellConfig(stop_at=1.5)
 
 
+def test_a_curriculum_continues_the_model_at_each_longer_length(synthetic, monkeypatch):
+    lengths = []
+    real = cell_module.evaluate
+
+    def evaluate(model, batch, *args, **kwargs):
+        lengths.append(batch.tokens_NL.shape[1])
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(cell_module, "evaluate", evaluate)
+    config = CellConfig(
+        task="stack", mixer="kda", seq_len=24, curriculum=[40, 56], steps=2, eval_every=1, eval_size=4,
+        batch_size=2, extrapolate=[2], size=TINY,
+    )  # fmt: skip
+    result = run_cell(config)
+    assert [s["seq_len"] for s in result["stages"]] == [24, 40, 56]
+    assert [[p["step"] for p in s["curve"]] for s in result["stages"]] == [[0, 1, 2]] * 3
+    assert lengths == [24] * 3 + [40] * 3 + [56] * 3 + [112] and list(result["extrapolation"]) == ["112"]
+    assert result["curve"] == result["stages"][0]["curve"]
+    # the model carries over: stage 2 starts from stage 1's weights, so its first score is not a fresh model's
+    fresh = run_cell(CellConfig(**{**config.__dict__, "seq_len": 40, "curriculum": [], "extrapolate": []}))
+    assert result["stages"][1]["curve"][0]["loss"] != fresh["curve"][0]["loss"]
+    groups = synthetic._group([result])  # the table and plots: one entry per stage at its own length
+    assert sorted(groups) == [("stack", n, "kda") for n in (24, 40, 56)]
+    assert groups[("stack", 40, "kda")] == [result["stages"][1]]
+    cut = run_cell(config, deadline=time.time() - 1)
+    assert [s["seq_len"] for s in cut["stages"]] == [24] and cut["stopped"] == "deadline"
+    with pytest.raises(ValueError, match="curriculum"):
+        CellConfig(seq_len=64, curriculum=[32])
+
+
 def test_shards_partition_the_grid(synthetic):
     cells = synthetic.grid_cells("gpu", "cpu")
     ids = [synthetic.cell_id(c) for c in cells]
-    assert len(ids) == len(set(ids)) == 3 * 4 * 3 * 2 + 3 * 2
+    assert len(ids) == len(set(ids)) == (3 * 4 + 3) * 2
+    assert all(c.curriculum == [512, 1024] for c in cells if c.mixer != "hybrid")
     for n in (1, 2, 3, 5):
         shards = [
             [synthetic.cell_id(c) for c in synthetic.select(cells, (i, n), None)] for i in range(1, n + 1)
@@ -71,10 +102,10 @@ def test_shards_partition_the_grid(synthetic):
         assert sum(shards, []) == ids
     first, second = (synthetic.select(cells, (i, 2), None) for i in (1, 2))
     assert {c.seed for c in first} == {0} and {c.seed for c in second} == {1}
-    picked = synthetic.select(cells, None, ["mqar/kda/*", "stack/*/1024/1"])
+    picked = synthetic.select(cells, None, ["mqar/kda/*", "stack/*/256/1"])
     assert [synthetic.cell_id(c) for c in picked] == [
-        "mqar/kda/1024/0", "mqar/kda/512/0", "mqar/kda/256/0", "mqar/kda/1024/1", "stack/kda/1024/1",
-        "stack/gdn/1024/1", "stack/decay/1024/1", "stack/mla/1024/1", "mqar/kda/512/1", "mqar/kda/256/1",
+        "mqar/kda/256/0", "mqar/kda/256/1", "stack/kda/256/1", "stack/gdn/256/1", "stack/decay/256/1",
+        "stack/mla/256/1", "stack/hybrid/256/1",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="no cell"):
         synthetic.select(cells, None, ["copy/*"])

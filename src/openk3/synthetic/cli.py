@@ -58,6 +58,12 @@ def add_parser(sub) -> None:
         "--eval-size", dest="eval_size", type=_positive(int), default=128, help="held-out sequences"
     )
     p.add_argument(
+        "--stop-at",
+        dest="stop_at",
+        type=_positive(float),
+        help="stop once held-out exact-match accuracy reaches this (e.g. 0.99); default: run every step",
+    )
+    p.add_argument(
         "--extrapolate", type=_ints, default=[], help="multiples of seq-len scored at the end, e.g. 4,8"
     )
     p.add_argument("--hidden-size", dest="hidden_size", type=_positive(int), default=128, help="model width")
@@ -78,7 +84,7 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
     config = CellConfig(
         task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, seed=args.seed,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-        eval_size=args.eval_size, extrapolate=args.extrapolate, size=size, device=args.device,
+        eval_size=args.eval_size, stop_at=args.stop_at, extrapolate=args.extrapolate, size=size, device=args.device,
     )  # fmt: skip
 
     def log(point: dict) -> None:
