@@ -53,7 +53,9 @@ class Grid:
     noise: int
     """Noise symbols filling the gaps (1: one filler token, up to 120)."""
     steps: int
-    """Most training steps of a cell (the schedule's length)."""
+    """Most training steps of a cell, or of a curriculum's first stage (the schedule's length)."""
+    curriculum_steps: int | None
+    """Most steps of each later curriculum stage (the model arrives trained); ``None``: ``steps``."""
     batch_size: int
     """Sequences per step, the same at every length (each step sees the same number of task instances)."""
     lr: dict[str, float]
@@ -76,17 +78,17 @@ class Grid:
 GRIDS = {
     "cpu": Grid(
         tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], curriculum=False, seeds=[0],
-        items={"palindrome": 2, "mqar": 2, "stack": 2}, noise=120, steps=300, batch_size=32,
+        items={"palindrome": 2, "mqar": 2, "stack": 2}, noise=120, steps=300, curriculum_steps=None, batch_size=32,
         lr={m: 1e-2 for m in MIXERS}, size=dict(hidden_size=64, num_layers=1, num_heads=2, head_dim=32),
         eval_every=25, eval_size=64, stop_at=None, workers=2,
     ),
     "gpu": Grid(
         tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[256, 512, 1024], curriculum=True,
         seeds=[0, 1],
-        items={"palindrome": 8, "mqar": 8, "stack": 8}, noise=120, steps=1500, batch_size=32,
-        lr={"kda": 3e-3, "gdn": 3e-3, "decay": 3e-3, "mla": 1e-3, "hybrid": 3e-3},
+        items={"palindrome": 4, "mqar": 4, "stack": 8}, noise=120, steps=1200, curriculum_steps=600, batch_size=64,
+        lr={m: 3e-3 for m in MIXERS},
         size=dict(hidden_size=128, num_layers=2, num_heads=2, head_dim=64),
-        eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=12, budget_s=420,
+        eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=15, budget_s=420,
         hybrid=dict(length=256, extrapolate=[4, 8],
                     size=dict(hidden_size=128, num_layers=4, num_heads=2, head_dim=64)),
     ),
@@ -105,7 +107,7 @@ def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellCon
     cells after its controls."""
     g = GRIDS[name]
     common = dict(
-        steps=steps or g.steps, eval_every=g.eval_every, eval_size=g.eval_size, batch_size=g.batch_size,
+        steps=steps or g.steps, curriculum_steps=g.curriculum_steps, eval_every=g.eval_every, eval_size=g.eval_size, batch_size=g.batch_size,
         stop_at=g.stop_at, noise=g.noise, device=device,
     )  # fmt: skip
 

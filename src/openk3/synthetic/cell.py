@@ -59,7 +59,9 @@ class CellConfig:
     all ``steps``. The learning-rate schedule is always laid over ``steps``."""
     curriculum: list[int] = field(default_factory=list)
     """Longer lengths trained after ``seq_len``, in order, continuing the same model and optimizer (each a
-    stage of up to ``steps`` steps with its own warmup and cosine, ending early at ``stop_at``)."""
+    stage of up to ``curriculum_steps`` steps with its own warmup and cosine, ending early at ``stop_at``)."""
+    curriculum_steps: int | None = None
+    """Most steps of each curriculum stage after the first; ``None``: ``steps``."""
     extrapolate: list[int] = field(default_factory=list)
     """Multiples of the last trained length scored at the end (e.g. ``[4, 8]``)."""
     size: MixerSize = field(default_factory=MixerSize)
@@ -71,7 +73,9 @@ class CellConfig:
             raise ValueError(f"CellConfig.mixer={self.mixer!r} is invalid: choose one of {', '.join(MIXERS)}")
         if isinstance(self.size, dict):
             self.size = MixerSize(**self.size)
-        for name in ("seq_len", "steps", "batch_size", "eval_every", "eval_size"):
+        if self.curriculum_steps is None:
+            self.curriculum_steps = self.steps
+        for name in ("seq_len", "steps", "curriculum_steps", "batch_size", "eval_every", "eval_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CellConfig.{name}={value!r} is invalid: expected an int >= 1")
@@ -173,7 +177,10 @@ def run_cell(
     for i, length in enumerate([config.seq_len, *config.curriculum]):
         held_rng = np.random.default_rng([config.seed, 1] if i == 0 else [config.seed, 1, length])
         held_out = make_batch(config.task, config.eval_size, length, config.items, held_rng, config.noise)
-        stages.append(_train_stage(model, optimizer, config, length, held_out, train_rng, log, deadline))
+        steps = config.steps if i == 0 else config.curriculum_steps
+        stages.append(
+            _train_stage(model, optimizer, config, length, steps, held_out, train_rng, log, deadline)
+        )
         if stages[-1]["stopped"] == "deadline":
             break
     extrapolation = {}
@@ -194,14 +201,14 @@ def run_cell(
 
 
 def _train_stage(
-    model, optimizer, config: CellConfig, length: int, held_out, train_rng, log, deadline
+    model, optimizer, config: CellConfig, length: int, steps: int, held_out, train_rng, log, deadline
 ) -> dict:
-    """Up to ``config.steps`` steps at ``length`` tokens (warmup and cosine over them); see :func:`run_cell`."""
+    """Up to ``steps`` steps at ``length`` tokens (warmup and cosine over them); see :func:`run_cell`."""
     device = next(model.parameters()).device
     curve, steps_to_full, train_loss, stopped = [], None, float("nan"), "steps"
     start = time.perf_counter()
-    for step in range(config.steps + 1):
-        if step % config.eval_every == 0 or step == config.steps:
+    for step in range(steps + 1):
+        if step % config.eval_every == 0 or step == steps:
             point = {"step": step, **evaluate(model, held_out, device), "train_loss": train_loss}
             curve.append(point)
             if log is not None:
@@ -210,12 +217,12 @@ def _train_stage(
                 steps_to_full = step
             if config.stop_at is not None and point["accuracy"] >= config.stop_at:
                 stopped = "solved"
-            elif deadline is not None and step < config.steps and time.time() >= deadline:
+            elif deadline is not None and step < steps and time.time() >= deadline:
                 stopped = "deadline"
-        if step == config.steps or stopped != "steps":
+        if step == steps or stopped != "steps":
             break
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * _lr_factor(step, config.steps)
+            group["lr"] = config.lr * _lr_factor(step, steps)
         tokens_NL, answer_NL = _to_device(
             make_batch(config.task, config.batch_size, length, config.items, train_rng, config.noise), device
         )
