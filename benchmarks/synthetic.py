@@ -32,6 +32,7 @@ import torch
 
 from openk3.synthetic.cell import FULL_ACCURACY, CellConfig, run_cell
 from openk3.synthetic.mixers import MIXERS, MixerSize
+from openk3.synthetic.tasks import TASKS
 
 CONTROLS = ["kda", "gdn", "decay", "mla"]
 
@@ -50,8 +51,8 @@ class Grid:
     seeds: list[int]
     items: dict[str, int]
     """Items per sequence by task, the same at every length (longer sequences: more noise between them)."""
-    noise: int
-    """Noise symbols filling the gaps (1: one filler token, up to 120)."""
+    noise: dict[str, int]
+    """Noise symbols filling the gaps, by task (1: one filler token, up to 120)."""
     steps: int
     """Most training steps of a cell, or of a curriculum's first stage (the schedule's length)."""
     curriculum_steps: int | None
@@ -78,15 +79,16 @@ class Grid:
 GRIDS = {
     "cpu": Grid(
         tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], curriculum=False, seeds=[0],
-        items={"palindrome": 2, "mqar": 2, "stack": 2}, noise=120, steps=300, curriculum_steps=None, batch_size=32,
-        lr={m: 1e-2 for m in MIXERS}, size=dict(hidden_size=64, num_layers=1, num_heads=2, head_dim=32),
+        items={"palindrome": 2, "mqar": 2, "stack": 2}, noise={t: 120 for t in TASKS},
+        steps=300, curriculum_steps=None, batch_size=32, lr={m: 1e-2 for m in MIXERS},
+        size=dict(hidden_size=64, num_layers=1, num_heads=2, head_dim=32),
         eval_every=25, eval_size=64, stop_at=None, workers=2,
     ),
     "gpu": Grid(
         tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[256, 512, 1024], curriculum=True,
-        seeds=[0, 1],
-        items={"palindrome": 4, "mqar": 4, "stack": 8}, noise=120, steps=1200, curriculum_steps=600, batch_size=64,
-        lr={m: 3e-3 for m in MIXERS},
+        seeds=[0, 1], items={"palindrome": 4, "mqar": 4, "stack": 8},
+        noise={"palindrome": 1, "mqar": 120, "stack": 120},
+        steps=1200, curriculum_steps=600, batch_size=64, lr={m: 3e-3 for m in MIXERS},
         size=dict(hidden_size=128, num_layers=2, num_heads=2, head_dim=64),
         eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=15, budget_s=420,
         hybrid=dict(length=256, extrapolate=[4, 8],
@@ -107,13 +109,14 @@ def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellCon
     cells after its controls."""
     g = GRIDS[name]
     common = dict(
-        steps=steps or g.steps, curriculum_steps=g.curriculum_steps, eval_every=g.eval_every, eval_size=g.eval_size, batch_size=g.batch_size,
-        stop_at=g.stop_at, noise=g.noise, device=device,
+        steps=steps or g.steps, curriculum_steps=steps or g.curriculum_steps, eval_every=g.eval_every,
+        eval_size=g.eval_size, batch_size=g.batch_size,
+        stop_at=g.stop_at, device=device,
     )  # fmt: skip
 
     def cell(task, mixer, length, seed, size=g.size, **extra) -> CellConfig:
         return CellConfig(
-            task=task, mixer=mixer, seq_len=length, seed=seed, items=g.items[task], lr=g.lr[mixer],
+            task=task, mixer=mixer, seq_len=length, seed=seed, items=g.items[task], noise=g.noise[task], lr=g.lr[mixer],
             size=MixerSize(**size), **common, **extra,
         )  # fmt: skip
 
@@ -191,6 +194,7 @@ def run_grid(
     started are skipped. Returns the JSON's path: ``synthetic_<device>[.shard-i-of-n].json``."""
     start_wall, start = time.time(), time.perf_counter()
     cells = select(grid_cells(name, device, steps), shard, patterns)
+    out.mkdir(parents=True, exist_ok=True)
     label = device_label(device)
     suffix = f".shard-{shard[0]}-of-{shard[1]}" if shard else ""
     path = out / f"synthetic_{label}{suffix}.json"
@@ -387,7 +391,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="end the grid after this many seconds (default: the grid's)",
     )
-    parser.add_argument("--steps", type=int, help="most training steps per cell (default: the grid's)")
+    parser.add_argument(
+        "--steps", type=int, help="most training steps per cell and stage (default: the grid's)"
+    )
     parser.add_argument("--shard", type=parse_shard, help="run the i-th of n slices of the grid, i/n")
     parser.add_argument("--cells", action="append", help="keep cells whose task/mixer/length/seed matches")
     parser.add_argument("--render", help="only redraw the table and plots of this JSON")
