@@ -46,6 +46,12 @@ def add_parser(sub) -> None:
     p.add_argument("--mixer", choices=MIXERS, required=True, help="the sequence mixer of every layer")
     p.add_argument("--seq-len", dest="seq_len", type=_positive(int), default=256, help="tokens per sequence")
     p.add_argument("--items", type=_positive(int), help="items per sequence (default seq-len // 32)")
+    p.add_argument(
+        "--noise",
+        type=_positive(int),
+        default=120,
+        help="noise symbols filling the gaps (1: one filler token)",
+    )
     p.add_argument("--steps", type=_positive(int), default=600, help="training steps")
     p.add_argument(
         "--batch-size", dest="batch_size", type=_positive(int), default=32, help="sequences per step"
@@ -94,8 +100,8 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
 
     size = MixerSize(args.hidden_size, args.layers, args.heads, args.head_dim)
     config = CellConfig(
-        task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, seed=args.seed,
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+        task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, noise=args.noise,
+        seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         eval_size=args.eval_size, stop_at=args.stop_at, curriculum=args.curriculum,
         curriculum_steps=args.curriculum_steps, extrapolate=args.extrapolate, size=size, device=args.device,
     )  # fmt: skip
