@@ -57,6 +57,8 @@ class Grid:
     """Most training steps of a cell, or of a curriculum's first stage (the schedule's length)."""
     curriculum_steps: int | None
     """Most steps of each later curriculum stage (the model arrives trained); ``None``: ``steps``."""
+    curriculum_lr: float
+    """Peak learning rate of each later stage, as a fraction of the mixer's ``lr``."""
     batch_size: int
     """Sequences per step, the same at every length (each step sees the same number of task instances)."""
     lr: dict[str, float]
@@ -80,7 +82,7 @@ GRIDS = {
     "cpu": Grid(
         tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], curriculum=False, seeds=[0],
         items={"palindrome": 2, "mqar": 2, "stack": 2}, noise={t: 120 for t in TASKS},
-        steps=300, curriculum_steps=None, batch_size=32, lr={m: 1e-2 for m in MIXERS},
+        steps=300, curriculum_steps=None, curriculum_lr=1.0, batch_size=32, lr={m: 1e-2 for m in MIXERS},
         size=dict(hidden_size=64, num_layers=1, num_heads=2, head_dim=32),
         eval_every=25, eval_size=64, stop_at=None, workers=2,
     ),
@@ -88,7 +90,7 @@ GRIDS = {
         tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[256, 512, 1024], curriculum=True,
         seeds=[0, 1], items={"palindrome": 4, "mqar": 4, "stack": 8},
         noise={"palindrome": 1, "mqar": 120, "stack": 120},
-        steps=1200, curriculum_steps=600, batch_size=64, lr={m: 3e-3 for m in MIXERS},
+        steps=1200, curriculum_steps=600, curriculum_lr=0.3, batch_size=64, lr={m: 3e-3 for m in MIXERS},
         size=dict(hidden_size=128, num_layers=2, num_heads=2, head_dim=64),
         eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=15, budget_s=420,
         hybrid=dict(length=256, extrapolate=[4, 8],
@@ -109,7 +111,8 @@ def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellCon
     cells after its controls."""
     g = GRIDS[name]
     common = dict(
-        steps=steps or g.steps, curriculum_steps=steps or g.curriculum_steps, eval_every=g.eval_every,
+        steps=steps or g.steps, curriculum_steps=steps or g.curriculum_steps, curriculum_lr=g.curriculum_lr,
+        eval_every=g.eval_every,
         eval_size=g.eval_size, batch_size=g.batch_size,
         stop_at=g.stop_at, device=device,
     )  # fmt: skip

@@ -88,6 +88,8 @@ def test_a_curriculum_continues_the_model_at_each_longer_length(synthetic, monke
     assert [s["seq_len"] for s in cut["stages"]] == [24] and cut["stopped"] == "deadline"
     with pytest.raises(ValueError, match="curriculum"):
         CellConfig(seq_len=64, curriculum=[32])
+    with pytest.raises(ValueError, match="curriculum_lr"):
+        CellConfig(curriculum_lr=0.0)
 
 
 def test_shards_partition_the_grid(synthetic):

@@ -59,9 +59,13 @@ class CellConfig:
     all ``steps``. The learning-rate schedule is always laid over ``steps``."""
     curriculum: list[int] = field(default_factory=list)
     """Longer lengths trained after ``seq_len``, in order, continuing the same model and optimizer (each a
-    stage of up to ``curriculum_steps`` steps with its own warmup and cosine, ending early at ``stop_at``)."""
+    stage of up to ``curriculum_steps`` steps with its own warmup to ``curriculum_lr`` × ``lr`` and cosine,
+    ending early at ``stop_at``)."""
     curriculum_steps: int | None = None
     """Most steps of each curriculum stage after the first; ``None``: ``steps``."""
+    curriculum_lr: float = 0.3
+    """Peak learning rate of the stages after the first, as a fraction of ``lr`` (the model arrives trained;
+    warming up to the full ``lr`` again undoes part of what it learned)."""
     extrapolate: list[int] = field(default_factory=list)
     """Multiples of the last trained length scored at the end (e.g. ``[4, 8]``)."""
     size: MixerSize = field(default_factory=MixerSize)
@@ -103,6 +107,10 @@ class CellConfig:
             raise ValueError(f"CellConfig.extrapolate={self.extrapolate!r} is invalid: expected ints >= 1")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"CellConfig.lr={self.lr!r} is invalid: expected a finite number > 0")
+        if not (math.isfinite(self.curriculum_lr) and 0 < self.curriculum_lr <= 1):
+            raise ValueError(
+                f"CellConfig.curriculum_lr={self.curriculum_lr!r} is invalid: expected a number in (0, 1]"
+            )
         if self.stop_at is not None and not 0 < self.stop_at <= 1:
             raise ValueError(
                 f"CellConfig.stop_at={self.stop_at!r} is invalid: expected None or a number in (0, 1]"
@@ -177,9 +185,13 @@ def run_cell(
     for i, length in enumerate([config.seq_len, *config.curriculum]):
         held_rng = np.random.default_rng([config.seed, 1] if i == 0 else [config.seed, 1, length])
         held_out = make_batch(config.task, config.eval_size, length, config.items, held_rng, config.noise)
-        steps = config.steps if i == 0 else config.curriculum_steps
+        steps, lr = (
+            (config.steps, config.lr)
+            if i == 0
+            else (config.curriculum_steps, config.lr * config.curriculum_lr)
+        )
         stages.append(
-            _train_stage(model, optimizer, config, length, steps, held_out, train_rng, log, deadline)
+            _train_stage(model, optimizer, config, length, steps, lr, held_out, train_rng, log, deadline)
         )
         if stages[-1]["stopped"] == "deadline":
             break
@@ -201,9 +213,18 @@ def run_cell(
 
 
 def _train_stage(
-    model, optimizer, config: CellConfig, length: int, steps: int, held_out, train_rng, log, deadline
+    model,
+    optimizer,
+    config: CellConfig,
+    length: int,
+    steps: int,
+    lr: float,
+    held_out,
+    train_rng,
+    log,
+    deadline,
 ) -> dict:
-    """Up to ``steps`` steps at ``length`` tokens (warmup and cosine over them); see :func:`run_cell`."""
+    """Up to ``steps`` steps at ``length`` tokens (warmup to ``lr`` and cosine over them); see :func:`run_cell`."""
     device = next(model.parameters()).device
     curve, steps_to_full, train_loss, stopped = [], None, float("nan"), "steps"
     start = time.perf_counter()
@@ -222,7 +243,7 @@ def _train_stage(
         if step == steps or stopped != "steps":
             break
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * _lr_factor(step, steps)
+            group["lr"] = lr * _lr_factor(step, steps)
         tokens_NL, answer_NL = _to_device(
             make_batch(config.task, config.batch_size, length, config.items, train_rng, config.noise), device
         )

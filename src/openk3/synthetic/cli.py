@@ -82,6 +82,13 @@ def add_parser(sub) -> None:
         help="most steps of each curriculum stage (default: --steps)",
     )
     p.add_argument(
+        "--curriculum-lr",
+        dest="curriculum_lr",
+        type=_positive(float),
+        default=0.3,
+        help="peak learning rate of each curriculum stage as a fraction of --lr",
+    )
+    p.add_argument(
         "--extrapolate", type=_ints, default=[], help="multiples of seq-len scored at the end, e.g. 4,8"
     )
     p.add_argument("--hidden-size", dest="hidden_size", type=_positive(int), default=128, help="model width")
@@ -103,7 +110,8 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
         task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, noise=args.noise,
         seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
         eval_size=args.eval_size, stop_at=args.stop_at, curriculum=args.curriculum,
-        curriculum_steps=args.curriculum_steps, extrapolate=args.extrapolate, size=size, device=args.device,
+        curriculum_steps=args.curriculum_steps, curriculum_lr=args.curriculum_lr,
+        extrapolate=args.extrapolate, size=size, device=args.device,
     )  # fmt: skip
 
     def log(point: dict) -> None:
