@@ -72,8 +72,8 @@ class Grid:
     workers: int = 2
     """Default ``--workers``."""
     hybrid: dict | None = None
-    """``{"length", "extrapolate", "size"}``: the 3 KDA : 1 MLA model trained at ``length`` and scored at
-    ``extrapolate`` × ``length``; ``None``: no hybrid cells."""
+    """``{"lengths", "extrapolate", "size"}``: the 3 KDA : 1 MLA model trained at ``lengths`` (a curriculum
+    when several) and scored at ``extrapolate`` × the last of them; ``None``: no hybrid cells."""
     budget_s: float | None = None
     """Default ``--budget-s``."""
 
@@ -87,13 +87,13 @@ GRIDS = {
         eval_every=25, eval_size=64, stop_at=None, workers=2,
     ),
     "gpu": Grid(
-        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[256, 512, 1024], curriculum=True,
-        seeds=[0, 1], items={"palindrome": 4, "mqar": 4, "stack": 8},
+        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[64, 256, 512, 1024], curriculum=True,
+        seeds=[0, 1], items={"palindrome": 6, "mqar": 4, "stack": 6},
         noise={"palindrome": 1, "mqar": 120, "stack": 120},
-        steps=1200, curriculum_steps=600, curriculum_lr=0.3, batch_size=64, lr={m: 3e-3 for m in MIXERS},
+        steps=1200, curriculum_steps=500, curriculum_lr=0.3, batch_size=64, lr={m: 3e-3 for m in MIXERS},
         size=dict(hidden_size=128, num_layers=2, num_heads=2, head_dim=64),
         eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=15, budget_s=420,
-        hybrid=dict(length=256, extrapolate=[4, 8],
+        hybrid=dict(lengths=[64, 256], extrapolate=[4, 8],
                     size=dict(hidden_size=128, num_layers=4, num_heads=2, head_dim=64)),
     ),
 }  # fmt: skip
@@ -136,8 +136,9 @@ def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellCon
             cells += [cell(task, mixer, length, seed) for task in g.tasks for mixer in g.mixers]
         if g.hybrid:
             h = g.hybrid
+            first, *more = h["lengths"]
             cells += [
-                cell(task, "hybrid", h["length"], seed, h["size"], extrapolate=h["extrapolate"])
+                cell(task, "hybrid", first, seed, h["size"], curriculum=more, extrapolate=h["extrapolate"])
                 for task in g.tasks
             ]
     return cells
@@ -340,9 +341,10 @@ def render(path: Path) -> None:
         lines += ["|---|---|---|---|" + "---|" * len(lengths)]
         for r in sorted(hybrid, key=lambda r: (r["config"]["task"], r["config"]["seed"])):
             c, ex = r["config"], r["extrapolation"]
+            last = (r.get("stages") or [{**r, "seq_len": c["seq_len"]}])[-1]
             more = " | ".join(f"{ex[str(n)]['accuracy']:.2f}" if str(n) in ex else "" for n in lengths)
             lines.append(
-                f"| {c['task']} | {c['seq_len']} | {c['seed']} | {r['final']['accuracy']:.2f} | {more} |"
+                f"| {c['task']} | {last['seq_len']} | {c['seed']} | {last['final']['accuracy']:.2f} | {more} |"
             )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(groups, rows, mixers, path.with_suffix(".png"), data["device"])

@@ -60,7 +60,7 @@ def test_stop_at_is_checked():
         CellConfig(stop_at=1.5)
 
 
-def test_a_curriculum_continues_the_model_at_each_longer_length(synthetic, monkeypatch):
+def test_a_curriculum_continues_the_model_at_each_longer_length(synthetic, monkeypatch, tmp_path):
     lengths = []
     real = cell_module.evaluate
 
@@ -84,6 +84,14 @@ def test_a_curriculum_continues_the_model_at_each_longer_length(synthetic, monke
     groups = synthetic._group([result])  # the table and plots: one entry per stage at its own length
     assert sorted(groups) == [("stack", n, "kda") for n in (24, 40, 56)]
     assert groups[("stack", 40, "kda")] == [result["stages"][1]]
+    data = {"grid": "gpu", "preset": {"curriculum": True}, "device": "cpu", "torch": "t", "commands": ["c"]}
+    (tmp_path / "r.json").write_text(json.dumps({**data, "wall_s": 1.0, "selected": [], "cells": [result]}))
+    synthetic.render(tmp_path / "r.json")  # extrapolation is scored from the last stage, 56 tokens
+    final = result["stages"][-1]["final"]["accuracy"]
+    assert (
+        f"| stack | 56 | 0 | {final:.2f} | {result['extrapolation']['112']['accuracy']:.2f} |"
+        in (tmp_path / "r.md").read_text()
+    )
     cut = run_cell(config, deadline=time.time() - 1)
     assert [s["seq_len"] for s in cut["stages"]] == [24] and cut["stopped"] == "deadline"
     with pytest.raises(ValueError, match="curriculum"):
@@ -96,7 +104,8 @@ def test_shards_partition_the_grid(synthetic):
     cells = synthetic.grid_cells("gpu", "cpu")
     ids = [synthetic.cell_id(c) for c in cells]
     assert len(ids) == len(set(ids)) == (3 * 4 + 3) * 2
-    assert all(c.curriculum == [512, 1024] for c in cells if c.mixer != "hybrid")
+    assert all(c.curriculum == [256, 512, 1024] for c in cells if c.mixer != "hybrid")
+    assert all(c.curriculum == [256] and c.extrapolate == [4, 8] for c in cells if c.mixer == "hybrid")
     for n in (1, 2, 3, 5):
         shards = [
             [synthetic.cell_id(c) for c in synthetic.select(cells, (i, n), None)] for i in range(1, n + 1)
@@ -104,10 +113,10 @@ def test_shards_partition_the_grid(synthetic):
         assert sum(shards, []) == ids
     first, second = (synthetic.select(cells, (i, 2), None) for i in (1, 2))
     assert {c.seed for c in first} == {0} and {c.seed for c in second} == {1}
-    picked = synthetic.select(cells, None, ["mqar/kda/*", "stack/*/256/1"])
+    picked = synthetic.select(cells, None, ["mqar/kda/*", "stack/*/64/1"])
     assert [synthetic.cell_id(c) for c in picked] == [
-        "mqar/kda/256/0", "mqar/kda/256/1", "stack/kda/256/1", "stack/gdn/256/1", "stack/decay/256/1",
-        "stack/mla/256/1", "stack/hybrid/256/1",
+        "mqar/kda/64/0", "mqar/kda/64/1", "stack/kda/64/1", "stack/gdn/64/1", "stack/decay/64/1",
+        "stack/mla/64/1", "stack/hybrid/64/1",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="no cell"):
         synthetic.select(cells, None, ["copy/*"])
