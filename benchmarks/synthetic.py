@@ -378,7 +378,7 @@ def _plot(groups, rows, mixers, png: Path, device: str) -> None:
             ax.set_ylabel("exact-match accuracy")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
-    fig.suptitle(f"Synthetic tasks ({device}): one line per seed, a solved cell stops")
+    fig.suptitle(f"Synthetic tasks ({device})\none line per seed; a solved cell stops", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)

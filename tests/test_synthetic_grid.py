@@ -167,7 +167,7 @@ def test_two_shards_merge_into_one_table(synthetic, tmp_path):
         synthetic.merge([parts[1], tmp_path / "other.json"], tmp_path / "x.json")
 
 
-@pytest.mark.slow  # 74 s at a load average near 9 (worker processes import torch; 2 steps per cell)
+@pytest.mark.slow  # 16–74 s at load averages of 7–9 (the worker processes import torch; 2 steps per cell)
 def test_the_grid_runs_end_to_end_in_worker_processes(synthetic, tmp_path, monkeypatch):
     monkeypatch.setitem(
         synthetic.GRIDS,
