@@ -267,6 +267,7 @@ def merge(paths: list[Path], out: Path) -> Path:
         "selected": [s for d in datas for s in d["selected"]], "wall_s": [d["wall_s"] for d in datas],
         "cells": list(cells.values()),
     }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(merged, indent=1) + "\n")
     render(out)
     return out
