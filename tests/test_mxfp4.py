@@ -322,3 +322,22 @@ def test_info_prints_the_checkpoint_size(capsys):
     assert main(["info", "--preset", "kimi-k3"]) == 0
     out = capsys.readouterr().out
     assert "MXFP4 routed experts         1,560,860,324,864 B (1.56 TB, 1.42 TiB)" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_dequantize_equals_torchao_bitwise_for_every_code_and_scale_byte(dtype):
+    """Every packed byte (all 16 × 16 code pairs) under every E8M0 scale byte (subnormal, overflow and NaN
+    blocks included) against torchao's MX dequantisation in fp32 converted to ``dtype``."""
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype
+
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row s: all 256 bytes, 16 blocks
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+    want = to_dtype(packed, scale.view(torch.float8_e8m0fnu), torch.float4_e2m1fn_x2, 32, torch.float32).to(
+        dtype
+    )
+    got = dequantize_mxfp4(packed, scale, dtype)
+    assert got.dtype == dtype and got.shape == (256, 512)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == 512  # scale byte 255 only
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))  # -0, subnormals and ±inf too
