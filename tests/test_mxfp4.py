@@ -341,3 +341,22 @@ def test_dequantize_equals_torchao_bitwise_for_every_code_and_scale_byte(dtype):
     assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == 512  # scale byte 255 only
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
     assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))  # -0, subnormals and ±inf too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts_per_chunk", [1, 3])
+@pytest.mark.parametrize("N", [1, 40])
+def test_packed_experts_in_chunks_equal_the_dense_gemm_bitwise(dtype, experts_per_chunk, N):
+    """Chunks of 1 and 3 experts (a windowed row gather per chunk), one token (only its k experts are
+    dequantised) and 40: the same output bits as the dense experts on the library's dequantisation."""
+    config, packed, dense = _experts_pair(dtype)
+    F_, L = config.moe_intermediate_size, config.expert_input_size
+    packed.chunk_bytes = experts_per_chunk * 3 * F_ * L * dtype.itemsize
+    g = torch.Generator().manual_seed(4)
+    k, E = config.num_experts_per_token, config.num_experts
+    z = torch.randn(N, L, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    idx[0] = torch.arange(k) * (E // k)  # experts spread over the ids: gaps of unused experts between chunks
+    wts = torch.rand(N, k, generator=g)
+    with torch.no_grad():
+        assert torch.equal(packed(z, wts, idx), dense(z, wts, idx))
