@@ -365,15 +365,26 @@ def test_packed_experts_in_chunks_equal_the_dense_gemm_bitwise(dtype, experts_pe
 @pytest.mark.parametrize("experts_per_chunk", [3, 32])
 def test_gpu_packed_experts_equal_dense_and_replay_in_a_cuda_graph(experts_per_chunk):
     """On CUDA (bf16 grouped GEMMs): chunked packed experts give the dense experts' output bit for bit, and a
-    CUDA graph captures the forward (no host sync) and replays it to the same bits with new inputs."""
+    CUDA graph captures the forward (no host sync) and replays it to the same bits with new inputs. F = L =
+    256 and 2,048 token-slots: the dense GEMM averages 64 rows per expert, a chunk of 3 experts 683, on either
+    side of the grouped GEMM's small/large tile choice (128 rows)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (bf16 grouped_mm and CUDA graph capture)")
-    config, packed, dense = _experts_pair(torch.bfloat16)
-    packed, dense = packed.cuda(), dense.cuda()
-    F_, L = config.moe_intermediate_size, config.expert_input_size
-    packed.chunk_bytes = experts_per_chunk * 3 * F_ * L * 2
+    import dataclasses
+
+    config = dataclasses.replace(get_preset("k3-tiny").text_config, moe_intermediate_size=256)
+    F_ = L = 256
+    N, k, E = 1024, config.num_experts_per_token, config.num_experts
+    with torch.device("cuda"):
+        packed = MXFP4RoutedExperts(config, L, chunk_bytes=experts_per_chunk * 3 * F_ * L * 2)
+        dense = RoutedExperts(config, L).to(torch.bfloat16)
+    for i, name in enumerate(("w1", "w3", "w2")):
+        p, s = _random_mxfp4(getattr(dense, name).shape, seed=i)
+        packed.packed(name)[0].copy_(p)
+        packed.packed(name)[1].copy_(s)
+        with torch.no_grad():  # the library's dequantisation, expert by expert
+            getattr(dense, name).copy_(torch.stack([_ct_unpack(p[e], s[e]) for e in range(E)]))
     g = torch.Generator().manual_seed(5)
-    N, k, E = 40, config.num_experts_per_token, config.num_experts
 
     def inputs():
         z = torch.randn(N, L, generator=g).to(torch.bfloat16)
