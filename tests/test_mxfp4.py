@@ -408,3 +408,11 @@ def test_gpu_packed_experts_equal_dense_and_replay_in_a_cuda_graph(experts_per_c
                 buffer.copy_(value)
             graph.replay()
             assert torch.equal(out, dense(*new))
+
+
+def test_dequantize_names_bad_inputs():
+    packed, scale = _random_mxfp4((4, 64))
+    with pytest.raises(ValueError, match="must be uint8"):
+        dequantize_mxfp4(packed.float(), scale, torch.float32)
+    with pytest.raises(ValueError, match=r"scale shape \(4, 1\) does not match packed shape \(4, 32\)"):
+        dequantize_mxfp4(packed, scale[:, :1], torch.float32)

@@ -97,7 +97,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     significant bits and bf16 has fp32's exponent range, so bf16 and fp32 give the same value (or the same
     ±inf), subnormals included (the smallest, ``0.5 · 2^−127``, is a bf16 subnormal). Transient memory:
     an int32 index per packed byte (2 bytes per number) beside the output. A scale byte 255 gives NaN for
-    its block (:func:`check_mxfp4` rejects such a tensor when it is loaded)."""
+    its block (:func:`check_mxfp4` rejects such a tensor when it is loaded). Raises ``ValueError`` when either
+    tensor is not uint8 or the scale's shape is not ``[..., 2·packed.shape[-1]/32]``."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(
             f"MXFP4 packed and scale tensors must be uint8, got {packed.dtype} and {scale.dtype}"
