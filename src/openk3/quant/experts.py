@@ -38,14 +38,16 @@ class MXFP4RoutedExperts(nn.Module):
 
     The forward sorts the ``M = N·k`` token-slots by expert as the dense experts do, lists the experts that
     received rows in increasing id (padded to ``U = min(E, M)`` with experts that received none) and walks
-    the list in chunks of ``C`` experts, ``C`` the most whose three dense
-    weights fit in ``chunk_bytes`` (at least 1). Per chunk it dequantises those ``C`` experts to the
-    activations' dtype, gathers a window of ``M`` rows starting at the chunk's first row (static shapes, no
-    host sync, so a CUDA graph can capture it), runs :func:`~openk3.model.moe.grouped_expert_ffn` with the
-    chunk's group offsets (rows past the chunk's last group are not computed) and copies the chunk's rows
-    into place. One chunk (``U ≤ C``, e.g. decode) needs no window. Each row meets the same weights in a
-    group of the same size as in the dense forward, so outputs equal the dense experts' on the dequantised
-    weights. Transient memory: ``C`` experts' dense weights plus a few ``[M, L]`` / ``[M, F]`` activations.
+    the list in chunks of ``C`` experts, the most whose three dense weights fit in ``chunk_bytes`` (at least
+    1). Per chunk it dequantises those experts to the activations' dtype, gathers a window of ``M`` rows
+    starting at the chunk's first row (static shapes, no host sync, so a CUDA graph can capture it), runs
+    :func:`~openk3.model.moe.grouped_expert_ffn` with the chunk's group offsets (rows past the chunk's last
+    group are not computed) and copies the chunk's rows into place. One chunk (``U ≤ C``, e.g. a decode
+    step) needs no window. Each row meets the same weights in a group of the same size as in the dense
+    forward, so outputs equal the dense experts' on the dequantised weights bit for bit (on CUDA as long as
+    the grouped GEMM's order of summation over ``K`` does not depend on its tile choice, which depends on
+    the number of groups; ``tests/test_mxfp4.py`` checks it there). Transient memory: ``C`` experts' dense
+    weights plus a few ``[M, L]`` / ``[M, F]`` activations, whatever ``E``.
 
     Raises ``ValueError`` when the expert input width ``L`` or the expert width ``F`` is not a multiple of 32
     (an MX block), or ``chunk_bytes`` is not positive."""
@@ -90,7 +92,8 @@ class MXFP4RoutedExperts(nn.Module):
         return combine_sorted(z_NL, weights_Nk, indices_Nk, E, self._expert_ffn)
 
     def _expert_ffn(self, x_ML: torch.Tensor, offs_E: torch.Tensor, expert_M: torch.Tensor) -> torch.Tensor:
-        """The experts on rows sorted by expert (``offs_E`` int32 cumulative counts), chunk by chunk."""
+        """The experts on rows sorted by expert (``offs_E`` int32 cumulative counts), chunk by chunk;
+        ``expert_M`` (the dense path's gather index) is not needed: each chunk derives its own."""
         M, L = x_ML.shape
         E = offs_E.shape[0]
         U = min(E, M)
