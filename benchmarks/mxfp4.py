@@ -8,7 +8,8 @@ Two sections (``--sections gemm,train``):
   dequantised in chunks of at most ``--chunk-mib`` MiB of bf16 weights).
   Reported: resident expert bytes, peak extra memory of one forward, forward time (median of ``--repeats``,
   CUDA events on the GPU), and the output's relative RMS difference to the bf16 experts on the MXFP4 weights'
-  own dequantisation (0: the same GEMMs on the same weights).
+  own dequantisation (0 on the CPU: the same GEMMs on the same weights; on CUDA the atomic bf16 ``index_add_``
+  of each token's ``k`` outputs adds in varying order).
 * ``train``: two :class:`~openk3.train.trainer.Trainer` runs of ``--preset`` for ``--steps`` steps, same seed,
   data and batches: full precision and ``qat="mxfp4"``. Reported: mean train loss over the last 20% of the
   steps, the final validation loss, and training tokens per second of ``fit`` (its evaluations included).

@@ -367,7 +367,8 @@ def test_gpu_packed_experts_equal_dense_and_replay_in_a_cuda_graph(experts_per_c
     """On CUDA (bf16 grouped GEMMs): chunked packed experts give the dense experts' output bit for bit, and a
     CUDA graph captures the forward (no host sync) and replays it to the same bits with new inputs. F = L =
     256 and 2,048 token-slots: the dense GEMM averages 64 rows per expert, a chunk of 3 experts 683, on either
-    side of the grouped GEMM's small/large tile choice (128 rows)."""
+    side of the grouped GEMM's small/large tile choice (128 rows). k3-tiny routes top-2, so the order of the
+    CUDA ``index_add_``'s atomic adds cannot change a token's sum."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (bf16 grouped_mm and CUDA graph capture)")
     import dataclasses
