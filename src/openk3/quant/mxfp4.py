@@ -81,11 +81,21 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _e2m1_values(device) -> torch.Tensor:
     """The 16 E2M1 numbers in fp32, indexed by code: ``(−1)^s · 2^(e−1) · (1 + m/2)`` (``e ≥ 1``) and
-    ``(−1)^s · m/2`` (``e = 0``), for code bits ``s e1 e0 m``; code 8 is ``−0``."""
+    ``(−1)^s · m/2`` (``e = 0``), for code bits ``s e1 e0 m``; code 8 is ``−0``. Built from integers: exact
+    on every device."""
     code = torch.arange(16, device=device)
     e, m = (code >> 1) & 3, (code & 1).float()
-    magnitude = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + 0.5 * m))
+    power = (1 << (e - 1).clamp(min=0)).float()
+    magnitude = torch.where(e == 0, 0.5 * m, power * (1 + 0.5 * m))
     return torch.where(code >= 8, -magnitude, magnitude)
+
+
+def _e8m0_values(device) -> torch.Tensor:
+    """The 256 E8M0 scales in fp32, indexed by byte: ``2^(byte − 127)`` written as fp32 bits (byte 0 is the
+    subnormal ``2^−127``), NaN for byte 255; exact on every device."""
+    byte = torch.arange(256, dtype=torch.int32, device=device)
+    bits = torch.where(byte == 0, 1 << 22, byte << 23)
+    return torch.where(byte == E8M0_NAN, 0x7FC00000, bits).view(torch.float32)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,9 +122,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     values = _e2m1_values(packed.device)
     byte = torch.arange(256, device=packed.device)
     pair_table = torch.stack((values[byte & 15], values[byte >> 4]), -1).to(compute)  # [256, 2]
-    exponent = torch.arange(256, device=packed.device) - 127
-    scale_table = torch.ldexp(torch.ones(256, dtype=torch.float64, device=packed.device), exponent)
-    scale_table = torch.where(exponent == E8M0_NAN - 127, torch.nan, scale_table).to(compute)  # [256]
+    scale_table = _e8m0_values(packed.device).to(compute)  # [256]
     out = pair_table.index_select(0, packed.reshape(-1).int())  # [n, 2]: the two numbers of each byte
     out = out.view(*lead, 2 * H // MX_BLOCK, MX_BLOCK)
     out.mul_(scale_table.index_select(0, scale.reshape(-1).int()).view(*lead, -1, 1))
