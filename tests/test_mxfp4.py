@@ -322,3 +322,98 @@ def test_info_prints_the_checkpoint_size(capsys):
     assert main(["info", "--preset", "kimi-k3"]) == 0
     out = capsys.readouterr().out
     assert "MXFP4 routed experts         1,560,860,324,864 B (1.56 TB, 1.42 TiB)" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_dequantize_equals_torchao_bitwise_for_every_code_and_scale_byte(dtype):
+    """Every packed byte (all 16 × 16 code pairs) under every E8M0 scale byte (subnormal, overflow and NaN
+    blocks included) against torchao's MX dequantisation in fp32 converted to ``dtype``."""
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype
+
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row s: all 256 bytes, 16 blocks
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+    want = to_dtype(packed, scale.view(torch.float8_e8m0fnu), torch.float4_e2m1fn_x2, 32, torch.float32).to(
+        dtype
+    )
+    got = dequantize_mxfp4(packed, scale, dtype)
+    assert got.dtype == dtype and got.shape == (256, 512)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == 512  # scale byte 255 only
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))  # -0, subnormals and ±inf too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts_per_chunk", [1, 3])
+@pytest.mark.parametrize("N", [1, 40])
+def test_packed_experts_in_chunks_equal_the_dense_gemm_bitwise(dtype, experts_per_chunk, N):
+    """Chunks of 1 and 3 experts (a windowed row gather per chunk), one token (only its k experts are
+    dequantised) and 40: the same output bits as the dense experts on the library's dequantisation."""
+    config, packed, dense = _experts_pair(dtype)
+    F_, L = config.moe_intermediate_size, config.expert_input_size
+    packed.chunk_bytes = experts_per_chunk * 3 * F_ * L * dtype.itemsize
+    g = torch.Generator().manual_seed(4)
+    k, E = config.num_experts_per_token, config.num_experts
+    z = torch.randn(N, L, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    idx[0] = torch.arange(k) * (E // k)  # experts spread over the ids: gaps of unused experts between chunks
+    wts = torch.rand(N, k, generator=g)
+    with torch.no_grad():
+        assert torch.equal(packed(z, wts, idx), dense(z, wts, idx))
+
+
+@pytest.mark.parametrize("experts_per_chunk", [3, 32])
+def test_gpu_packed_experts_equal_dense_and_replay_in_a_cuda_graph(experts_per_chunk):
+    """On CUDA (bf16 grouped GEMMs): chunked packed experts give the dense experts' output bit for bit, and a
+    CUDA graph captures the forward (no host sync) and replays it to the same bits with new inputs. F = L =
+    256 and 2,048 token-slots: the dense GEMM averages 64 rows per expert, a chunk of 3 experts 683, on either
+    side of the grouped GEMM's small/large tile choice (128 rows). k3-tiny routes top-2, so the order of the
+    CUDA ``index_add_``'s atomic adds cannot change a token's sum."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (bf16 grouped_mm and CUDA graph capture)")
+    import dataclasses
+
+    config = dataclasses.replace(get_preset("k3-tiny").text_config, moe_intermediate_size=256)
+    F_ = L = 256
+    N, k, E = 1024, config.num_experts_per_token, config.num_experts
+    with torch.device("cuda"):
+        packed = MXFP4RoutedExperts(config, L, chunk_bytes=experts_per_chunk * 3 * F_ * L * 2)
+        dense = RoutedExperts(config, L).to(torch.bfloat16)
+    for i, name in enumerate(("w1", "w3", "w2")):
+        p, s = _random_mxfp4(getattr(dense, name).shape, seed=i)
+        packed.packed(name)[0].copy_(p)
+        packed.packed(name)[1].copy_(s)
+        with torch.no_grad():  # the library's dequantisation, expert by expert
+            getattr(dense, name).copy_(torch.stack([_ct_unpack(p[e], s[e]) for e in range(E)]))
+    g = torch.Generator().manual_seed(5)
+
+    def inputs():
+        z = torch.randn(N, L, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+        return z.cuda(), torch.rand(N, k, generator=g).cuda(), idx.cuda()
+
+    static = inputs()
+    with torch.no_grad():
+        assert torch.equal(packed(*static), dense(*static))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                packed(*static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = packed(*static)
+        for new in (inputs(), inputs()):
+            for buffer, value in zip(static, new):
+                buffer.copy_(value)
+            graph.replay()
+            assert torch.equal(out, dense(*new))
+
+
+def test_dequantize_names_bad_inputs():
+    packed, scale = _random_mxfp4((4, 64))
+    with pytest.raises(ValueError, match="must be uint8"):
+        dequantize_mxfp4(packed.float(), scale, torch.float32)
+    with pytest.raises(ValueError, match=r"scale shape \(4, 1\) does not match packed shape \(4, 32\)"):
+        dequantize_mxfp4(packed, scale[:, :1], torch.float32)

@@ -63,23 +63,33 @@ def grouped_expert_ffn(config, x_ML, w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M, x
     return _grouped_linear(q(glu(config, gate_MF, up_MF)), w2_ELF, offs_E, expert_M)
 
 
-def combine_experts(config, z_NL, weights_Nk, indices_Nk, w1_EFL, w3_EFL, w2_ELF, x_quant=None):
-    """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])``, shape ``[N, L]`` in ``z_NL.dtype``: sorts the
-    token-slots by expert and runs :func:`grouped_expert_ffn` on them (no host sync)."""
+def combine_sorted(z_NL, weights_Nk, indices_Nk, num_experts: int, expert_ffn) -> torch.Tensor:
+    """``Σ_k weights[n,k] · y[n,k]``, shape ``[N, L]`` in ``z_NL.dtype``, where the token-slots are sorted by
+    expert and ``y_ML = expert_ffn(x_ML, offs_E, expert_M)`` computes them (rows of ``z`` in that order, the
+    int32 cumulative row count per expert, the expert of each row); no host sync."""
     N, k = indices_Nk.shape
-    E = w1_EFL.shape[0]
     expert_M = indices_Nk.reshape(-1)
     order_M = torch.argsort(expert_M, stable=True)
     expert_M = expert_M[order_M]
     token_M = order_M // k
-    counts_E = torch.zeros(E, dtype=torch.int64, device=z_NL.device).scatter_add_(
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=z_NL.device).scatter_add_(
         0, expert_M, torch.ones_like(expert_M)
     )
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-    y_ML = grouped_expert_ffn(config, z_NL[token_M], w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M, x_quant)
+    y_ML = expert_ffn(z_NL[token_M], offs_E, expert_M)
     w_M = weights_Nk.reshape(-1)[order_M].to(y_ML.dtype)
     out_NL = torch.zeros_like(z_NL)
     return out_NL.index_add_(0, token_M, y_ML * w_M[:, None])
+
+
+def combine_experts(config, z_NL, weights_Nk, indices_Nk, w1_EFL, w3_EFL, w2_ELF, x_quant=None):
+    """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])``, shape ``[N, L]`` in ``z_NL.dtype``: sorts the
+    token-slots by expert and runs :func:`grouped_expert_ffn` on them (:func:`combine_sorted`)."""
+
+    def expert_ffn(x_ML, offs_E, expert_M):
+        return grouped_expert_ffn(config, x_ML, w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M, x_quant)
+
+    return combine_sorted(z_NL, weights_Nk, indices_Nk, w1_EFL.shape[0], expert_ffn)
 
 
 class RoutedExperts(nn.Module):

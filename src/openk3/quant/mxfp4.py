@@ -12,9 +12,9 @@ Checkpoint layout (compressed-tensors ``mxfp4-pack-quantized``) for a weight ``W
   the high nibble; a code is a sign bit (8) and a magnitude index into ``0, 0.5, 1, 1.5, 2, 3, 4, 6``;
 * ``weight_scale`` uint8 ``[R, C/32]``: the E8M0 exponent byte of each block.
 
-The arithmetic is torchao's MX implementation (``torchao.prototype.mx_formats``), imported on first use (it
-takes seconds; the warnings it logs while importing are silenced); this module
-fixes the scale rule (FLOOR, the OCP rule) and the layout. Leading dims are kept: ``[E, F, L]`` packs to
+Quantisation is torchao's MX implementation (``torchao.prototype.mx_formats``), imported on first use (it
+takes seconds; the warnings it logs while importing are silenced); MXFP4 dequantisation is a table look-up
+here, straight to the activations' dtype (bit-identical to torchao's). This module fixes the scale rule (FLOOR, the OCP rule) and the layout. Leading dims are kept: ``[E, F, L]`` packs to
 ``[E, F, L/2]`` and ``[E, F, L/32]``.
 """
 
@@ -79,20 +79,54 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.view(torch.uint8), scale.view(torch.uint8)
 
 
+def _e2m1_values(device) -> torch.Tensor:
+    """The 16 E2M1 numbers in fp32, indexed by code: ``(−1)^s · 2^(e−1) · (1 + m/2)`` (``e ≥ 1``) and
+    ``(−1)^s · m/2`` (``e = 0``), for code bits ``s e1 e0 m``; code 8 is ``−0``. Built from integers: exact
+    on every device."""
+    code = torch.arange(16, device=device)
+    e, m = (code >> 1) & 3, (code & 1).float()
+    power = (1 << (e - 1).clamp(min=0)).float()
+    magnitude = torch.where(e == 0, 0.5 * m, power * (1 + 0.5 * m))
+    return torch.where(code >= 8, -magnitude, magnitude)
+
+
+def _e8m0_values(device) -> torch.Tensor:
+    """The 256 E8M0 scales in fp32, indexed by byte: ``2^(byte − 127)`` written as fp32 bits (byte 0 is the
+    subnormal ``2^−127``), NaN for byte 255; exact on every device."""
+    byte = torch.arange(256, dtype=torch.int32, device=device)
+    bits = torch.where(byte == 0, 1 << 22, byte << 23)
+    return torch.where(byte == E8M0_NAN, 0x7FC00000, bits).view(torch.float32)
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``element · 2^(scale − 127)`` of an MXFP4 tensor, shape ``[..., 2·packed.shape[-1]]`` in ``dtype``.
 
-    Exact in fp32, bf16 and wider (an E2M1 number times a power of two needs two significant bits). A scale
-    byte 255 gives NaN for its block (:func:`check_mxfp4` rejects such a tensor when it is loaded)."""
-    mx = _mx()
-    out = mx.to_dtype(
-        packed.contiguous(),
-        scale.contiguous().view(torch.float8_e8m0fnu),
-        torch.float4_e2m1fn_x2,
-        MX_BLOCK,
-        torch.float32,
-    )
-    return out.to(dtype)
+    Each packed byte is looked up in a 256-entry table of its two E2M1 numbers (low nibble first), and each
+    block of 32 is multiplied by its E8M0 scale, an exact power of two. The arithmetic is done in bf16 for
+    bf16, otherwise in fp32 and then converted to ``dtype``: an E2M1 number times a power of two needs two
+    significant bits and bf16 has fp32's exponent range, so bf16 and fp32 give the same value (or the same
+    ±inf), subnormals included (the smallest, ``0.5 · 2^−127``, is a bf16 subnormal). Transient memory:
+    an int32 index per packed byte (2 bytes per number) beside the output. A scale byte 255 gives NaN for
+    its block (:func:`check_mxfp4` rejects such a tensor when it is loaded). Raises ``ValueError`` when either
+    tensor is not uint8 or the scale's shape is not ``[..., 2·packed.shape[-1]/32]``."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(
+            f"MXFP4 packed and scale tensors must be uint8, got {packed.dtype} and {scale.dtype}"
+        )
+    *lead, H = packed.shape
+    if tuple(scale.shape) != (*lead, 2 * H // MX_BLOCK) or (2 * H) % MX_BLOCK:
+        raise ValueError(
+            f"MXFP4 scale shape {tuple(scale.shape)} does not match packed shape {tuple(packed.shape)}"
+        )
+    compute = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    values = _e2m1_values(packed.device)
+    byte = torch.arange(256, device=packed.device)
+    pair_table = torch.stack((values[byte & 15], values[byte >> 4]), -1).to(compute)  # [256, 2]
+    scale_table = _e8m0_values(packed.device).to(compute)  # [256]
+    out = pair_table.index_select(0, packed.reshape(-1).int())  # [n, 2]: the two numbers of each byte
+    out = out.view(*lead, 2 * H // MX_BLOCK, MX_BLOCK)
+    out.mul_(scale_table.index_select(0, scale.reshape(-1).int()).view(*lead, -1, 1))
+    return out.view(*lead, 2 * H).to(dtype)
 
 
 def fake_quantize_mxfp4(w: torch.Tensor) -> torch.Tensor:
