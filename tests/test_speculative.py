@@ -267,7 +267,7 @@ def test_gpu_greedy_and_rollback_on_cuda(trained_pair):
     model, draft = copy.deepcopy(model64).float().cuda(), copy.deepcopy(draft64).float().cuda()
     for k in (1, 3, 5):
         for p in prompts[:2]:
-            ids = torch.tensor([p], device="cuda")
+            ids = p[None].cuda()  # [1, 4]
             out = speculative_generate(model, draft, ids, 24, num_speculative_tokens=k)
             assert torch.equal(out, generate(model, ids, 24)), k
     ids = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(5)).cuda()
