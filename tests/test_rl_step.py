@@ -96,3 +96,44 @@ def test_demo_quick_runs_end_to_end(tmp_path):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     text = (tmp_path / "results.md").read_text()
     assert text.count("\n| add |") == 3 and text.count("\n| chain |") == 3
+
+
+def test_partial_step_trains_complete_groups_only():
+    """With partial rollout (λ = 1/3) a step trains the groups whose every member finished, each group whole;
+    the rest wait and train later, with tokens from the older version counted as stale."""
+    from openk3.rl.partial_rollout import PartialRolloutConfig
+
+    tok = CharTokenizer()
+    model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=tok.vocab_size), seed=1)
+    cfg = EngineConfig(
+        CacheConfig(block_size=8, num_blocks=400),
+        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32),
+    )
+    engine = RolloutEngine(
+        model, cfg, RolloutSampling(3.0, frozenset({tok.stop_id}), seed=0)
+    )  # hot: lengths vary
+    partial = PartialRolloutConfig(finish_fraction=1 / 3, max_staleness=4)
+    trainer = PolicyTrainer(model, engine, RLConfig(group_size=3, max_tokens=30, lr=1e-3, partial=partial))
+    prompts = [tok.encode(f"HC{i}+1+2+3=") for i in range(6)]
+    trained, outstanding, paused = [], 0, 0
+    for step in range(3):
+        batch = prompts[2 * step : 2 * step + 2]
+        stats, trajs = trainer.step(
+            batch, [{"i": 2 * step + k} for k in range(2)], lambda t: float(t.num_generated)
+        )
+        assert len(trajs) == 3 * stats["groups_trained"] and stats["groups_trained"] >= 1
+        for g in range(0, len(trajs), 3):
+            group = trajs[g : g + 3]
+            assert all(t.finished for t in group) and len({t.meta["i"] for t in group}) == 1
+            trained.append(group[0].meta["i"])
+        outstanding += 2
+        assert stats["groups_trained"] + stats["groups_paused"] == outstanding
+        outstanding -= int(stats["groups_trained"])
+        paused += stats["groups_paused"]
+    assert engine.version == 3 and len(trained) == len(set(trained)) and paused > 0
+    trainer.partial.config = PartialRolloutConfig(finish_fraction=1.0, max_staleness=4)
+    stats, trajs = trainer.step([], [], lambda t: float(t.num_generated))
+    trained += [trajs[g].meta["i"] for g in range(0, len(trajs), 3)]
+    assert sorted(trained) == list(range(6)) and not trainer.partial.buffer
+    if any(len(t.segments) > 1 for t in trajs):
+        assert stats["stale_token_fraction"] > 0
