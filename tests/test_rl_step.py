@@ -20,6 +20,7 @@ from openk3.rl.tasks import (
     parse_answer,
     sample_problem,
     solution,
+    written_effort,
 )
 from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -77,6 +78,41 @@ def test_tasks_solutions_are_correct_and_lengths_ordered():
     assert parse_answer("no bar") is None and parse_answer("|12x") is None
     with pytest.raises(ValueError, match="alphabet"):
         tok.encode("x")
+
+
+def test_written_effort_reads_each_format():
+    rng = random.Random(1)
+    for d in DOMAINS:
+        for _ in range(50):
+            p = sample_problem(d, rng)
+            for e in EFFORTS:
+                assert written_effort(p, solution(p, e)) == e
+    add, chain = sample_problem("add", rng), sample_problem("chain", rng)
+    assert written_effort(add, "12") == "other" and written_effort(add, "c1|3") == "other"
+    assert written_effort(chain, "1,2,3,4|5") == "other" and written_effort(chain, "|5") == "low"
+
+
+def test_demo_efforts_separate_the_formats_on_every_problem():
+    """With b0 at the scratchpad's length, the demo's τ per effort admits each effort's own format and shuts
+    out the next longer one on every problem of both domains (enumerated)."""
+    from openk3.rl.recipe import DemoConfig
+    from openk3.rl.rewards.budget import ProblemBudget, budget_limit
+    from openk3.rl.tasks import Problem
+
+    efforts = DemoConfig().efforts
+    problems = [Problem("add", (a, b)) for a in range(10, 100) for b in range(10, 100)]
+    problems += [
+        Problem("chain", (a, b, c, d))
+        for a in range(10)
+        for b in range(10)
+        for c in range(10)
+        for d in range(10)
+    ]
+    for p in problems:
+        n = {e: len(solution(p, e)) + 1 for e in EFFORTS}  # + the stop token
+        for e, longer in (("medium", "high"), ("low", "medium")):
+            limit = budget_limit(ProblemBudget(b0=n["high"], min_correct=n["low"]), efforts.tau(e))
+            assert n[e] <= limit < n[longer], (p, e, limit, n)
 
 
 def test_posttrain_cli_parses():

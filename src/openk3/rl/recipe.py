@@ -70,13 +70,18 @@ class DemoConfig:
     train_problems: int = 48
     eval_problems: int = 24
     eval_every: int = 6
-    rho: float = 0.5
+    rho: float = 0.9
+    """b0's percentile of the high expert's correct lengths: high enough that b0 is its scratchpad's length
+    while the expert still writes every format (at 0.5 b0 is the carry format's, and τ·b0 shuts it out)."""
     budget_samples: int = 16
     """Samples per training problem from the high-effort expert for ``b0``."""
     r_max: float = 2.0
     efforts: EffortLevels = field(
-        default_factory=lambda: EffortLevels((("low", 0.4), ("medium", 0.75), ("high", 2.0)))
+        default_factory=lambda: EffortLevels((("low", 0.4), ("medium", 0.8), ("high", 2.0)))
     )
+    """τ per effort. With b0 at the scratchpad's length, 0.8 admits the medium format and shuts out the
+    scratchpad, 0.4 admits the bare answer and shuts out the medium format, on every problem of both
+    domains (enumerated in the tests); the high expert trains on correctness alone."""
     seed: int = 0
 
     def __post_init__(self) -> None:
