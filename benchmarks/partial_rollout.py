@@ -169,7 +169,7 @@ def main() -> None:
     )
     p.add_argument("--rl-prompts", type=int, default=6)
     p.add_argument("--group", type=int, default=4)
-    p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--rl-lr", type=float, default=1e-2)
     p.add_argument("--png", type=Path, help="the reward curves' plot")
     p.add_argument("--md", type=Path)
     args = p.parse_args()

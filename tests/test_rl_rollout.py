@@ -185,3 +185,16 @@ def test_stale_group_restarts_every_member(model):
     assert stats.dropped_stale == 1 and all(t.versions == [3, 3, 3] for t in group)
     with pytest.raises(ValueError, match="at least one"):
         partial.run(eng, [[]])
+
+
+def test_rollout_engine_never_sheds_load(model):
+    """A serving scheduler rejects requests that waited past ``queue_timeout_s``; the rollout engine's does
+    not, so a batch larger than the running set finishes whole however slow the machine."""
+    cfg = config()
+    cfg.scheduler.max_num_seqs, cfg.scheduler.queue_timeout_s = 2, 1e-9
+    eng = RolloutEngine(model, cfg, RolloutSampling(temperature=0.0))
+    ps = prompts(5, seed=9)
+    trajs = eng.generate([Trajectory(p, 3) for p in ps])
+    assert all(t.finish_reason == "length" for t in trajs) and cfg.scheduler.queue_timeout_s == 1e-9
+    for p, t in zip(ps, trajs):
+        assert t.response_ids == greedy(model, torch.tensor([p]), 3)[0].tolist()
