@@ -329,8 +329,7 @@ class Demo:
             got = self.budgets.estimate(
                 p.id, [t.num_generated for t in group], [is_correct(p, x) for x in texts]
             )
-            formats = [written_effort(p, x) for x, t in zip(texts, group) if is_correct(p, x)]
-            rows.append((p, got, formats))
+            rows.append((p, got, [written_effort(p, x) for x in texts if is_correct(p, x)]))
         have = [(p, b) for p, b, _ in rows if b is not None]
         written = [f for _, _, fs in rows for f in fs]
         summary = {
@@ -347,8 +346,8 @@ class Demo:
             tau = self.cfg.efforts.tau(e)
             longer = EFFORTS[EFFORTS.index(e) - 1]
             lim = [budget_limit(b, tau) for _, b in have]
-            fits = [n_ <= L for (p, _), L in zip(have, lim) for n_ in [len(solution(p, e)) + 1]]
-            shut = [n_ > L for (p, _), L in zip(have, lim) for n_ in [len(solution(p, longer)) + 1]]
+            fits = [len(solution(p, e)) + 1 <= L for (p, _), L in zip(have, lim)]  # + the stop token
+            shut = [len(solution(p, longer)) + 1 > L for (p, _), L in zip(have, lim)]
             summary["limits"][e] = {
                 "tau": tau,
                 "limit_mean": sum(lim) / max(1, len(lim)),
