@@ -1,18 +1,27 @@
-"""Context parallelism on the CPU: bytes moved, the summary + merge against the local chunk op, peak memory.
+"""Context parallelism: bytes moved, the summary + merge against the local chunk op, peak memory.
 
 Three tables:
 
 1. **bytes per rank per layer and direction** (from the shapes, :func:`openk3.dist.kcp.summary_bytes`): the
-   KCP summaries (independent of T), the conv halo and the MLA latents (which grow with T), for K3
+   KCP summaries (forward) and entry-state cotangents (backward), both independent of T, the conv halo and
+   the MLA latents (which grow with T), for K3
    (96 heads of 128, conv width 4, 576-number latent) and for the measured model below;
-2. **time** on one process, fp32, one document through the rank (the worst case: the whole local row is one
-   summarised piece): the forward of the local ``chunk_kda``, of :func:`segment_summaries` over the same row,
-   and of the fold of ``W − 1`` predecessors (the merge), and forward + backward of op and summary;
-3. **peak memory per rank** (peak resident set of the process, MiB, lengths run in ascending order) of a
-   k3-tiny KDA layer's forward + backward under CP at world ``--world`` (gloo) as T grows, against the
+2. **time** on one process, one document through the rank (the worst case: the whole local row is one
+   summarised piece), as KCP runs them in a training step: the local ``chunk_kda`` forward (inputs requiring
+   grad) and forward + backward, :func:`segment_summaries` over the same row without a graph, and the fold
+   of ``W − 1`` predecessors (the merge). KCP's extra work per step (:mod:`openk3.dist.kcp`) is the summary,
+   the merge and a second local backward (the exit-state cotangents): the last column, against the op's
+   forward + backward (the two small all-gathers are not included). ``--device cpu``: fp32, the torch
+   summaries from the chunk factors;
+   ``--device cuda``: bf16 inputs, the Triton op and the Triton summaries (the augmented-value calls of
+   :func:`~openk3.ops.kda.summary.kernel_summaries`), timed after a warm-up (compilation) with the device
+   synchronised, best of ``--repeats``;
+3. **peak memory per rank** (CPU only: peak resident set of the process, MiB, lengths run in ascending order)
+   of a k3-tiny KDA layer's forward + backward under CP at world ``--world`` (gloo) as T grows, against the
    unsharded layer in one process; the first row is the process before any forward (torch, the model).
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/context_parallel.py   # ~2 min on 2 cores
+    PYTHONPATH=src python benchmarks/context_parallel.py --device cuda      # H200: ~1 min, most of it compiling
 
 Legend: ``T`` global tokens, ``L`` local tokens, ``H`` heads, ``K`` = ``V`` head dim, ``W`` ranks.
 """
@@ -20,6 +29,7 @@ Legend: ``T`` global tokens, ``L`` local tokens, ``H`` heads, ``K`` = ``V`` head
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import resource
@@ -38,62 +48,75 @@ from openk3.presets import get_preset
 MIB = 2**20
 
 
-def bytes_table(H: int, K: int, conv_width: int, latent: int, T: int, W: int, name: str) -> list[str]:
+def bytes_table(H: int, K: int, conv_width: int, latent: int | None, T: int, W: int, name: str) -> list[str]:
+    """One row; ``latent`` None (a bare KDA op, no MLA layer) prints a dash for the latents."""
     L = T // W
     kcp = summary_bytes(H, K, K)
+    reverse = H * K * K * 4  # the backward's entry-state cotangents F, K×V per head
     halo = (conv_width - 1) * 3 * H * K * 4
-    mla = L * latent * 4
-    return [f"| {name} | {H}×{K} | {T:,} / {W} | {kcp / MIB:.3f} | {halo / MIB:.4f} | {mla / MIB:.2f} |"]
+    mla = "—" if latent is None else f"{L * latent * 4 / MIB:.2f}"
+    return [
+        f"| {name} | {H}×{K} | {T:,} / {W} | {kcp / MIB:.3f} | {reverse / MIB:.3f} | {halo / MIB:.4f} | {mla} |"
+    ]
 
 
-def _inputs(L: int, H: int, K: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+def _inputs(L: int, H: int, K: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator(device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)  # noqa: E731
     x = dict(q=r(1, L, H, K), k=r(1, L, H, K), v=r(1, L, H, K), g=r(1, L, H, K), beta=r(1, L, H))
-    gate = dict(A_log=torch.zeros(H), dt_bias=torch.zeros(H * K), lower_bound=-5.0)
+    gate = dict(
+        A_log=torch.zeros(H, device=device), dt_bias=torch.zeros(H * K, device=device), lower_bound=-5.0
+    )
     return x, dict(gate, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
 
 
-def _best(fn, repeats: int = 3) -> float:
+def _best(fn, device: torch.device, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls after one warm-up call (the device synchronised)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
 def _jobs(x: dict, kw: dict, W: int):
-    """The five timed calls on one local row: op fwd, summary fwd, merge, op fwd+bwd, summary fwd+bwd."""
+    """The four timed calls on one local row as a training step under KCP runs them: op fwd and op fwd+bwd
+    (inputs requiring grad), summary fwd (no graph), merge."""
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    chain = segment_summaries(*x.values(), **kw).detach().expand(W - 1, -1, -1, -1).contiguous()
+    chain = segment_summaries(*x.values(), **kw).expand(W - 1, -1, -1, -1).contiguous()
 
     def op_fwd():
-        with torch.no_grad():
-            chunk_kda(*x.values(), **kw)
+        chunk_kda(*leaves.values(), **kw)
+
+    def op_fwd_bwd():
+        chunk_kda(*leaves.values(), **kw)[0].float().sum().backward()
 
     def summary_fwd():
         with torch.no_grad():
             segment_summaries(*x.values(), **kw)
 
-    def op_fwd_bwd():
-        chunk_kda(*leaves.values(), **kw)[0].sum().backward()
-
-    def summary_fwd_bwd():
-        segment_summaries(*leaves.values(), **kw).sum().backward()
-
-    return op_fwd, summary_fwd, lambda: fold_from_zero(chain), op_fwd_bwd, summary_fwd_bwd
+    return op_fwd, op_fwd_bwd, summary_fwd, lambda: fold_from_zero(chain)
 
 
-def time_table(lengths, H: int, K: int, W: int) -> list[str]:
+def time_table(lengths, H: int, K: int, W: int, device: torch.device, dtype, repeats: int) -> list[str]:
     rows = []
     for L in lengths:
-        x, kw = _inputs(L, H, K)
-        t = [_best(f) * 1e3 for f in _jobs(x, kw, W)]
+        x, kw = _inputs(L, H, K, device, dtype)
+        fwd, fwd_bwd, summary, merge = (_best(f, device, repeats) * 1e3 for f in _jobs(x, kw, W))
+        del x
+        extra = summary + merge + (fwd_bwd - fwd)
         rows.append(
-            f"| {L:,} | {t[0]:.1f} | {t[1]:.1f} ({t[1] / t[0]:.2f}×) | {t[2]:.2f} | {t[3]:.1f} | "
-            f"{t[4]:.1f} ({t[4] / t[3]:.2f}×) |"
+            f"| {L:,} | {fwd:.2f} | {fwd_bwd:.2f} | {summary:.2f} ({summary / fwd:.2f}×) | {merge:.3f} | "
+            f"{extra:.2f} ({extra / fwd_bwd:.2f}×) |"
         )
     return rows
 
@@ -170,31 +193,60 @@ def memory_table(lengths, W: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", help="local tokens L (default: 1K–4K CPU, 8K–128K CUDA)"
+    )
+    parser.add_argument("--heads", type=int, help="H of the timed op (default: 4 CPU, 16 CUDA)")
+    parser.add_argument("--dim", type=int, help="K = V of the timed op (default: 64 CPU, 128 CUDA)")
+    parser.add_argument(
+        "--repeats", type=int, help="timed calls per job, best kept (default: 3 CPU, 10 CUDA)"
+    )
     parser.add_argument("--memory-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    lengths = args.lengths or ([8192, 32768, 131072] if cuda else [1024, 2048, 4096])
+    H = args.heads or (16 if cuda else 4)
+    K = args.dim or (128 if cuda else 64)
+    repeats = args.repeats or (10 if cuda else 3)
     torch.set_num_threads(1)
-    H, K = 4, 64
-    print(
-        f"# context parallelism on the CPU ({platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread)\n"
+    where = (
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton "
+        f"{importlib.metadata.version('triton')}"
+        if cuda
+        else f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread"
     )
+    print(f"# context parallelism on {args.device} ({where})\n")
     print("## Bytes one rank sends per layer, each direction (fp32)\n")
-    print("| model | heads × dim | T / W | KCP summaries (MiB) | conv halo (MiB) | MLA latents (MiB) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| model | heads × dim | T / W | KCP summaries, forward (MiB) | KCP cotangents F, backward (MiB) | "
+        "conv halo (MiB) | MLA latents (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for T in (131072, 1048576):
         print(*bytes_table(96, 128, 4, 576, T, 8, "K3"), sep="\n")
     tiny = get_preset("k3-tiny").text_config
     tiny_latent = tiny.kv_lora_rank + tiny.qk_rope_head_dim
-    print(*bytes_table(H, K, 4, tiny_latent, 8192, args.world, "k3-tiny (below)"), sep="\n")
+    print(*bytes_table(4, 64, 4, tiny_latent, 8192, args.world, "k3-tiny (memory table)"), sep="\n")
+    print(*bytes_table(H, K, 4, None, max(lengths) * args.world, args.world, "timed op"), sep="\n")
+    summaries = "Triton kernels" if cuda else "torch chunk factors"
     print(
-        f"\n## Time on one rank: local chunk op vs summary and merge (H={H}, K=V={K}, fp32, ms, best of 3)\n"
+        f"\n## Time on one rank: local chunk op vs summary ({summaries}) and merge "
+        f"(H={H}, K=V={K}, {str(dtype)[6:]}, ms, best of {repeats})\n"
     )
     print(
-        f"| L (local tokens) | chunk_kda fwd | summary fwd | merge of {args.world - 1} | chunk_kda fwd+bwd | summary fwd+bwd |"
+        f"| L (local tokens) | chunk_kda fwd | chunk_kda fwd+bwd | summary (no graph; × op fwd) | "
+        f"merge of {args.world - 1} | KCP extra per step (× op fwd+bwd) |"
     )
     print("|---|---|---|---|---|---|")
-    print(*time_table(args.lengths, H, K, args.world), sep="\n")
+    print(*time_table(lengths, H, K, args.world, device, dtype, repeats), sep="\n")
+    if cuda:
+        return
     print(
         "\n## Peak resident memory (MiB) of a k3-tiny KDA layer, forward + backward, one document of T tokens\n"
     )

@@ -11,8 +11,11 @@ Two sections (``--sections gemm,train``):
 * ``train``: two :class:`~openk3.train.trainer.Trainer` runs of ``--preset`` for ``--steps`` steps, same seed,
   data and batches: full precision and ``qat="mxfp4"``. Reported: mean train loss over the last 20% of the
   steps, the final validation loss, and training tokens per second of ``fit`` (its evaluations included).
+  The decoder layers run eager (a cold ``torch.compile`` of two model variants would take most of the run;
+  ``--compile`` compiles them as ``openk3 train`` does on CUDA).
 
-GPU (an H200; about 6 minutes)::
+Each section's wall time is printed and written with the table. GPU (an H200; about 3 minutes: 64 experts
+of ``kimi-k3``, ``k3-small`` 200 steps of 16 × 512)::
 
     python benchmarks/mxfp4.py --device cuda --out benchmarks/results/mxfp4_h200.md
 
@@ -49,10 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", dest="top_k", type=int, default=8, help="experts per token in the gemm section")
     p.add_argument("--repeats", type=int, default=20, help="timed forwards (median)")
     p.add_argument("--preset", default=None, help="training preset (default k3-small; quick k3-tiny)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 300; quick 30)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 200; quick 30)")
     p.add_argument("--batch-size", dest="batch_size", type=int, default=None, help="default 16; quick 8")
     p.add_argument("--seq-len", dest="seq_len", type=int, default=None, help="default 512; quick 64")
     p.add_argument("--data", default=None, help="text file or folder (default: Shakespeare)")
+    p.add_argument(
+        "--compile", action="store_true", help="compile the decoder layers in the train section (CUDA)"
+    )
     p.add_argument("--out", default=None, help="write the Markdown table here")
     args = p.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
@@ -68,9 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     quick = args.quick
     args.experts = args.experts or (32 if quick else 64)
+    if not 1 <= args.top_k <= args.experts:
+        p.error(f"--top-k must be between 1 and --experts ({args.experts}), got {args.top_k}")
     args.tokens = args.tokens or (256 if quick else 4096)
     args.preset = args.preset or ("k3-tiny" if quick else "k3-small")
-    args.steps = args.steps or (30 if quick else 300)
+    args.steps = args.steps or (30 if quick else 200)
     args.batch_size = args.batch_size or (8 if quick else 16)
     args.seq_len = args.seq_len or (64 if quick else 512)
     if quick:
@@ -119,23 +127,25 @@ def gemm_section(args) -> list[str]:
     from openk3.quant.experts import MXFP4RoutedExperts
     from openk3.quant.mxfp4 import quantize_mxfp4
 
-    text = dataclasses.replace(text_config_of(get_preset(args.shape)), num_experts=args.experts)
+    text = text_config_of(get_preset(args.shape))  # the layer's widths; routing is drawn below (--top-k)
+    text = dataclasses.replace(
+        text, num_experts=args.experts, num_experts_per_token=min(text.num_experts_per_token, args.experts)
+    )
     L, F_, E, k, N = text.expert_input_size, text.moe_intermediate_size, args.experts, args.top_k, args.tokens
     dev = torch.device(args.device)
     g = torch.Generator(device="cpu").manual_seed(0)
-    packed = MXFP4RoutedExperts(text, L).to(dev)
-    dense = RoutedExperts(text, L)
+    with torch.device(dev):  # built where they run: kimi-k3's 64 experts are 4.2 GB in bf16
+        packed = MXFP4RoutedExperts(text, L)
+        dense = RoutedExperts(text, L).to(torch.bfloat16)
     for name in ("w1", "w3", "w2"):
-        w = torch.randn(getattr(dense, name).shape, generator=g) * 0.02
-        p, s = quantize_mxfp4(w)
+        w = (torch.randn(getattr(dense, name).shape, generator=g) * 0.02).to(dev)
+        p, s = quantize_mxfp4(w)  # on the device: seconds on a GPU, minutes on the CPU at these sizes
         packed.packed(name)[0].copy_(p)
         packed.packed(name)[1].copy_(s)
-    w1, w3, w2 = packed.dequantized(torch.bfloat16)
+        del w, p, s
     with torch.no_grad():
-        for name, w in zip(("w1", "w3", "w2"), (w1, w3, w2)):
-            getattr(dense, name).copy_(w.float())
-    dense = dense.to(device=dev, dtype=torch.bfloat16)
-    del w1, w3, w2
+        for name, w in zip(("w1", "w3", "w2"), packed.dequantized(torch.bfloat16)):
+            getattr(dense, name).copy_(w)
     z = (torch.randn(N, L, generator=g) * 0.5).to(dev, torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(dev)
     wts = torch.rand(N, k, generator=g).to(dev)
@@ -188,6 +198,7 @@ def train_section(args) -> list[str]:
                 device=args.device,
                 sample_prompt=None,
                 qat=qat,
+                compile=args.compile,
             )
             trainer = Trainer(config, progress=False)  # data and tokenizer preparation: not timed
             start = time.perf_counter()
@@ -207,7 +218,7 @@ def train_section(args) -> list[str]:
             print(f"qat={qat}: last-20% loss {rows[-1][1]:.4f}, val {rows[-1][2]:.4f}", flush=True)
     lines = [
         f"### Training `{args.preset}`, {args.steps} steps of {args.batch_size} × {args.seq_len} tokens, "
-        f"{args.device}, seed 0",
+        f"{args.device}, seed 0, {'compiled' if args.compile else 'eager'} layers",
         "",
         "| QAT | train loss (mean of the last 20% of steps) | val loss | tokens/s (training and evals) |",
         "|---|---:|---:|---:|",
@@ -231,10 +242,13 @@ def main(argv=None) -> None:
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.",
         "",
     ]
-    if "gemm" in args.sections:
-        lines += gemm_section(args)
-    if "train" in args.sections:
-        lines += train_section(args)
+    for name, section in (("gemm", gemm_section), ("train", train_section)):
+        if name in args.sections:
+            start = time.perf_counter()
+            lines += section(args)
+            seconds = time.perf_counter() - start
+            lines += [f"Section `{name}`: {seconds:.0f} s wall.", ""]
+            print(f"section {name}: {seconds:.0f} s", flush=True)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -9,12 +9,17 @@ execute → update) between two device synchronisations:
 * **decode**: for each ``--streams`` ``n``, ``n`` requests of 32-token prompts are prefilled and run a few
   decode steps unprofiled, then ``--steps`` decode steps (``n`` tokens each) are profiled.
 
-Per step: ``host_ms`` (wall time of the step), ``kernel_ms`` (sum of the device kernels' durations; 0 on a
-CPU), ``launches`` (kernel launches and CUDA-graph launches issued by the host), ``syncs`` (host waits on the
-device: ``cuda*Synchronize`` and ``aten::_local_scalar_dense``, i.e. ``.item()``/``.tolist()`` of a device
-tensor; not counted on a CPU, where the latter only reads memory — CPU ``grouped_mm`` calls it per expert),
-``d2h_copies`` (``Memcpy DtoH`` on the device), ``ops`` (``aten::`` calls). The report gives the
-median step of each setting and the operators with the most self time over all profiled decode steps.
+Per step, counting only what happens inside ``engine.step()`` (a ``record_function`` range; the harness's own
+synchronisation after it and the profiler's are left out): ``step_ms`` (wall time of the step's call),
+``wait_ms`` (time blocked in the step's ``syncs``, below), ``host_ms`` (``step_ms − wait_ms``: the host's own
+work, inflated by the profiler's per-op cost), ``kernel_ms`` (sum of the device kernels' durations; 0 on a
+CPU), ``kernels`` (device kernels run, those inside a CUDA graph included), ``launches`` (kernel launches and
+CUDA-graph launches issued by the host), ``syncs`` (host waits on the device: ``cuda*Synchronize``, a blocking
+``cudaMemcpy`` and ``aten::_local_scalar_dense``, i.e. ``.item()``/``.tolist()`` of a device tensor; not
+counted on a CPU, where the latter only reads memory — CPU ``grouped_mm`` calls it per expert), ``d2h_copies``
+(``Memcpy DtoH`` on the device), ``ops`` (``aten::`` calls). The report gives the median step of each setting,
+the median wall time of ``--steps`` further decode steps run without the profiler (``unprofiled_ms``: what a
+step costs), and the operators with the most self time over all profiled decode steps.
 
     python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 16384 --streams 1 64 \\
         --out OUT_DIR        # GPU: 8192-token chunks (a first chunk, then one continuing a cached prefix)
@@ -35,7 +40,7 @@ from pathlib import Path
 import torch
 from serve import DTYPES, device_tag, environment, sync
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import openk3
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
@@ -55,8 +60,11 @@ SYNC_CALLS = (
     "cudaDeviceSynchronize",
     "cudaStreamSynchronize",
     "cudaEventSynchronize",
+    "cudaMemcpy",
     "aten::_local_scalar_dense",
 )
+STEP = "openk3.engine_step"
+"""The ``record_function`` range around the profiled ``engine.step()``."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,21 +115,36 @@ def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
     return LLMEngine(model, EngineConfig(cache, sched, static_decode=False if args.eager else None))
 
 
-def step_summary(prof, host_s: float, tokens: int, cuda: bool) -> dict:
+def step_summary(prof, tokens: int, cuda: bool) -> dict:
     """The numbers of one profiled step (see the module docstring); ``syncs`` is None on a CPU."""
-    kernel_us, launches, syncs, d2h, ops = 0.0, 0, 0, 0, 0
-    for e in prof.events():
+    events = list(prof.events())
+    step = next(e for e in events if e.name == STEP and e.device_type == DeviceType.CPU)
+    lo, hi = step.time_range.start, step.time_range.end
+    kernel_us, kernels, launches, d2h, ops, waits = 0.0, 0, 0, 0, 0, []
+    for e in events:
         if e.device_type == DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
             d2h += "Memcpy DtoH" in e.name
-        else:
+            kernels += not e.name.startswith(("Memcpy", "Memset"))
+        elif lo <= e.time_range.start and e.time_range.end <= hi:
             launches += e.name in LAUNCH_CALLS
-            syncs += e.name in SYNC_CALLS
             ops += e.name.startswith("aten::")
+            if e.name in SYNC_CALLS:
+                waits.append(e.time_range)
+    outer = []  # an .item()'s _local_scalar_dense holds its cudaStreamSynchronize: one wait, timed once
+    for r in sorted(waits, key=lambda r: (r.start, -r.end)):
+        if not outer or r.start >= outer[-1].end:
+            outer.append(r)
+    step_us = step.time_range.elapsed_us()
+    wait_us = sum(r.elapsed_us() for r in outer) if cuda else 0.0
+    syncs = len(outer)
     return {
         "tokens": tokens,
-        "host_ms": host_s * 1e3,
+        "step_ms": step_us / 1e3,
+        "wait_ms": wait_us / 1e3,
+        "host_ms": (step_us - wait_us) / 1e3,
         "kernel_ms": kernel_us / 1e3,
+        "kernels": kernels,
         "launches": launches,
         "syncs": syncs if cuda else None,
         "d2h_copies": d2h,
@@ -134,12 +157,11 @@ def profiled_step(engine: LLMEngine, device: str, activities, keep: list) -> dic
     scheduled_tokens = sum(len(r.all_token_ids) - r.num_computed_tokens for r in engine.scheduler.running)
     sync(device)
     with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        engine.step()
+        with record_function(STEP):
+            engine.step()
         sync(device)
-        host_s = time.perf_counter() - t0
     keep.append(prof)
-    return step_summary(prof, host_s, scheduled_tokens, device.startswith("cuda"))
+    return step_summary(prof, scheduled_tokens, device.startswith("cuda"))
 
 
 def profile_prefill(model, args, tokens, activities) -> list[dict]:
@@ -154,9 +176,11 @@ def profile_prefill(model, args, tokens, activities) -> list[dict]:
     return steps
 
 
-def profile_decode(model, args, tokens, n: int, activities, keep: list) -> list[dict]:
-    engine = make_engine(model, args, PROMPT + WARM_DECODE_STEPS + args.steps + 3, n)
-    max_tokens = WARM_DECODE_STEPS + args.steps + 2
+def profile_decode(model, args, tokens, n: int, activities, keep: list) -> tuple[list[dict], float]:
+    """``--steps`` profiled decode steps of ``n`` streams, then the median wall time in ms of ``--steps`` more
+    run without the profiler."""
+    engine = make_engine(model, args, PROMPT + WARM_DECODE_STEPS + 2 * args.steps + 3, n)
+    max_tokens = WARM_DECODE_STEPS + 2 * args.steps + 2
     reqs = [Request(f"s{i}", tokens(PROMPT), SamplingParams(max_tokens=max_tokens)) for i in range(n)]
     for r in reqs:
         engine.add_request(r)
@@ -165,7 +189,14 @@ def profile_decode(model, args, tokens, n: int, activities, keep: list) -> list[
     steps = [profiled_step(engine, args.device, activities, keep) for _ in range(args.steps)]
     for s in steps:
         s["tokens"] = n
-    return steps
+    walls = []
+    for _ in range(args.steps):
+        sync(args.device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(args.device)
+        walls.append(time.perf_counter() - t0)
+    return steps, statistics.median(walls) * 1e3
 
 
 def median_step(steps: list[dict]) -> dict:
@@ -177,6 +208,8 @@ def top_ops(profs: list, n: int, cuda: bool) -> list[dict]:
     totals: dict[str, dict] = {}
     for prof in profs:
         for a in prof.key_averages():
+            if a.key == STEP:
+                continue
             t = totals.setdefault(
                 a.key, {"name": a.key, "calls": 0, "self_cpu_ms": 0.0, "self_device_ms": 0.0}
             )
@@ -190,13 +223,17 @@ def top_ops(profs: list, n: int, cuda: bool) -> list[dict]:
 def markdown(report: dict) -> str:
     a, env = report["args"], report["env"]
     machine = f"GPU: {env['gpu']}, CUDA {env['cuda']}" if "gpu" in env else f"CPU: {env['cpu']}"
-    head = "| step | tokens | host ms | kernel ms | launches | syncs | D→H copies | aten ops |"
-    rule = "|---|---:|---:|---:|---:|---:|---:|---:|"
+    head = (
+        "| step | tokens | step ms | host ms | wait ms | kernel ms | kernels | launches | syncs | D→H copies "
+        "| aten ops |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 
     def row(name: str, s: dict) -> str:
         syncs = "—" if s["syncs"] is None else f"{s['syncs']:.0f}"
         return (
-            f"| {name} | {s['tokens']:.0f} | {s['host_ms']:.2f} | {s['kernel_ms']:.2f} | {s['launches']:.0f} "
+            f"| {name} | {s['tokens']:.0f} | {s['step_ms']:.2f} | {s['host_ms']:.2f} | {s['wait_ms']:.2f} "
+            f"| {s['kernel_ms']:.2f} | {s['kernels']:.0f} | {s['launches']:.0f} "
             f"| {syncs} | {s['d2h_copies']:.0f} | {s['ops']:.0f} |"
         )
 
@@ -220,6 +257,10 @@ def markdown(report: dict) -> str:
         head.replace("| step |", "| streams |"),
         rule,
         *(row(str(d["streams"]), d["median"]) for d in report["decode"]),
+        "",
+        "Without the profiler (median wall time of a decode step, its device work included): "
+        + ", ".join(f"{d['streams']} streams {d['unprofiled_ms']:.2f} ms" for d in report["decode"])
+        + ".",
         "",
         f"## Operators with the most self {'device' if 'gpu' in env else 'host'} time, all profiled decode steps",
         "",
@@ -253,8 +294,10 @@ def main(argv: list[str] | None = None) -> dict:
     prefill = profile_prefill(model, args, tokens, activities)
     decode, profs = [], []
     for n in args.streams:
-        steps = profile_decode(model, args, tokens, n, activities, profs)
-        decode.append({"streams": n, "steps": steps, "median": median_step(steps)})
+        steps, unprofiled_ms = profile_decode(model, args, tokens, n, activities, profs)
+        decode.append(
+            {"streams": n, "steps": steps, "median": median_step(steps), "unprofiled_ms": unprofiled_ms}
+        )
         print(f"decode {n} streams: {decode[-1]['median']}", file=sys.stderr, flush=True)
     report = {
         "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/serve_profile.py", *argv]),

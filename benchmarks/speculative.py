@@ -1,22 +1,33 @@
 """Speculative decoding benchmark: LK- vs KL-trained drafts of one target, trained for the same steps on the
-same batches, side by side: the acceptance rate by draft depth on held-out text, and for k = 1…5 the
-measured tokens per target forward and the decode speed-up over plain decoding.
+same batches, side by side: the acceptance rate by draft depth on held-out text, the serving engine's decode
+throughput with and without the draft at 1 and 64 streams, and for k = 1…5 the measured tokens per target
+forward and the single-sequence speed-up over plain decoding.
 
-* The target is a trained run (``--target``, an ``openk3 train`` folder); its val split gives the held-out
-  windows and the prompts.
-* Both drafts start from the same initialisation (``--seed``) and read the same batches of the run's
-  training split; they differ only in the loss.
-* Decoding: ``--prompts`` val prompts of ``--prompt-len`` tokens, ``--new-tokens`` new tokens each, greedy
-  (temperature 0: the speculative output equals the plain one token for token, checked) or sampled
-  (``--temperature``). Speed-up = plain time / speculative time, each the best of ``--repeats`` rounds, the
-  two alternating so a shared machine slows both alike.
+* The target is a trained run (``--target RUN``, an ``openk3 train`` folder) or is trained here first
+  (``--train-target PRESET`` on ``--data``, default Shakespeare, into ``--work``), uncompiled so that no
+  ``torch.compile`` warm-up is paid. The run's val split gives the held-out windows and the prompts.
+* Both drafts start from the same initialisation (``--seed``) and read the same batches: the target's own
+  samples (``--draft-data generations``: ``--gen-windows`` windows of 16 corpus tokens and the target's
+  continuation at temperature 1, drawn once and shared) or random windows of the training split
+  (``corpus``). They differ only in the loss.
+* Engine (``--streams``): ``N`` greedy requests of ``--prompt-len`` val tokens and ``--new-tokens`` new
+  tokens each, all submitted at once, tokens / wall time (prefills included), best of ``--repeats`` after a
+  warm-up round; without a draft the engine takes its default path (decode steps in CUDA graphs on CUDA),
+  with the LK draft at k = ``--engine-k`` every step runs the paged forward. Greedy outputs are compared
+  stream by stream (bf16 on a GPU may flip near-ties, so the count is reported, not asserted).
+* Single sequence (``--ks``): ``--prompts`` prompts, greedy (or ``--temperature``), :func:`openk3.generate
+  .generate` against :func:`openk3.speculative.speculative_generate`, best of ``--repeats``, plain and the
+  two drafts alternating so a shared machine slows all alike.
+* ``--budget-s``: the run's wall-clock budget. The target's steps get 40 % of it and each draft's 10 %
+  (setup and kernel compilation come on top): their step counts (``--target-steps``, ``--draft-steps``) are
+  cut to what fits once a few steps are timed. The engine measurement and the first single-sequence k
+  always run; a later k that would start past the budget is skipped and listed.
 
-* ``--streams 1,64``: the serving engine's decode throughput with and without the LK draft (k =
-  ``--engine-k``) at those numbers of concurrent greedy streams, outputs compared.
-
-    python benchmarks/speculative.py --target runs/k3-tiny --out benchmarks/results/speculative_cpu.md
-    python benchmarks/speculative.py --target RUN_K3_SMALL --device cuda --draft-steps 2000 \\
-        --batch-size 32 --seq-len 512 --new-tokens 256 --streams 1,64 --out OUT_DIR   # GPU, k3-small
+    python benchmarks/speculative.py --target runs/k3-tiny --out benchmarks/results/   # CPU
+    python benchmarks/speculative.py --train-target k3-small --device cuda --data CORPUS --work /tmp/spec \\
+        --budget-s 200 --target-steps 3000 --target-batch-size 32 --target-seq-len 256 --draft-steps 1000 \\
+        --batch-size 32 --seq-len 128 --gen-windows 128 --eval-batches 16 --streams 1,64 --new-tokens 64 \\
+        --ks 1,3,5 --prompts 1 --out OUT_DIR                                        # one H200, ~5 min
 
 Prints a Markdown report; ``--out`` is a ``.md`` file or a folder (which receives ``speculative_<device>.md``
 and ``.json``).
@@ -25,9 +36,15 @@ and ``.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import dataclasses
 import json
+import math
 import platform
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,96 +55,282 @@ from openk3.data import TokenDataset
 from openk3.data.shards import RandomBatches
 from openk3.generate import generate
 from openk3.model.draft import DraftConfig, build_draft, feature_layers
-from openk3.speculative import SpeculativeStats, speculative_generate
+from openk3.presets import PRESETS
+from openk3.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeStats, speculative_generate
+from openk3.train.draft_cli import (
+    GEN_PROMPT_TOKENS,
+    generated_windows,
+    pool_batches,
+    positive_float,
+    positive_int,
+)
 from openk3.train.draft_trainer import acceptance_by_step, expected_accepted_length, train_draft
 from openk3.train.state import latest_checkpoint
+from openk3.train.trainer import unigram_entropy, validation_loss
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TARGET_SHARE = 0.4
+"""Share of ``--budget-s`` for the target's training steps (at the rate of its steady steps: the data
+preparation and the first step's kernel compilation come on top)."""
+DRAFT_SHARE = 0.1
+"""Share of ``--budget-s`` for each draft's training steps."""
+TIMED_STEPS = 6
+"""Target steps run before the step count is fitted to the budget (the first one, with kernel compilation,
+is left out of the per-step time)."""
+DEPTH = 5
+"""Draft depths of the acceptance table."""
 
 
-def parse_args() -> argparse.Namespace:
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one int, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="run folder of the target (openk3 train --out)")
-    p.add_argument("--device", default="cpu")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--target", help="run folder of a trained target (openk3 train --out)")
+    which.add_argument("--train-target", choices=sorted(PRESETS), help="train a target of this preset first")
+    p.add_argument("--data", help="corpus of --train-target (openk3 train --data; default Shakespeare)")
+    p.add_argument("--work", help="folder for the --train-target run (default: a new temporary folder)")
+    p.add_argument("--target-steps", type=positive_int, default=300, help="most steps of --train-target")
+    p.add_argument("--target-batch-size", type=positive_int, default=16)
+    p.add_argument("--target-seq-len", type=positive_int, default=128)
+    p.add_argument("--target-lr", type=positive_float, default=3e-3)
+    p.add_argument("--budget-s", type=positive_float, help="wall-clock budget of the whole run, seconds")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16 on CUDA, else float32")
-    p.add_argument("--draft-steps", type=int, default=150, help="training steps of each draft")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-batches", type=int, default=8, help="val batches for the acceptance rates")
-    p.add_argument("--ks", default="1,2,3,4,5")
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--draft-steps", type=positive_int, default=150, help="training steps of each draft")
+    p.add_argument("--draft-data", choices=["generations", "corpus"], default="generations")
+    p.add_argument("--gen-windows", type=positive_int, default=64, help="target samples for the drafts")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="draft training windows per step")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="draft training window length")
+    p.add_argument("--ttt-steps", type=positive_int, default=3)
+    p.add_argument("--lr", type=positive_float, default=2e-3)
+    p.add_argument(
+        "--eval-batches", type=positive_int, default=8, help="val batches for the acceptance rates"
+    )
+    p.add_argument("--ks", type=_int_list, default=[1, 2, 3, 4, 5], help="k of the single-sequence table")
+    p.add_argument("--prompts", type=positive_int, default=2)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--new-tokens", type=positive_int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--streams", default="", help="engine throughput at these concurrent streams, e.g. 1,64")
-    p.add_argument("--engine-k", type=int, default=3, help="k of the engine throughput test")
-    p.add_argument("--threads", type=int, help="torch threads (CPU)")
+    p.add_argument("--repeats", type=positive_int, default=1)
+    p.add_argument(
+        "--streams",
+        type=_int_list,
+        default=[],
+        help="engine throughput at these concurrent streams, e.g. 1,64",
+    )
+    p.add_argument("--engine-k", type=positive_int, default=3, help="k of the engine throughput test")
+    p.add_argument("--threads", type=positive_int, help="torch threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help=".md file or folder for the report")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    for k in [*args.ks, args.engine_k]:
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            p.error(f"--ks and --engine-k take k in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+    if any(n < 1 for n in args.streams):
+        p.error(f"--streams takes numbers of streams >= 1, got {args.streams}")
+    if args.target and (args.data or args.work):
+        p.error("--data and --work go with --train-target (a --target run has its own data)")
+    if args.seq_len < max(GEN_PROMPT_TOKENS, args.ttt_steps, DEPTH) + 2:
+        p.error(f"--seq-len must be at least {max(GEN_PROMPT_TOKENS, args.ttt_steps, DEPTH) + 2}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    return args
+
+
+class Clock:
+    """Wall time since the start and the deadlines of ``--budget-s`` (none without it)."""
+
+    def __init__(self, budget_s: float | None) -> None:
+        self.t0, self.budget_s = time.perf_counter(), budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return math.inf if self.budget_s is None else self.budget_s - self.elapsed()
+
+    def share(self, fraction: float) -> float:
+        return math.inf if self.budget_s is None else fraction * self.budget_s
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def timed(fn, *args):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     out = fn(*args)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - t0
 
 
-def main() -> int:
-    args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    folder = latest_checkpoint(args.target)
-    run = folder.parent.parent
-    model = from_pretrained(folder, device=device, dtype=dtype).eval()
-    lm = getattr(model, "language_model", model)
-    cfg = lm.config
-    train, val = TokenDataset(run / "data" / "train.bin"), TokenDataset(run / "data" / "val.bin")
-    ks = [int(k) for k in args.ks.split(",")]
-    result = {
-        "target": str(folder),
-        "device": str(device),
-        "dtype": str(dtype),
-        "args": vars(args),
-        "drafts": {},
-    }
+def train_target(args, clock: Clock) -> tuple[Path, dict]:
+    """Train ``--train-target`` into ``--work``: :data:`TIMED_STEPS` steps, then (with a budget) the step
+    count cut to what fits in :data:`TARGET_SHARE` of it, resumed to the end. Returns the run folder and a
+    summary for the report."""
+    from openk3.train.trainer import TrainConfig, train
 
-    drafts = {}
-    for loss in ("lk", "kl"):
-        dc = DraftConfig(
-            feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
-            loss=loss, ttt_steps=args.ttt_steps,
-        )  # fmt: skip
-        draft = build_draft(cfg, dc, device=device, dtype=dtype, seed=args.seed)
-        batches = (x.to(device) for x, _ in RandomBatches(train, args.batch_size, args.seq_len, args.seed))
-        fit = train_draft(
-            draft, lm, batches, args.draft_steps, lr=args.lr, log_every=max(1, args.draft_steps // 5)
-        )
-        windows = (
-            x.to(device) for x, _ in val.iter_sequential(args.batch_size, args.seq_len, args.eval_batches)
-        )
-        alphas = acceptance_by_step(draft, lm, windows, 5)
-        drafts[loss] = draft
-        result["drafts"][loss] = {
-            "train_seconds": fit.seconds, "final_loss": fit.losses[-1], "alpha_by_depth": alphas,
-            "expected_tokens_per_forward": {k: expected_accepted_length(alphas, k) for k in ks}, "decode": {},
-        }  # fmt: skip
-        print(f"{loss}: trained {args.draft_steps} steps in {fit.seconds:.0f} s; alpha by depth "
-              f"{[round(a, 3) for a in alphas]}", file=sys.stderr)  # fmt: skip
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="openk3-speculative-"))
+    config = TrainConfig(
+        preset=args.train_target, data=args.data, out=str(work / args.train_target),
+        steps=args.target_steps, batch_size=args.target_batch_size,
+        context_schedule=[(0, args.target_seq_len)], lr=args.target_lr,
+        warmup_steps=max(1, min(20, args.target_steps // 10)), eval_every=args.target_steps, save_every=args.target_steps,
+        final_eval_batches=8, device=args.device, compile=False, sample_prompt=None, seed=args.seed,
+    )  # fmt: skip
+    first = min(TIMED_STEPS, args.target_steps)
+    train(dataclasses.replace(config, stop_at_step=first), progress=False)
+    run = Path(config.out)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step_s = statistics.median(
+        args.target_batch_size * r["seq_len"] / r["tokens_per_s"] for r in rows[1:] or rows
+    )
+    steps = args.target_steps
+    room = clock.share(TARGET_SHARE)  # stepping time: data preparation and compilation come on top
+    if room < math.inf:
+        steps = max(first, min(steps, int(0.9 * room / step_s)))
+    summary = {"preset": args.train_target, "planned_steps": args.target_steps, "seconds_per_step": step_s}
+    if steps > first:
+        train(dataclasses.replace(config, steps=steps), resume=True, progress=False)
+    summary.update(steps=steps, tokens=steps * args.target_batch_size * args.target_seq_len)
+    summary["seconds"] = clock.elapsed()
+    print(f"target {args.train_target}: {steps} steps ({step_s:.3f} s each) in {summary['seconds']:.0f} s",
+          file=sys.stderr)  # fmt: skip
+    return run, summary
 
-    prompts = [
-        val.tokens_N[i * 997 : i * 997 + args.prompt_len].astype("int64").tolist()
-        for i in range(args.prompts)
-    ]
+
+def draft_batches(args, lm, train_set, device):
+    """A fresh iterator over the drafts' training batches (the same for every call) and the seconds it took
+    to make them (sampling the target, for ``generations``)."""
+    if args.draft_data == "corpus":
+        return lambda: (
+            x.to(device) for x, _ in RandomBatches(train_set, args.batch_size, args.seq_len, args.seed)
+        ), 0.0
+    rows = (
+        args.gen_windows if device.type == "cuda" else 32
+    )  # one batch on a GPU: decode steps are launch-bound
+    pool, seconds = timed(
+        generated_windows, lm, train_set, args.gen_windows, args.seq_len, args.seed, device.type, rows
+    )
+    return lambda: pool_batches(pool, args.batch_size, args.seed, 0), seconds
+
+
+def fitted_draft_steps(draft, lm, batches, args, clock: Clock) -> tuple[int, float]:
+    """``--draft-steps``, cut to :data:`DRAFT_SHARE` of the budget after timing 3 steps of a copy of the draft
+    (one warm-up step first); returns the steps and the seconds per step."""
+    probe = copy.deepcopy(draft)
+    train_draft(probe, lm, batches(), 1, lr=args.lr)
+    step_s = train_draft(probe, lm, batches(), 3, lr=args.lr).seconds / 3
+    room = clock.share(DRAFT_SHARE)
+    steps = args.draft_steps if room == math.inf else max(1, min(args.draft_steps, int(room / step_s)))
+    return steps, step_s
+
+
+def val_prompts(val: TokenDataset, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` val tokens, spread evenly over the split (they may overlap when it is short)."""
+    if val.num_tokens < length:
+        raise SystemExit(f"the val split holds {val.num_tokens} tokens, fewer than --prompt-len {length}")
+    step = (val.num_tokens - length) // n
+    return [val.tokens_N[i * step : i * step + length].astype("int64").tolist() for i in range(n)]
+
+
+def engine_throughput(model, draft, val, args, device) -> dict:
+    """Decode tokens per second of the serving engine with and without the LK draft (greedy, every request
+    ``--new-tokens`` long, all submitted at once; prefills included)."""
+    from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+
+    out = {}
+    for n in args.streams:
+        prompts = val_prompts(val, n, args.prompt_len)
+        row = {}
+        outputs = {}
+        for name, d in (("plain", None), ("speculative", draft)):
+            config = EngineConfig(
+                CacheConfig(block_size=16, pool_mib=256 if device.type == "cpu" else 8192),
+                SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, n * 8)),
+            )
+            eng = LLMEngine(model, config, draft=d, num_speculative_tokens=args.engine_k)
+            best = math.inf
+            for r in range(args.repeats + 1):  # the first round warms up (and captures the decode graphs)
+                reqs = [
+                    Request(f"{name}{r}-{i}", p, SamplingParams(max_tokens=args.new_tokens))
+                    for i, p in enumerate(prompts)
+                ]
+                got, seconds = timed(eng.generate, reqs)
+                if r:
+                    best = min(best, seconds)
+            row[name] = {"tokens_per_s": n * args.new_tokens / best, "seconds": best}
+            outputs[name] = [got[q.request_id] for q in reqs]
+            spec = eng.runner.speculative
+            if spec is not None:
+                row[name]["acceptance_rate"] = spec.num_accepted / max(spec.num_drafted, 1)
+                reqs = [
+                    Request(f"phases-{i}", p, SamplingParams(max_tokens=args.new_tokens))
+                    for i, p in enumerate(prompts)
+                ]
+                row[name]["ms_per_verify_step"] = phase_times(eng, reqs)
+        row["identical_streams"] = sum(a == b for a, b in zip(outputs["plain"], outputs["speculative"]))
+        row["speedup"] = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        print(f"engine {n} streams: {row['plain']['tokens_per_s']:.1f} → {row['speculative']['tokens_per_s']:.1f} "
+              f"tok/s ({row['speedup']:.2f}x), identical {row['identical_streams']}/{n}", file=sys.stderr)  # fmt: skip
+        out[n] = row
+    return out
+
+
+def phase_times(eng, requests) -> dict:
+    """One more (untimed) round of the speculative engine with a device sync around its phases: mean ms per
+    verify step of the draft chain, the target's verify forward, and the draft reading the verified tokens'
+    features (the syncs add a little to each)."""
+    spec = eng.runner.speculative
+    totals = {"draft chain": 0.0, "draft update": 0.0, "verify step": 0.0}
+    inside = []
+
+    def wrap(name, fn):
+        def run(*a, **kw):
+            inside.append(name)
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sync()
+                inside.pop()
+                if name != "draft update" or inside:  # the draft's prefill reads are not a verify step's
+                    totals[name] += time.perf_counter() - t0
+
+        return run
+
+    for name, attr in (("draft chain", "_chains"), ("draft update", "_feed"), ("verify step", "_verify")):
+        setattr(spec, attr, wrap(name, getattr(spec, attr)))
+    steps = [0]
+    verify = spec._verify
+
+    def counted(*a, **kw):
+        steps[0] += 1
+        return verify(*a, **kw)
+
+    spec._verify = counted
+    eng.generate(requests)
+    n = max(steps[0], 1)
+    chain, update, whole = (1e3 * totals[k] / n for k in ("draft chain", "draft update", "verify step"))
+    return {"draft_chain": chain, "target_verify": whole - chain - update, "draft_update": update}
+
+
+def single_sequence(model, drafts, val, args, device, clock: Clock, skipped: list[str]) -> dict:
+    """Per k: plain and speculative decoding of the prompts, best of ``--repeats``, plain and the drafts
+    alternating. Returns ``{loss: {k: row}}``."""
+    prompts = val_prompts(val, args.prompts, args.prompt_len)
     sample = dict(temperature=args.temperature, seed=args.seed)
 
     def plain():
@@ -147,30 +350,121 @@ def main() -> int:
             for p in prompts
         ]
 
-    with torch.no_grad():
-        reference, _ = timed(plain)  # warm-up
-        for loss, draft in drafts.items():
-            spec(draft, ks[0], SpeculativeStats())
-            for k in ks:
-                best_plain = best_spec = float("inf")
-                for _ in range(args.repeats):
-                    _, t_plain = timed(plain)
-                    stats = SpeculativeStats()
-                    out, t_spec = timed(spec, draft, k, stats)
-                    best_plain, best_spec = min(best_plain, t_plain), min(best_spec, t_spec)
-                same = (
-                    all(torch.equal(a, b) for a, b in zip(out, reference)) if args.temperature == 0 else None
+    reference, _ = timed(plain)  # warm-up
+    for draft in drafts.values():
+        spec(draft, args.ks[0], SpeculativeStats())
+    out = {loss: {} for loss in drafts}
+    last = 0.0
+    for k in args.ks:
+        if last and clock.left() < last:  # the first k always runs
+            skipped.append(f"single sequence at k = {k}: the budget was spent")
+            continue
+        t0 = time.perf_counter()
+        best_plain, rows = math.inf, {loss: {"spec_s": math.inf} for loss in drafts}
+        for _ in range(args.repeats):
+            best_plain = min(best_plain, timed(plain)[1])
+            for loss, draft in drafts.items():
+                stats = SpeculativeStats()
+                got, seconds = timed(spec, draft, k, stats)
+                row = rows[loss]
+                row["spec_s"] = min(row["spec_s"], seconds)
+                row["tokens_per_forward"], row["acceptance_rate"] = (
+                    stats.acceptance_length,
+                    stats.acceptance_rate,
                 )
-                result["drafts"][loss]["decode"][k] = {
-                    "tokens_per_forward": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
-                    "plain_s": best_plain, "spec_s": best_spec, "speedup": best_plain / best_spec,
-                    "identical_to_plain": same,
-                }  # fmt: skip
-                print(f"{loss} k={k}: {stats.acceptance_length:.2f} tokens/forward, speed-up "
-                      f"{best_plain / best_spec:.2f}x", file=sys.stderr)  # fmt: skip
+                row["identical_prompts"] = (
+                    sum(torch.equal(a, b) for a, b in zip(got, reference)) if args.temperature == 0 else None
+                )
+        for loss, row in rows.items():
+            row.update(plain_s=best_plain, speedup=best_plain / row["spec_s"])
+            out[loss][k] = row
+            print(f"{loss} k={k}: {row['tokens_per_forward']:.2f} tokens/forward, speed-up {row['speedup']:.2f}x",
+                  file=sys.stderr)  # fmt: skip
+        last = time.perf_counter() - t0
+    return out
+
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        import triton
+
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, triton=triton.__version__)
+    else:
+        env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    clock = Clock(args.budget_s)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    result = {
+        "command": "python benchmarks/speculative.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "environment": environment(device), "dtype": str(dtype), "args": vars(args), "drafts": {},
+    }  # fmt: skip
+    skipped: list[str] = []
+    if args.train_target:
+        run, result["target_training"] = train_target(args, clock)
+    else:
+        run = Path(args.target)
+    folder = latest_checkpoint(run)
+    run = folder.parent.parent
+    result["target"] = str(folder)
+    # the drafts train (and α is measured) against an fp32 target, under autocast to ``dtype`` as `openk3
+    # train` runs on CUDA; decoding runs a ``dtype`` copy of the target and of the drafts
+    master = from_pretrained(folder, device=device, dtype=torch.float32).eval()
+    model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+    amp = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    amp_dtype = None if dtype == torch.float32 else dtype
+    lm = getattr(master, "language_model", master)
+    cfg = lm.config
+    train_set, val = TokenDataset(run / "data" / "train.bin"), TokenDataset(run / "data" / "val.bin")
+    val_loss, tokens = validation_loss(
+        master, val, args.batch_size, args.seq_len, args.eval_batches, device, amp_dtype
+    )
+    result["target_val"] = {
+        "loss": val_loss, "tokens": tokens, "unigram_entropy": unigram_entropy(val.tokens_N)
+    }  # fmt: skip
+
+    batches, gen_s = draft_batches(args, getattr(model, "language_model", model), train_set, device)
+    result["draft_data_seconds"] = gen_s
+    drafts, steps = {}, None
+    for loss in ("lk", "kl"):
+        dc = DraftConfig(
+            feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
+            loss=loss, ttt_steps=args.ttt_steps,
+        )  # fmt: skip
+        draft = build_draft(cfg, dc, device=device, dtype=torch.float32, seed=args.seed)
+        with amp:
+            if steps is None:  # fitted once, so both drafts train for the same steps
+                steps, step_s = fitted_draft_steps(draft, lm, batches, args, clock)
+                result["draft_steps"], result["draft_seconds_per_step"] = steps, step_s
+            fit = train_draft(draft, lm, batches(), steps, lr=args.lr, log_every=max(1, steps // 5))
+            windows = (
+                x.to(device) for x, _ in val.iter_sequential(args.batch_size, args.seq_len, args.eval_batches)
+            )
+            alphas = acceptance_by_step(draft, lm, windows, DEPTH)
+        drafts[loss] = draft if dtype == torch.float32 else copy.deepcopy(draft).to(dtype)
+        result["drafts"][loss] = {
+            "train_seconds": fit.seconds, "final_loss": fit.losses[-1], "alpha_by_depth": alphas,
+            "expected_tokens_per_forward": {k: expected_accepted_length(alphas, k) for k in range(1, DEPTH + 1)},
+        }  # fmt: skip
+        print(f"{loss}: trained {steps} steps in {fit.seconds:.0f} s; alpha by depth "
+              f"{[round(a, 3) for a in alphas]}", file=sys.stderr)  # fmt: skip
+
+    with torch.no_grad():
         if args.streams:
             result["engine"] = engine_throughput(model, drafts["lk"], val, args, device)
-    report = render(result, ks, args)
+        result["single_sequence"] = single_sequence(model, drafts, val, args, device, clock, skipped)
+    result["skipped"] = skipped
+    result["wall_seconds"] = clock.elapsed()
+    report = render(result, args)
     print(report)
     if args.out:
         out = Path(args.out)
@@ -183,95 +477,118 @@ def main() -> int:
     return 0
 
 
-def engine_throughput(model, draft, val, args, device) -> dict:
-    """Decode tokens per second of the serving engine with and without the LK draft (greedy, every request
-    ``--new-tokens`` long, all submitted at once; prefills included)."""
-    from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
-
-    out = {}
-    for n in [int(x) for x in args.streams.split(",")]:
-        prompts = [
-            val.tokens_N[i * 131 : i * 131 + args.prompt_len].astype("int64").tolist() for i in range(n)
-        ]
-        row = {}
-        for name, d in (("plain", None), ("speculative", draft)):
-            config = EngineConfig(
-                CacheConfig(block_size=16, pool_mib=256 if device.type == "cpu" else 8192),
-                SchedulerConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=max(2048, n * 8)),
-            )
-            best = float("inf")
-            for r in range(args.repeats + 1):  # the first round warms up
-                eng = LLMEngine(model, config, draft=d, num_speculative_tokens=args.engine_k)
-                reqs = [
-                    Request(f"{name}{r}-{i}", p, SamplingParams(max_tokens=args.new_tokens))
-                    for i, p in enumerate(prompts)
-                ]
-                got, seconds = timed(eng.generate, reqs)
-                if r:
-                    best = min(best, seconds)
-            row[name] = {"tokens_per_s": n * args.new_tokens / best, "seconds": best}
-            row[name + "_outputs"] = [got[q.request_id] for q in reqs]
-        row["identical"] = row.pop("plain_outputs") == row.pop("speculative_outputs")
-        row["speedup"] = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
-        print(
-            f"engine {n} streams: speed-up {row['speedup']:.2f}x, identical {row['identical']}",
-            file=sys.stderr,
-        )
-        out[n] = row
-    return out
-
-
-def render(result: dict, ks: list[int], args) -> str:
-    d = result["drafts"]
+def render(result: dict, args) -> str:
+    env = result["environment"]
+    where = (
+        f"{env['gpu']}, CUDA {env['cuda']}, triton {env['triton']}"
+        if "gpu" in env
+        else f"{env['cpu']}, {env['threads']} threads"
+    )
     lines = [
         "# Speculative decoding: LK- vs KL-trained drafts",
         "",
-        f"Target `{result['target']}` on {result['device']} ({result['dtype']}, {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}); drafts trained {args.draft_steps} steps each on the same batches "
-        f"({args.batch_size} × {args.seq_len} tokens, unroll {args.ttt_steps}, lr {args.lr}).",
-        f"Command: `python benchmarks/speculative.py {' '.join(sys.argv[1:])}`",
+        f"Command: `{result['command']}`",
         "",
-        "Acceptance rate α by draft depth on held-out windows (`openk3 eval --draft`'s numbers):",
+        f"Machine: {where}; torch {env['torch']}, Python {env['python']}; {result['dtype']}"
+        + (
+            ""
+            if result["dtype"] == "torch.float32"
+            else " decoding; the drafts trained and α measured in fp32 under autocast to it"
+        )
+        + ". "
+        f"Wall time of the whole run: {result['wall_seconds']:.0f} s.",
         "",
-        "| loss | depth 1 | 2 | 3 | 4 | 5 | train s |",
-        "|---|---|---|---|---|---|---|",
+    ]
+    v = result["target_val"]
+    val = (
+        f"val loss {v['loss']:.3f} nats/token on {v['tokens']:,} tokens (unigram entropy of the val split "
+        f"{v['unigram_entropy']:.3f})"
+    )
+    if "target_training" in result:
+        t = result["target_training"]
+        lines += [
+            f"Target: `{t['preset']}` trained here for {t['steps']} steps of {args.target_batch_size} × "
+            f"{args.target_seq_len} tokens ({t['tokens']:,} tokens, {t['seconds_per_step']:.3f} s/step, "
+            f"uncompiled; {t['seconds']:.0f} s with data preparation), {val}.",
+            "",
+        ]
+    else:
+        lines += [f"Target: `{result['target']}`, {val}.", ""]
+    data = (
+        f"windows from {args.gen_windows} target samples of {args.seq_len} tokens (temperature 1, drawn in "
+        f"{result['draft_data_seconds']:.0f} s)"
+        if args.draft_data == "generations"
+        else f"corpus windows of {args.seq_len} tokens"
+    )
+    lines += [
+        f"Drafts: {result['draft_steps']} steps each ({result['draft_seconds_per_step']:.3f} s/step) on the "
+        f"same batches of {args.batch_size} {data}, unroll {args.ttt_steps}, lr {args.lr}.",
+        "",
+        "Acceptance rate α by draft depth on held-out windows (`openk3 eval --draft`'s numbers, temperature 1):",
+        "",
+        "| loss | depth 1 | 2 | 3 | 4 | 5 | expected tokens/forward at k = 3 | train s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for loss in ("lk", "kl"):
-        a = d[loss]["alpha_by_depth"]
+        d = result["drafts"][loss]
         lines.append(
-            f"| {loss} | " + " | ".join(f"{x:.3f}" for x in a) + f" | {d[loss]['train_seconds']:.0f} |"
-        )
-    lines += [
-        "",
-        f"Decoding {args.prompts} prompts × {args.new_tokens} new tokens, temperature {args.temperature}: "
-        "tokens per target forward (measured) and speed-up over plain decoding:",
-        "",
-        "| k | LK tokens/forward | LK speed-up | KL tokens/forward | KL speed-up | identical to plain |",
-        "|---|---|---|---|---|---|",
-    ]
-    for k in ks:
-        lk, kl = d["lk"]["decode"][k], d["kl"]["decode"][k]
-        same = {None: "n/a (sampled)", True: "yes", False: "NO"}[
-            lk["identical_to_plain"] and kl["identical_to_plain"]
-        ]
-        lines.append(
-            f"| {k} | {lk['tokens_per_forward']:.2f} | {lk['speedup']:.2f}× | {kl['tokens_per_forward']:.2f} | "
-            f"{kl['speedup']:.2f}× | {same} |"
-        )
-    if "engine" in result:
+            f"| {loss} | " + " | ".join(f"{x:.3f}" for x in d["alpha_by_depth"])
+            + f" | {d['expected_tokens_per_forward'][3]:.2f} | {d['train_seconds']:.0f} |"
+        )  # fmt: skip
+    if result.get("engine"):
         lines += [
             "",
-            f"Serving engine, greedy, {args.new_tokens} new tokens per stream, LK draft at k = {args.engine_k} "
-            "(prefills included):",
+            f"Serving engine, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens per stream, "
+            f"prefills included; plain = the engine's default path (CUDA-graph decode on a GPU), speculative = "
+            f"the LK draft at k = {args.engine_k}:",
             "",
-            "| streams | plain tok/s | speculative tok/s | speed-up | identical outputs |",
+            "| streams | plain tok/s | speculative tok/s | speed-up | drafts accepted | identical streams |",
+            "|---|---|---|---|---|---|",
+        ]
+        for n, row in result["engine"].items():
+            s = row["speculative"]
+            lines.append(
+                f"| {n} | {row['plain']['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | {row['speedup']:.2f}× | "
+                f"{s['acceptance_rate']:.2f} | {row['identical_streams']}/{n} |"
+            )
+        lines += [
+            "",
+            "Where a speculative engine step goes (ms per verify step, an extra round with a device sync around "
+            "each phase; the step's other work is the scheduler and the sampling):",
+            "",
+            "| streams | draft chain | target verify forward | draft update | plain engine ms per token-step |",
             "|---|---|---|---|---|",
         ]
         for n, row in result["engine"].items():
+            ph = row["speculative"]["ms_per_verify_step"]
             lines.append(
-                f"| {n} | {row['plain']['tokens_per_s']:.1f} | {row['speculative']['tokens_per_s']:.1f} | "
-                f"{row['speedup']:.2f}× | {'yes' if row['identical'] else 'NO'} |"
+                f"| {n} | {ph['draft_chain']:.1f} | {ph['target_verify']:.1f} | {ph['draft_update']:.1f} | "
+                f"{1e3 * int(n) / row['plain']['tokens_per_s']:.1f} |"
             )
+    single = result["single_sequence"]
+    if single["lk"]:
+        lines += [
+            "",
+            f"Single sequence: {args.prompts} prompts × {args.new_tokens} new tokens, temperature "
+            f"{args.temperature}, `generate` against `speculative_generate` (both eager): tokens per target "
+            "forward (measured) and speed-up:",
+            "",
+            "| k | LK tokens/forward | LK speed-up | KL tokens/forward | KL speed-up | identical to plain (LK, KL) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k in single["lk"]:
+            lk, kl = single["lk"][k], single["kl"][k]
+            same = (
+                "n/a (sampled)"
+                if lk["identical_prompts"] is None
+                else f"{lk['identical_prompts']}/{args.prompts}, {kl['identical_prompts']}/{args.prompts}"
+            )
+            lines.append(
+                f"| {k} | {lk['tokens_per_forward']:.2f} | {lk['speedup']:.2f}× | {kl['tokens_per_forward']:.2f} | "
+                f"{kl['speedup']:.2f}× | {same} |"
+            )
+    if result["skipped"]:
+        lines += ["", "Skipped:", ""] + [f"- {s}" for s in result["skipped"]]
     return "\n".join(lines) + "\n"
 
 

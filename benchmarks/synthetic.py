@@ -1,83 +1,179 @@
 """The synthetic grid: tasks × mixers × training lengths × seeds, with the hybrid scored beyond its length.
 
 Writes ``benchmarks/results/synthetic_<device>.md`` (tables), ``.json`` (every cell's curve) and ``.png``
-(exact-match accuracy against training steps, mean over seeds with the min–max band; one panel per task and
-length). Cells run in parallel worker processes (``--workers``); the JSON is rewritten after every cell, so an
-interrupted grid keeps what finished (``--budget-s`` stops it on time), and ``--render`` redraws the table and
-plots from it.
+(exact-match accuracy against training steps, one line per seed; one panel per task and length). Cells run in
+parallel worker processes (``--workers``; a worker keeps its compiled kernels from cell to cell). The JSON is
+rewritten after every cell; ``--budget-s`` ends the grid on time: a running cell stops at its next
+evaluation and keeps its curve (marked as cut), a cell not started is skipped.
 
-    python benchmarks/synthetic.py --grid cpu                          # ≤ 10 min on a 2-core CPU
-    python benchmarks/synthetic.py --grid gpu --device cuda --workers 12 --budget-s 300   # one H200
+    python benchmarks/synthetic.py --grid cpu                                           # CI-sized, CPU
+    python benchmarks/synthetic.py --grid gpu --device cuda --shard 1/2 --budget-s 420  # one H200 call
+    python benchmarks/synthetic.py --grid gpu --device cuda --shard 2/2 --budget-s 420  # a second call
+    python benchmarks/synthetic.py --merge benchmarks/results/synthetic_h200.shard*.json  # one table + plot
 
-Grids (:data:`GRIDS`): every cell sees the same tokens per step (``tokens_per_step``: fewer sequences at longer
-lengths, the same number of items per step since items grow as ``L // 32``); the hybrid trains at the shortest
-length and is scored at ``extrapolate`` × that length with the trained item count.
+A grid (:class:`Grid`, presets in :data:`GRIDS`) names every choice; ``docs/synthetic.md`` says why each
+value. ``--shard i/n`` runs the i-th of n contiguous slices of the grid's cell list (the list is seed-major,
+so with n = the number of seeds each shard is one whole seed); ``--cells`` keeps the cells whose id
+``task/mixer/length/seed`` matches one of its shell patterns. ``--merge`` joins shard JSONs of one grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import multiprocessing
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from openk3.synthetic.cell import CellConfig, run_cell
-from openk3.synthetic.mixers import MixerSize
+from openk3.synthetic.cell import FULL_ACCURACY, CellConfig, run_cell
+from openk3.synthetic.mixers import MIXERS, MixerSize
+from openk3.synthetic.tasks import TASKS
 
 CONTROLS = ["kda", "gdn", "decay", "mla"]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One grid preset: every choice of the experiment (why each value: ``docs/synthetic.md``)."""
+
+    tasks: list[str]
+    mixers: list[str]
+    lengths: list[int]
+    """Training lengths (tokens per sequence)."""
+    curriculum: bool
+    """True: one cell per task, mixer and seed trains at the lengths in increasing order, a stage each
+    (:attr:`~openk3.synthetic.cell.CellConfig.curriculum`); False: a cell per length, from scratch."""
+    seeds: list[int]
+    items: dict[str, int]
+    """Items per sequence by task, the same at every length (longer sequences: more noise between them)."""
+    noise: dict[str, int]
+    """Noise symbols filling the gaps, by task (1: one filler token, up to 120)."""
+    steps: int
+    """Most training steps of a cell, or of a curriculum's first stage (the schedule's length)."""
+    curriculum_steps: int | None
+    """Most steps of each later curriculum stage (the model arrives trained); ``None``: ``steps``."""
+    curriculum_lr: float
+    """Peak learning rate of each later stage, as a fraction of the mixer's ``lr``."""
+    batch_size: int
+    """Sequences per step, the same at every length (each step sees the same number of task instances)."""
+    lr: dict[str, float]
+    """Peak AdamW learning rate by mixer."""
+    size: dict
+    """:class:`~openk3.synthetic.mixers.MixerSize` of the controls."""
+    eval_every: int
+    eval_size: int
+    stop_at: float | None = FULL_ACCURACY
+    """Stop a cell once solved (exact match ≥ this); ``None``: run every step."""
+    workers: int = 2
+    """Default ``--workers``."""
+    hybrid: dict | None = None
+    """``{"lengths", "extrapolate", "size"}``: the 3 KDA : 1 MLA model trained at ``lengths`` (a curriculum
+    when several) and scored at ``extrapolate`` × the last of them; ``None``: no hybrid cells."""
+    budget_s: float | None = None
+    """Default ``--budget-s``."""
+
+
 GRIDS = {
-    "cpu": dict(
-        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], seeds=[0],
-        steps=300, eval_every=25, eval_size=64, tokens_per_step=1024, lr=1e-2,
+    "cpu": Grid(
+        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[32], curriculum=False, seeds=[0],
+        items={"palindrome": 2, "mqar": 2, "stack": 2}, noise={t: 120 for t in TASKS},
+        steps=300, curriculum_steps=None, curriculum_lr=1.0, batch_size=32, lr={m: 1e-2 for m in MIXERS},
         size=dict(hidden_size=64, num_layers=1, num_heads=2, head_dim=32),
-        hybrid=None,
+        eval_every=25, eval_size=64, stop_at=None, workers=2,
     ),
-    "gpu": dict(
-        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[256, 1024, 2048], seeds=[0, 1],
-        steps=800, eval_every=50, eval_size=128, tokens_per_step=16384, lr=3e-3,
-        size=dict(hidden_size=128, num_layers=4, num_heads=2, head_dim=64),
-        hybrid=dict(length=256, extrapolate=[4, 8]),
+    "gpu": Grid(
+        tasks=["palindrome", "mqar", "stack"], mixers=CONTROLS, lengths=[64, 256, 512, 1024], curriculum=True,
+        seeds=[0, 1], items={"palindrome": 6, "mqar": 4, "stack": 6},
+        noise={"palindrome": 1, "mqar": 120, "stack": 120},
+        steps=1200, curriculum_steps=500, curriculum_lr=0.3, batch_size=64, lr={m: 3e-3 for m in MIXERS},
+        size=dict(hidden_size=128, num_layers=2, num_heads=2, head_dim=64),
+        eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=15, budget_s=420,
+        hybrid=dict(lengths=[64, 256], extrapolate=[4, 8],
+                    size=dict(hidden_size=128, num_layers=4, num_heads=2, head_dim=64)),
     ),
 }  # fmt: skip
 
 
+def cell_id(c: CellConfig | dict) -> str:
+    """``task/mixer/length/seed``, the name ``--cells`` matches."""
+    get = c.get if isinstance(c, dict) else lambda k: getattr(c, k)
+    return f"{get('task')}/{get('mixer')}/{get('seq_len')}/{get('seed')}"
+
+
 def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellConfig]:
-    """The cells of grid ``name``, seed by seed (a budget cut loses seeds, not whole rows), the longest
-    lengths first in each seed (the slowest cells start early)."""
+    """The cells of grid ``name``, seed by seed (a cut loses seeds, not whole rows), the longest lengths first
+    in each seed (the slowest cells start early) or one curriculum cell per task and mixer, each seed's hybrid
+    cells after its controls."""
     g = GRIDS[name]
-    common = dict(steps=steps or g["steps"], eval_every=g["eval_every"], eval_size=g["eval_size"], lr=g["lr"])
-    common.update(size=MixerSize(**g["size"]), device=device)
+    common = dict(
+        steps=steps or g.steps, curriculum_steps=steps or g.curriculum_steps, curriculum_lr=g.curriculum_lr,
+        eval_every=g.eval_every,
+        eval_size=g.eval_size, batch_size=g.batch_size,
+        stop_at=g.stop_at, device=device,
+    )  # fmt: skip
 
-    def cell(task, mixer, length, seed, **extra) -> CellConfig:
-        batch = max(1, g["tokens_per_step"] // length)
+    def cell(task, mixer, length, seed, size=g.size, **extra) -> CellConfig:
         return CellConfig(
-            task=task, mixer=mixer, seq_len=length, seed=seed, batch_size=batch, **common, **extra
-        )
+            task=task, mixer=mixer, seq_len=length, seed=seed, items=g.items[task], noise=g.noise[task], lr=g.lr[mixer],
+            size=MixerSize(**size), **common, **extra,
+        )  # fmt: skip
 
-    cells = [
-        cell(task, mixer, length, seed)
-        for seed in g["seeds"]
-        for length in sorted(g["lengths"], reverse=True)
-        for task in g["tasks"]
-        for mixer in g["mixers"]
-    ]
-    if g["hybrid"]:
-        h = g["hybrid"]
-        for seed in g["seeds"]:  # each seed's hybrid cells right after that seed's controls
-            at = max(i for i, c in enumerate(cells) if c.seed == seed) + 1
-            cells[at:at] = [
-                cell(task, "hybrid", h["length"], seed, extrapolate=h["extrapolate"]) for task in g["tasks"]
+    cells = []
+    lengths = sorted(g.lengths)
+    for seed in g.seeds:
+        if g.curriculum:
+            cells += [
+                cell(task, mixer, lengths[0], seed, curriculum=lengths[1:])
+                for task in g.tasks
+                for mixer in g.mixers
+            ]
+        for length in [] if g.curriculum else lengths[::-1]:
+            cells += [cell(task, mixer, length, seed) for task in g.tasks for mixer in g.mixers]
+        if g.hybrid:
+            h = g.hybrid
+            first, *more = h["lengths"]
+            cells += [
+                cell(task, "hybrid", first, seed, h["size"], curriculum=more, extrapolate=h["extrapolate"])
+                for task in g.tasks
             ]
     return cells
 
 
-def _run(config: CellConfig) -> dict:
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` → ``(i, n)`` with ``1 ≤ i ≤ n``; raises ``argparse.ArgumentTypeError`` otherwise."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard expects i/n (e.g. 1/2), got {text!r}") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"--shard {text}: expected 1 ≤ i ≤ n")
+    return i, n
+
+
+def select(cells: list[CellConfig], shard: tuple[int, int] | None, patterns: list[str] | None) -> list:
+    """The ``i``-th of ``n`` contiguous slices of ``cells`` (near-equal sizes), then those whose
+    :func:`cell_id` matches one of ``patterns``. Raises ``ValueError`` when nothing is left."""
+    if shard:
+        i, n = shard
+        cells = cells[(i - 1) * len(cells) // n : i * len(cells) // n]
+    if patterns:
+        cells = [c for c in cells if any(fnmatch.fnmatchcase(cell_id(c), p) for p in patterns)]
+    if not cells:
+        raise ValueError(f"no cell of the grid is selected by --shard {shard} --cells {patterns}")
+    return cells
+
+
+def _run(job: tuple[CellConfig, float | None]) -> dict | None:
+    config, deadline = job
+    if deadline is not None and time.time() >= deadline:
+        return None  # the budget ran out before this cell started
     torch.set_num_threads(1)
-    return run_cell(config)
+    return run_cell(config, deadline=deadline)
 
 
 def device_label(device: str) -> str:
@@ -88,56 +184,102 @@ def device_label(device: str) -> str:
 
 
 def run_grid(
-    name: str, device: str, workers: int, out: Path, budget_s: float | None = None, steps: int | None = None
+    name: str,
+    device: str,
+    workers: int,
+    out: Path,
+    budget_s: float | None = None,
+    steps: int | None = None,
+    shard: tuple[int, int] | None = None,
+    patterns: list[str] | None = None,
 ) -> Path:
-    """Run grid ``name``; with ``budget_s``, stop (terminating the workers) once that many seconds have
-    passed and keep the cells finished by then. Returns the JSON's path."""
-    cells = grid_cells(name, device, steps)
+    """Run the selected cells of grid ``name`` (:func:`select`). With ``budget_s``, cells still training
+    that many seconds after the start stop at their next evaluation (``stopped: "deadline"``) and cells not
+    started are skipped. Returns the JSON's path: ``synthetic_<device>[.shard-i-of-n].json``."""
+    start_wall, start = time.time(), time.perf_counter()
+    cells = select(grid_cells(name, device, steps), shard, patterns)
+    out.mkdir(parents=True, exist_ok=True)
     label = device_label(device)
-    path = out / f"synthetic_{label}.json"
+    suffix = f".shard-{shard[0]}-of-{shard[1]}" if shard else ""
+    path = out / f"synthetic_{label}{suffix}.json"
+    command = f"python benchmarks/synthetic.py --grid {name} --device {device} --workers {workers}"
+    command += f" --budget-s {budget_s:g}" if budget_s else ""
+    command += f" --steps {steps}" if steps else ""
+    command += f" --shard {shard[0]}/{shard[1]}" if shard else ""
+    command += "".join(f" --cells '{p}'" for p in patterns or [])
     header = {
-        "grid": name, "device": label, "torch": torch.__version__, "workers": workers,
-        "command": f"python benchmarks/synthetic.py --grid {name} --device {device} --workers {workers}"
-        + (f" --budget-s {budget_s:g}" if budget_s else "")
-        + (f" --steps {steps}" if steps else ""),
+        "grid": name, "preset": asdict(GRIDS[name]), "device": label, "torch": torch.__version__,
+        "workers": workers, "commands": [command], "selected": [cell_id(c) for c in cells],
     }  # fmt: skip
     if device == "cuda":  # compile the Triton kernels once, before the workers share the cache
         run_cell(CellConfig(task="mqar", mixer="kda", seq_len=64, steps=1, eval_every=1, eval_size=4,
                             batch_size=2, device=device))  # fmt: skip
-    results, start = [], time.perf_counter()
-    deadline = start + budget_s if budget_s else None
+        print(f"kernels compiled in {time.perf_counter() - start:.0f} s", flush=True)
+    deadline = start_wall + budget_s if budget_s else None
+    results: list[dict] = []
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pending = pool.imap_unordered(_run, cells)
-        for _ in cells:
-            left = None if deadline is None else deadline - time.perf_counter()
+        pending = pool.imap_unordered(_run, [(c, deadline) for c in cells])
+        for done in range(1, len(cells) + 1):
+            # a cut cell ends at its next evaluation: allow it a grace period past the deadline
+            left = None if deadline is None else max(deadline + 120 - time.time(), 0.0)
             try:
-                r = pending.next(timeout=left if left is None else max(left, 0.0))
+                r = pending.next(timeout=left)
             except multiprocessing.TimeoutError:
                 print(
-                    f"budget of {budget_s} s spent: {len(cells) - len(results)} cells not finished",
-                    flush=True,
+                    f"{len(cells) - done + 1} cells still running 120 s past the budget: stopped", flush=True
                 )
                 pool.terminate()
                 break
+            if r is None:
+                continue
             results.append(r)
             c = r["config"]
             print(
-                f"[{len(results)}/{len(cells)} {time.perf_counter() - start:6.0f} s] {c['task']:<10} "
-                f"{c['mixer']:<6} L={c['seq_len']:<5} seed {c['seed']}: accuracy {r['final']['accuracy']:.3f} "
+                f"[{done}/{len(cells)} {time.perf_counter() - start:4.0f} s] {cell_id(c):<24} "
+                f"accuracy {r['final']['accuracy']:.3f} at step {r['final']['step']} ({r['stopped']}), "
                 f"full at {r['steps_to_full']} ({r['seconds']:.0f} s)",
                 flush=True,
             )
             header["wall_s"] = time.perf_counter() - start
             path.write_text(json.dumps({**header, "cells": results}, indent=1) + "\n")
+    skipped = len(cells) - len(results)
+    if skipped:
+        print(f"budget of {budget_s:g} s spent: {skipped} of {len(cells)} cells not started", flush=True)
+    header["wall_s"] = time.perf_counter() - start
+    path.write_text(json.dumps({**header, "cells": results}, indent=1) + "\n")
     render(path)
     return path
 
 
+def merge(paths: list[Path], out: Path) -> Path:
+    """Join the JSONs of shards of one grid into ``out`` (then its table and plots). A cell present in several
+    files is kept from the last. Raises ``ValueError`` when the files are of different grids or devices."""
+    datas = [json.loads(Path(p).read_text()) for p in paths]
+    first = datas[0]
+    for p, d in zip(paths, datas):
+        if (d["grid"], d["device"], d.get("preset")) != (first["grid"], first["device"], first.get("preset")):
+            raise ValueError(
+                f"{p} is grid {d['grid']!r} on {d['device']}, not {first['grid']!r} on {first['device']}"
+            )
+    cells = {cell_id(r["config"]): r for d in datas for r in d["cells"]}
+    merged = {
+        **first, "workers": [d["workers"] for d in datas], "commands": [c for d in datas for c in d["commands"]],
+        "selected": [s for d in datas for s in d["selected"]], "wall_s": [d["wall_s"] for d in datas],
+        "cells": list(cells.values()),
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=1) + "\n")
+    render(out)
+    return out
+
+
 def _group(cells: list[dict]) -> dict[tuple, list[dict]]:
+    """Results by ``(task, length, mixer)``: each stage of a curriculum cell counts at its own length."""
     groups: dict[tuple, list[dict]] = {}
     for r in cells:
         c = r["config"]
-        groups.setdefault((c["task"], c["seq_len"], c["mixer"]), []).append(r)
+        for stage in r.get("stages") or [{**r, "seq_len": c["seq_len"]}]:
+            groups.setdefault((c["task"], stage["seq_len"], c["mixer"]), []).append(stage)
     return groups
 
 
@@ -147,7 +289,8 @@ def _cell_text(runs: list[dict]) -> str:
     spread = f" ({min(acc):.2f}–{max(acc):.2f})" if len(acc) > 1 else ""
     reached = [s for s in full if s is not None]
     steps = f"{np.mean(reached):.0f} ({len(reached)}/{len(full)})" if reached else "—"
-    return f"{np.mean(acc):.2f}{spread} / {steps}"
+    cut = "†" if any(r.get("stopped") == "deadline" for r in runs) else ""
+    return f"{np.mean(acc):.2f}{spread} / {steps}{cut}"
 
 
 def render(path: Path) -> None:
@@ -157,12 +300,28 @@ def render(path: Path) -> None:
     groups = _group(cells)
     mixers = [m for m in [*CONTROLS, "hybrid"] if any(k[2] == m for k in groups)]
     rows = sorted({(k[0], k[1]) for k in groups})
+    commands = data.get("commands") or [data["command"]]
+    wall = data["wall_s"] if isinstance(data["wall_s"], list) else [data["wall_s"]]
+    selected = data.get("selected")
     lines = [
         f"# Synthetic tasks on {data['device']} (grid `{data['grid']}`)",
         "",
-        f"Command: `{data['command']}` (torch {data['torch']}, {data['wall_s']:.0f} s wall, {len(cells)} cells).",
-        "Each entry: exact-match accuracy on the held-out set at the last step, mean over seeds (min–max) / the",
-        "mean step at which accuracy first reached 0.99 (seeds that reached it / seeds); — never reached.",
+        "Commands (torch " + data["torch"] + "; wall " + " + ".join(f"{w:.0f}" for w in wall) + " s; "
+        f"{len(cells)} cells" + (f" of {len(selected)} selected" if selected else "") + "):",
+        "",
+        *[f"    {c}" for c in commands],
+        "",
+        "Each entry: exact-match accuracy on the held-out set at the cell's last evaluation (a solved cell stops",
+        "there), mean over seeds (min–max) / the mean step at which accuracy first reached 0.99 (seeds that",
+        "reached it / seeds); — never reached; † a seed was cut by the time budget before its last step.",
+        *(
+            [
+                "Curriculum: each model trains at the lengths in increasing order, continuing from the previous",
+                "length; the steps at a longer length count from the start of that stage.",
+            ]
+            if data.get("preset", {}).get("curriculum")
+            else []
+        ),
         "",
         "| task | length | " + " | ".join(mixers) + " |",
         "|---|---|" + "---|" * len(mixers),
@@ -172,6 +331,9 @@ def render(path: Path) -> None:
             _cell_text(groups[(task, length, m)]) if (task, length, m) in groups else "" for m in mixers
         ]
         lines.append(f"| {task} | {length} | " + " | ".join(entries) + " |")
+    missing = sorted(set(selected or []) - {cell_id(r["config"]) for r in cells})
+    if missing:
+        lines += ["", f"Not run (budget): {', '.join(missing)}."]
     hybrid = [r for r in cells if r["extrapolation"]]
     if hybrid:
         lines += ["", "Hybrid (3 KDA : 1 MLA) scored beyond its training length, same item count:", ""]
@@ -180,9 +342,10 @@ def render(path: Path) -> None:
         lines += ["|---|---|---|---|" + "---|" * len(lengths)]
         for r in sorted(hybrid, key=lambda r: (r["config"]["task"], r["config"]["seed"])):
             c, ex = r["config"], r["extrapolation"]
+            last = (r.get("stages") or [{**r, "seq_len": c["seq_len"]}])[-1]
             more = " | ".join(f"{ex[str(n)]['accuracy']:.2f}" if str(n) in ex else "" for n in lengths)
             lines.append(
-                f"| {c['task']} | {c['seq_len']} | {c['seed']} | {r['final']['accuracy']:.2f} | {more} |"
+                f"| {c['task']} | {last['seq_len']} | {c['seed']} | {last['final']['accuracy']:.2f} | {more} |"
             )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(groups, rows, mixers, path.with_suffix(".png"), data["device"])
@@ -199,43 +362,73 @@ def _plot(groups, rows, mixers, png: Path, device: str) -> None:
     fig, axes = plt.subplots(
         len(tasks), len(lengths), figsize=(4 * len(lengths), 3 * len(tasks)), squeeze=False
     )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, task in enumerate(tasks):
         for j, length in enumerate(lengths):
             ax = axes[i][j]
-            for mixer in mixers:
-                runs = groups.get((task, length, mixer))
-                if not runs:
-                    continue
-                steps = [p["step"] for p in runs[0]["curve"]]
-                acc = np.array([[p["accuracy"] for p in r["curve"]] for r in runs])
-                (line,) = ax.plot(steps, acc.mean(0), label=mixer)
-                if len(runs) > 1:
-                    ax.fill_between(steps, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.2)
+            for k, mixer in enumerate(mixers):
+                for n, r in enumerate(groups.get((task, length, mixer), [])):
+                    steps = [p["step"] for p in r["curve"]]
+                    acc = [p["accuracy"] for p in r["curve"]]
+                    ax.plot(
+                        steps, acc, color=colors[k % len(colors)], alpha=0.8, label=mixer if n == 0 else None
+                    )
             ax.set_title(f"{task}, L = {length}")
             ax.set_ylim(-0.02, 1.02)
             ax.set_xlabel("step")
             ax.set_ylabel("exact-match accuracy")
-    axes[0][0].legend()
-    fig.suptitle(f"Synthetic tasks ({device})")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"Synthetic tasks ({device})\none line per seed; a solved cell stops", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--grid", choices=sorted(GRIDS), default="cpu")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--workers", type=int, default=2, help="cells run at once (processes)")
+    parser.add_argument("--workers", type=int, help="cells run at once (processes; default: the grid's)")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--budget-s", dest="budget_s", type=float, help="stop after this many seconds")
-    parser.add_argument("--steps", type=int, help="training steps per cell (default: the grid's)")
+    parser.add_argument(
+        "--budget-s",
+        dest="budget_s",
+        type=float,
+        help="end the grid after this many seconds (default: the grid's)",
+    )
+    parser.add_argument(
+        "--steps", type=int, help="most training steps per cell and stage (default: the grid's)"
+    )
+    parser.add_argument("--shard", type=parse_shard, help="run the i-th of n slices of the grid, i/n")
+    parser.add_argument("--cells", action="append", help="keep cells whose task/mixer/length/seed matches")
     parser.add_argument("--render", help="only redraw the table and plots of this JSON")
-    args = parser.parse_args()
+    parser.add_argument("--merge", nargs="+", help="join these shard JSONs into synthetic_<device>.json")
+    args = parser.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0, got {args.budget_s:g}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.render:
         render(Path(args.render))
         return
-    print(run_grid(args.grid, args.device, args.workers, Path(args.out), args.budget_s, args.steps))
+    if args.merge:
+        first = json.loads(Path(args.merge[0]).read_text())
+        print(merge([Path(p) for p in args.merge], Path(args.out) / f"synthetic_{first['device']}.json"))
+        return
+    g = GRIDS[args.grid]
+    workers = args.workers or g.workers
+    budget = args.budget_s or g.budget_s
+    print(
+        run_grid(args.grid, args.device, workers, Path(args.out), budget, args.steps, args.shard, args.cells)
+    )
 
 
 if __name__ == "__main__":

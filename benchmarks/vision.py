@@ -6,15 +6,19 @@
 Builds the released tower (27 blocks, width 1024, 401,214,464 parameters) and projector (46,144,512) with
 random weights, packs ``batch`` square images of ``size`` pixels into one forward (``cu_seqlens``, no padding)
 and times forward passes under ``torch.no_grad`` after two warm-up passes (CUDA events). Prints, per size, the
-patches per image, the text tokens per image, ms per forward, images/s and patches/s. CUDA is the target;
-``--device cpu`` runs it anywhere (slowly: use ``--sizes 448 --batch 1 --iters 1``).
+patches per image, the text tokens per image, ms per forward, images/s and patches/s; ``--out`` writes them as
+a Markdown table with the command, device and torch version, ``--json`` as rows. CUDA is the target (on an
+H200 the default run takes well under a minute); ``--device cpu`` runs it anywhere (slowly: use ``--sizes 448
+--batch 1 --iters 1``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -37,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--iters", type=int, default=10, help="timed forwards per size")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", help="write the Markdown table to this file")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     if len(args.batch) != len(args.sizes):
@@ -113,6 +118,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    if args.out:
+        Path(args.out).write_text(markdown(rows, argv))
+
+
+def markdown(rows: list[dict], argv: list[str] | None) -> str:
+    """The rows as a Markdown table headed by the command, device, dtype and torch version."""
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    lines = [
+        "# MoonViT-V2 encoder throughput (tower + projector, random weights)",
+        "",
+        f"`python benchmarks/vision.py {command}` on {rows[0]['device']}, {rows[0]['dtype']}, torch "
+        f"{torch.__version__}, {time.strftime('%Y-%m-%d')}.",
+        "",
+        "| image | images per forward | patches / image | text tokens / image | ms per forward | images/s "
+        "| patches/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size']}×{r['size']} | {r['batch']} | {r['patches_per_image']:,} | "
+            f"{r['tokens_per_image']:,} | {r['ms_per_forward']:.2f} | {r['images_per_s']:,} | "
+            f"{r['patches_per_s']:,} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -242,6 +242,7 @@ def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
         (["--sections", "gemm,loss"], "--sections: unknown ['loss']"),
         (["--device", "cuda", "--quick"], "--quick is the CPU size"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--experts", "4"], "--top-k must be between 1 and --experts (4), got 8"),
     ],
 )
 def test_mxfp4_benchmark_refuses(args, message, capsys):

@@ -6,7 +6,8 @@ outputs and input gradients must equal the oracle's rows at the rank's global po
 gradients summed over ranks the oracle's (fp32: max relative difference ≤ 1e-5; fp64: ≤ 1e-12). Cases: one
 document; documents cut at odd places (a document over several ranks, several per rank, one starting exactly
 on a rank boundary, an empty one); one-token documents; every rank starting a document (nobody needs a
-predecessor: the backward must not hang); zig-zag; per-head ``A_log`` that differ.
+predecessor: the backward must not hang); zig-zag; per-head ``A_log`` that differ; the same op under
+``torch.no_grad`` (no graph).
 
 Legend: ``T`` global tokens, ``L`` local tokens, ``H`` heads, ``K`` key dim, ``V`` value dim.
 """
@@ -75,6 +76,10 @@ def _op_world(rank: int, world: int) -> dict:
                                    dt_bias=mine["dt_bias"], chunk_size=chunk, **GATE)  # fmt: skip
         (o_l * plan.shard(dO)).sum().backward()
         worst = rel_max(o_l.detach(), plan.shard(o.detach()))
+        with torch.no_grad():  # the inference path: no local graph kept
+            o_ng = context_parallel_kda(*(mine[n] for n in TOKENS), plan=plan, A_log=mine["A_log"],
+                                        dt_bias=mine["dt_bias"], chunk_size=chunk, **GATE)  # fmt: skip
+        worst = max(worst, rel_max(o_ng, plan.shard(o.detach())))
         for n in x:
             grad = mine[n].grad
             if n in TOKENS:
@@ -126,25 +131,46 @@ def test_kda_layer_under_cp_equals_unsharded(world):
             assert err <= (FP64_TOL if dtype == torch.float64 else FP32_TOL), (world, name, err)
 
 
-GPU_TOL = 1e-2
+GPU_TOL = {
+    "o": 1e-2,
+    "dq": 1e-2,
+    "dk": 1e-2,
+    "dv": 1e-2,
+    "dg": 2e-2,
+    "dbeta": 2e-2,
+    "dA_log": 2e-2,
+    "ddt_bias": 2e-2,
+}
 """Relative RMSE of CP against the unsharded op on the GPU in bf16 (fla's CP tests allow 8e-3 as an RMSE
-ratio): both run the Triton kernels with bf16 intermediates; CP adds fp32 torch summaries."""
+ratio): both run the Triton kernels with bf16 intermediates, CP adds the kernels' summaries (whose state
+operands are bf16-rounded where the unsharded op carries its state in fp32); the gate's and β's gradients
+get the kernels' own looser bf16 tolerance (``docs/references.md#kda-tolerances``). ``o@starts`` is ``o``
+on the first 256 rows of each local fragment, where the entry state weighs most."""
 
 
-def _gpu_op_world(rank: int, world: int, T: int) -> dict:
-    """The KCP op on one GPU shared by the ranks (gloo through host copies), bf16, K = V = 64, the K3 gate
-    (lb = −5, so the local op is the Triton chunked path), documents cut across ranks."""
-    dev = torch.device("cuda", 0)
-    Hg, Kg = 4, 64
+def _gpu_op_world(rank: int, world: int, T: int, D: int, device: str = "cuda") -> dict:
+    """The KCP op on one GPU shared by the ranks (gloo through host copies), bf16, ``K = V = D``, 4 heads,
+    zig-zag. The K3 gate (lb = −5, so the local op is the Triton chunked path and the summaries the
+    kernels') with ``dt_bias = −8``: from no decay (head 3) to fast (head 0). Keys live in channels
+    ``[0, D/2)`` in the first half of the stream and ``[D/2, D)`` in the second, so the state written before
+    ``T/2`` passes the later fragments' maps ``M`` unerased (only gated) and every later query reads it:
+    a wrong ``M`` or ``E`` shows in whole fragments, not only in their first tokens. Documents: one spans
+    fragments 1–3 (its fragment-2 map is folded in), one crosses from fragment 0 into 1, one short one at
+    the end. Returns the relative RMSE of ``o`` and of every gradient."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    Hg = 4
     gen = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen).to(dev, torch.bfloat16)  # noqa: E731
-    x = dict(q=r(1, T, Hg, Kg), k=r(1, T, Hg, Kg), v=r(1, T, Hg, Kg), g=r(1, T, Hg, Kg), beta=r(1, T, Hg))
-    x = {n: t.requires_grad_() for n, t in x.items()}
-    params = dict(A_log=torch.linspace(-1, 1, Hg, device=dev), dt_bias=torch.zeros(Hg * Kg, device=dev))
-    params = {n: t.requires_grad_() for n, t in params.items()}
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    k = r(1, T, Hg, D)
+    k[:, : T // 2, :, D // 2 :] = 0
+    k[:, T // 2 :, :, : D // 2] = 0
+    x = dict(q=r(1, T, Hg, D), k=k, v=r(1, T, Hg, D), g=r(1, T, Hg, D), beta=r(1, T, Hg))
+    x = {n: t.to(dev, torch.bfloat16).requires_grad_() for n, t in x.items()}
+    params = dict(A_log=torch.linspace(-1, 1, Hg), dt_bias=torch.full((Hg * D,), -8.0))
+    params = {n: t.to(dev).requires_grad_() for n, t in params.items()}
     gate = dict(lower_bound=-5.0, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    cu = [0, 777, T // world + 5, T - 300, T]
-    dO = r(1, T, Hg, Kg)
+    cu = [0, 777, T // 4 + 300, T - 300, T]
+    dO = r(1, T, Hg, D).to(dev, torch.bfloat16)
     o = chunk_kda(*(x[n] for n in TOKENS), cu_seqlens=torch.tensor(cu, device=dev), **params, **gate)[0]
     (o.float() * dO.float()).sum().backward()
     plan = ContextParallelPlan(tuple(cu), world, rank, "zigzag")
@@ -156,7 +182,10 @@ def _gpu_op_world(rank: int, world: int, T: int) -> dict:
     def rmse(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
 
-    errors = {"o": rmse(o_l.detach(), plan.shard(o.detach()))}
+    o_want = plan.shard(o.detach())
+    n = plan.local_len // plan.slots_per_rank
+    starts = torch.cat([torch.arange(f * n, f * n + 256) for f in range(plan.slots_per_rank)]).to(dev)
+    errors = {"o": rmse(o_l.detach(), o_want), "o@starts": rmse(o_l.detach()[:, starts], o_want[:, starts])}
     errors.update({f"d{n}": rmse(mine[n].grad, plan.shard(x[n].grad)) for n in TOKENS})
     for n, t in mine_p.items():
         grad = t.grad.cpu()
@@ -166,7 +195,11 @@ def _gpu_op_world(rank: int, world: int, T: int) -> dict:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the ranks share it over gloo)")
-@pytest.mark.parametrize("T", [8192, 131072])
-def test_gpu_kcp_op_bf16_on_one_shared_gpu(T):
-    for rank_errors in run_world(_gpu_op_world, 2, T, timeout=600):
-        assert max(rank_errors.values()) <= GPU_TOL, rank_errors
+@pytest.mark.parametrize(("T", "D"), [(8192, 64), (131072, 128)])
+def test_gpu_kcp_op_bf16_on_one_shared_gpu(T, D):
+    """Two gloo ranks on one GPU: D = 64 takes the one-call kernel summaries (K + V = 128), D = 128 (K3's
+    heads) the two-call ones; T = 128K is 64K tokens a rank."""
+    for rank, rank_errors in enumerate(run_world(_gpu_op_world, 2, T, D, timeout=600, pg_timeout=300)):
+        print(f"T={T} D={D} rank {rank}:", {n: f"{e:.2e}" for n, e in rank_errors.items()})
+        for name, err in rank_errors.items():
+            assert err <= GPU_TOL[name.split("@")[0]], (rank, name, err, rank_errors)

@@ -267,3 +267,107 @@ def test_train_draft_and_eval_draft_commands(tmp_path, capsys):
     other = _run_folder(tmp_path / "o", vocab_model=384)
     assert main(["eval", "--ckpt", str(other), "--draft", str(run / "draft-lk"), "--max-batches", "1"]) == 2
     assert "trained for a target with vocab_size=320" in capsys.readouterr().err
+
+
+def test_interrupted_training_resumes_exactly():
+    """Stopping after 2 of 5 steps and resuming with the saved optimizer state gives the weights of 5 steps
+    run in one go (the schedule, the AdamW moments and the batch position all carry over)."""
+    model = _target()
+    ids = [torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    whole, lm = _draft(model, ttt_steps=2)
+    done = train_draft(whole, lm, iter(ids), 5, lr=3e-3)
+    assert done.step == 5 and len(done.losses) == 5
+    parts, _ = _draft(model, ttt_steps=2)
+    calls = []
+    first = train_draft(parts, lm, iter(ids), 5, lr=3e-3, stop=lambda: calls.append(1) or len(calls) > 2)
+    assert first.step == 2
+    rest = train_draft(
+        parts, lm, iter(ids[2:]), 5, lr=3e-3, start_step=2, optimizer_state=first.optimizer_state
+    )
+    assert rest.step == 5 and first.losses + rest.losses == done.losses
+    for (name, a), b in zip(whole.state_dict().items(), parts.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow  # a subprocess that imports torch and loads a model: ~15 s on 2 busy cores
+def test_ctrl_c_saves_the_draft_and_prints_how_to_resume(tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+    out = tmp_path / "draft"
+    small = ["--batch-size", "2", "--seq-len", "24", "--ttt-steps", "2", "--data", "generations", "--gen-windows", "2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "openk3.cli", "train-draft", "--target", str(run), "--out", str(out)]
+    proc = subprocess.Popen(
+        [*cmd, "--steps", "100000", *small],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in proc.stdout:  # the handler is installed before this line is printed
+            lines.append(line)
+            if "draft taps layers" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        text = "".join(lines) + proc.stdout.read()
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert code == 130, text
+    assert "Ctrl-C: finishing this step and saving the draft" in text and "Traceback" not in text
+    step = int(re.search(r"stopped at step (\d+)/100000; draft saved to ", text).group(1))
+    resume = re.search(r"continue with: (openk3 train-draft .* --resume)\n", text).group(1).split()[1:]
+    assert (out / "model.safetensors").is_file() and (out / "train_state.pt").is_file()
+    steps_at = resume.index("--steps") + 1
+    resume[steps_at] = str(step + 2)  # the printed command, run to two more steps
+    assert main(resume) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {out} at step {step}/{step + 2}" in printed and "sampled" not in printed  # windows kept
+    assert not (out / "train_state.pt").exists()
+    resume[steps_at] = str(step + 1)
+    assert main(resume) == 2  # nothing left to resume
+    assert "holds no interrupted train-draft" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_settings(tmp_path, capsys):
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+    out = tmp_path / "draft"
+    out.mkdir()
+    settings = {"loss": "lk", "data": "corpus", "steps": 9, "batch_size": 2, "seq_len": 24, "ttt_steps": 2,
+                "lr": 1e-3, "gen_windows": 64, "seed": 0}  # fmt: skip
+    torch.save({"step": 3, "optimizer": {}, "settings": settings}, out / "train_state.pt")
+    args = ["train-draft", "--target", str(run), "--out", str(out), "--resume", "--batch-size", "2", "--seq-len", "24", "--ttt-steps", "2"]  # fmt: skip
+    assert main([*args, "--steps", "9", "--loss", "kl"]) == 2
+    assert "--loss kl differs from the interrupted run's --loss lk" in capsys.readouterr().err
+    assert main([*args, "--steps", "3"]) == 2
+    assert "is already at step 3; pass --steps above it" in capsys.readouterr().err
+
+
+def test_train_draft_on_a_vision_run_says_why_not(tmp_path, capsys):
+    """An image-text run has checkpoints but no token splits: the error names that, not a missing run."""
+    from openk3.checkpoint import save_pretrained
+    from openk3.cli import main
+    from openk3.presets import get_preset
+
+    run = tmp_path / "vision"
+    ckpt = run / "checkpoints" / "step-000012"
+    save_pretrained(openk3.build_model(get_preset("k3-vision-tiny"), seed=0), ckpt)
+    (run / "checkpoints" / "latest").write_text("step-000012\n")
+    assert main(["train-draft", "--target", str(run), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"openk3: error: {ckpt} is a vision model from an image-text run")
+        and err.count("\n") == 1
+    )
+    assert "speculative decoding drafts text only" in err and not (run / "draft-lk").exists()

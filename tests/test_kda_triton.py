@@ -769,6 +769,7 @@ def check_segments_same_bits(monkeypatch, device: str, T: int, H: int, K: int, s
 
 
 @interpreter
+@pytest.mark.slow  # ~40 s on a quiet 2-core machine; the GPU variant runs the same check
 def test_interpreter_pipeline_segments_same_bits(monkeypatch):
     """The segment logic in the interpreter (no streams: the same launches one after another): T 200, the
     four chunks cut in two pieces of two (3 asked)."""
@@ -1290,6 +1291,7 @@ def test_interpreter_keep_residuals_used(monkeypatch):
 
 
 @interpreter
+@pytest.mark.slow  # ~20 s per dtype on a quiet 2-core machine
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_interpreter_kept_residuals_match_backward_pass(dtype):
     """The per-token residuals ``E`` are the same whatever the chunking: those the tile recurrence keeps

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import openk3
-from openk3.accounting import FP32_TENSORS, checkpoint_bytes
+from openk3.accounting import checkpoint_bytes
 from openk3.checkpoint.io import CorruptCheckpointError, official_state
+from openk3.model.modeling import FP32_TENSORS
 from openk3.model.moe import RoutedExperts, experts_loop_reference
 from openk3.presets import get_preset
 from openk3.quant.experts import MXFP4RoutedExperts, pack_experts, unpack_experts
@@ -120,10 +122,13 @@ def test_packed_expert_gemm_equals_dense_gemm_on_dequantised_weights(dtype):
     assert (got.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
-def _official_k3_folder(path):
-    """A tiny random K3 written as the release is: bf16 tensors, the F32 ones in fp32, routed experts packed by
-    compressed-tensors with its own scale rule, and its own ``quantization_config``. Returns the tensors."""
-    model = openk3.build_model(get_preset("k3-tiny"), seed=0)
+def _official_k3_folder(path, config=None, shards: int = 1):
+    """A tiny random K3 (``k3-tiny`` unless ``config``) written as the release is: bf16 tensors, the F32 ones
+    (the release's shard header, ``docs/checkpoint_names.md``) in fp32 with values bf16 cannot hold, routed
+    experts packed by compressed-tensors with its own scale rule, and its own ``quantization_config``; one
+    ``model.safetensors``, or ``shards`` files split by layer with an index. Returns the tensors."""
+    model = openk3.build_model(config or get_preset("k3-tiny"), seed=0)
+    g = torch.Generator().manual_seed(5)
     tensors = {}
     for name, t in official_state(model).items():
         if ".block_sparse_moe.experts." in name:
@@ -133,12 +138,23 @@ def _official_k3_folder(path):
             packed = _ct_pack(w, scale)
             tensors[name + "_packed"] = packed["weight_packed"]
             tensors[name + "_scale"] = packed["weight_scale"]
+        elif name.endswith(FP32_TENSORS):
+            tensors[name] = (t.float() + 1e-3 * torch.rand(t.shape, generator=g)).contiguous()
         else:
-            tensors[name] = t.to(
-                torch.float32 if name.endswith(FP32_TENSORS) else torch.bfloat16
-            ).contiguous()
+            tensors[name] = t.to(torch.bfloat16).contiguous()
     path.mkdir(parents=True)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    if shards == 1:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    else:  # shard i holds the tensors whose first number (a layer) is i mod shards, as a release splits
+        weight_map = {}
+        for name in tensors:
+            layer = next((int(p) for p in name.split(".") if p.isdigit()), 0)
+            weight_map[name] = f"model-{layer % shards + 1:05d}-of-{shards:05d}.safetensors"
+        for fname in sorted(set(weight_map.values())):
+            part = {n: t for n, t in tensors.items() if weight_map[n] == fname}
+            save_file(part, path / fname, metadata={"format": "pt"})
+        index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
     config = model.config.to_dict()
     q = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], **MXFP4A16)},
@@ -176,6 +192,45 @@ def test_official_layout_loads_packed_and_saves_back_bit_identically(tmp_path):
     openk3.save_pretrained(openk3.from_pretrained(out), again, tokenizer=None)
     for f in out.glob("*.safetensors"):
         assert (again / f.name).read_bytes() == f.read_bytes()
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_official_layout_with_vision_round_trips_bit_identically_in_bf16(tmp_path, shards):
+    """The issue's "done when": a tiny K3 with a vision tower and MXFP4 experts in the official layout, loaded in
+    bf16 and saved, gives back every tensor with its dtype and bytes, the same shard files (and index, when the
+    source has one) and the same config fields."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vision_tiny import tiny_config
+
+    src = tmp_path / "official"
+    tensors = _official_k3_folder(src, tiny_config(), shards=shards)
+    assert any(n.startswith("vision_tower.") for n in tensors) and any(n.endswith("_packed") for n in tensors)
+    model = openk3.from_pretrained(src, dtype=torch.bfloat16)
+    out = tmp_path / "saved"
+    openk3.save_pretrained(model, out, tokenizer=None)
+    src_files = sorted(p.name for p in src.glob("*.safetensors"))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == src_files
+    assert (out / "model.safetensors.index.json").is_file() == (shards > 1)
+    for fname in src_files:
+        with safe_open(str(src / fname), "pt") as a, safe_open(str(out / fname), "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys()), fname
+            for name in a.keys():
+                want, got = a.get_tensor(name), b.get_tensor(name)
+                assert got.dtype == want.dtype and got.shape == want.shape, name
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name  # the bytes
+    if shards > 1:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        source_index = json.loads((src / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == source_index["weight_map"]
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    saved_config = json.loads((out / "config.json").read_text())
+    saved_config.pop("auto_map")  # openk3 adds its remote-code entry point
+    assert saved_config == json.loads((src / "config.json").read_text())
+    openk3.save_pretrained(model, tmp_path / "resharded", max_shard_size="1MB", tokenizer=None)
+    resharded = list((tmp_path / "resharded").glob("model-*-of-*.safetensors"))
+    assert len(resharded) > 1  # an explicit size re-splits
 
 
 def test_official_layout_logits_equal_the_dense_model_on_dequantised_weights(tmp_path):

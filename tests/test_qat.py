@@ -287,3 +287,134 @@ def test_gpu_qat_compiled_step_and_export():
     around the packed experts) matches the QAT forward to bf16 rounding of a differently fused graph."""
     qat, packed = _compiled_qat_step_and_export("cuda", compile=True)
     torch.testing.assert_close(packed, qat, rtol=2e-2, atol=2e-2)
+
+
+def test_quantize_prints_the_bytes_it_wrote(tmp_path, capsys):
+    """``openk3 quantize`` reports the safetensors bytes on disk and their parts, read back here from the files
+    (the tensors by dtype, the 8-byte length and JSON header of each file), and, for an fp32 checkpoint, the
+    size the same tensors take in the release's dtypes."""
+    import struct
+
+    from safetensors.torch import load_file
+
+    from openk3.cli import main
+    from openk3.model.modeling import FP32_TENSORS
+
+    src = tmp_path / "dense"
+    openk3.save_pretrained(openk3.build_model(k3_shaped(4, vocab_size=VOCAB), seed=0), src, tokenizer=None)
+    assert main(["quantize", "--ckpt", str(src), "--out", str(tmp_path / "packed")]) == 0
+    printed = capsys.readouterr().out
+    files = sorted((tmp_path / "packed").glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in files)
+    headers = sum(8 + struct.unpack("<Q", f.read_bytes()[:8])[0] for f in files)
+    codes = scales = release_other = 0
+    other: dict[str, int] = {}
+    for f in files:
+        for name, t in load_file(f).items():
+            n = t.numel() * t.element_size()
+            if name.endswith(".weight_packed"):
+                codes += n
+            elif name.endswith(".weight_scale"):
+                scales += n
+            else:
+                key = str(t.dtype).removeprefix("torch.")
+                other[key] = other.get(key, 0) + n
+                release_other += t.numel() * (4 if name.endswith(FP32_TENSORS) else 2)
+    assert list(other) == ["float32"] and codes == 16 * scales  # 32 four-bit codes per scale byte
+    assert codes + scales + other["float32"] + headers == on_disk
+    mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
+    assert (
+        f"{mb(on_disk)} of safetensors = routed experts in MXFP4 (expert inputs mxfp8) {mb(codes + scales)} "
+        f"(E2M1 codes {mb(codes)}, E8M0 scales {mb(scales)}) + other tensors {mb(other['float32'])} (float32 "
+        f"{mb(other['float32'])}) + headers {mb(headers)}"
+    ) in printed, printed
+    assert f"the tensors would take {mb(codes + scales + release_other)}" in printed
+
+
+def _qat_dist_world(rank: int, world: int) -> dict:
+    """Two SGD steps of a QAT k3-shaped model (plain residuals) under FSDP2 over ``world`` ranks, alone and
+    with EP (both dispatchers), each rank on its share of the batch; rank 0 also runs the one-process QAT
+    oracle (the batch as ``world`` micro-batches of ``1/world`` weight) and the same steps without QAT."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from openk3.dist.fsdp import build_sharded_model
+    from openk3.dist.mesh import ParallelDims, build_meshes
+
+    config = k3_shaped(4, vocab_size=256)
+    config = dataclasses.replace(
+        config, text_config=dataclasses.replace(config.text_config, attn_res_block_size=None)
+    )
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (world * 2, 17), generator=g) for _ in range(2)]
+
+    def ce(model, ids):
+        return F.cross_entropy(model(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    def steps(model, chunks):
+        opt, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for ids in batches:
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for chunk in chunks(ids):
+                loss = ce(model, chunk) / (world if chunks is reference_chunks else 1)
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            losses.append(total)
+        return losses
+
+    reference_chunks = lambda ids: ids.chunk(world)  # noqa: E731
+    out = {}
+    for case, dims, dispatcher in (
+        ("fsdp", dict(), "alltoall"),
+        ("fsdp+ep alltoall", dict(ep=world), "alltoall"),
+        ("fsdp+ep moonep", dict(ep=world), "moonep"),
+    ):
+        meshes = build_meshes(ParallelDims(world_size=world, **dims))
+        model = build_sharded_model(
+            config, meshes, seed=0, param_dtype=torch.float32, ep_dispatcher=dispatcher
+        )
+        assert enable_qat(model) == 3  # k3_shaped(4): three MoE layers
+        local = steps(model, lambda ids: [ids.chunk(world)[rank]])
+        per_rank = torch.zeros(world, 2)
+        per_rank[rank] = torch.tensor(local) / world
+        torch.distributed.all_reduce(per_rank)
+        params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        out[case] = {
+            "losses": [sum(v) for v in zip(*per_rank.tolist())],
+            "params": params,
+        }  # as the oracle sums
+    if rank:
+        return {}
+    ref = {}  # plain numbers go back (tensors through the queue would outlive their process)
+    for qat in (True, False):
+        model = openk3.build_model(config, seed=0)
+        if qat:
+            enable_qat(model)
+        ref[qat] = (steps(model, reference_chunks), {n: p.detach() for n, p in model.named_parameters()})
+    qat_effect = max((ref[False][1][n] - p).abs().max().item() for n, p in ref[True][1].items())
+    result = {"reference": ref[True][0], "qat effect": qat_effect}
+    for case, got in out.items():
+        result[case] = {
+            "losses": got["losses"],
+            "diff": max((got["params"][n] - p).abs().max().item() for n, p in ref[True][1].items()),
+        }
+    return result
+
+
+@pytest.mark.slow  # 2 spawned ranks, three sharded models and two one-process oracles: ~55 s on 2 cores
+def test_qat_under_fsdp_and_expert_parallel_equals_one_process():
+    """``--qat mxfp4`` with ``--dp-shard``/``--ep`` (gloo, 2 ranks, fp32): FSDP2 alone gives the one-process
+    QAT losses and weights bit for bit (the same arithmetic, as without QAT); with EP an expert's gradient sums
+    every rank's tokens in one grouped GEMM, so within 1e-6 (as without QAT). QAT is on: the steps without it
+    end elsewhere."""
+    from dist_utils import run_world
+
+    out = run_world(_qat_dist_world, 2, timeout=240)[0]
+    assert out["fsdp"]["losses"] == out["reference"] and out["fsdp"]["diff"] == 0.0
+    for case in ("fsdp+ep alltoall", "fsdp+ep moonep"):
+        assert out[case]["losses"] == pytest.approx(out["reference"], rel=1e-6), case
+        assert out[case]["diff"] < 1e-6, (case, out[case]["diff"])
+    assert out["qat effect"] > 1e-4  # the weights without QAT end far outside those bounds

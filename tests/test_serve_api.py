@@ -26,6 +26,7 @@ import openk3
 from openk3.data import Tokenizer
 from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
 from openk3.serve.detokenizer import IncrementalDetokenizer
+from openk3.serve.mailbox import LoopMailbox
 from openk3.serve.server import BackgroundServer, load_server
 
 VOCAB = 384
@@ -843,3 +844,29 @@ def test_bad_logprobs_are_400(server, path, fields, message):
     )
     status, data = _post(server, path, json.dumps({**base, **fields}).encode())
     assert status == 400 and message in data["error"]["message"], data
+
+
+def test_loop_mailbox_wakes_the_loop_once_per_burst_and_keeps_order():
+    """64 outputs posted from the engine thread while the loop is busy reach their queues in order after one
+    wake-up (``call_soon_threadsafe``), not 64; a post after the delivery schedules a new one."""
+    loop = asyncio.new_event_loop()
+    wakeups = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: wakeups.append(a) or real(*a)
+    try:
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        mailbox = LoopMailbox(loop)
+        poster = threading.Thread(target=lambda: [mailbox.post(queues[i % 2], i) for i in range(64)])
+        poster.start()
+        poster.join()
+        assert len(wakeups) == 1
+        loop.run_until_complete(asyncio.sleep(0))
+        got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+        assert got == [list(range(0, 64, 2)), list(range(1, 64, 2))]
+        mailbox.post(queues[0], "later")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(wakeups) == 2 and queues[0].get_nowait() == "later"
+    finally:
+        loop.close()
+    with pytest.raises(RuntimeError):
+        mailbox.post(queues[0], "closed")

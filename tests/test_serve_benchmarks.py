@@ -74,13 +74,16 @@ def test_profiled_decode_steps(serve_profile):
     keep: list = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(openk3.serve.LLMEngine, "step", counting_step)
-        steps = serve_profile.profile_decode(
+        steps, unprofiled_ms = serve_profile.profile_decode(
             model, args, tokens, 3, [torch.profiler.ProfilerActivity.CPU], keep
         )
-    assert len(steps) == len(keep) == 2
-    # the last two engine steps were the profiled ones: each added one token to each of the 3 streams
-    assert [c[0] - calls[-3][0] for c in calls[-2:]] == [1, 2] and all(len(set(c)) == 1 for c in calls[-3:])
+    assert len(steps) == len(keep) == 2 and unprofiled_ms > 0
+    # two profiled engine steps, then two timed ones: each added one token to each of the 3 streams
+    assert [c[0] - calls[-5][0] for c in calls[-4:]] == [1, 2, 3, 4] and all(
+        len(set(c)) == 1 for c in calls[-5:]
+    )
     for s in steps:
         assert s["tokens"] == 3 and s["host_ms"] > 0 and s["ops"] > 0
-        assert s["kernel_ms"] == 0 and s["launches"] == 0 and s["syncs"] is None  # no device on a CPU
+        assert s["step_ms"] == s["host_ms"] and s["wait_ms"] == 0  # no device to wait for on a CPU
+        assert s["kernel_ms"] == s["kernels"] == 0 and s["launches"] == 0 and s["syncs"] is None
     assert serve_profile.median_step(steps)["tokens"] == 3

@@ -9,12 +9,14 @@ import random
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
-from openk3.generate import greedy
+from openk3.generate import greedy, sample_next
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of
+from openk3.serve.model_runner import sample_tokens
 
 VOCAB = 512
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -130,6 +132,88 @@ def test_static_step_reads_nothing_on_the_host(monkeypatch):
     assert len(seen) >= 5 and all(ops == [] for ops in seen)
 
 
+class HostWaits(TorchFunctionMode):
+    """Counts the calls that bring a tensor's values to the host (on a GPU each one waits for the device):
+    ``tolist``, ``item``, ``numpy``, ``cpu`` and Python's conversions; not while :attr:`paused`."""
+
+    READS = (
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.numpy,
+        torch.Tensor.cpu,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused and any(func is r for r in self.READS):
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("streams", [1, 5])
+def test_steady_decode_step_waits_on_the_device_once(monkeypatch, streams):
+    """A steady decode step (schedule, the static step, update) reads device values on the host exactly once:
+    the sampled tokens. The step's own forward is left out (a CUDA graph on a GPU, which cannot read any:
+    ``test_static_step_reads_nothing_on_the_host``)."""
+    waits = HostWaits()
+    real_forward = StaticDecode.forward
+
+    def unwatched(self, states):
+        waits.paused = True
+        try:
+            real_forward(self, states)
+        finally:
+            waits.paused = False
+
+    monkeypatch.setattr(StaticDecode, "forward", unwatched)
+    eng = engine(build(), static=True)
+    reqs = [Request(f"w{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(prompts([5] * streams))]
+    for r in reqs:
+        eng.add_request(r)
+    while min(len(r.output_token_ids) for r in reqs) < 2:
+        eng.step()
+    per_step = []
+    for _ in range(6):
+        waits.reads.clear()
+        with waits:
+            outs = eng.step()
+        assert sorted(o.request_id for o in outs) == sorted(r.request_id for r in reqs)  # a decode step
+        per_step.append(list(waits.reads))
+    assert per_step == [["tolist"]] * 6
+
+
+def test_sampling_a_batch_reads_once_and_draws_as_row_by_row():
+    """Greedy and seeded temperature rows in one batch: one host read, and each row's token is what
+    ``sample_next`` gives for that row alone (the same generator state, the same order)."""
+    logits_BV = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.9, seed=5),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=6),
+        SamplingParams(),
+    ]
+    reqs = [Request(f"x{i}", [1], sp) for i, sp in enumerate(params)]
+    expected = [
+        int(
+            sample_next(logits_BV[i : i + 1], sp.temperature, sp.top_p, Request("y", [1], sp).generator)[0, 0]
+        )
+        for i, sp in enumerate(params)
+    ]
+    assert expected[0] == int(logits_BV[0].argmax()) and expected[3] == int(logits_BV[3].argmax())
+    with HostWaits() as waits:
+        tokens = sample_tokens(reqs, logits_BV)
+    assert waits.reads == ["tolist"]
+    assert tokens == expected
+
+
 def test_sampling_and_logprobs_take_the_paged_path():
     model = build()
     eng = engine(model, static=True)
@@ -186,3 +270,88 @@ def test_graph_engine_load_on_gpu():
         assert len(r.output_token_ids) == r.sampling_params.max_tokens
     eng.pool.check_invariants()
     assert eng.pool.usage == 0.0
+
+
+GPU_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profiled_step(eng):
+    """One ``eng.step()`` under ``torch.profiler``: (its outputs, the host waits inside it — ``cuda*Synchronize``
+    or a blocking ``cudaMemcpy``; an ``.item()`` shows as one of these too —, the names of the device→host
+    copies, whether a CUDA graph was launched)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("engine_step"):
+            outs = eng.step()
+    events = list(prof.events())
+    step = next(e for e in events if e.name == "engine_step" and e.device_type == DeviceType.CPU)
+    inside = [
+        e.name
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and step.time_range.start <= e.time_range.start
+        and e.time_range.end <= step.time_range.end
+    ]
+    d2h = [e.name for e in events if e.device_type == DeviceType.CUDA and "DtoH" in e.name]
+    return outs, [n for n in inside if n in GPU_WAITS], d2h, "cudaGraphLaunch" in inside
+
+
+@cuda
+@pytest.mark.gpu
+def test_graph_decode_step_waits_once_on_gpu():
+    """A steady decode step with CUDA graphs: one host wait and one device→host copy (the tokens)."""
+    eng = engine(build("cuda", torch.bfloat16), static=None)
+    # the measured step computes positions 6, 11 and 4: no block boundary (no checkpoint copy), and the
+    # (B, T, N) = (4, 1, 2) graph the step before captured
+    reqs = [Request(f"g{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(prompts([4, 9, 2]))]
+    for r in reqs:
+        eng.add_request(r)
+    while min(len(r.output_token_ids) for r in reqs) < 3:  # prefilled, graphs captured
+        eng.step()
+    outs, waits, d2h, graphed = profiled_step(eng)
+    assert len(outs) == 3 and graphed
+    assert len(waits) == 1, waits
+    assert len(d2h) == 1, d2h
+
+
+@cuda
+@pytest.mark.gpu
+def test_prefill_steps_do_not_wait_on_gpu():
+    """A prompt prefilled in chunks (a first chunk, chunks continuing the cached prefix, KDA checkpoints
+    copied at block boundaries): steps that sample nothing never wait on the device; the one that samples
+    waits once, for the token. The same shapes ran once before (kernel compilation, autotuning)."""
+    eng = engine(build("cuda", torch.bfloat16), static=None)
+    eng.generate([Request("warm", prompts([100], seed=5)[0], SamplingParams(max_tokens=1))])
+    request = Request("p", prompts([100], seed=6)[0], SamplingParams(max_tokens=1))
+    eng.add_request(request)
+    per_step = []
+    while eng.has_unfinished_requests():
+        _, waits, d2h, _ = profiled_step(eng)
+        per_step.append((len(waits), len(d2h)))
+    assert eng.kv.num_checkpoints_stored > 0 and len(per_step) >= 3
+    assert per_step[:-1] == [(0, 0)] * (len(per_step) - 1), per_step
+    assert per_step[-1] == (1, 1), per_step
+
+
+@cuda
+@pytest.mark.gpu
+def test_seeded_sampling_on_gpu():
+    """A seeded request draws on the GPU with a generator of its own there: the same seed gives the same
+    tokens, another seed (almost surely, 16 draws at temperature 2) others; greedy neighbours in the batch
+    still equal the reference."""
+    model = build("cuda")
+    eng = engine(model, static=None)
+    p = prompts([6])[0]
+    reqs = [
+        Request("a", p, SamplingParams(max_tokens=16, temperature=2.0, seed=11)),
+        Request("b", p, SamplingParams(max_tokens=16, temperature=2.0, seed=11)),
+        Request("c", p, SamplingParams(max_tokens=16, temperature=2.0, seed=12)),
+        Request("d", p, SamplingParams(max_tokens=16)),
+    ]
+    out = eng.generate(reqs)
+    assert out["a"] == out["b"] != out["c"]
+    assert reqs[0].generator.device.type == "cuda"
+    assert out["d"] == reference(model, p, 16)

@@ -84,6 +84,27 @@ def test_images_load_from_data_urls_and_files_never_from_the_web(tmp_path):
         load_image("data:image/png;base64," + base64.b64encode(b"not a png").decode())
 
 
+def test_relative_local_images_resolve_inside_the_allowed_folder(tmp_path):
+    """A relative path (or ``file://`` URL) is read inside ``allowed_dir``, whatever the working folder; one
+    that leaves it (``..``, a symlink pointing out) is refused."""
+    root, outside = tmp_path / "media", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    picture().save(root / "sub" / "a.png")
+    picture().save(outside / "b.png")
+    (root / "link.png").symlink_to(outside / "b.png")
+    (root / "inner.png").symlink_to(root / "sub" / "a.png")
+    for source in ("sub/a.png", "file://sub/a.png", "./sub/../sub/a.png", "inner.png"):
+        assert load_image(source, allowed_dir=str(root)).size == (70, 42), source
+    for source in ("../outside/b.png", "link.png", "sub/../../outside/b.png", str(outside / "b.png")):
+        with pytest.raises(ValueError, match="outside the allowed media folder"):
+            load_image(source, allowed_dir=str(root))
+    with pytest.raises(ValueError, match="cannot read image 'sub/none.png'"):
+        load_image("sub/none.png", allowed_dir=str(root))
+    with pytest.raises(ValueError, match="outside the allowed media folder"):
+        load_image("sub/a.png", allowed_dir="")
+
+
 def test_too_large_image_is_refused(model):
     with pytest.raises(ValueError, match=r"3598×20 pixels; MoonViT-V2 takes at most 3584×3584"):
         image_patches(Image.new("RGB", (3598, 20)), model.config.vision_config)
@@ -132,7 +153,9 @@ def test_engine_serves_images_and_caches_their_tokens(model):
     assert cached == 0 and other == full_forward_greedy(model, ids, blue, 5)
     with pytest.raises(ValueError, match=r"holds 3 media placeholder tokens .* take 4"):
         engine.add_request(Request("d", [5, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER], params, media=red))
-    with pytest.raises(ValueError, match=r"holds 2 media placeholder tokens .* take 0"):  # ids without an image
+    with pytest.raises(
+        ValueError, match=r"holds 2 media placeholder tokens .* take 0"
+    ):  # ids without an image
         engine.add_request(Request("e", [5, PLACEHOLDER, PLACEHOLDER], params))
 
 
@@ -183,6 +206,9 @@ def test_chat_with_an_image_answers_as_the_model_does(model, server):
     assert again.usage.prompt_tokens_details.cached_tokens >= 8
     by_file = chat(server, [{"type": "image_url", "image_url": {"url": str(server.media_dir / "red.png")}}])
     assert by_file.choices[0].message.content is not None
+    # a relative path is read inside --allowed-local-media-path, not the server's working folder
+    relative = chat(server, [{"type": "image_url", "image_url": {"url": "red.png"}}])
+    assert relative.choices[0].message.content == by_file.choices[0].message.content
 
 
 @pytest.mark.parametrize(
@@ -190,6 +216,7 @@ def test_chat_with_an_image_answers_as_the_model_does(model, server):
     [
         ("https://example.com/cat.png", "not downloaded"),
         ("/etc/hostname", "outside the allowed media folder"),
+        ("../../../../../../etc/hostname", "outside the allowed media folder"),
         ("data:image/png;base64,AAAA", "not an image"),
         (data_url(Image.new("RGB", (3600, 14))), "at most 3584×3584"),
     ],

@@ -96,6 +96,64 @@ def test_train_cli_learns_from_image_text_pairs(shapes, tmp_path, capsys):
     assert main([*gen, "--temperature", "0"]) == 0
     assert main([*args, "--resume"]) == 2
     assert "does not resume" in capsys.readouterr().err
+    # `openk3 eval` on the run reads its held-out pairs and gives the run's final evaluation back
+    assert main(["eval", "--ckpt", str(out)]) == 0
+    printed = capsys.readouterr().out
+    want = (
+        f"caption accuracy {summary['caption_accuracy']:.3f} (words {summary['word_accuracy']:.3f}; chance "
+        f"{summary['majority_accuracy']:.3f}, the most common text of {out / 'data' / 'train.jsonl'}) on 5 images"
+    )
+    assert want in printed and f"held-out loss {summary['heldout_loss']:.4f}" in printed
+
+
+def _nll_row_by_row(model, data, rows):
+    """Mean fp64 negative log-likelihood of each row's text and eos after its image, one row per forward."""
+    total, count = 0.0, 0
+    for i in rows:
+        prompt, media = data.prompt(i)
+        target = data.text_ids[i] + [data.tokenizer.eos_id]
+        ids = torch.tensor([prompt + target[:-1]])
+        with torch.no_grad():
+            logits = model(ids, pixel_values=media.pixel_values, grid_thws=media.grid_thws).logits[0]
+        logp = torch.log_softmax(logits.double(), -1)[len(prompt) - 1 :]
+        total -= sum(logp[t, tok].item() for t, tok in enumerate(target))
+        count += len(target)
+    return total / count, count
+
+
+def test_eval_reads_a_vision_runs_heldout_pairs(shapes, tmp_path, capsys):
+    """``openk3 eval --ckpt RUN`` on a vision run (no val.bin): the loss of its ``data/val.jsonl`` pairs equals
+    a row-by-row fp64 computation, chance is the commonest ``train.jsonl`` text's share; flags that read token
+    data are refused."""
+    from openk3.train.image_text import write_split
+
+    config = get_preset("k3-vision-tiny")
+    pairs = read_image_text(shapes)
+    train_rows, val_rows = list(range(8, 48)), list(range(8))
+    tok = Tokenizer.train([pairs[i].text for i in train_rows], vocab_size=400)
+    model = openk3.build_model(config, seed=1)
+    run = tmp_path / "run"
+    openk3.save_pretrained(model, run / "checkpoints" / "step-000001", tokenizer=tok)
+    (run / "checkpoints" / "latest").write_text("step-000001\n")
+    write_split(run / "data", pairs, train_rows, val_rows)
+    assert main(["eval", "--ckpt", str(run)]) == 0
+    printed = capsys.readouterr().out
+    data = ImageTextSet(
+        [pairs[i] for i in val_rows], tok, config.vision_config, config.media_placeholder_token_id
+    )
+    loss, count = _nll_row_by_row(model, data, range(len(val_rows)))
+    train_texts = [pairs[i].text for i in train_rows]
+    majority = max(train_texts, key=train_texts.count)  # the first of the commonest, in training order
+    chance = sum(pairs[i].text == majority for i in val_rows) / len(val_rows)
+    assert f"held-out loss {loss:.4f} nats/token ({count:,} text tokens)" in printed, printed
+    assert (
+        f"chance {chance:.3f}, the most common text of {run / 'data' / 'train.jsonl'}) on 8 images" in printed
+    )
+    # any image-text JSONL with --data; without a train.jsonl beside it, chance is the rows' own commonest text
+    assert main(["eval", "--ckpt", str(run), "--data", str(shapes), "--batch-size", "7"]) == 0
+    assert "on 48 images" in capsys.readouterr().out
+    assert main(["eval", "--ckpt", str(run), "--seq-len", "64"]) == 2
+    assert "--seq-len read token data" in capsys.readouterr().err
 
 
 def test_a_text_preset_cannot_train_on_images(shapes, tmp_path, capsys):

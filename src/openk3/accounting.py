@@ -14,8 +14,8 @@ Cache sizes per request (``docs/references.md#caches``, ``docs/references.md#par
   same depth: ``kda_bytes / ((L − L_mla) · mla_bytes_per_token_per_layer)``.
 
 Checkpoint size (:func:`checkpoint_bytes`), in the official dtypes: fp32 for the tensors the release stores in
-F32 (:data:`FP32_TENSORS`), bf16 for the rest, and, in the MXFP4 layout, 4.25 bits per routed-expert weight
-(half a byte of E2M1 code plus one E8M0 byte per 32 numbers; ``docs/quantization.md``).
+F32 (:data:`~openk3.model.modeling.FP32_TENSORS`), bf16 for the rest, and, in the MXFP4 layout, 4.25 bits per
+routed-expert weight (half a byte of E2M1 code plus one E8M0 byte per 32 numbers; ``docs/quantization.md``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ from torch import nn
 
 from openk3.checkpoint.names import is_stacked
 from openk3.config import AnyConfig, KimiLinearConfig, text_config_of
-from openk3.model.modeling import build_model
+from openk3.model.modeling import FP32_TENSORS, build_model
 from openk3.quant.mxfp4 import MXFP4_BYTES_PER_NUMBER
 
 BF16, FP32 = 2, 4
-FP32_TENSORS = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
-"""Name endings of the tensors the official checkpoint stores in F32 (KDA convolutions, decay and norm, the
-router's bias); every other tensor is BF16 (or MXFP4, for routed experts)."""
 
 
 def _numel(module: nn.Module) -> int:

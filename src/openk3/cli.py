@@ -204,8 +204,6 @@ def _train(args: argparse.Namespace) -> int:
             "(docs/distributed.md)"
         )
     if args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ:  # torchrun
-        if args.qat:
-            raise ValueError("--qat is not supported in distributed training yet: train on one device")
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
@@ -449,7 +447,10 @@ def _eval_split(folder: Path, data: str | None) -> Path:
     """The data ``openk3 eval`` reads: ``--data`` (a ``.bin`` split, a folder holding ``val.bin``, or text
     to tokenize: any other file, folder or glob), else the ``data/val.bin`` of the run that holds checkpoint
     ``folder``. Raises ``FileNotFoundError`` saying what to pass instead."""
-    hint = "pass --data path/to/val.bin (a token split written by `openk3 train` into RUN/data/)"
+    hint = (
+        "pass --data path/to/val.bin (a token split written by `openk3 train` into RUN/data/), or an image-text "
+        "JSONL for a vision model"
+    )
     if data is None:
         if folder.parent.name != "checkpoints":
             raise FileNotFoundError(
@@ -477,11 +478,49 @@ def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
         return None, None
 
 
+def _image_text_split(folder: Path, data: str | None) -> Path | None:
+    """The image-text JSONL ``openk3 eval`` reads, or ``None`` for token data: ``--data`` when it is one (or a
+    folder holding ``val.jsonl`` and no ``val.bin``), else the ``data/val.jsonl`` a vision run wrote."""
+    from openk3.data.image_text import is_image_text_jsonl
+
+    if data is None:
+        if folder.parent.name != "checkpoints":
+            return None
+        path = folder.parent.parent / "data"
+    else:
+        path = Path(data)
+    if path.is_dir() and (path / "val.jsonl").is_file() and not (path / "val.bin").is_file():
+        path = path / "val.jsonl"
+    return path if is_image_text_jsonl(str(path)) else None
+
+
+def _evaluate_image_text(args: argparse.Namespace, folder: Path, pairs: Path) -> int:
+    from openk3.train.image_text import evaluate_image_text
+
+    given = [flag for flag, v in (("--needle", args.needle), ("--draft", args.draft), ("--seq-len", args.seq_len),
+             ("--max-batches", args.max_batches)) if v]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} read token data; {pairs} is image-text pairs, evaluated whole (leave them out)"
+        )
+    model, tokenizer, _ = _load_for_inference(str(folder), args.device)
+    r = evaluate_image_text(model, tokenizer, pairs, args.batch_size or DEFAULT_EVAL_BATCH_SIZE)
+    print(
+        f"held-out loss {r['loss']:.4f} nats/token ({r['tokens']:,} text tokens), caption accuracy "
+        f"{r['caption_accuracy']:.3f} (words {r['word_accuracy']:.3f}; chance {r['majority_accuracy']:.3f}, the "
+        f"most common text of {r['chance_from']}) on {r['rows']} images ({pairs})"
+    )
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from openk3.data import TokenDataset
     from openk3.train.state import latest_checkpoint
 
     folder = latest_checkpoint(args.ckpt)
+    pairs = _image_text_split(folder, args.data)
+    if pairs is not None:  # a vision run's held-out pairs
+        return _evaluate_image_text(args, folder, pairs)
     val_path = _eval_split(folder, args.data)
     with tempfile.TemporaryDirectory(prefix="openk3-eval-") as tmp:
         if val_path.suffix != ".bin":  # raw text: tokenized with the checkpoint's tokenizer, all of it
@@ -776,8 +815,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--ckpt", required=True, help="checkpoint folder or run folder")
     ev.add_argument(
         "--data",
-        help="a token split (.bin), or text (a file, folder or glob) tokenized with the checkpoint's tokenizer "
-        "(default: the run's data/val.bin)",
+        help="a token split (.bin), text (a file, folder or glob) tokenized with the checkpoint's tokenizer, "
+        "or image-text pairs (.jsonl) for a vision model (default: the run's data/val.bin, or a vision run's "
+        "held-out data/val.jsonl)",
     )
     ev.add_argument(
         "--seq-len",

@@ -3,6 +3,9 @@
 A folder holds ``config.json``, ``model-0000i-of-0000n.safetensors`` shards and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": …}, "weight_map": {name: shard}}``); a single
 ``model.safetensors`` without an index is read too. Names go through :mod:`openk3.checkpoint.names`.
+A loaded model remembers its folder's shard files (``model.weight_map``) and its tensors keep the
+checkpoint's dtypes where the release's do (F32 tensors stay fp32 in a bf16 model, MXFP4 experts stay bytes),
+so loading the release in bf16 and saving it writes the same files with the same tensor bytes.
 A training run folder (``<run>/checkpoints/latest`` naming ``step-NNNNNN/``, :mod:`openk3.train.state`) is
 resolved to its latest checkpoint by :func:`latest_checkpoint`, the one resolver that ``from_pretrained``, the
 CLI and the server share.
@@ -53,6 +56,8 @@ from openk3.quant.scheme import expert_scheme
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+DEFAULT_SHARD_SIZE = "5GB"
+"""Largest shard :func:`save_pretrained` writes when it does not keep the loaded folder's shard files."""
 LATEST = "latest"
 """Text file in a run's ``checkpoints`` folder holding the name of the newest checkpoint folder."""
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -124,7 +129,7 @@ def _parse_size(size: int | str) -> int:
 
 
 def save_pretrained(
-    model: nn.Module, path: str | os.PathLike, max_shard_size: int | str = "5GB", tokenizer="auto"
+    model: nn.Module, path: str | os.PathLike, max_shard_size: int | str | None = None, tokenizer="auto"
 ) -> None:
     """Write ``model`` (with its ``config``) as an HF folder at ``path``, atomically.
 
@@ -134,7 +139,12 @@ def save_pretrained(
     ``tokenizer.json`` or ``.tiktoken``) is written instead; ``None`` writes none.
 
     ``max_shard_size``: bytes per ``model-0000i-of-0000n.safetensors`` shard, an int or a string such as
-    ``"5GB"`` / ``"500MiB"`` (default ``"5GB"``).
+    ``"5GB"`` / ``"500MiB"``. ``None`` (default) keeps the shard files of the folder the model was loaded from
+    (``model.weight_map``, set by :func:`from_pretrained`) when they name exactly the tensors saved, so a
+    load–save round trip writes the same file set (a single ``model.safetensors`` stays one file without an
+    index); otherwise shards of at most :data:`DEFAULT_SHARD_SIZE`. Each tensor is written in the model's
+    dtype for it: a checkpoint in the release's dtypes loaded in bf16 (its F32 tensors stay fp32,
+    :data:`~openk3.model.modeling.FP32_TENSORS`; MXFP4 experts stay bytes) saves back bit-identically.
 
     An existing model folder at ``path`` is replaced atomically (the new folder is renamed into place). Every
     file, subfolder and symlink of the old folder that the new save does not write is copied into the new
@@ -165,17 +175,8 @@ def save_pretrained(
             "refusing to replace it, choose another path"
         )
     tok = _tokenizer_to_save(model, tokenizer)
-    limit = _parse_size(max_shard_size)
     tensors = official_state(model)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name].contiguous().cpu()
-        size += nbytes
+    shards = _shard_files(getattr(model, "weight_map", None), tensors, max_shard_size)
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
@@ -186,15 +187,15 @@ def save_pretrained(
         save_config(model.config, tmp)
         write_remote_code(tmp)  # config.json auto_map + the code transformers loads with trust_remote_code
         weight_map, total = {}, 0
-        n = len(shards)
-        for i, shard in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        for fname, names in shards.items():
+            shard = {name: tensors[name].contiguous().cpu() for name in names}
             save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
             for name, t in shard.items():
                 weight_map[name] = fname
                 total += t.numel() * t.element_size()
-        with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        if list(shards) != [SINGLE_FILE]:
+            with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         if tok is not None:
             tok.save(tmp)
         for name in os.listdir(tmp):  # safetensors writes owner-only files; follow the umask like the rest
@@ -210,6 +211,36 @@ def save_pretrained(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _shard_files(
+    layout: dict[str, str] | None, tensors: dict[str, torch.Tensor], max_shard_size: int | str | None
+) -> dict[str, list[str]]:
+    """Shard file name → the official tensor names it holds (see :func:`save_pretrained`'s ``max_shard_size``):
+    the loaded ``layout`` when ``max_shard_size`` is ``None`` and it names exactly ``tensors`` with plain
+    ``*.safetensors`` file names, else ``model-0000i-of-0000n.safetensors`` shards filled in name order."""
+    if (
+        max_shard_size is None
+        and layout is not None
+        and set(layout) == set(tensors)
+        and all(os.path.basename(f) == f and f.endswith(".safetensors") for f in layout.values())
+    ):
+        files: dict[str, list[str]] = defaultdict(list)
+        for name in sorted(tensors):
+            files[layout[name]].append(name)
+        return dict(sorted(files.items()))
+    limit = _parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    n = len(groups)
+    return {f"model-{i:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups, start=1)}
 
 
 def _keep_user_files(old: str, new: str, tokenizer_written: bool) -> None:
@@ -466,6 +497,8 @@ def from_pretrained(
         vision: ``False`` builds a K3 model without its vision tower and projector (text only; their
             tensors in the checkpoint are skipped). A checkpoint without them needs ``vision=False`` when its
             config has a ``vision_config``.
+    Returns the model in eval mode with ``name_or_path`` (the folder) and ``weight_map`` (official tensor name
+    → shard file name in that folder, which :func:`save_pretrained` keeps).
     Raises:
         FileNotFoundError: no config or weights. ValueError: invalid config or dtype.
         CheckpointMismatchError: missing/unexpected keys or shape mismatches (all listed).
@@ -487,4 +520,6 @@ def from_pretrained(
         load_state(model, path)
     model.eval()
     model.name_or_path = str(path)  # the folder it came from (Hugging Face's attribute name)
+    if str(device) != "meta":  # official name → shard file, which save_pretrained keeps
+        model.weight_map = {name: os.path.relpath(f, path) for name, f in _checkpoint_files(path).items()}
     return model

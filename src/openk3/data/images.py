@@ -30,8 +30,9 @@ IMAGE_MEAN, IMAGE_STD = 0.5, 0.5
 
 def load_image(source: str, allowed_dir: str | None = None):
     """A Pillow RGB image from ``source``: a ``data:image/...;base64,...`` URL, a ``file://`` URL or a local
-    path. ``allowed_dir``: when set, a local file must lie inside it (the server's rule); ``""`` refuses
-    local files. Raises ``ValueError`` naming the problem (a web URL: nothing is downloaded; a missing or
+    path. ``allowed_dir``: when set, a relative path is taken inside it and a local file must lie inside it
+    once symlinks and ``..`` are resolved (the server's rule); ``""`` refuses local files; ``None`` reads
+    any path (relative to the working folder). Raises ``ValueError`` naming the problem (a web URL: nothing is downloaded; a missing or
     unreadable file; data that is not an image)."""
     from PIL import Image, UnidentifiedImageError
 
@@ -47,7 +48,10 @@ def load_image(source: str, allowed_dir: str | None = None):
     elif source.startswith(("http://", "https://")):
         raise ValueError(f"{source[:60]!r}: images are not downloaded; pass a data: URL or a local file")
     else:
-        path = os.path.realpath(source.removeprefix("file://"))
+        path = source.removeprefix("file://")
+        if allowed_dir:
+            path = os.path.join(allowed_dir, path)  # an absolute path stays as it is
+        path = os.path.realpath(path)
         if allowed_dir is not None:
             root = os.path.realpath(allowed_dir) if allowed_dir else None
             if root is None or os.path.commonpath([root, path]) != root:

@@ -15,6 +15,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch ≥ 2.13 names the flat collectives ``*_single`` and deprecates the ``*_tensor`` names; earlier releases
+# (2.11 on our GPU machines) have only the latter. Same semantics: a flat ``[W·n]`` buffer on every rank.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _AllGatherFlat(torch.autograd.Function):
     @staticmethod
@@ -25,14 +30,14 @@ class _AllGatherFlat(torch.autograd.Function):
         world = dist.get_world_size(group)
         flat = _on_backend_device(x.contiguous().view(-1), group)
         out = flat.new_empty(world * flat.numel())
-        dist.all_gather_single(out, flat, group=group)
+        _all_gather_flat(out, flat, group=group)
         return out.to(x.device).view(world, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         flat = _on_backend_device(grad.contiguous().view(-1), ctx.group)
         out = flat.new_empty(ctx.shape.numel())
-        dist.reduce_scatter_single(out, flat, group=ctx.group)
+        _reduce_scatter_flat(out, flat, group=ctx.group)
         return out.to(grad.device).view(ctx.shape), None, *([None] * ctx.num_anchors)
 
 

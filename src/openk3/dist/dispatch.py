@@ -116,9 +116,11 @@ def alltoall_experts(
     w2_PLF: torch.Tensor,
     num_experts: int,
     group: dist.ProcessGroup,
+    x_quant=None,
 ) -> torch.Tensor:
     """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])`` (``[N, L]``, ``z``'s dtype) over the EP ``group``:
-    :func:`dispatch`, the local experts (``w1, w3 [P, F, L]``, ``w2 [P, L, F]``), :func:`combine`."""
+    :func:`dispatch`, the local experts (``w1, w3 [P, F, L]``, ``w2 [P, L, F]``; GEMM inputs through
+    ``x_quant`` as in :func:`~openk3.model.moe.grouped_expert_ffn`), :func:`combine`."""
     d = dispatch(z_NL, indices_Nk, num_experts, group)
-    y_QL = grouped_expert_ffn(config, d.x_QL, w1_PFL, w3_PFL, w2_PLF, d.offs_P, d.expert_Q)
+    y_QL = grouped_expert_ffn(config, d.x_QL, w1_PFL, w3_PFL, w2_PLF, d.offs_P, d.expert_Q, x_quant)
     return combine(y_QL, weights_Nk, d, group, z_NL.shape[0])

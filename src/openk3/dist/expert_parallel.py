@@ -24,14 +24,17 @@ from openk3.dist.dispatch import alltoall_experts
 from openk3.dist.mesh import Meshes
 from openk3.dist.moonep import moonep_experts
 from openk3.model.moe import RoutedExperts, SparseMoeBlock
+from openk3.quant.mxfp4 import mxfp4_ste, mxfp8_ste
 
 DISPATCHERS = {"alltoall": alltoall_experts, "moonep": moonep_experts}
-"""EP dispatchers by name; each maps ``(config, z, weights, indices, w1, w3, w2, num_experts, group)`` to
-the routed experts' output ``[N, L]`` (this rank's ``P`` experts in ``w1, w3, w2``)."""
+"""EP dispatchers by name; each maps ``(config, z, weights, indices, w1, w3, w2, num_experts, group,
+x_quant)`` to the routed experts' output ``[N, L]`` (this rank's ``P`` experts in ``w1, w3, w2``; ``x_quant``
+maps each expert GEMM input, or ``None``)."""
 
 
 class ExpertParallelExperts(RoutedExperts):
-    """Routed experts sharded over the ``ep`` mesh; same forward contract as :class:`RoutedExperts`.
+    """Routed experts sharded over the ``ep`` mesh; same forward contract as :class:`RoutedExperts`, ``qat``
+    included (MXFP4 fake-quantised local weights, MXFP8 GEMM inputs; :mod:`openk3.quant.qat`).
 
     ``dispatcher`` names one of :data:`DISPATCHERS`. Raises ``ValueError`` when ``num_experts`` is not
     divisible by the ``ep`` size or the dispatcher is unknown.
@@ -47,6 +50,7 @@ class ExpertParallelExperts(RoutedExperts):
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher={dispatcher!r}: use one of {', '.join(DISPATCHERS)}")
         self.dispatcher = dispatcher
+        self.qat = experts.qat
         self.ep_mesh = ep_mesh
         self.num_experts = E
         self.grad_scale = 1.0
@@ -64,10 +68,14 @@ class ExpertParallelExperts(RoutedExperts):
 
     def forward(self, z_NL: torch.Tensor, weights_Nk: torch.Tensor, indices_Nk: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = (_ScaleGrad.apply(_local(w), self.grad_scale) for w in (self.w1, self.w3, self.w2))
+        x_quant = None
+        if self.qat:  # MX blocks run along each expert row: quantising this rank's experts = its share of all
+            w1, w3, w2, x_quant = mxfp4_ste(w1), mxfp4_ste(w3), mxfp4_ste(w2), mxfp8_ste
         run = DISPATCHERS[self.dispatcher]
         return run(
-            self.config, z_NL, weights_Nk, indices_Nk, w1, w3, w2, self.num_experts, self.ep_mesh.get_group()
-        )
+            self.config, z_NL, weights_Nk, indices_Nk, w1, w3, w2, self.num_experts, self.ep_mesh.get_group(),
+            x_quant,
+        )  # fmt: skip
 
 
 class _ScaleGrad(torch.autograd.Function):

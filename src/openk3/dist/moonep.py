@@ -207,13 +207,14 @@ def moonep_experts(
     w2_PLF: torch.Tensor,
     num_experts: int,
     group: dist.ProcessGroup,
+    x_quant=None,
     r: MoonEPRoute | None = None,
 ) -> torch.Tensor:
     """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])`` (``[N, L]``, ``z``'s dtype) over the EP ``group``,
     this rank holding experts ``rank·P … rank·P + P − 1`` (``w1, w3 [P, F, L]``, ``w2 [P, L, F]``).
 
-    Same contract as :func:`openk3.dist.dispatch.alltoall_experts`. ``r`` is this layer's :func:`route`
-    (computed here when ``None``; the benchmark times it apart). All ranks of ``group`` must call together.
+    Same contract as :func:`openk3.dist.dispatch.alltoall_experts` (``x_quant`` included). ``r`` is this
+    layer's :func:`route` (computed here when ``None``; the benchmark times it apart). All ranks of ``group`` must call together.
     """
     if r is None:
         r = route(indices_Nk, num_experts, group)
@@ -240,7 +241,7 @@ def moonep_experts(
     offs = slots.cumsum(0).to(torch.int32)
     slot_C = torch.repeat_interleave(torch.arange(2 * P, device=device), slots, output_size=x_CL.shape[0])
     w1, w3, w2 = _redundant_weights(w1_PFL, w3_PFL, w2_PLF, r, group)
-    y_CL = grouped_expert_ffn(config, x_CL, w1, w3, w2, offs, slot_C)
+    y_CL = grouped_expert_ffn(config, x_CL, w1, w3, w2, offs, slot_C, x_quant)
     partial_QL = torch.zeros(x_QL.shape[0], y_CL.shape[1], dtype=torch.float32, device=device)
     partial_QL = partial_QL.index_add(0, q_C, y_CL.float() * w_C[buf_order, None]).to(y_CL.dtype)
     back_UL = all_to_all_single_autograd(partial_QL, r.send_rows, r.recv_rows, group)

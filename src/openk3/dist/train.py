@@ -46,6 +46,7 @@ from openk3.dist.fsdp import build_sharded_model
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
 from openk3.presets import get_preset
+from openk3.quant.qat import enable_qat
 from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import plot_metrics
 from openk3.train.schedule import lr_factor, seq_len_at
@@ -209,6 +210,8 @@ def train_distributed(
     model = build_sharded_model(
         model_config, meshes, device, seed=config.seed, param_dtype=param_dtype, ep_dispatcher=ep_dispatcher
     )
+    if config.qat:  # every routed-experts module, expert-parallel ones included
+        enable_qat(model, config.qat)
     context = apply_context_parallel(model, meshes.cp_group, cp_layout) if cp > 1 else None
     optimizer = build_sharded_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     peak = [g["lr"] for g in optimizer.param_groups]

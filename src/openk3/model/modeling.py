@@ -27,8 +27,9 @@ from openk3.model.varlen import check_cu_seqlens
 from openk3.model.vision import MoonViT, PatchMergerProjector, merge_patches, place_media
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias")
-"""Tensors that stay fp32 in a low-precision model (as in the official checkpoint)."""
+FP32_TENSORS = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
+"""Name endings of the tensors the official checkpoint stores in F32 (KDA's convolutions, decay and output
+norm, the router's bias): they stay fp32 in a low-precision model, so a bf16 load keeps their bytes."""
 
 
 @dataclass
@@ -231,10 +232,11 @@ def build_model(
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to ``dtype`` in place, keeping :data:`KEEP_FP32` in fp32 or wider."""
+    """Cast floating parameters and buffers to ``dtype`` in place, keeping :data:`FP32_TENSORS` in fp32 or
+    wider."""
     check_dtype(dtype)
     keep = torch.promote_types(dtype, torch.float32)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_floating_point():
-            t.data = t.data.to(keep if name.rsplit(".", 1)[-1] in KEEP_FP32 else dtype)
+            t.data = t.data.to(keep if name.endswith(FP32_TENSORS) else dtype)
     return model

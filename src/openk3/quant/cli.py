@@ -3,11 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections import Counter
+from pathlib import Path
+
+
+def written_bytes(model, folder: str | os.PathLike) -> dict:
+    """What :func:`openk3.save_pretrained` wrote for ``model`` into ``folder``: ``files`` (bytes of its
+    ``*.safetensors`` files on disk, headers included), ``codes`` and ``scales`` (the MXFP4 experts'
+    ``weight_packed`` / ``weight_scale`` bytes), ``other`` (every other tensor's bytes by dtype name) and
+    ``headers`` (the rest: the files' JSON headers)."""
+    from openk3.checkpoint.io import official_state
+
+    codes = scales = 0
+    other: Counter[str] = Counter()
+    for name, t in official_state(model).items():
+        nbytes = t.numel() * t.element_size()
+        if name.endswith(".weight_packed"):
+            codes += nbytes
+        elif name.endswith(".weight_scale"):
+            scales += nbytes
+        else:
+            other[str(t.dtype).removeprefix("torch.")] += nbytes
+    files = sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+    return {
+        "files": files,
+        "codes": codes,
+        "scales": scales,
+        "other": dict(other),
+        "headers": files - codes - scales - sum(other.values()),
+    }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Load ``--ckpt`` (a model folder or a run's latest checkpoint), pack its experts under the scheme of
-    ``--activations`` and write the compressed-tensors layout to ``--out`` with the checkpoint's tokenizer."""
+    ``--activations`` and write the compressed-tensors layout to ``--out`` with the checkpoint's tokenizer;
+    print the bytes written and what they hold."""
     from openk3.accounting import checkpoint_bytes
     from openk3.checkpoint import from_pretrained, save_pretrained
     from openk3.quant.experts import pack_experts
@@ -16,13 +51,23 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     model = from_pretrained(args.ckpt)
     if expert_scheme(model.config) is not None:
         raise ValueError(f"{model.name_or_path} already holds MXFP4 experts: nothing to pack")
-    sizes = checkpoint_bytes(model.config)
+    release = checkpoint_bytes(model.config)["mxfp4"]
     pack_experts(model, ExpertScheme(activations=None if args.activations == "bf16" else args.activations))
     save_pretrained(model, args.out)
+    w = written_bytes(model, args.out)
+    other = ", ".join(f"{dtype} {_mb(n)}" for dtype, n in sorted(w["other"].items()))
     print(
-        f"wrote {args.out}: routed experts in MXFP4 (expert inputs {args.activations}); checkpoint "
-        f"{sizes['mxfp4'] / 1e6:,.1f} MB in the official dtypes, {sizes['bf16'] / 1e6:,.1f} MB in bf16"
+        f"wrote {args.out}: {_mb(w['files'])} of safetensors = routed experts in MXFP4 (expert inputs "
+        f"{args.activations}) {_mb(w['codes'] + w['scales'])} (E2M1 codes {_mb(w['codes'])}, E8M0 scales "
+        f"{_mb(w['scales'])}) + other tensors {_mb(sum(w['other'].values()))} ({other}) + headers "
+        f"{_mb(w['headers'])}"
     )
+    tensor_bytes = w["codes"] + w["scales"] + sum(w["other"].values())
+    if tensor_bytes != release:
+        print(
+            f"the other tensors keep the checkpoint's dtypes; in the release's (bf16, F32 where it stores F32) "
+            f"the tensors would take {_mb(release)}: load with dtype=torch.bfloat16 and save_pretrained"
+        )
     return 0
 
 

@@ -70,6 +70,12 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)
     """Behaviour log-probs (natural log), one per token."""
     version: int = 0
+    observation: bool = False
+    """Tokens an agent harness inserted (a tool's output, :mod:`openk3.rl.harness`), not sampled by the policy:
+    their log-probs are 0 and they never train."""
+    trains: bool = True
+    """False for policy tokens whose context was rewritten after they were sampled (the harness elided an
+    earlier observation): the trainer's forward would score them in a context they were not sampled in."""
 
 
 @dataclass
@@ -82,7 +88,8 @@ class Trajectory:
     """Caller's labels (problem id, domain, effort, ...)."""
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str | None = None
-    """``"stop"`` or ``"length"`` once finished; ``None`` while unfinished."""
+    """``"stop"`` or ``"length"`` once finished (an agentic rollout adds ``"failed"``: its sandbox died);
+    ``None`` while unfinished."""
 
     @property
     def finished(self) -> bool:
@@ -105,7 +112,13 @@ class Trajectory:
         return [i for i, s in enumerate(self.segments) for _ in s.token_ids]
 
     @property
+    def loss_mask(self) -> list[float]:
+        """Per response token: 1.0 for policy tokens that train, 0.0 for observations and elided contexts."""
+        return [float(s.trains and not s.observation) for s in self.segments for _ in s.token_ids]
+
+    @property
     def num_generated(self) -> int:
+        """Response tokens, observation segments included (``max_tokens`` bounds this)."""
         return sum(len(s.token_ids) for s in self.segments)
 
     @property

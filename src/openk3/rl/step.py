@@ -150,7 +150,8 @@ class PolicyTrainer:
         for b, t in enumerate(trajs):
             behav_BT[b, : t.num_generated] = torch.tensor(t.behaviour_logprobs)
             old = self.config.partial.old_segments if self.config.partial is not None else "correct"
-            mask_BT[b, : t.num_generated] *= torch.tensor(train_mask(t, self.engine.version, old))
+            keep = torch.tensor(train_mask(t, self.engine.version, old)) * torch.tensor(t.loss_mask)
+            mask_BT[b, : t.num_generated] *= keep
         mask_BT = mask_BT * keep_PG.reshape(-1, 1).float()
         adv_BT = adv_PG.reshape(-1, 1).expand(-1, T).clone()
         dense_mean = 0.0

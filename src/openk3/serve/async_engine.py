@@ -115,13 +115,14 @@ class AsyncEngine:
                 self.on_step(outputs, time.perf_counter() - t0)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._lock:
-                callback = (
-                    self._callbacks.pop(out.request_id, None)
-                    if out.finished
-                    else self._callbacks.get(out.request_id)
-                )
+        with self._lock:  # once per step, not per output
+            callbacks = [
+                self._callbacks.pop(out.request_id, None)
+                if out.finished
+                else self._callbacks.get(out.request_id)
+                for out in outputs
+            ]
+        for out, callback in zip(outputs, callbacks):
             if callback is not None:
                 try:
                     callback(out)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from openk3.model.cache import KDACache
+from openk3.serve.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,8 @@ class CacheStorage:
         lo, dev = self.layout, self.pages.device
         bs, S = lo.block_size, max(lengths)
         nb = math.ceil(S / bs)
-        table_BN = torch.tensor(
-            [t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dtype=torch.int64, device=dev
-        )
-        return self.gather_latents_padded(table_BN, torch.tensor(lengths, device=dev), S)
+        table_BN = to_device([t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables], dev)
+        return self.gather_latents_padded(table_BN, to_device(lengths, dev), S)
 
     def gather_latents_padded(
         self, table_BN: torch.Tensor, lengths_B: torch.Tensor, S: int
@@ -173,8 +172,7 @@ class CacheStorage:
         """Write ``N`` tokens' latents ``[L_mla, N, C + r]``: token ``n`` goes to block ``block_ids[n]`` at
         in-block offset ``offsets[n]``."""
         dev = self.pages.device
-        pages = torch.tensor(block_ids, dtype=torch.int64, device=dev)
-        offs = torch.tensor(offsets, dtype=torch.int64, device=dev)
+        pages, offs = to_device(block_ids, dev), to_device(offsets, dev)
         self._latent_view()[pages, :, offs] = latents_LNd.transpose(0, 1).to(self.layout.dtype)
 
     # ---- KDA states ------------------------------------------------------------------------------------
@@ -197,7 +195,7 @@ class CacheStorage:
 
     def state_index(self, slots: list[tuple[int, ...]]) -> torch.Tensor:
         """int64 unit rows of ``B`` slots, ordered ``[L, B, U]`` recurrent then ``[L, B, U]`` conv."""
-        slot_BP = torch.tensor(slots, dtype=torch.int64, device=self.pages.device).view(len(slots), -1)
+        slot_BP = to_device(slots, self.pages.device).view(len(slots), -1)
         parts = []
         for pos_LU, off_LU in zip(self._unit_page, self._unit_offset):
             page_LBU = slot_BP[:, pos_LU].transpose(0, 1)
@@ -258,7 +256,8 @@ class CacheStorage:
     def copy_pages(self, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
         """Copy-on-write of a KDA checkpoint into a request's own slot (or back)."""
         self._flush_if_touching(src + dst)
-        self.pages[list(dst)] = self.pages[list(src)]
+        dev = self.pages.device
+        self.pages.index_copy_(0, to_device(dst, dev), self.pages.index_select(0, to_device(src, dev)))
 
     def copy_to_host(self, pages: tuple[int, ...], host: torch.Tensor, rows: tuple[int, ...]) -> None:
         """Copy device pages into rows of a host buffer ``[R, page_numel]`` (asynchronous on CUDA when
@@ -275,4 +274,4 @@ class CacheStorage:
 
     def zero_pages(self, pages: tuple[int, ...]) -> None:
         self._flush_if_touching(pages)
-        self.pages[list(pages)] = 0
+        self.pages.index_fill_(0, to_device(pages, self.pages.device), 0)

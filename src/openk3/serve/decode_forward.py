@@ -27,6 +27,7 @@ from torch import nn
 
 from openk3.model.cache import KDAStateSlots, KimiCache, PagedLatents
 from openk3.serve.cache_storage import CacheStorage
+from openk3.serve.transfer import to_device
 
 
 class PagedForward:
@@ -68,7 +69,7 @@ class PagedForward:
             for c in kda:
                 c.steps = []
             steps_out.extend(kda)
-        ids_BT = torch.tensor(token_ids, device=self.device)
+        ids_BT = to_device(token_ids, self.device)
         h_BTD = self.lm.model(
             ids_BT,
             KimiCache(caches),

@@ -17,8 +17,11 @@ sync:
   (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_latents_padded`, ``N·bs`` tokens, a key mask), the
   new latent of position ``p`` written at ``table[p // bs]``, offset ``p % bs``; a padding row writes back
   the value it read at null block 0, so block 0 stays zero;
-* the last position's logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer, copied to pinned host memory
-  without blocking; the host waits once, when it reads the tokens.
+* the last position's logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer; the host reads the
+  ``n`` real rows once (``tolist``: one device→host copy, the step's only host wait), and not at all when no
+  chunk samples (a prefill chunk before the prompt's end). The inputs go the other way from a persistent
+  pageable host buffer with a non-blocking copy: CUDA stages the bytes before the call returns and waits for
+  nothing, so the buffer may be rewritten for the next step at once.
 
 On CUDA the step is captured once per ``(B, T, N)`` (after two warm-up runs on a side stream, all rows padding,
 so no request's state or latent changes) and replayed; elsewhere :meth:`StaticDecode.forward`, the same
@@ -141,14 +144,16 @@ class DecodeGraphs:
         self.has_kda = "kda" in lm.config.layer_types
         self.max_bucket = bucket_of(max_batch)
         self.steps: dict[tuple[int, int, int], StaticDecode] = {}
-        self.pinned = storage.pages.device.type == "cuda"
-        self.host_B = torch.zeros(self.max_bucket, dtype=torch.int64, pin_memory=self.pinned)
-        self.host_inputs = torch.zeros(
-            self.max_bucket * 4, dtype=torch.int64, pin_memory=self.pinned
-        )  # grows
+        self._stage(self.max_bucket * 4)
         if self.has_kda:  # size the workspace for the largest bucket now, so its address never changes
             storage.gather_states([scratch_slot] * self.max_bucket)
             storage.flush_states()
+
+    def _stage(self, numel: int) -> None:
+        """A host buffer of ``numel`` int64 for the step's packed inputs, written in place through its numpy
+        view (pageable: see the module docstring)."""
+        self.host_inputs = torch.zeros(numel, dtype=torch.int64)
+        self.host_inputs_np = self.host_inputs.numpy()
 
     def supports(self, chunks) -> bool:
         """Whether a step's chunks (of one length) can run here: at most ``ABSORB_MAX_TOKENS`` tokens each,
@@ -166,7 +171,8 @@ class DecodeGraphs:
         )
 
     def run(self, chunks) -> list[int]:
-        """Run the chunks (``ScheduledChunk``s of ``T`` tokens each); returns the greedy token after each."""
+        """Run the chunks (``ScheduledChunk``s of ``T`` tokens each); returns the greedy token after each, or
+        ``[]`` (nothing read back) when none of them samples."""
         n, T, bs = len(chunks), chunks[0].num_tokens, self.storage.layout.block_size
         B = bucket_of(n)
         N = bucket_of(max((c.start + T - 1) // bs + 1 for c in chunks))
@@ -190,17 +196,13 @@ class DecodeGraphs:
             + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)
         )  # fmt: skip
         if self.host_inputs.numel() < len(values):
-            self.host_inputs = torch.zeros(len(values), dtype=torch.int64, pin_memory=self.pinned)
-        host = self.host_inputs[: len(values)]
-        host.copy_(torch.tensor(values, dtype=torch.int64))
-        step.inputs.copy_(host, non_blocking=True)
+            self._stage(len(values))
+        self.host_inputs_np[: len(values)] = values  # no tensor built per step
+        step.inputs.copy_(self.host_inputs[: len(values)], non_blocking=True)
         if step.graph is not None:
             step.graph.replay()
         else:
             step.forward(states)
-        if not step.next_B.is_cuda:
-            return step.next_B[:n].tolist()
-        out = self.host_B[:B]
-        out.copy_(step.next_B, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the step's one host wait: the tokens are needed now
-        return out[:n].tolist()
+        if not any(c.samples for c in chunks):
+            return []
+        return step.next_B[:n].tolist()  # the step's one host wait: one device→host copy of n tokens

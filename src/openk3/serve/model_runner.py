@@ -18,7 +18,8 @@ With a draft (:mod:`openk3.serve.speculative`), the speculative decodes of a ste
 verified through the paged forward; the other chunks run as above.
 
 Sampling reuses :func:`openk3.generate.sample_next` per request (temperature 0 = argmax; ``seed`` gives the
-request its own generator); greedy rows cost one ``argmax`` and one device→host copy per batch.
+request its own generator, on the model's device); a batch's tokens, greedy or drawn, come back in one
+device→host copy.
 
 Legend: ``B`` requests, ``N`` packed requests, ``T`` chunk tokens, ``V`` vocabulary.
 """
@@ -37,6 +38,7 @@ from openk3.serve.decode_forward import PagedForward
 from openk3.serve.decode_graph import DecodeGraphs
 from openk3.serve.request import Request, TokenLogprobs
 from openk3.serve.scheduler import ScheduledChunk, SchedulerOutput
+from openk3.serve.transfer import to_device
 
 
 def language_model(model: nn.Module) -> nn.Module:
@@ -114,8 +116,10 @@ class ModelRunner:
 
     def _sample(self, chunks: list[ScheduledChunk], logits_BV: torch.Tensor, sampled: dict[str, int]) -> None:
         rows = [i for i, c in enumerate(chunks) if c.samples]
+        if not rows:  # a prefill chunk before the prompt's end: nothing to read
+            return
         if len(rows) < len(chunks):
-            logits_BV = logits_BV[rows]
+            logits_BV = logits_BV.index_select(0, to_device(rows, logits_BV.device))
         if self.sample_vocab_size is not None:
             logits_BV = logits_BV[:, : self.sample_vocab_size]
         requests = [chunks[i].request for i in rows]
@@ -128,9 +132,9 @@ class ModelRunner:
         (documents never see each other); returns each one's last-position logits ``[N, V]``."""
         st, bs = self.storage, self.storage.layout.block_size
         lengths = [c.num_tokens for c in chunks]
-        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, device=self.device)
+        cu_seqlens = to_device([0, *itertools.accumulate(lengths)], self.device)
         layers = [KDACache() if kind == "kda" else MLACache() for kind in self.kinds]
-        ids = torch.tensor([[t for c in chunks for t in c.token_ids]], device=self.device)
+        ids = to_device([[t for c in chunks for t in c.token_ids]], self.device)
         embeds = self.chunk_embeds(chunks)
         embeds = None if embeds is None else embeds.reshape(1, -1, embeds.shape[-1])
         # ids were checked when the requests were added; one document needs no cu_seqlens (plain causal)
@@ -159,7 +163,7 @@ class ModelRunner:
         embed = self.lm.model.embed_tokens
         rows = []
         for c, slot in zip(chunks, slots):
-            row_TD = embed(torch.tensor(c.token_ids, device=self.device))
+            row_TD = embed(to_device(c.token_ids, self.device))
             r = c.request
             if slot:
                 if r.media_embeds is None:
@@ -169,7 +173,9 @@ class ModelRunner:
                 mask_T = torch.zeros(c.num_tokens, dtype=torch.bool)
                 mask_T[slot] = True
                 taken = r.media_embeds[before : before + len(slot)]
-                row_TD = row_TD.masked_scatter(mask_T.to(self.device)[:, None], taken.to(row_TD.dtype))
+                row_TD = row_TD.masked_scatter(
+                    mask_T.to(self.device, non_blocking=True)[:, None], taken.to(row_TD.dtype)
+                )
                 if c.start + c.num_tokens >= r.num_prompt_tokens:
                     r.media_embeds = None  # the prompt is computed: its images are in the cache now
             rows.append(row_TD)
@@ -186,21 +192,29 @@ class ModelRunner:
 
 
 def sample_tokens(requests: list[Request], logits_BV: torch.Tensor) -> list[int]:
-    """One token per row with each request's sampling parameters (no host sync for greedy rows until the
-    final ``tolist``)."""
+    """One token per row with each request's sampling parameters, read back in one device→host copy (the
+    batch's one host wait): greedy rows take the row's argmax, the others a draw on the device
+    (:func:`~openk3.generate.sample_next` with the request's generator, in row order)."""
     if not requests:
         return []
-    greedy = logits_BV.argmax(-1).tolist()
-    out = []
+    tokens_B = logits_BV.argmax(-1)
     for i, request in enumerate(requests):
         sp = request.sampling_params
-        if sp.temperature == 0:
-            out.append(greedy[i])
-        else:
-            out.append(
-                int(sample_next(logits_BV[i : i + 1], sp.temperature, sp.top_p, request.generator)[0, 0])
-            )
-    return out
+        if sp.temperature != 0:
+            generator = request_generator(request, logits_BV.device)
+            tokens_B[i : i + 1] = sample_next(logits_BV[i : i + 1], sp.temperature, sp.top_p, generator)[:, 0]
+    return tokens_B.tolist()
+
+
+def request_generator(request: Request, device: torch.device) -> torch.Generator | None:
+    """The request's seeded generator on ``device`` (``None`` without a seed: the default generator).
+
+    A request builds its generator on the CPU; a draw on a GPU needs one of that GPU, so the first draw there
+    replaces it with one seeded the same way (its stream of numbers is the GPU's, not the CPU's)."""
+    generator = request.generator
+    if generator is not None and generator.device != device:
+        generator = request.generator = torch.Generator(device).manual_seed(request.sampling_params.seed)
+    return generator
 
 
 def record_logprobs(requests: list[Request], logits_BV: torch.Tensor, tokens: list[int]) -> None:
@@ -209,10 +223,10 @@ def record_logprobs(requests: list[Request], logits_BV: torch.Tensor, tokens: li
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     if not rows:
         return
-    logp_BV = torch.log_softmax(logits_BV[rows].float(), dim=-1)
+    logp_BV = torch.log_softmax(logits_BV.index_select(0, to_device(rows, logits_BV.device)).float(), dim=-1)
     k = max(requests[i].sampling_params.logprobs for i in rows)
     top_val_BK, top_id_BK = logp_BV.topk(k, dim=-1) if k else (logp_BV[:, :0], logp_BV[:, :0].long())
-    chosen = logp_BV.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp_BV.device))[:, 0]
+    chosen = logp_BV.gather(1, to_device([[tokens[i]] for i in rows], logp_BV.device))[:, 0]
     chosen, top_val_BK, top_id_BK = chosen.tolist(), top_val_BK.tolist(), top_id_BK.tolist()
     for b, i in enumerate(rows):
         n = requests[i].sampling_params.logprobs

@@ -40,6 +40,7 @@ from openk3.model.vision import media_token_count
 from openk3.serve.async_engine import AsyncEngine, EngineClosedError
 from openk3.serve.chat_template import ChatTemplate
 from openk3.serve.detokenizer import IncrementalDetokenizer
+from openk3.serve.mailbox import LoopMailbox
 from openk3.serve.metrics import ServerMetrics
 from openk3.serve.protocol import (
     APIError,
@@ -143,6 +144,9 @@ class OpenAIServing:
         self.metrics, self.config = metrics, config
         self.hidden_ids = set(tokenizer.special_tokens.values())
         """Special tokens are not written into the text (vLLM ``skip_special_tokens``)."""
+        self._mailbox: LoopMailbox | None = None
+        """How the engine thread's outputs reach the calls' queues on the serving event loop (one per loop:
+        a call keeps the mailbox of the loop it started on)."""
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="openk3-tokenize")
 
     def close(self) -> None:
@@ -222,10 +226,13 @@ class OpenAIServing:
                 choices.append(_Choice(index, p, request, detok))
         call = _Call(choices, [len(ids) for ids in prompts])
         loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = LoopMailbox(loop)
+        mailbox = self._mailbox
         for choice in choices:
 
             def callback(out: RequestOutput, c=choice) -> None:
-                loop.call_soon_threadsafe(call.queue.put_nowait, (c, out))
+                mailbox.post(call.queue, (c, out))
 
             try:
                 self.engine.submit(choice.request, callback)

@@ -37,6 +37,7 @@ from torch import nn
 
 from openk3.model.cache import MLACache
 from openk3.model.draft import EagleDraft, capture_features
+from openk3.serve.model_runner import request_generator
 from openk3.serve.request import Request
 from openk3.speculative import MAX_SPECULATIVE_TOKENS, TokenChooser
 
@@ -187,7 +188,9 @@ class SpeculativeDecoder:
         choosers = []
         for c in chunks:
             sp = c.request.sampling_params
-            choosers.append(TokenChooser(sp.temperature, sp.top_p, vocab, c.request.generator))
+            # a seeded draw needs a generator on the model's device
+            generator = request_generator(c.request, self.runner.device)
+            choosers.append(TokenChooser(sp.temperature, sp.top_p, vocab, generator))
             self.kv.allocate_slots(c.request, k + 1)
         rows = self._chains(chunks, k, choosers)
         steps: list = []

@@ -1,4 +1,5 @@
-"""Train and evaluate one cell of the synthetic grid: one task, one mixer, one training length, one seed.
+"""Train and evaluate one cell of the synthetic grid: one task, one mixer, one training length (or a
+curriculum of lengths), one seed.
 
 The model (:mod:`openk3.synthetic.mixers`) trains with AdamW on fresh batches (linear warmup over the first
 10% of steps, then cosine to 10% of the peak), the loss being the cross-entropy on the answer positions only.
@@ -8,7 +9,11 @@ Every ``eval_every`` steps it is scored on a fixed held-out set drawn from anoth
   forced, the answers before it given);
 * ``token_accuracy``: the fraction of answer tokens predicted.
 
-At the end, ``extrapolate`` lengths (multiples of the training length) are scored with the trained number
+With ``stop_at``, training ends at the first evaluation whose exact-match accuracy reaches it (steps to
+solve is the paper's measure, and a solved cell frees its device for the others). With ``curriculum``, the
+same model then trains at each longer length in turn, a stage each, so the mechanism found at the shortest
+length is reused and each stage measures the steps needed to bridge the longer distances. At the end,
+``extrapolate`` lengths (multiples of the last training length) are scored with the trained number
 of items, only the noise growing. Everything is deterministic given the seed on the CPU (the GPU's kernels
 may round differently from run to run).
 """
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 
 from openk3.model.modeling import build_model
 from openk3.synthetic.mixers import MIXERS, MixerSize, mixer_config
-from openk3.synthetic.tasks import VOCAB_SIZE, check_task, default_items, make_batch, min_length
+from openk3.synthetic.tasks import NUM_NOISE, VOCAB_SIZE, check_task, default_items, make_batch, min_length
 
 FULL_ACCURACY = 0.99
 """Exact-match accuracy counted as solved (``steps_to_full``)."""
@@ -39,6 +44,8 @@ class CellConfig:
     seq_len: int = 256
     items: int | None = None
     """Items per sequence; ``None``: :func:`~openk3.synthetic.tasks.default_items` (``seq_len // 32``)."""
+    noise: int = NUM_NOISE
+    """Noise symbols filling the gaps (1: a single filler token; see :func:`~openk3.synthetic.tasks.make_batch`)."""
     seed: int = 0
     steps: int = 600
     batch_size: int = 32
@@ -47,8 +54,20 @@ class CellConfig:
     eval_every: int = 50
     eval_size: int = 128
     """Held-out sequences scored at each evaluation."""
+    stop_at: float | None = None
+    """Stop training at the first evaluation with exact-match accuracy ≥ this (e.g. 0.99); ``None``: run
+    all ``steps``. The learning-rate schedule is always laid over ``steps``."""
+    curriculum: list[int] = field(default_factory=list)
+    """Longer lengths trained after ``seq_len``, in order, continuing the same model and optimizer (each a
+    stage of up to ``curriculum_steps`` steps with its own warmup to ``curriculum_lr`` × ``lr`` and cosine,
+    ending early at ``stop_at``)."""
+    curriculum_steps: int | None = None
+    """Most steps of each curriculum stage after the first; ``None``: ``steps``."""
+    curriculum_lr: float = 0.3
+    """Peak learning rate of the stages after the first, as a fraction of ``lr`` (the model arrives trained;
+    warming up to the full ``lr`` again undoes part of what it learned)."""
     extrapolate: list[int] = field(default_factory=list)
-    """Multiples of ``seq_len`` scored at the end (e.g. ``[4, 8]``)."""
+    """Multiples of the last trained length scored at the end (e.g. ``[4, 8]``)."""
     size: MixerSize = field(default_factory=MixerSize)
     device: str = "cpu"
 
@@ -58,10 +77,18 @@ class CellConfig:
             raise ValueError(f"CellConfig.mixer={self.mixer!r} is invalid: choose one of {', '.join(MIXERS)}")
         if isinstance(self.size, dict):
             self.size = MixerSize(**self.size)
-        for name in ("seq_len", "steps", "batch_size", "eval_every", "eval_size"):
+        if self.curriculum_steps is None:
+            self.curriculum_steps = self.steps
+        for name in ("seq_len", "steps", "curriculum_steps", "batch_size", "eval_every", "eval_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CellConfig.{name}={value!r} is invalid: expected an int >= 1")
+        if (
+            isinstance(self.noise, bool)
+            or not isinstance(self.noise, int)
+            or not 1 <= self.noise <= NUM_NOISE
+        ):
+            raise ValueError(f"CellConfig.noise={self.noise!r} is invalid: expected an int in 1..{NUM_NOISE}")
         if self.items is None:
             self.items = default_items(self.task, self.seq_len)
         if self.seq_len < min_length(self.task, self.items):
@@ -69,10 +96,25 @@ class CellConfig:
                 f"CellConfig.seq_len={self.seq_len} is too short for {self.items} {self.task} items "
                 f"(needs {min_length(self.task, self.items)})"
             )
+        if not all(
+            isinstance(n, int) and n > self.seq_len for n in self.curriculum
+        ) or self.curriculum != sorted(set(self.curriculum)):
+            raise ValueError(
+                f"CellConfig.curriculum={self.curriculum!r} is invalid: expected increasing lengths above "
+                f"seq_len={self.seq_len}"
+            )
         if not all(isinstance(m, int) and m >= 1 for m in self.extrapolate):
             raise ValueError(f"CellConfig.extrapolate={self.extrapolate!r} is invalid: expected ints >= 1")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"CellConfig.lr={self.lr!r} is invalid: expected a finite number > 0")
+        if not (math.isfinite(self.curriculum_lr) and 0 < self.curriculum_lr <= 1):
+            raise ValueError(
+                f"CellConfig.curriculum_lr={self.curriculum_lr!r} is invalid: expected a number in (0, 1]"
+            )
+        if self.stop_at is not None and not 0 < self.stop_at <= 1:
+            raise ValueError(
+                f"CellConfig.stop_at={self.stop_at!r} is invalid: expected None or a number in (0, 1]"
+            )
 
 
 def _to_device(batch, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +153,19 @@ def _lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> dict:
+def run_cell(
+    config: CellConfig, log: Callable[[dict], None] | None = None, deadline: float | None = None
+) -> dict:
     """Train and score one cell; returns its result (JSON-serialisable).
 
-    Keys: ``config``, ``params``, ``curve`` (``step``, ``accuracy``, ``token_accuracy``, ``loss``,
-    ``train_loss`` per evaluation, step 0 included), ``final`` (the last evaluation), ``steps_to_full``
-    (first step with accuracy ≥ :data:`FULL_ACCURACY`, or None), ``extrapolation`` (``{length: scores}``),
-    ``seconds``. ``log`` receives each curve point as it is measured."""
+    Keys: ``config``, ``params``, ``stages`` (one per training length: ``seq_len``, ``curve`` with
+    ``step``, ``accuracy``, ``token_accuracy``, ``loss``, ``train_loss`` per evaluation, step 0 included,
+    ``final`` the last evaluation, ``steps_to_full`` the first step with accuracy ≥ :data:`FULL_ACCURACY` or
+    None, ``stopped``: ``"steps"`` all steps ran, ``"solved"`` ``stop_at`` reached, ``"deadline"`` cut at
+    ``deadline``, and ``seconds``), the first stage's ``curve``, ``final``, ``steps_to_full`` and ``stopped``
+    at the top level, ``extrapolation`` (``{length: scores}``) and ``seconds``. ``log`` receives each curve
+    point (with its ``seq_len``) as it is measured. ``deadline`` (``time.time()`` seconds) ends training at
+    the first evaluation after it, keeping the curve so far; later stages are then not run."""
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
@@ -131,24 +179,73 @@ def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> d
         lr=config.lr,
         betas=(0.9, 0.98),
     )
-    train_rng, held_rng = np.random.default_rng([config.seed, 0]), np.random.default_rng([config.seed, 1])
-    held_out = make_batch(config.task, config.eval_size, config.seq_len, config.items, held_rng)
-    curve, steps_to_full, train_loss = [], None, float("nan")
+    train_rng = np.random.default_rng([config.seed, 0])
     start = time.perf_counter()
-    for step in range(config.steps + 1):
-        if step % config.eval_every == 0 or step == config.steps:
+    stages = []
+    for i, length in enumerate([config.seq_len, *config.curriculum]):
+        held_rng = np.random.default_rng([config.seed, 1] if i == 0 else [config.seed, 1, length])
+        held_out = make_batch(config.task, config.eval_size, length, config.items, held_rng, config.noise)
+        steps, lr = (
+            (config.steps, config.lr)
+            if i == 0
+            else (config.curriculum_steps, config.lr * config.curriculum_lr)
+        )
+        stages.append(
+            _train_stage(model, optimizer, config, length, steps, lr, held_out, train_rng, log, deadline)
+        )
+        if stages[-1]["stopped"] == "deadline":
+            break
+    extrapolation = {}
+    for multiple in config.extrapolate:
+        length = multiple * stages[-1]["seq_len"]
+        rng = np.random.default_rng([config.seed, 2, multiple])
+        batch = make_batch(config.task, config.eval_size, length, config.items, rng, config.noise)
+        extrapolation[str(length)] = evaluate(model, batch, device, micro_batch=max(1, 32 // multiple))
+    first = stages[0]
+    return {
+        "config": asdict(config),
+        "params": sum(p.numel() for p in model.parameters()),
+        **{key: first[key] for key in ("curve", "final", "steps_to_full", "stopped")},
+        "stages": stages,
+        "extrapolation": extrapolation,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _train_stage(
+    model,
+    optimizer,
+    config: CellConfig,
+    length: int,
+    steps: int,
+    lr: float,
+    held_out,
+    train_rng,
+    log,
+    deadline,
+) -> dict:
+    """Up to ``steps`` steps at ``length`` tokens (warmup to ``lr`` and cosine over them); see :func:`run_cell`."""
+    device = next(model.parameters()).device
+    curve, steps_to_full, train_loss, stopped = [], None, float("nan"), "steps"
+    start = time.perf_counter()
+    for step in range(steps + 1):
+        if step % config.eval_every == 0 or step == steps:
             point = {"step": step, **evaluate(model, held_out, device), "train_loss": train_loss}
             curve.append(point)
             if log is not None:
-                log(point)
+                log({**point, "seq_len": length})
             if steps_to_full is None and point["accuracy"] >= FULL_ACCURACY:
                 steps_to_full = step
-        if step == config.steps:
+            if config.stop_at is not None and point["accuracy"] >= config.stop_at:
+                stopped = "solved"
+            elif deadline is not None and step < steps and time.time() >= deadline:
+                stopped = "deadline"
+        if step == steps or stopped != "steps":
             break
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * _lr_factor(step, config.steps)
+            group["lr"] = lr * _lr_factor(step, steps)
         tokens_NL, answer_NL = _to_device(
-            make_batch(config.task, config.batch_size, config.seq_len, config.items, train_rng), device
+            make_batch(config.task, config.batch_size, length, config.items, train_rng, config.noise), device
         )
         logits = _logits(model, tokens_NL, device)
         mask = answer_NL[:, 1:]
@@ -158,18 +255,7 @@ def run_cell(config: CellConfig, log: Callable[[dict], None] | None = None) -> d
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         train_loss = loss.item()
-    extrapolation = {}
-    for multiple in config.extrapolate:
-        length = multiple * config.seq_len
-        rng = np.random.default_rng([config.seed, 2, multiple])
-        batch = make_batch(config.task, config.eval_size, length, config.items, rng)
-        extrapolation[str(length)] = evaluate(model, batch, device, micro_batch=max(1, 32 // multiple))
     return {
-        "config": asdict(config),
-        "params": sum(p.numel() for p in model.parameters()),
-        "curve": curve,
-        "final": curve[-1],
-        "steps_to_full": steps_to_full,
-        "extrapolation": extrapolation,
-        "seconds": time.perf_counter() - start,
-    }
+        "seq_len": length, "curve": curve, "final": curve[-1], "steps_to_full": steps_to_full,
+        "stopped": stopped, "seconds": time.perf_counter() - start,
+    }  # fmt: skip

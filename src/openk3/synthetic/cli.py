@@ -46,6 +46,12 @@ def add_parser(sub) -> None:
     p.add_argument("--mixer", choices=MIXERS, required=True, help="the sequence mixer of every layer")
     p.add_argument("--seq-len", dest="seq_len", type=_positive(int), default=256, help="tokens per sequence")
     p.add_argument("--items", type=_positive(int), help="items per sequence (default seq-len // 32)")
+    p.add_argument(
+        "--noise",
+        type=_positive(int),
+        default=120,
+        help="noise symbols filling the gaps (1: one filler token)",
+    )
     p.add_argument("--steps", type=_positive(int), default=600, help="training steps")
     p.add_argument(
         "--batch-size", dest="batch_size", type=_positive(int), default=32, help="sequences per step"
@@ -56,6 +62,31 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--eval-size", dest="eval_size", type=_positive(int), default=128, help="held-out sequences"
+    )
+    p.add_argument(
+        "--stop-at",
+        dest="stop_at",
+        type=_positive(float),
+        help="stop once held-out exact-match accuracy reaches this (e.g. 0.99); default: run every step",
+    )
+    p.add_argument(
+        "--curriculum",
+        type=_ints,
+        default=[],
+        help="longer lengths trained after seq-len with the same model, a stage each, e.g. 512,1024",
+    )
+    p.add_argument(
+        "--curriculum-steps",
+        dest="curriculum_steps",
+        type=_positive(int),
+        help="most steps of each curriculum stage (default: --steps)",
+    )
+    p.add_argument(
+        "--curriculum-lr",
+        dest="curriculum_lr",
+        type=_positive(float),
+        default=0.3,
+        help="peak learning rate of each curriculum stage as a fraction of --lr",
     )
     p.add_argument(
         "--extrapolate", type=_ints, default=[], help="multiples of seq-len scored at the end, e.g. 4,8"
@@ -76,19 +107,27 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
 
     size = MixerSize(args.hidden_size, args.layers, args.heads, args.head_dim)
     config = CellConfig(
-        task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, seed=args.seed,
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-        eval_size=args.eval_size, extrapolate=args.extrapolate, size=size, device=args.device,
+        task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, noise=args.noise,
+        seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+        eval_size=args.eval_size, stop_at=args.stop_at, curriculum=args.curriculum,
+        curriculum_steps=args.curriculum_steps, curriculum_lr=args.curriculum_lr,
+        extrapolate=args.extrapolate, size=size, device=args.device,
     )  # fmt: skip
 
     def log(point: dict) -> None:
         print(
-            f"step {point['step']:>6}  accuracy {point['accuracy']:.3f}  token accuracy "
+            f"L {point['seq_len']:>5}  step {point['step']:>6}  accuracy {point['accuracy']:.3f}  token accuracy "
             f"{point['token_accuracy']:.3f}  answer loss {point['loss']:.4f}",
             flush=True,
         )
 
     result = run_cell(config, log)
+    for stage in result["stages"][1:]:
+        full = stage["steps_to_full"]
+        print(
+            f"  then at {stage['seq_len']} tokens: accuracy {stage['final']['accuracy']:.3f}, "
+            f"{'full accuracy at stage step ' + str(full) if full is not None else 'full accuracy not reached'}"
+        )
     full = result["steps_to_full"]
     print(
         f"{args.task} / {args.mixer} / {args.seq_len} tokens / {config.items} items / seed {args.seed}: "

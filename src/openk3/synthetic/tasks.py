@@ -67,14 +67,19 @@ def check_task(task: str) -> None:
         raise ValueError(f"unknown synthetic task {task!r}; choose one of {', '.join(TASKS)}")
 
 
-def make_batch(task: str, num: int, seq_len: int, items: int, rng: np.random.Generator) -> Batch:
-    """``num`` sequences of ``task``, each ``seq_len`` tokens with ``items`` items (layouts above).
+def make_batch(
+    task: str, num: int, seq_len: int, items: int, rng: np.random.Generator, noise: int = NUM_NOISE
+) -> Batch:
+    """``num`` sequences of ``task``, each ``seq_len`` tokens with ``items`` items (layouts above), the gaps
+    filled with the first ``noise`` noise symbols.
 
-    Raises ``ValueError`` for an unknown task, ``num < 1``, ``items < 1``, more MQAR pairs than keys, or a
-    ``seq_len`` below :func:`min_length`."""
+    Raises ``ValueError`` for an unknown task, ``num < 1``, ``items < 1``, more MQAR pairs than keys, a
+    ``seq_len`` below :func:`min_length`, or ``noise`` outside ``[1, NUM_NOISE]``."""
     check_task(task)
     if num < 1 or items < 1:
         raise ValueError(f"num={num} and items={items} must be at least 1")
+    if not 1 <= noise <= NUM_NOISE:
+        raise ValueError(f"noise={noise} symbols is invalid: expected 1..{NUM_NOISE}")
     if task == "mqar" and items > NUM_KEYS:
         raise ValueError(f"mqar holds at most {NUM_KEYS} key-value pairs per sequence; got items={items}")
     if seq_len < min_length(task, items):
@@ -82,7 +87,7 @@ def make_batch(task: str, num: int, seq_len: int, items: int, rng: np.random.Gen
             f"seq_len={seq_len} is too short for {items} {task} items (needs at least "
             f"{min_length(task, items)}); lower --items or raise --seq-len"
         )
-    tokens_NL = rng.integers(NOISE_START, NOISE_START + NUM_NOISE, size=(num, seq_len), dtype=np.int64)
+    tokens_NL = rng.integers(NOISE_START, NOISE_START + noise, size=(num, seq_len), dtype=np.int64)
     tokens_NL[:, 0] = BOS
     answer_NL = np.zeros((num, seq_len), dtype=bool)
     fill = {"palindrome": _palindrome, "mqar": _mqar, "stack": _stack}[task]

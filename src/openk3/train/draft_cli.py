@@ -4,27 +4,37 @@ acceptance report that ``openk3 eval --draft`` prints.
 Data: ``corpus`` reads random windows of the target run's ``data/train.bin``; ``generations`` first samples
 ``--gen-windows`` continuations from the target itself (temperature 1, prompts of 16 corpus tokens) and
 trains on those, so the draft learns the distribution it will be verified against.
+
+Ctrl-C or SIGTERM stops after the current step, saves the draft and :data:`RESUME_STATE` beside it, and prints
+the command that continues (the same options plus ``--resume``); a second Ctrl-C aborts at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import time
 from pathlib import Path
 
 DEFAULT_DRAFT_STEPS = 200
 GEN_PROMPT_TOKENS = 16
+RESUME_STATE = "train_state.pt"
+"""Written into the draft folder when a run stops early (Ctrl-C, SIGTERM): step, AdamW state, settings and
+the generated windows, for ``--resume``; removed when the run finishes."""
+SETTINGS = ("loss", "data", "steps", "batch_size", "seq_len", "ttt_steps", "lr", "gen_windows", "seed")
+"""The options a resume must repeat (``--steps`` may grow)."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
@@ -44,35 +54,45 @@ def add_draft_parser(sub) -> None:
         "--data", choices=["corpus", "generations"], default="corpus",
         help="train on the run's corpus split, or on the target's own samples",
     )  # fmt: skip
-    p.add_argument("--steps", type=_positive_int, default=DEFAULT_DRAFT_STEPS, help="optimizer steps")
-    p.add_argument("--batch-size", dest="batch_size", type=_positive_int, default=8, help="windows per step")
-    p.add_argument("--seq-len", dest="seq_len", type=_positive_int, default=128, help="tokens per window")
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_DRAFT_STEPS, help="optimizer steps")
+    p.add_argument("--batch-size", dest="batch_size", type=positive_int, default=8, help="windows per step")
+    p.add_argument("--seq-len", dest="seq_len", type=positive_int, default=128, help="tokens per window")
     p.add_argument(
-        "--ttt-steps", dest="ttt_steps", type=_positive_int, default=3, help="training-time-test unroll"
+        "--ttt-steps", dest="ttt_steps", type=positive_int, default=3, help="training-time-test unroll"
     )
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak AdamW learning rate")
     p.add_argument(
-        "--gen-windows", dest="gen_windows", type=_positive_int, default=64,
+        "--gen-windows", dest="gen_windows", type=positive_int, default=64,
         help="target samples drawn up front with --data generations",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="draft init and batch order")
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the target and the draft run"
     )
+    p.add_argument(
+        "--resume", action="store_true", help="continue the draft in --out that Ctrl-C stopped (same options)"
+    )
     p.set_defaults(func=cmd_train_draft)
 
 
 def _run_split(folder: Path, name: str) -> Path:
     path = folder.parent.parent / "data" / f"{name}.bin"
-    if folder.parent.name != "checkpoints" or not path.is_file():
-        raise FileNotFoundError(
-            f"checkpoint {folder} has no run split {path}: pass the folder of an `openk3 train` run"
+    if folder.parent.name == "checkpoints" and path.is_file():
+        return path
+    config = folder / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("vision_config"):
+        raise ValueError(
+            f"{folder} is a vision model from an image-text run, which has no text split {path}: train-draft "
+            "trains on a text run's corpus (`openk3 train --data TEXT`), and speculative decoding drafts text only"
         )
-    return path
+    raise FileNotFoundError(
+        f"checkpoint {folder} has no run split {path}: pass the folder of an `openk3 train` run"
+    )
 
 
-def _generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str):
-    """``n`` windows ``[n, seq_len]``: 16 corpus tokens, then the target's own continuation at temperature 1."""
+def generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str, per_call: int = 32):
+    """``n`` windows ``[n, seq_len]``: 16 corpus tokens, then the target's own continuation at temperature 1,
+    sampled ``per_call`` windows at a time."""
     import torch
 
     from openk3.generate import generate
@@ -81,7 +101,7 @@ def _generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str
     prompts, _ = dataset.get_batch(n, GEN_PROMPT_TOKENS, g)
     prompts = prompts.to(device)
     rows = []
-    for chunk in prompts.split(32):
+    for chunk in prompts.split(per_call):
         rows.append(
             torch.cat(
                 [chunk, generate(lm, chunk, seq_len - GEN_PROMPT_TOKENS, temperature=1.0, seed=seed)], 1
@@ -90,13 +110,66 @@ def _generated_windows(lm, dataset, n: int, seq_len: int, seed: int, device: str
     return torch.cat(rows)
 
 
+def pool_batches(pool, batch_size: int, seed: int, step: int):
+    """Endless batches of ``batch_size`` rows of ``pool``; batch ``s`` depends only on ``(seed, s)``, so a
+    resume at ``step`` draws what the uninterrupted run would have."""
+    import torch
+
+    while True:
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
+        yield pool[torch.randint(0, pool.shape[0], (batch_size,), generator=g)]
+        step += 1
+
+
+class _StopRequest:
+    """SIGINT / SIGTERM handler of ``train-draft``: the first asks the loop to stop after its step (the draft
+    is then saved with its optimizer state), the second raises ``KeyboardInterrupt`` at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        import signal
+
+        if self.requested:
+            raise KeyboardInterrupt("train-draft aborted by a second Ctrl-C; nothing of this step was saved")
+        self.requested = True
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"{what}: finishing this step and saving the draft (Ctrl-C again to abort)", flush=True)
+
+    @contextlib.contextmanager
+    def installed(self):
+        import signal
+
+        previous = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _resume_line(args: argparse.Namespace, out: Path) -> str:
+    flags = [f"--target {args.target}", f"--out {out}"]
+    for name in SETTINGS:
+        flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    return "openk3 train-draft " + " ".join(flags) + f" --device {args.device} --resume"
+
+
 def cmd_train_draft(args: argparse.Namespace) -> int:
+    from openk3.train.console import pipe_safe_output
+
+    with pipe_safe_output():  # a closed pipe must not stop the save or the resume line
+        return _train_draft(args)
+
+
+def _train_draft(args: argparse.Namespace) -> int:
     import torch
 
     from openk3.checkpoint import from_pretrained
     from openk3.data import TokenDataset
     from openk3.data.shards import RandomBatches
-    from openk3.model.draft import DraftConfig, build_draft, feature_layers, save_draft
+    from openk3.model.draft import DraftConfig, build_draft, feature_layers, load_draft, save_draft
     from openk3.train.draft_trainer import train_draft
     from openk3.train.state import latest_checkpoint
 
@@ -108,36 +181,85 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         )
     folder = latest_checkpoint(args.target)
     dataset = TokenDataset(_run_split(folder, "train"))
+    out = Path(args.out) if args.out else folder.parent.parent / f"draft-{args.loss}"
+    state = _load_resume_state(out, args) if args.resume else None
     model = from_pretrained(folder, device=args.device).eval()
     lm = getattr(model, "language_model", model)
     cfg = lm.config
-    dc = DraftConfig(
-        feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
-        loss=args.loss, ttt_steps=args.ttt_steps,
-    )  # fmt: skip
-    dtype = lm.model.embed_tokens.weight.dtype
-    draft = build_draft(cfg, dc, device=args.device, dtype=dtype, seed=args.seed)
-    print(f"target {folder}: {cfg.num_hidden_layers} layers, width {cfg.hidden_size}; draft taps layers "
-          f"{list(dc.feature_layers)}, {sum(p.numel() for p in draft.parameters()):,} parameters")  # fmt: skip
-    if args.data == "corpus":
-        source = RandomBatches(dataset, args.batch_size, args.seq_len, args.seed)
-        batches = (x.to(args.device) for x, _ in source)
+    if state is not None:
+        draft = load_draft(out, model)
+        print(f"resuming {out} at step {state['step']}/{args.steps}")
     else:
-        t0 = time.perf_counter()
-        pool = _generated_windows(lm, dataset, args.gen_windows, args.seq_len, args.seed, args.device)
-        print(
-            f"sampled {pool.shape[0]} target windows of {args.seq_len} tokens in {time.perf_counter() - t0:.0f} s"
-        )
-        g = torch.Generator().manual_seed(args.seed)
-        batches = (
-            pool[torch.randint(0, pool.shape[0], (args.batch_size,), generator=g)] for _ in iter(int, 1)
-        )
-    result = train_draft(draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10))
-    out = Path(args.out) if args.out else folder.parent.parent / f"draft-{args.loss}"
-    save_draft(draft, out)
+        dc = DraftConfig(
+            feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
+            loss=args.loss, ttt_steps=args.ttt_steps,
+        )  # fmt: skip
+        dtype = lm.model.embed_tokens.weight.dtype
+        draft = build_draft(cfg, dc, device=args.device, dtype=dtype, seed=args.seed)
+    dc = draft.draft_config
+    start = 0 if state is None else state["step"]
+    stop = _StopRequest()
+    with stop.installed():  # from here on, Ctrl-C saves the draft
+        print(f"target {folder}: {cfg.num_hidden_layers} layers, width {cfg.hidden_size}; draft taps layers "
+              f"{list(dc.feature_layers)}, {sum(p.numel() for p in draft.parameters()):,} parameters",
+              flush=True)  # fmt: skip
+        pool = None
+        if args.data == "corpus":
+            source = RandomBatches(dataset, args.batch_size, args.seq_len, args.seed)
+            source.step = start
+            batches = (x.to(args.device) for x, _ in source)
+        else:
+            if state is not None:
+                pool = state["pool"].to(args.device)
+            else:
+                t0 = time.perf_counter()
+                pool = generated_windows(lm, dataset, args.gen_windows, args.seq_len, args.seed, args.device)
+                print(f"sampled {pool.shape[0]} target windows of {args.seq_len} tokens in "
+                      f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+            batches = pool_batches(pool, args.batch_size, args.seed, start)
+        # on CUDA under bf16 autocast with fp32 weights and AdamW state, as `openk3 train` runs there
+        amp = torch.autocast("cuda", torch.bfloat16) if args.device == "cuda" else contextlib.nullcontext()
+        with amp:
+            result = train_draft(
+                draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10),
+                start_step=start, optimizer_state=None if state is None else state["optimizer"],
+                stop=lambda: stop.requested,
+            )  # fmt: skip
+        save_draft(draft, out)
+        resume_file = out / RESUME_STATE
+        if result.step < args.steps:
+            settings = {name: getattr(args, name) for name in SETTINGS}
+            saved = {"step": result.step, "optimizer": result.optimizer_state, "settings": settings}
+            if pool is not None:
+                saved["pool"] = pool.cpu()
+            torch.save(saved, resume_file)
+            print(f"stopped at step {result.step}/{args.steps}; draft saved to {out}; continue with: "
+                  f"{_resume_line(args, out)}")  # fmt: skip
+            return 130
+        resume_file.unlink(missing_ok=True)
     print(f"trained {args.steps} steps in {result.seconds:.0f} s; draft saved to {out}")
     print(f"acceptance: openk3 eval --ckpt {args.target} --draft {out}")
     return 0
+
+
+def _load_resume_state(out: Path, args: argparse.Namespace) -> dict:
+    """The saved state of an interrupted ``train-draft`` in ``out``; ``ValueError`` when there is none, when a
+    setting differs from the interrupted run's, or when it already reached ``--steps``."""
+    import torch
+
+    path = out / RESUME_STATE
+    if not path.is_file():
+        raise ValueError(f"--resume: {out} holds no interrupted train-draft ({RESUME_STATE} is missing)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for name, saved in state["settings"].items():
+        if name != "steps" and getattr(args, name) != saved:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"--resume: {flag} {getattr(args, name)} differs from the interrupted run's {flag} {saved}"
+            )
+    if state["step"] >= args.steps:
+        raise ValueError(f"--resume: {out} is already at step {state['step']}; pass --steps above it")
+    return state
 
 
 def print_acceptance(

@@ -107,7 +107,12 @@ def expected_accepted_length(alphas: list[float], k: int) -> float:
 @dataclass
 class DraftTrainResult:
     losses: list[float]
+    """Loss of each step this call ran."""
     seconds: float
+    step: int
+    """Steps done in all (``start_step`` + this call's); below ``num_steps`` when ``stop`` ended the run."""
+    optimizer_state: dict
+    """The AdamW state after :attr:`step` (what a resume passes back as ``optimizer_state``)."""
 
 
 def train_draft(
@@ -118,13 +123,21 @@ def train_draft(
     lr: float = 1e-3,
     log_every: int = 0,
     log=print,
+    start_step: int = 0,
+    optimizer_state: dict | None = None,
+    stop=None,
 ) -> DraftTrainResult:
-    """``num_steps`` AdamW steps (cosine decay to 10 %, 5 % warm-up) of the draft on ``batches`` (an iterator
-    of token windows ``[B, T]``), the target frozen. Loss and unroll from the draft's config."""
+    """AdamW steps ``start_step..num_steps−1`` (cosine decay to 10 %, 5 % warm-up, over ``num_steps``) of the
+    draft on ``batches`` (an iterator of token windows ``[B, T]``, positioned at ``start_step``), the target
+    frozen. Loss and unroll from the draft's config. ``optimizer_state`` (from an earlier result) continues
+    an interrupted run exactly; ``stop()`` (if given) is asked before each step and ends the run early when
+    true."""
     cfg = draft.draft_config
     lm.requires_grad_(False)
     draft.train()
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    if optimizer_state is not None:
+        opt.load_state_dict(optimizer_state)
     warm = max(1, num_steps // 20)
 
     def lr_at(step: int) -> float:
@@ -134,7 +147,8 @@ def train_draft(
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
     losses, t0 = [], time.perf_counter()
-    for step in range(num_steps):
+    step = start_step
+    while step < num_steps and not (stop is not None and stop()):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         loss = draft_loss(draft, lm, next(batches), cfg.loss, cfg.ttt_steps)
@@ -143,9 +157,10 @@ def train_draft(
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        if log_every and (step + 1) % log_every == 0:
+        step += 1
+        if log_every and step % log_every == 0:
             log(
-                f"step {step + 1}/{num_steps}  {cfg.loss} loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.0f} s)"
+                f"step {step}/{num_steps}  {cfg.loss} loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.0f} s)"
             )
     draft.eval()
-    return DraftTrainResult(losses, time.perf_counter() - t0)
+    return DraftTrainResult(losses, time.perf_counter() - t0, step, opt.state_dict())

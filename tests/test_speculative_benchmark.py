@@ -1,0 +1,93 @@
+"""``benchmarks/speculative.py``: its argument checks (before anything loads), and one whole run on the CPU at
+tiny sizes, training its own target (the path the one-call GPU measurement takes)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = [
+    "ROMEO. But soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n",
+    "HAMLET. To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
+    "MACBETH. Tomorrow, and tomorrow, and tomorrow,\nCreeps in this petty pace from day to day,\n",
+    "LEAR. Blow, winds, and crack your cheeks! rage! blow!\nYou cataracts and hurricanoes, spout\n",
+]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("speculative")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "one of the arguments --target --train-target is required"),
+        (["--target", "r", "--train-target", "k3-tiny"], "not allowed with argument"),
+        (["--train-target", "k3-huge"], "invalid choice: 'k3-huge'"),
+        (["--target", "r", "--ks", "1,17"], "--ks and --engine-k take k in [1, 16], got 17"),
+        (["--target", "r", "--ks", "a"], "expected comma-separated ints"),
+        (["--target", "r", "--streams", "0,64"], "--streams takes numbers of streams >= 1"),
+        (["--target", "r", "--budget-s", "0"], "expected a finite number > 0, got 0"),
+        (["--target", "r", "--target-steps", "0"], "expected an int >= 1, got 0"),
+        (["--target", "r", "--data", "corpus"], "--data and --work go with --train-target"),
+        (["--target", "r", "--seq-len", "12"], "--seq-len must be at least 18"),
+        (["--target", "r", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(bench, args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(args)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_command_of_the_docs_parses(bench):
+    """The one-call GPU command of docs/speculative.md, as written there, parses."""
+    text = (ROOT / "docs" / "speculative.md").read_text()
+    command = text[text.index("python benchmarks/speculative.py --train-target") :].split("\n```")[0]
+    argv = command.replace("\\\n", " ").split()[2:]
+    args = bench.parse_args(argv)
+    assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 200.0
+    assert args.streams == [1, 64] and args.ks == [1, 3, 5] and args.data == ".corpus"
+
+
+@pytest.mark.slow  # trains a k3-tiny target and two drafts for a few steps: ~1–2 min on 2 busy cores
+def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(TEXT * 2):
+        (corpus / f"work{i}.txt").write_text(text * 40)
+    out = tmp_path / "out"
+    argv = [
+        "--train-target", "k3-tiny", "--data", str(corpus), "--work", str(tmp_path / "w"), "--target-steps", "7",
+        "--target-batch-size", "2", "--target-seq-len", "32", "--draft-steps", "2", "--gen-windows", "2",
+        "--batch-size", "2", "--seq-len", "24", "--eval-batches", "1", "--ks", "1,3", "--prompts", "2",
+        "--prompt-len", "8", "--new-tokens", "5", "--streams", "1,2", "--budget-s", "100000", "--threads", "1",
+        "--out", str(out),
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["speculative.py"])
+    assert bench.main(argv) == 0
+    result = json.loads((out / "speculative_cpu.json").read_text())
+    assert result["target_training"]["steps"] == 7  # the budget leaves the planned steps
+    assert (tmp_path / "w" / "k3-tiny" / "checkpoints" / "step-000007").is_dir()
+    assert result["draft_steps"] == 2 and result["skipped"] == []
+    for loss in ("lk", "kl"):
+        alphas = result["drafts"][loss]["alpha_by_depth"]
+        assert len(alphas) == 5 and all(0 < a <= 1 for a in alphas)
+        for k in ("1", "3"):  # fp32 on the CPU: greedy speculation gives the plain tokens
+            row = result["single_sequence"][loss][k]
+            assert row["identical_prompts"] == 2 and 1 <= row["tokens_per_forward"] <= int(k) + 1
+    for n in ("1", "2"):
+        row = result["engine"][n]
+        assert row["identical_streams"] == int(n)
+        assert 0 <= row["speculative"]["acceptance_rate"] <= 1
+    report = (out / "speculative_cpu.md").read_text()
+    assert report.startswith("# Speculative decoding") and "--train-target k3-tiny" in report
+    assert "| 2 |" in report and "trained here for 7 steps" in report

@@ -1,0 +1,184 @@
+"""The synthetic grid's machinery: early stopping, the time budget, shards, ``--cells`` and the merge.
+
+* A cell stops at the first evaluation that reaches ``stop_at`` and at the first one past its deadline.
+* Shards partition the grid's cells (every cell in exactly one shard; with n = seeds, one seed per shard).
+* Two runs of different cells merge into one JSON whose table has both, rendered from the cells' own results.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from openk3.synthetic import cell as cell_module
+from openk3.synthetic.cell import CellConfig, run_cell
+from openk3.synthetic.mixers import MixerSize
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = MixerSize(hidden_size=16, num_layers=1, num_heads=2, head_dim=8)
+
+
+@pytest.fixture
+def synthetic(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import synthetic
+
+    return synthetic
+
+
+def test_a_cell_stops_once_solved(monkeypatch):
+    scores = iter([0.0, 0.5, 0.995, 1.0])
+    monkeypatch.setattr(
+        cell_module,
+        "evaluate",
+        lambda *a, **k: {"accuracy": next(scores), "token_accuracy": 0.0, "loss": 1.0},
+    )
+    config = CellConfig(
+        task="stack", mixer="decay", seq_len=40, steps=30, eval_every=2, eval_size=4, batch_size=2,
+        stop_at=0.99, size=TINY,
+    )  # fmt: skip
+    result = run_cell(config)
+    assert [p["step"] for p in result["curve"]] == [0, 2, 4]
+    assert result["stopped"] == "solved" and result["steps_to_full"] == 4 and result["final"]["step"] == 4
+
+
+def test_a_cell_stops_at_its_deadline_and_keeps_its_curve():
+    config = CellConfig(
+        task="mqar", mixer="mla", seq_len=40, steps=50, eval_every=5, eval_size=4, batch_size=2, size=TINY
+    )
+    result = run_cell(config, deadline=time.time() - 1)
+    assert result["stopped"] == "deadline" and [p["step"] for p in result["curve"]] == [0]
+    assert run_cell(config.__class__(**{**config.__dict__, "steps": 3}))["stopped"] == "steps"
+
+
+def test_stop_at_is_checked():
+    with pytest.raises(ValueError, match="stop_at"):
+        CellConfig(stop_at=1.5)
+
+
+def test_a_curriculum_continues_the_model_at_each_longer_length(synthetic, monkeypatch, tmp_path):
+    lengths = []
+    real = cell_module.evaluate
+
+    def evaluate(model, batch, *args, **kwargs):
+        lengths.append(batch.tokens_NL.shape[1])
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(cell_module, "evaluate", evaluate)
+    config = CellConfig(
+        task="stack", mixer="kda", seq_len=24, curriculum=[40, 56], steps=2, eval_every=1, eval_size=4,
+        batch_size=2, extrapolate=[2], size=TINY,
+    )  # fmt: skip
+    result = run_cell(config)
+    assert [s["seq_len"] for s in result["stages"]] == [24, 40, 56]
+    assert [[p["step"] for p in s["curve"]] for s in result["stages"]] == [[0, 1, 2]] * 3
+    assert lengths == [24] * 3 + [40] * 3 + [56] * 3 + [112] and list(result["extrapolation"]) == ["112"]
+    assert result["curve"] == result["stages"][0]["curve"]
+    # the model carries over: stage 2 starts from stage 1's weights, so its first score is not a fresh model's
+    fresh = run_cell(CellConfig(**{**config.__dict__, "seq_len": 40, "curriculum": [], "extrapolate": []}))
+    assert result["stages"][1]["curve"][0]["loss"] != fresh["curve"][0]["loss"]
+    groups = synthetic._group([result])  # the table and plots: one entry per stage at its own length
+    assert sorted(groups) == [("stack", n, "kda") for n in (24, 40, 56)]
+    assert groups[("stack", 40, "kda")] == [result["stages"][1]]
+    data = {"grid": "gpu", "preset": {"curriculum": True}, "device": "cpu", "torch": "t", "commands": ["c"]}
+    (tmp_path / "r.json").write_text(json.dumps({**data, "wall_s": 1.0, "selected": [], "cells": [result]}))
+    synthetic.render(tmp_path / "r.json")  # extrapolation is scored from the last stage, 56 tokens
+    final = result["stages"][-1]["final"]["accuracy"]
+    assert (
+        f"| stack | 56 | 0 | {final:.2f} | {result['extrapolation']['112']['accuracy']:.2f} |"
+        in (tmp_path / "r.md").read_text()
+    )
+    cut = run_cell(config, deadline=time.time() - 1)
+    assert [s["seq_len"] for s in cut["stages"]] == [24] and cut["stopped"] == "deadline"
+    with pytest.raises(ValueError, match="curriculum"):
+        CellConfig(seq_len=64, curriculum=[32])
+    with pytest.raises(ValueError, match="curriculum_lr"):
+        CellConfig(curriculum_lr=0.0)
+
+
+def test_shards_partition_the_grid(synthetic):
+    cells = synthetic.grid_cells("gpu", "cpu")
+    ids = [synthetic.cell_id(c) for c in cells]
+    assert len(ids) == len(set(ids)) == (3 * 4 + 3) * 2
+    assert all(c.curriculum == [256, 512, 1024] for c in cells if c.mixer != "hybrid")
+    assert all(c.curriculum == [256] and c.extrapolate == [4, 8] for c in cells if c.mixer == "hybrid")
+    for n in (1, 2, 3, 5):
+        shards = [
+            [synthetic.cell_id(c) for c in synthetic.select(cells, (i, n), None)] for i in range(1, n + 1)
+        ]
+        assert sum(shards, []) == ids
+    first, second = (synthetic.select(cells, (i, 2), None) for i in (1, 2))
+    assert {c.seed for c in first} == {0} and {c.seed for c in second} == {1}
+    picked = synthetic.select(cells, None, ["mqar/kda/*", "stack/*/64/1"])
+    assert [synthetic.cell_id(c) for c in picked] == [
+        "mqar/kda/64/0", "mqar/kda/64/1", "stack/kda/64/1", "stack/gdn/64/1", "stack/decay/64/1",
+        "stack/mla/64/1", "stack/hybrid/64/1",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="no cell"):
+        synthetic.select(cells, None, ["copy/*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--shard", "3/2"], "1 ≤ i ≤ n"), (["--shard", "a"], "i/n"), (["--workers", "0"], "--workers")],
+)
+def test_bad_arguments_are_refused(synthetic, args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        synthetic.parse_args(args)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def _shard_file(synthetic, path: Path, pattern: str) -> Path:
+    """A shard's JSON as ``run_grid`` writes it, from cells trained here for 2 steps (no worker processes)."""
+    grid = synthetic.GRIDS["cpu"]
+    cells = synthetic.select(synthetic.grid_cells("cpu", "cpu", steps=2), None, [pattern])
+    results = [run_cell(CellConfig(**{**c.__dict__, "size": TINY, "eval_size": 4})) for c in cells]
+    header = {
+        "grid": "cpu", "preset": synthetic.asdict(grid), "device": "cpu", "torch": "t", "workers": 1,
+        "commands": [f"python benchmarks/synthetic.py --cells '{pattern}'"], "wall_s": 1.0,
+        "selected": [synthetic.cell_id(c) for c in cells],
+    }  # fmt: skip
+    path.write_text(json.dumps({**header, "cells": results}))
+    return path
+
+
+def test_two_shards_merge_into_one_table(synthetic, tmp_path):
+    parts = [_shard_file(synthetic, tmp_path / f"{p[6:9]}.json", p) for p in ("stack/kda/*", "stack/mla/*")]
+    merged = synthetic.merge(parts, tmp_path / "synthetic_cpu.json")
+    data = json.loads(merged.read_text())
+    assert sorted(synthetic.cell_id(r["config"]) for r in data["cells"]) == [
+        "stack/kda/32/0",
+        "stack/mla/32/0",
+    ]
+    assert len(data["commands"]) == 2 and "--cells 'stack/mla/*'" in data["commands"][1]
+    table = merged.with_suffix(".md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| stack | 32 |"))
+    accuracies = [float(e.split(" / ")[0]) for e in row.strip("|").split("|")[2:]]
+    assert accuracies == [r["final"]["accuracy"] for r in data["cells"]]
+    assert merged.with_suffix(".png").stat().st_size > 0
+    other = json.loads(parts[0].read_text())
+    other["grid"] = "gpu"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="grid 'gpu'"):
+        synthetic.merge([parts[1], tmp_path / "other.json"], tmp_path / "x.json")
+
+
+@pytest.mark.slow  # 16–74 s at load averages of 7–9 (the worker processes import torch; 2 steps per cell)
+def test_the_grid_runs_end_to_end_in_worker_processes(synthetic, tmp_path, monkeypatch):
+    monkeypatch.setitem(
+        synthetic.GRIDS,
+        "cpu",
+        synthetic.Grid(**{**synthetic.GRIDS["cpu"].__dict__, "size": TINY.__dict__, "eval_size": 4}),
+    )
+    path = synthetic.run_grid("cpu", "cpu", 2, tmp_path, steps=2, patterns=["stack/kda/*", "stack/mla/*"])
+    data = json.loads(path.read_text())
+    assert sorted(synthetic.cell_id(r["config"]) for r in data["cells"]) == [
+        "stack/kda/32/0",
+        "stack/mla/32/0",
+    ]
+    assert all(r["stopped"] == "steps" and r["final"]["step"] == 2 for r in data["cells"])
+    assert "| stack | 32 |" in path.with_suffix(".md").read_text()
