@@ -1,4 +1,5 @@
-"""Partial against synchronous rollout on heavy-tailed lengths: completed tokens per second.
+"""Partial against synchronous rollout on heavy-tailed lengths: completed tokens per second, and the reward
+curves of the same RL run with each.
 
 Each iteration hands ``--prompts`` new trajectories to the rollout engine (a random K3-shaped model, greedy,
 through :class:`openk3.rl.rollout.RolloutEngine`). Lengths are heavy-tailed: ``max_tokens =
@@ -13,9 +14,17 @@ trainer's update without training), so tokens carry versions.
 Reported per mode: completed tokens (in trajectories that finished) per wall second, all generated tokens
 (finished or still in the buffer) per wall second, engine steps, the
 fraction of completed tokens generated under an older version than the one their trajectory finished under,
-and the largest version lag. Run::
+and the largest version lag.
 
-    python benchmarks/partial_rollout.py --md benchmarks/results/partial_rollout.md
+**Reward curves** (``--rl-steps``): the same model trains with :class:`openk3.rl.step.PolicyTrainer` on a
+synthetic reward (the fraction of response tokens with an even id), ``--rl-prompts`` new prompts of
+``--group`` samples per step (temperature 1), each prompt's length cap drawn from the same Pareto tail;
+synchronous rollout against group-aware partial rollout (:class:`openk3.rl.partial_rollout.PartialRollout`,
+``λ`` of the groups in flight, tokens of older versions importance-corrected). Plotted against step and
+against wall seconds (``--png``). Run::
+
+    python benchmarks/partial_rollout.py --rl-steps 16 --md benchmarks/results/partial_rollout.md \\
+        --png benchmarks/results/partial_rollout_rewards.png
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 import openk3
 from openk3.rl.partial_rollout import PartialRollout, PartialRolloutConfig
 from openk3.rl.rollout import RolloutEngine, RolloutSampling, Trajectory
+from openk3.rl.step import PolicyTrainer, RLConfig
 from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
 
 
@@ -63,9 +73,9 @@ def run(mode: str, model, args) -> dict:
             Trajectory(torch.randint(2, 96, (args.prompt_len,), generator=prompt_rng).tolist(), n)
             for n in lengths(args.prompts, rng, args.min_len, args.alpha, args.cap)
         ]
-        done, stats = partial.run(engine, new)
+        done, stats = partial.run(engine, [[t] for t in new])  # groups of one
         generated += stats.generated_tokens
-        for t in done:
+        for (t,) in done:
             completed_tokens += t.num_generated
             last = t.segments[-1].version
             stale_tokens += sum(v < last for v in t.versions)
@@ -86,6 +96,63 @@ def run(mode: str, model, args) -> dict:
     }
 
 
+def even_fraction(t: Trajectory) -> float:
+    """The synthetic reward: the fraction of response tokens with an even id."""
+    return sum(x % 2 == 0 for x in t.response_ids) / max(1, t.num_generated)
+
+
+def rl_curve(mode: str, args) -> list[dict]:
+    """One RL run (``args.rl_steps`` updates) from a fresh copy of the random model; per step the mean reward of
+    the groups trained, the cumulative wall seconds, tokens trained and groups trained."""
+    model = openk3.build_model(openk3.presets.k3_shaped(args.depth, vocab_size=128), seed=0)
+    config = EngineConfig(
+        CacheConfig(block_size=16, num_blocks=4096, checkpoint_interval=1),
+        SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=256, long_prefill_token_threshold=256),
+    )
+    engine = RolloutEngine(model, config, RolloutSampling(temperature=1.0, seed=args.seed))
+    partial = None if mode == "sync" else PartialRolloutConfig(args.finish_fraction, args.rl_steps, "correct")
+    trainer = PolicyTrainer(model, engine, RLConfig(args.group, args.cap, args.rl_lr, partial=partial))
+    rng, prompt_rng = random.Random(args.seed + 1), torch.Generator().manual_seed(args.seed + 1)
+    rows, t0 = [], time.perf_counter()
+    for step in range(args.rl_steps):
+        prompts = [
+            torch.randint(2, 96, (args.prompt_len,), generator=prompt_rng).tolist()
+            for _ in range(args.rl_prompts)
+        ]
+        caps = lengths(args.rl_prompts, rng, args.min_len, args.alpha, args.cap)
+        stats, trajs = trainer.step(prompts, [{} for _ in prompts], even_fraction, max_tokens=caps)
+        rows.append(
+            {
+                "step": step + 1,
+                "reward": stats["reward"],
+                "wall_s": time.perf_counter() - t0,
+                "tokens": sum(t.num_generated for t in trajs),
+                "groups": len(trajs) // args.group,
+                "stale": stats.get("stale_token_fraction", 0.0),
+            }
+        )
+    return rows
+
+
+def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for mode, rows in curves.items():
+        for ax, x in zip(axes, ("step", "wall_s")):
+            ax.plot([r[x] for r in rows], [r["reward"] for r in rows], marker="o", ms=3, label=mode)
+            ax.set_xlabel("RL step" if x == "step" else "wall seconds")
+            ax.set_ylabel("reward of the groups trained")
+    axes[0].legend()
+    fig.suptitle("synchronous vs group-aware partial rollout")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--depth", type=int, default=4)
@@ -97,6 +164,13 @@ def main() -> None:
     p.add_argument("--cap", type=int, default=96)
     p.add_argument("--finish-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rl-steps", type=int, default=0, help="RL updates per mode for the reward curves (0: skip)"
+    )
+    p.add_argument("--rl-prompts", type=int, default=6)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--rl-lr", type=float, default=1e-2)
+    p.add_argument("--png", type=Path, help="the reward curves' plot")
     p.add_argument("--md", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -111,10 +185,26 @@ def main() -> None:
             f"{r['max_version_lag']} | {r['left_in_buffer']} |"
         )
     table = "\n".join(lines)
+    curves = {mode: rl_curve(mode, args) for mode in ("sync", "partial")} if args.rl_steps else {}
+    if curves:
+        lines = [
+            "| mode | step | reward | wall s | tokens trained | groups trained | stale tokens |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for mode, rows in curves.items():
+            for r in rows:
+                lines.append(
+                    f"| {mode} | {r['step']} | {r['reward']:.3f} | {r['wall_s']:.1f} | {r['tokens']} | {r['groups']} "
+                    f"| {r['stale']:.2f} |"
+                )
+        table += "\n\nReward curves (the same RL run, each mode):\n\n" + "\n".join(lines)
+        if args.png:
+            plot_curves(curves, args.png)
+            table += f"\n\n![reward curves]({args.png.name})"
     print(table)
     if args.md:
         cmd = "python benchmarks/partial_rollout.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "md"
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
         )
         load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
         args.md.write_text(

@@ -39,6 +39,18 @@ def test_percentile_and_fixed_b0():
     assert table.estimate("y", [3, 4], [False, False]) is None and table.get("y") is None
 
 
+def test_b0_percentile_of_a_mixed_format_reference():
+    """A reference that writes the bare answer (4 tokens), the carry bits (8) or the scratchpad (16–17): the
+    median of its correct lengths is the carry format, so ``τ = 0.8`` of it would shut the carry format out;
+    the 0.9-percentile is the scratchpad's length."""
+    lengths = [4, 4, 4, 4, 8, 8, 8, 16, 16, 17, 30]
+    correct = [True] * 10 + [False]  # the 30-token sample is wrong and does not count
+    assert BudgetTable(rho=0.5).estimate("x", lengths, correct) == ProblemBudget(b0=8, min_correct=4)
+    b = BudgetTable(rho=0.9).estimate("x", lengths, correct)
+    assert b == ProblemBudget(b0=16, min_correct=4)  # ⌈0.9·10⌉ = 9th of the sorted correct lengths
+    assert budget_limit(b, 0.8) == 12 and budget_limit(b, 0.4) == 6  # carry format fits at 0.8, not at 0.4
+
+
 def test_budget_edge_exactly_at_limit():
     b = ProblemBudget(b0=13, min_correct=2)
     tau = 0.7  # ⌊0.7·13⌋ = ⌊9.1⌋ = 9

@@ -1,9 +1,13 @@
-"""Partial rollout: generation pauses once a fraction λ of the batch has finished; the unfinished
-trajectories wait with their tokens, behaviour log-probs and versions and resume in the next iteration.
+"""Partial rollout: generation pauses once a fraction λ of the groups in flight has finished; the unfinished
+groups wait with their trajectories' tokens, behaviour log-probs and versions and resume in the next iteration.
 
 Kimi K1.5 (arXiv 2501.12599 sec. 2.6.2) caps the tokens of one iteration and continues unfinished trajectories
 later; slime/APRIL (arXiv 2509.18521) stop once enough groups are done and recycle the rest. Here the stop
-condition is the finished fraction: pause when ``finished ≥ ⌈λ·N⌉`` of the ``N`` trajectories in flight.
+condition is the finished fraction of *groups*: the ``G`` samples of one prompt share a group-normalised
+advantage (:func:`openk3.rl.loss.group_advantages`), so they train together or not at all. Pause when
+``⌈λ·N⌉`` of the ``N`` groups in flight have every member finished; a group with some members finished and
+some not goes back to the buffer whole (its finished members wait, its unfinished ones resume). A group of
+one is a plain trajectory.
 
 Resume re-submits prompt + response so far with the tokens left (slime's ``generate``), a prefill of that
 sequence; the engine's prefix cache serves whatever prefix it still holds from the current weights (after a
@@ -11,11 +15,12 @@ weight sync the cache starts empty, :meth:`openk3.rl.rollout.RolloutEngine.sync_
 weights at temperature 0, a paused and resumed trajectory equals an uninterrupted one token for token
 (tested).
 
-Off-policy segments: each token's version is recorded. The staleness of a trajectory is the current version
-minus the version of its first segment; one above ``max_staleness`` is dropped and its prompt starts over
-(AReaL's ``max_head_offpolicyness``). Its older tokens are then either **masked** out of the loss (slime's
-``--mask-offpolicy-in-partial-rollout``) or **corrected** in the loss by the truncated importance weight and
-the squared log-ratio regulariser against their recorded behaviour log-probs (:mod:`openk3.rl.loss`).
+Off-policy segments: each token's version is recorded. The staleness of a group is the current version
+minus the oldest version of its first segments; a group above ``max_staleness`` is dropped and its prompt
+starts over with fresh members (AReaL's ``max_head_offpolicyness``, per group). Older tokens of a kept group
+are either **masked** out of the loss (slime's ``--mask-offpolicy-in-partial-rollout``) or **corrected** in
+the loss by the truncated importance weight and the squared log-ratio regulariser against their recorded
+behaviour log-probs (:mod:`openk3.rl.loss`).
 """
 
 from __future__ import annotations
@@ -47,50 +52,69 @@ class PartialRolloutConfig:
 @dataclass
 class PartialRolloutStats:
     finished: int = 0
+    """Groups returned complete."""
     paused: int = 0
+    """Groups back in the buffer."""
     dropped_stale: int = 0
+    """Groups restarted for staleness."""
     generated_tokens: int = 0
+
+
+def _restart(group: list[Trajectory]) -> list[Trajectory]:
+    return [Trajectory(t.prompt_ids, t.max_tokens, t.meta) for t in group]
 
 
 @dataclass
 class PartialRollout:
-    """The buffer of unfinished trajectories and the pause rule."""
+    """The buffer of unfinished groups and the pause rule."""
 
     config: PartialRolloutConfig
-    buffer: list[Trajectory] = field(default_factory=list)
+    buffer: list[list[Trajectory]] = field(default_factory=list)
 
     def run(
-        self, engine: RolloutEngine, new: list[Trajectory]
-    ) -> tuple[list[Trajectory], PartialRolloutStats]:
-        """Resume the buffered trajectories and start ``new``; return the finished ones once ``⌈λ·N⌉`` of
-        the ``N`` in flight are done (the others go back to the buffer)."""
+        self, engine: RolloutEngine, new: list[list[Trajectory]]
+    ) -> tuple[list[list[Trajectory]], PartialRolloutStats]:
+        """Resume the buffered groups and start the ``new`` ones; return the complete groups (in the order
+        they completed, each in its own member order) once ``⌈λ·N⌉`` of the ``N`` groups in flight are
+        complete; the others go back to the buffer whole.
+
+        Raises ``ValueError`` for an empty group."""
+        if any(not g for g in new):
+            raise ValueError("partial rollout: a group needs at least one trajectory")
         stats = PartialRolloutStats()
         flight = []
-        for traj in self.buffer:
-            if engine.version - traj.first_version > self.config.max_staleness:
+        for group in self.buffer:
+            started = [t.first_version for t in group if t.first_version is not None]
+            if started and engine.version - min(started) > self.config.max_staleness:
                 stats.dropped_stale += 1
-                flight.append(Trajectory(traj.prompt_ids, traj.max_tokens, traj.meta))
-            else:
-                flight.append(traj)
+                group = _restart(group)
+            flight.append(group)
         self.buffer = []
-        flight += new
+        flight += [list(g) for g in new]
         if not flight:
             return [], stats
-        before = sum(t.num_generated for t in flight)
+        before = sum(t.num_generated for g in flight for t in g)
+        owner = {id(t): k for k, g in enumerate(flight) for t in g}
+        left = [sum(not t.finished for t in g) for g in flight]
+        complete = [k for k, n in enumerate(left) if n == 0]  # all members finished while in the buffer
         target = math.ceil(self.config.finish_fraction * len(flight))
-        active = {engine.submit(t): t for t in flight}
-        done: list[Trajectory] = []
-        while active and len(done) < target:
-            done += engine.step(active)
+        active = {engine.submit(t): t for g in flight for t in g if not t.finished}
+        while active and len(complete) < target:
+            for t in engine.step(active):
+                k = owner[id(t)]
+                left[k] -= 1
+                if left[k] == 0:
+                    complete.append(k)
         engine.abort(active)
-        for traj in flight:
-            if traj.segments and not traj.segments[-1].token_ids:
-                traj.segments.pop()  # a resume that produced nothing before the pause
-            if not traj.finished:
-                self.buffer.append(traj)
-        stats.finished, stats.paused = len(done), len(self.buffer)
-        stats.generated_tokens = sum(t.num_generated for t in flight) - before
-        return done, stats
+        for k, group in enumerate(flight):
+            for t in group:
+                if t.segments and not t.segments[-1].token_ids:
+                    t.segments.pop()  # a resume that produced nothing before the pause
+            if left[k]:
+                self.buffer.append(group)
+        stats.finished, stats.paused = len(complete), len(self.buffer)
+        stats.generated_tokens = sum(t.num_generated for g in flight for t in g) - before
+        return [flight[k] for k in complete], stats
 
 
 def train_mask(trajectory: Trajectory, current_version: int, old_segments: str) -> list[float]:

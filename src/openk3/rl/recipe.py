@@ -33,7 +33,16 @@ from openk3.rl.rewards.mopd import Teacher, TeacherRegistry, mopd_reward, teache
 from openk3.rl.rollout import RolloutEngine, RolloutSampling, Trajectory
 from openk3.rl.sft import sft
 from openk3.rl.step import PolicyTrainer, RLConfig
-from openk3.rl.tasks import DOMAINS, EFFORTS, CharTokenizer, Problem, is_correct, sample_problem, solution
+from openk3.rl.tasks import (
+    DOMAINS,
+    EFFORTS,
+    CharTokenizer,
+    Problem,
+    is_correct,
+    sample_problem,
+    solution,
+    written_effort,
+)
 from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
 
 
@@ -61,11 +70,18 @@ class DemoConfig:
     train_problems: int = 48
     eval_problems: int = 24
     eval_every: int = 6
-    rho: float = 0.5
+    rho: float = 0.9
+    """b0's percentile of the high expert's correct lengths: high enough that b0 is its scratchpad's length
+    while the expert still writes every format (at 0.5 b0 is the carry format's, and τ·b0 shuts it out)."""
+    budget_samples: int = 16
+    """Samples per training problem from the high-effort expert for ``b0``."""
     r_max: float = 2.0
     efforts: EffortLevels = field(
-        default_factory=lambda: EffortLevels((("low", 0.4), ("medium", 0.75), ("high", 2.0)))
+        default_factory=lambda: EffortLevels((("low", 0.4), ("medium", 0.8), ("high", 2.0)))
     )
+    """τ per effort. With b0 at the scratchpad's length, 0.8 admits the medium format and shuts out the
+    scratchpad, 0.4 admits the bare answer and shuts out the medium format, on every problem of both
+    domains (enumerated in the tests); the high expert trains on correctness alone."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -172,15 +188,22 @@ class Demo:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, model, domain: str, effort: str) -> dict[str, float]:
-        """Greedy accuracy and mean length (tokens) on the held-out problems of ``domain`` at ``effort``."""
+        """Greedy accuracy, mean length (tokens) and the fraction of responses written in each effort's format
+        (:func:`~openk3.rl.tasks.written_effort`) on the held-out problems of ``domain`` at ``effort``."""
         eng = self.engine(model, 0.0)
         probs = self.eval[domain]
         trajs = eng.generate(
             [Trajectory(self.tok.encode(p.prompt(effort)), self.cfg.max_tokens) for p in probs]
         )
-        acc = [is_correct(p, self.tok.decode(t.response_ids)) for p, t in zip(probs, trajs)]
+        texts = [self.tok.decode(t.response_ids) for t in trajs]
+        acc = [is_correct(p, x) for p, x in zip(probs, texts)]
         lengths = [t.num_generated for t in trajs]
-        return {"accuracy": sum(acc) / len(acc), "length": sum(lengths) / len(lengths)}
+        written = [written_effort(p, x) for p, x in zip(probs, texts)]
+        return {
+            "accuracy": sum(acc) / len(acc),
+            "length": sum(lengths) / len(lengths),
+            "formats": {f: written.count(f) / len(written) for f in (*EFFORTS, "other")},
+        }
 
     # ---- stages ----------------------------------------------------------------------------------------
     def stage_sft(self) -> torch.nn.Module:
@@ -263,7 +286,8 @@ class Demo:
                    "over_budget": sum(over) / len(over) if over else 0.0, "tau": tau}  # fmt: skip
             if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
                 model.eval()
-                row.update(self.evaluate(model, domain, effort))
+                ev = self.evaluate(model, domain, effort)
+                row.update(accuracy=ev["accuracy"], eval_length=ev["length"], formats=ev["formats"])
                 model.train()
             hist.append(row)
             self.log(
@@ -284,26 +308,54 @@ class Demo:
         return budget_reward(correct, t.num_generated, b, tau)
 
     def estimate_budgets(self, expert, domain: str) -> None:
-        """b0(x) from the high-effort expert: ρ-percentile of its correct lengths over G samples per problem."""
+        """b0(x) from the high-effort expert: the ρ-percentile of its correct lengths over ``budget_samples``
+        samples per training problem (temperature 1). Logs b0 against the length of each effort's format
+        and, per effort, the fraction of problems whose limit ``max(⌊τ·b0⌋, min_correct)`` admits the
+        format of that effort and excludes the next longer one."""
         eng = self.engine(expert, 1.0)
-        G = self.cfg.group_size
+        n = self.cfg.budget_samples
+        problems = self.train[domain]
         trajs = eng.generate(
             [
-                Trajectory(self.tok.encode(p.prompt("high")), self.cfg.max_tokens, {"p": p})
-                for p in self.train[domain]
-                for _ in range(G)
+                Trajectory(self.tok.encode(p.prompt("high")), self.cfg.max_tokens)
+                for p in problems
+                for _ in range(n)
             ]
         )
-        have = 0
-        for i, p in enumerate(self.train[domain]):
-            group = trajs[i * G : (i + 1) * G]
+        rows = []
+        for i, p in enumerate(problems):
+            group = trajs[i * n : (i + 1) * n]
+            texts = [self.tok.decode(t.response_ids) for t in group]
             got = self.budgets.estimate(
-                p.id,
-                [t.num_generated for t in group],
-                [is_correct(p, self.tok.decode(t.response_ids)) for t in group],
+                p.id, [t.num_generated for t in group], [is_correct(p, x) for x in texts]
             )
-            have += got is not None
-        self.log(f"[budget] {domain}: b0 for {have}/{len(self.train[domain])} problems")
+            rows.append((p, got, [written_effort(p, x) for x in texts if is_correct(p, x)]))
+        have = [(p, b) for p, b, _ in rows if b is not None]
+        written = [f for _, _, fs in rows for f in fs]
+        summary = {
+            "problems": len(problems),
+            "with_b0": len(have),
+            "b0_mean": sum(b.b0 for _, b in have) / max(1, len(have)),
+            "format_lengths": {
+                e: sum(len(solution(p, e)) + 1 for p, _ in have) / max(1, len(have)) for e in EFFORTS
+            },
+            "correct_formats": {f: written.count(f) / max(1, len(written)) for f in (*EFFORTS, "other")},
+            "limits": {},
+        }
+        for e in ("medium", "low"):
+            tau = self.cfg.efforts.tau(e)
+            longer = EFFORTS[EFFORTS.index(e) - 1]
+            lim = [budget_limit(b, tau) for _, b in have]
+            fits = [len(solution(p, e)) + 1 <= L for (p, _), L in zip(have, lim)]  # + the stop token
+            shut = [len(solution(p, longer)) + 1 > L for (p, _), L in zip(have, lim)]
+            summary["limits"][e] = {
+                "tau": tau,
+                "limit_mean": sum(lim) / max(1, len(lim)),
+                "admits_own_format": sum(fits) / max(1, len(fits)),
+                "excludes_longer_format": sum(shut) / max(1, len(shut)),
+            }
+        self.history[f"budget-{domain}"] = [summary]
+        self.log(f"[budget] {domain}: " + json.dumps(summary))
 
     def stage_experts(self, base) -> dict[tuple[str, str], torch.nn.Module]:
         cfg, experts = self.cfg, {}
@@ -355,8 +407,10 @@ class Demo:
             }
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.mopd_steps:
                 model.eval()
-                accs = [self.evaluate(model, d, e)["accuracy"] for d in DOMAINS for e in EFFORTS]
-                row["accuracy"] = sum(accs) / len(accs)
+                evs = {(d, e): self.evaluate(model, d, e) for d in DOMAINS for e in EFFORTS}
+                row["accuracy"] = sum(v["accuracy"] for v in evs.values()) / len(evs)
+                for e in EFFORTS:  # does the length follow the tag?
+                    row[f"eval_length_{e}"] = sum(evs[(d, e)]["length"] for d in DOMAINS) / len(DOMAINS)
                 model.train()
             hist.append(row)
             self.log(
@@ -374,35 +428,64 @@ class Demo:
         import matplotlib.pyplot as plt
 
         for name, hist in self.history.items():
+            if name.startswith("budget-"):
+                continue  # one summary per domain, no steps
             keys = [
                 k
-                for k in ("loss", "reward", "length", "over_budget", "accuracy", "add/acc", "chain/acc")
+                for k in (
+                    "loss",
+                    "reward",
+                    "length",
+                    "over_budget",
+                    "accuracy",
+                    "eval_length",
+                    "add/acc",
+                    "chain/acc",
+                )
                 if any(k in r for r in hist)
             ]
-            fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8))
-            for ax, k in zip(axes if len(keys) > 1 else [axes], keys):
+            per_effort = any("eval_length_high" in r for r in hist)
+            fig, axes = plt.subplots(1, len(keys) + per_effort, figsize=(3.2 * (len(keys) + per_effort), 2.8))
+            axes = list(axes) if len(keys) + per_effort > 1 else [axes]
+            for ax, k in zip(axes, keys):
                 pts = [(r["step"], r[k]) for r in hist if r.get(k) is not None]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
                 ax.set_title(k)
                 ax.set_xlabel("step")
+            if per_effort:  # the student's held-out length under each effort tag
+                for e in EFFORTS:
+                    pts = [(r["step"], r[f"eval_length_{e}"]) for r in hist if f"eval_length_{e}" in r]
+                    axes[-1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=e)
+                axes[-1].set_title("eval length per tag")
+                axes[-1].set_xlabel("step")
+                axes[-1].legend(fontsize=7)
             fig.suptitle(name)
             fig.tight_layout()
             fig.savefig(self.out / f"{name}.png", dpi=80)
             plt.close(fig)
 
     def table(self, experts, student) -> str:
+        """Held-out greedy accuracy, mean length and the formats written (fractions high/medium/low), teacher
+        of each (domain, effort) against the student under that effort's tag; Δ is student − teacher
+        accuracy in points."""
         lines = [
-            "| domain | effort | teacher acc | teacher len | student acc | student len |",
-            "|---|---|---|---|---|---|",
+            "| domain | effort | teacher acc | teacher len | teacher formats h/m/l | student acc | student len "
+            "| student formats h/m/l | Δ acc (points) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         rows = []
+
+        def formats(ev):
+            return "/".join(f"{ev['formats'][e]:.2f}" for e in EFFORTS)
+
         for d in DOMAINS:
             for e in EFFORTS:
                 t = self.evaluate(experts[(d, e)], d, e)
                 s = self.evaluate(student, d, e)
                 rows.append({"domain": d, "effort": e, "teacher": t, "student": s})
                 lines.append(
-                    f"| {d} | {e} | {t['accuracy']:.2f} | {t['length']:.1f} | {s['accuracy']:.2f} | {s['length']:.1f} |"
+                    f"| {d} | {e} | {t['accuracy']:.2f} | {t['length']:.1f} | {formats(t)} | {s['accuracy']:.2f} "
+                    f"| {s['length']:.1f} | {formats(s)} | {100 * (s['accuracy'] - t['accuracy']):+.0f} |"
                 )
         (self.out / "table.json").write_text(json.dumps(rows, indent=1))
         return "\n".join(lines)

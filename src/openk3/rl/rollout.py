@@ -11,6 +11,10 @@ A :class:`Trajectory` is a prompt plus a list of :class:`Segment`: the tokens ge
 under one policy version. Partial rollout (:mod:`openk3.rl.partial_rollout`) appends segments across weight
 updates; each token keeps the version that produced it (AReaL's ``accumulated_versions``).
 
+A rollout engine never sheds load: its scheduler's ``queue_timeout_s`` is infinite (a serving engine
+rejects requests that waited too long, which in a rollout batch larger than the running set would silently
+lose samples on a slow machine); a request the engine still rejects raises ``RuntimeError``.
+
 Weight sync (:meth:`RolloutEngine.sync_weights`) copies the trainer's parameters into the engine's model and
 starts a fresh engine (an empty prefix cache), because cached latents and KDA states were computed with the
 old weights; the version counter goes up by one.
@@ -22,7 +26,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -142,7 +147,8 @@ class RolloutEngine:
         self.model = copy.deepcopy(model).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.config = config or EngineConfig()
+        config = config or EngineConfig()
+        self.config = replace(config, scheduler=replace(config.scheduler, queue_timeout_s=math.inf))
         self.sampling = sampling or RolloutSampling()
         self.sample_vocab_size = sample_vocab_size
         self.version = 0
@@ -208,6 +214,8 @@ class RolloutEngine:
             for t in out.new_token_ids:
                 seg.token_ids.append(t)
                 seg.logprobs.append(self.runner.logprobs[out.request_id])
+            if out.finish_reason == "rejected":
+                raise RuntimeError(f"rollout request {out.request_id} was rejected by the engine's scheduler")
             if out.finished and out.finish_reason in ("stop", "length"):
                 traj.finish_reason = out.finish_reason
                 done.append(active.pop(out.request_id))

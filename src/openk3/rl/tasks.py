@@ -94,6 +94,26 @@ def solution(problem: Problem, effort: str) -> str:
     return f"{ops[0] + ops[1]},{ops[2] + ops[3]}" + answer
 
 
+def written_effort(problem: Problem, response_text: str) -> str:
+    """Which effort's format ``response_text`` was written in, from its shape before the last ``|``:
+    ``"high"``, ``"medium"``, ``"low"`` (nothing before ``|``) or ``"other"`` (no ``|``, or a shape of no
+    effort). ``add``: column sums with ``=`` are high, ``c:`` carry bits medium; ``chain``: two commas
+    (three running sums) are high, one comma (two pair sums) medium. Correctness is not checked."""
+    if "|" not in response_text:
+        return "other"
+    head = response_text.rsplit("|", 1)[0]
+    if not head:
+        return "low"
+    if problem.domain == "add":
+        if head.startswith("c:") and head[2:].isdigit():
+            return "medium"
+        return "high" if "=" in head and "c" not in head else "other"
+    parts = head.split(",")
+    if all(x.isdigit() for x in parts):
+        return {3: "high", 2: "medium"}.get(len(parts), "other")
+    return "other"
+
+
 def parse_answer(text: str) -> int | None:
     tail = text.rsplit("|", 1)
     if len(tail) != 2 or not tail[1].isdigit():
