@@ -128,7 +128,11 @@ class OpCounter(TorchDispatchMode):
     """Counts dispatched ATen operators that write memory (not views), by the innermost running module;
     ``cuda_by_module`` counts a call wrapped by :meth:`fused` as one kernel instead of its operators."""
 
-    NO_KERNEL = (torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default)
+    NO_KERNEL = (
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.detach.default,
+        torch.ops.aten.promote_types.default,  # a dtype, computed on the host
+    )
 
     def __init__(self) -> None:
         super().__init__()
