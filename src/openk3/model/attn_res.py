@@ -110,14 +110,14 @@ class TwoPhaseAttnRes:
         self.stats: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _phase1(self, blocks: list[torch.Tensor], compute: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``q_QD`` (the group's queries), ``lse_QBT`` (ℓ_b) and ``mix_QBTD`` (μ_b), all in ``compute``."""
+        """``q_QD`` (the group's queries), ``neg_lse_QBT`` (−ℓ_b) and ``mix_QBTD`` (μ_b), all in ``compute``."""
         group = self.groups[len(blocks)]
         gain_QD = torch.stack([s.norm.weight for s in group]).to(compute)
         q_QD = gain_QD * torch.stack([s.proj.weight[0] for s in group]).to(compute)
         v_NBTD = torch.stack(blocks).to(compute)
         z_QNBT = torch.einsum("qd,nbtd->qnbt", q_QD, rms_normalize(v_NBTD, group[0].norm.eps))
         mix_QBTD = torch.einsum("qnbt,nbtd->qbtd", torch.softmax(z_QNBT, 1), v_NBTD)
-        return q_QD, torch.logsumexp(z_QNBT, 1), mix_QBTD
+        return q_QD, -torch.logsumexp(z_QNBT, 1), mix_QBTD
 
     def __call__(
         self, blocks: list[torch.Tensor], partial_BTD: torch.Tensor, norm: RMSNorm, proj: nn.Linear
@@ -128,9 +128,10 @@ class TwoPhaseAttnRes:
         compute = torch.float64 if partial_BTD.dtype == torch.float64 else torch.float32
         if site.num_blocks not in self.stats:
             self.stats[site.num_blocks] = self._phase1(blocks, compute)
-        q_QD, lse_QBT, mix_QBTD = self.stats[site.num_blocks]
+        q_QD, neg_lse_QBT, mix_QBTD = self.stats[site.num_blocks]
         j = site.index
         v_BTD = partial_BTD.to(compute)
-        z_BT = rms_normalize(v_BTD, site.norm.eps) @ q_QD[j]
-        p_BT1 = torch.sigmoid(z_BT - lse_QBT[j]).unsqueeze(-1)
+        D = v_BTD.shape[-1]
+        z_M = torch.addmv(neg_lse_QBT[j].flatten(), rms_normalize(v_BTD, site.norm.eps).view(-1, D), q_QD[j])
+        p_BT1 = torch.sigmoid(z_M).view(*v_BTD.shape[:-1], 1)  # σ(z_p − ℓ_b), M = B·T
         return torch.lerp(mix_QBTD[j], v_BTD, p_BT1).to(partial_BTD.dtype)
