@@ -13,8 +13,11 @@ steps; each phase's median over those steps is reported in microseconds, and ``-
 ``K`` functions with the most own time over the timed steps.
 
 ``--count-ops`` instead runs one real static decode step of one stream (eagerly, on the CPU) and counts the
-ATen operators it dispatches that write memory (views left out): on a GPU each is one kernel of the captured
-graph (the KDA state update is one Triton kernel there, a few operators here), listed per innermost module.
+ATen operators it dispatches that write memory (views left out), listed per innermost module. On a GPU
+nearly each is one kernel of the captured graph; two calls are one kernel there and several operators on the
+CPU: ``F.rms_norm`` (torch's fused CUDA kernel, its composite ops here) and the KDA state-pool decode (one
+Triton kernel, plus the slots' ``arange``). The ``cuda`` column counts each such call as one kernel: an
+estimate of the graph's kernels (the H200 profile, ``benchmarks/results/serve_profile_h200.md``, counts them).
 
     python benchmarks/serve_host.py --streams 1 64 --block-size 512
     python benchmarks/serve_host.py --preset k3-small --dtype bfloat16 --count-ops
@@ -33,10 +36,12 @@ import time
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
+from openk3.model import kda
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 from openk3.serve.decode_graph import StaticDecode
 
@@ -120,21 +125,42 @@ def measure(model, args, n: int) -> dict:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts dispatched ATen operators that write memory (not views), by the innermost running module."""
+    """Counts dispatched ATen operators that write memory (not views), by the innermost running module;
+    ``cuda_by_module`` counts a call wrapped by :meth:`fused` as one kernel instead of its operators."""
 
-    NO_KERNEL = (torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default)
+    NO_KERNEL = (
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.detach.default,
+        torch.ops.aten.promote_types.default,  # a dtype, computed on the host
+    )
 
     def __init__(self) -> None:
         super().__init__()
         self.stack: list[str] = ["(outside modules)"]
         self.by_module: collections.Counter = collections.Counter()
         self.by_op: collections.Counter = collections.Counter()
+        self.cuda_by_module: collections.Counter = collections.Counter()
+        self.inside_fused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view and func not in self.NO_KERNEL:
             self.by_module[self.stack[-1]] += 1
             self.by_op[str(func.overloadpacket)] += 1
+            self.cuda_by_module[self.stack[-1]] += self.inside_fused == 0
         return func(*args, **(kwargs or {}))
+
+    def fused(self, fn):
+        """``fn`` counted as one CUDA kernel (its operators still count in ``by_module``)."""
+
+        def call(*args, **kwargs):
+            self.cuda_by_module[self.stack[-1]] += 1
+            self.inside_fused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside_fused -= 1
+
+        return call
 
 
 def count_ops(model: nn.Module, args) -> OpCounter:
@@ -156,7 +182,11 @@ def count_ops(model: nn.Module, args) -> OpCounter:
             real(self, states)
 
     try:
-        with mock.patch.object(StaticDecode, "forward", counted):
+        with (
+            mock.patch.object(StaticDecode, "forward", counted),
+            mock.patch.object(F, "rms_norm", counter.fused(F.rms_norm)),
+            mock.patch.object(kda, "fused_recurrent_kda_pool", counter.fused(kda.fused_recurrent_kda_pool)),
+        ):
             engine.step()
     finally:
         pre.remove()
@@ -171,11 +201,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = openk3.build_model(openk3.get_preset(args.preset), dtype=dtype, seed=0).eval()
     if args.count_ops:
         counter = count_ops(model, args)
-        total = sum(counter.by_op.values())
-        print(f"{total} operators that write memory, one decode step of {args.preset} ({args.dtype})")
-        print("\n| module | operators |\n|---|---:|")
+        total, cuda = sum(counter.by_op.values()), sum(counter.cuda_by_module.values())
+        print(
+            f"{total} operators that write memory (about {cuda} CUDA kernels), one decode step of "
+            f"{args.preset} ({args.dtype})"
+        )
+        print("\n| module | operators | cuda |\n|---|---:|---:|")
         for name, n in counter.by_module.most_common():
-            print(f"| {name} | {n} |")
+            print(f"| {name} | {n} | {counter.cuda_by_module[name]} |")
         print("\n| operator | calls |\n|---|---:|")
         for name, n in counter.by_op.most_common(15):
             print(f"| {name} | {n} |")

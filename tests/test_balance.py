@@ -46,8 +46,7 @@ def route(s_NE: torch.Tensor, b_E: torch.Tensor, k: int) -> RouterOutput:
     c_NE = s_NE.double() + b_E.double()
     vals_NE, order_NE = c_NE.sort(-1, descending=True)
     idx_Nk = order_NE[:, :k]
-    counts_E = torch.bincount(idx_Nk.reshape(-1), minlength=s_NE.shape[1])
-    return RouterOutput(s_NE.gather(-1, idx_Nk), idx_Nk, s_NE.float(), vals_NE[:, k].float(), counts_E)
+    return RouterOutput(s_NE.gather(-1, idx_Nk), idx_Nk, s_NE.float(), vals_NE[:, k].float())
 
 
 def skewed_scores(N: int, E: int, seed: int, skew: float = 1.0) -> torch.Tensor:

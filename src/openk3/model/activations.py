@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 
 
-def softcap(x: torch.Tensor, beta: float) -> torch.Tensor:
-    """``β·tanh(x/β)``: ≈ x near 0, bounded by β."""
-    return beta * torch.tanh(x / beta)
-
-
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU of same-shape ``gate`` and ``up`` (any shape), in fp32, returned in ``gate.dtype``."""
+    """SiTU-GLU of same-shape ``gate`` and ``up`` (any shape), in fp32, returned in ``gate.dtype``.
+
+    Computed as ``(tanh(g/β₁)·σ(g)) · (β₁β₂·tanh(u/β₂))`` (``β₁·u`` uncapped): the gate's factor β₁ moves to
+    the up branch, one multiply fewer. With β₁ a power of two (K3: 4) scaling by it is exact, so this rounds
+    exactly as ``softcap(g, β₁)·σ(g)·softcap(u, β₂)`` (outside subnormals); otherwise it differs by rounding.
+    """
     g = gate.float() if gate.dtype != torch.float64 else gate
     u = up.float() if up.dtype != torch.float64 else up
-    u = u if linear_beta is None else softcap(u, linear_beta)
-    return (softcap(g, beta) * torch.sigmoid(g) * u).to(gate.dtype)
+    u = beta * u if linear_beta is None else (beta * linear_beta) * torch.tanh(u / linear_beta)
+    return (torch.tanh(g / beta) * torch.sigmoid(g) * u).to(gate.dtype)
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

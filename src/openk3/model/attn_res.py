@@ -16,10 +16,11 @@ embedding is appended as block 0 at layer 0. The final output mix comes before t
 Two-phase inference (:class:`TwoPhaseAttnRes`, the AttnRes paper's inference schedule,
 ``docs/references.md#block-attention-residuals``): the pseudo-queries do not depend on the input, so all
 mixes that read the same completed blocks are scored against them in one batched pass (phase 1, per query:
-``m_b = max z``, ``s_b = Σ e^{z−m_b}``, ``acc_b = Σ e^{z−m_b} v``); each mix then folds in its partial sum
-``v_p`` with logit ``z_p`` by an online softmax (phase 2)::
+the blocks' own mix ``μ_b = Σ softmax(z)_i v_i`` and their log-sum-exp ``ℓ_b = log Σ e^{z_i}``); each mix then
+folds in its partial sum ``v_p`` with logit ``z_p`` (phase 2): the softmax over all ``N`` sources gives the
+partial the weight ``p = e^{z_p} / (e^{ℓ_b} + e^{z_p}) = σ(z_p − ℓ_b)`` and the blocks together ``1 − p``, so::
 
-    m = max(m_b, z_p);   h = (acc_b e^{m_b−m} + v_p e^{z_p−m}) / (s_b e^{m_b−m} + e^{z_p−m})
+    h = μ_b + σ(z_p − ℓ_b) · (v_p − μ_b)          # one lerp
 
 Equal to :func:`attn_res_mix` up to rounding; the server's forward uses it.
 
@@ -109,14 +110,14 @@ class TwoPhaseAttnRes:
         self.stats: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _phase1(self, blocks: list[torch.Tensor], compute: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``q_QD`` (the group's queries), ``neg_lse_QBT`` (−ℓ_b) and ``mix_QBTD`` (μ_b), all in ``compute``."""
         group = self.groups[len(blocks)]
-        q_QD = torch.stack([s.norm.weight.to(compute) * s.proj.weight[0].to(compute) for s in group])
+        gain_QD = torch.stack([s.norm.weight for s in group]).to(compute)
+        q_QD = gain_QD * torch.stack([s.proj.weight[0] for s in group]).to(compute)
         v_NBTD = torch.stack(blocks).to(compute)
         z_QNBT = torch.einsum("qd,nbtd->qnbt", q_QD, rms_normalize(v_NBTD, group[0].norm.eps))
-        m_QBT = z_QNBT.amax(1)
-        e_QNBT = torch.exp(z_QNBT - m_QBT[:, None])
-        acc_QBTD = torch.einsum("qnbt,nbtd->qbtd", e_QNBT, v_NBTD)
-        return q_QD, m_QBT, e_QNBT.sum(1), acc_QBTD
+        mix_QBTD = torch.einsum("qnbt,nbtd->qbtd", torch.softmax(z_QNBT, 1), v_NBTD)
+        return q_QD, -torch.logsumexp(z_QNBT, 1), mix_QBTD
 
     def __call__(
         self, blocks: list[torch.Tensor], partial_BTD: torch.Tensor, norm: RMSNorm, proj: nn.Linear
@@ -127,11 +128,10 @@ class TwoPhaseAttnRes:
         compute = torch.float64 if partial_BTD.dtype == torch.float64 else torch.float32
         if site.num_blocks not in self.stats:
             self.stats[site.num_blocks] = self._phase1(blocks, compute)
-        q_QD, m_QBT, s_QBT, acc_QBTD = self.stats[site.num_blocks]
+        q_QD, neg_lse_QBT, mix_QBTD = self.stats[site.num_blocks]
         j = site.index
         v_BTD = partial_BTD.to(compute)
-        z_BT = rms_normalize(v_BTD, site.norm.eps) @ q_QD[j]
-        m_BT = torch.maximum(m_QBT[j], z_BT)
-        a_BT, c_BT = torch.exp(m_QBT[j] - m_BT), torch.exp(z_BT - m_BT)
-        num_BTD = acc_QBTD[j] * a_BT[..., None] + v_BTD * c_BT[..., None]
-        return (num_BTD / (s_QBT[j] * a_BT + c_BT)[..., None]).to(partial_BTD.dtype)
+        D = v_BTD.shape[-1]
+        z_M = torch.addmv(neg_lse_QBT[j].flatten(), rms_normalize(v_BTD, site.norm.eps).view(-1, D), q_QD[j])
+        p_BT1 = torch.sigmoid(z_M).view(*v_BTD.shape[:-1], 1)  # σ(z_p − ℓ_b), M = B·T
+        return torch.lerp(mix_QBTD[j], v_BTD, p_BT1).to(partial_BTD.dtype)

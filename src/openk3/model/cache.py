@@ -161,7 +161,6 @@ class PagedLatents:
         B, S = self.mask.shape
         if self.full and not dense:
             return causal_lower_right(T, S + T)
-        dev = self.mask.device
-        causal_TS = torch.arange(S, S + T, device=dev)[:, None] >= torch.arange(S + T, device=dev)
+        causal_TS = torch.ones(T, S + T, dtype=torch.bool, device=self.mask.device).tril(S)
         keys_BS = torch.cat([self.mask, self.mask.new_ones(B, T)], 1)
         return (causal_TS[None] & keys_BS[:, None, :])[:, None]

@@ -68,14 +68,10 @@ def combine_sorted(z_NL, weights_Nk, indices_Nk, num_experts: int, expert_ffn) -
     expert and ``y_ML = expert_ffn(x_ML, offs_E, expert_M)`` computes them (rows of ``z`` in that order, the
     int32 cumulative row count per expert, the expert of each row); no host sync."""
     N, k = indices_Nk.shape
-    expert_M = indices_Nk.reshape(-1)
-    order_M = torch.argsort(expert_M, stable=True)
-    expert_M = expert_M[order_M]
+    expert_M, order_M = torch.sort(indices_Nk.reshape(-1), stable=True)
     token_M = order_M // k
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=z_NL.device).scatter_add_(
-        0, expert_M, torch.ones_like(expert_M)
-    )
-    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    experts_E = torch.arange(num_experts, device=z_NL.device)
+    offs_E = torch.searchsorted(expert_M, experts_E, right=True, out_int32=True)  # rows of experts ≤ e
     y_ML = expert_ffn(z_NL[token_M], offs_E, expert_M)
     w_M = weights_Nk.reshape(-1)[order_M].to(y_ML.dtype)
     out_NL = torch.zeros_like(z_NL)

@@ -24,7 +24,13 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """``weight ⊙ x / sqrt(mean(x²) + eps)`` over the last dim, computed in fp32, returned in ``x.dtype``.
+    """``weight ⊙ x / sqrt(mean(x²) + eps)`` over the last dim, returned in ``x.dtype``.
+
+    One ``F.rms_norm`` in the wider of ``x``'s and the weight's dtypes (a bf16 ``x`` with fp32 master
+    weights, as under autocast, is upcast): with both bf16 (inference) the mean square and the
+    normalisation and the gain run in fp32 inside torch's op and round once, the same math as upcasting
+    first (bit-identical on the CPU, whose composite upcasts), so a bf16 model's norm is one CUDA kernel.
+    fp32 and fp64 compute in their dtype.
 
     Args:
         dim: normalised width D.
@@ -38,8 +44,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x_D: torch.Tensor) -> torch.Tensor:
-        x = _upcast(x_D)
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps).to(x_D.dtype)
+        compute = torch.promote_types(x_D.dtype, self.weight.dtype)
+        x = x_D.to(compute)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(compute), self.eps).to(x_D.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

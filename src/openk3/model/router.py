@@ -31,14 +31,20 @@ class RouterOutput:
         indices_Nk: chosen experts, int64 ``[N, k]``.
         scores_NE: unbiased scores ``s``, fp32 ``[N, E]``.
         cutoff_N: biased score of the ``(k+1)``-th choice (``-inf`` when ``k = E``), fp32 ``[N]``.
-        counts_E: tokens routed to each expert, int64 ``[E]``.
+        counts_E: tokens routed to each expert, int64 ``[E]`` (computed when read: only load balancing
+            needs it, so an inference forward runs none of its operators).
     """
 
     weights_Nk: torch.Tensor
     indices_Nk: torch.Tensor
     scores_NE: torch.Tensor
     cutoff_N: torch.Tensor
-    counts_E: torch.Tensor
+
+    @property
+    def counts_E(self) -> torch.Tensor:  # noqa: N802 (shape-suffix name)
+        idx_M = self.indices_Nk.reshape(-1)
+        counts_E = torch.zeros(self.scores_NE.shape[-1], dtype=torch.int64, device=idx_M.device)
+        return counts_E.scatter_add_(0, idx_M, torch.ones_like(idx_M))
 
 
 class MoEGate(nn.Module):
@@ -66,7 +72,6 @@ class MoEGate(nn.Module):
         w_Nk = s_NE.gather(-1, idx_Nk)
         if self.renormalize and k > 1:
             w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
-        w_Nk = w_Nk * self.routed_scaling_factor
-        counts_E = torch.zeros(E, dtype=torch.int64, device=x_ND.device)
-        counts_E.scatter_add_(0, idx_Nk.reshape(-1), torch.ones_like(idx_Nk.reshape(-1)))
-        return RouterOutput(w_Nk, idx_Nk, s_NE, cutoff_N, counts_E)
+        if self.routed_scaling_factor != 1.0:  # × 1.0 is exact: no operator for it
+            w_Nk = w_Nk * self.routed_scaling_factor
+        return RouterOutput(w_Nk, idx_Nk, s_NE, cutoff_N)

@@ -54,10 +54,11 @@ class ShortConvolution(nn.Module):
                 torch.arange(T, device=x_BTC.device)[:, None] - (W - 1) + torch.arange(W, device=x_BTC.device)
             )
             keep_TW = (pos_TW >= document_starts(cu_seqlens, T)[:, None]).to(x_BTC.dtype)
-        y_BTC = torch.zeros_like(x_BTC)
+        y_BTC = None
         for w in range(W):  # W shifted multiply-adds (depthwise conv1d is slow on CPU, esp. in fp64)
             tap_BTC = xp_BSC[:, w : w + T] * weight_CW[:, w]
-            y_BTC = y_BTC + (tap_BTC if keep_TW is None else tap_BTC * keep_TW[None, :, w, None])
+            tap_BTC = tap_BTC if keep_TW is None else tap_BTC * keep_TW[None, :, w, None]
+            y_BTC = tap_BTC if y_BTC is None else y_BTC + tap_BTC  # tap 0 itself: 0 + a = a
         y_BTC = F.silu(y_BTC)
         if not output_final_state:
             return y_BTC, None
@@ -82,8 +83,8 @@ def short_conv_step_(
     float dtype) is overwritten in place. Returns ``[B, G, C, T]`` in ``x``'s dtype."""
     W, T = weight_GCW.shape[-1], x_BGCT.shape[-1]
     xp_BGCS = torch.cat([state_BGCW.to(x_BGCT.dtype), x_BGCT], -1)  # S = W − 1 + T
-    y_BGCT = torch.zeros_like(x_BGCT)
-    for w in range(W):
+    y_BGCT = xp_BGCS[..., :T] * weight_GCW[..., 0, None]
+    for w in range(1, W):
         y_BGCT = y_BGCT + xp_BGCS[..., w : w + T] * weight_GCW[..., w, None]
     state_BGCW.copy_(xp_BGCS[..., T:])
     return F.silu(y_BGCT)
