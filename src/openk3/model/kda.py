@@ -190,9 +190,9 @@ class KimiDeltaAttention(nn.Module):
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3P[:, :, i].reshape(B, T, H, K) for i in range(3))
         g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1).expand(B, T, H, K)
         dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
-        beta_logits_BTH = self.b_proj(x_BTD)  # in x's dtype: the op reads β in the state's dtype (fp32+)
+        beta_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
         o_BTHK = fused_recurrent_kda_pool(
-            q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, slots.recurrent, A_log=self.A_log[:H],
+            q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_BTH, slots.recurrent, A_log=self.A_log[:H],
             dt_bias=dt_bias, lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True,
         )  # fmt: skip
         return self._output(x_BTD, o_BTHK)
