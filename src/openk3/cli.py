@@ -216,7 +216,7 @@ def _train(args: argparse.Namespace) -> int:
                 print(
                     f"val loss {summary['val_loss']:.4f} nats/token on {summary['val_tokens']:,} val tokens"
                 )
-            if "export" in summary:
+            if "export" in summary and not args.no_sample:
                 _print_sample(args, TrainConfig(**given), summary["export"])
         return 0
     if args.resume:
