@@ -396,3 +396,22 @@ def test_train_draft_refuses_an_out_holding_a_draft_without_resume(tmp_path, cap
     assert main(args) == 2
     assert f"--out {out} already holds a trained draft: pick another --out" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == b"stopped draft"
+
+
+def test_eval_and_train_draft_read_a_distributed_run(tmp_path, capsys):
+    """A torchrun run leaves DCP checkpoints, ``data/{train,val}.bin`` and the export ``final``: ``eval`` and
+    ``train-draft`` given the run folder (or ``RUN/final``) read that run's splits."""
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+    (run / "checkpoints" / "step-000001").rename(run / "final")
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "step-000005").mkdir()
+    (run / "checkpoints" / "step-000005" / "__0_0.distcp").write_bytes(b"")
+    assert main(["eval", "--ckpt", str(run), "--seq-len", "24", "--max-batches", "1"]) == 0
+    assert f"{run / 'data' / 'val.bin'})" in capsys.readouterr().out
+    small = ["--steps", "1", "--batch-size", "2", "--seq-len", "24", "--ttt-steps", "2"]
+    assert main(["train-draft", "--target", str(run / "final"), *small]) == 0
+    assert f"draft saved to {run / 'draft-lk'}" in capsys.readouterr().out
+    assert main(["eval", "--ckpt", str(run), "--draft", str(run / "draft-lk"), "--seq-len", "24", "--max-batches", "1"]) == 0  # fmt: skip
+    assert "acceptance rate by draft depth: 1: " in capsys.readouterr().out

@@ -447,17 +447,20 @@ def _eval_split(folder: Path, data: str | None) -> Path:
     """The data ``openk3 eval`` reads: ``--data`` (a ``.bin`` split, a folder holding ``val.bin``, or text
     to tokenize: any other file, folder or glob), else the ``data/val.bin`` of the run that holds checkpoint
     ``folder``. Raises ``FileNotFoundError`` saying what to pass instead."""
+    from openk3.checkpoint.io import run_folder
+
     hint = (
         "pass --data path/to/val.bin (a token split written by `openk3 train` into RUN/data/), or an image-text "
         "JSONL for a vision model"
     )
     if data is None:
-        if folder.parent.name != "checkpoints":
+        run = run_folder(folder)
+        if run is None:
             raise FileNotFoundError(
-                f"checkpoint {folder} is not inside a run folder (RUN/checkpoints/step-*), so there is no run "
-                f"val split to default to: {hint}"
+                f"checkpoint {folder} is not inside a run folder (RUN/checkpoints/step-* or RUN/final), so there "
+                f"is no run val split to default to: {hint}"
             )
-        path = folder.parent.parent / "data" / "val.bin"
+        path = run / "data" / "val.bin"
         if not path.is_file():
             raise FileNotFoundError(f"the run of checkpoint {folder} has no {path} (deleted?): {hint}")
         return path
@@ -481,12 +484,14 @@ def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
 def _image_text_split(folder: Path, data: str | None) -> Path | None:
     """The image-text JSONL ``openk3 eval`` reads, or ``None`` for token data: ``--data`` when it is one (or a
     folder holding ``val.jsonl`` and no ``val.bin``), else the ``data/val.jsonl`` a vision run wrote."""
+    from openk3.checkpoint.io import run_folder
     from openk3.data.image_text import is_image_text_jsonl
 
     if data is None:
-        if folder.parent.name != "checkpoints":
+        run = run_folder(folder)
+        if run is None:
             return None
-        path = folder.parent.parent / "data"
+        path = run / "data"
     else:
         path = Path(data)
     if path.is_dir() and (path / "val.jsonl").is_file() and not (path / "val.bin").is_file():
