@@ -496,17 +496,26 @@ def _image_text_split(folder: Path, data: str | None) -> Path | None:
         path = Path(data)
     if path.is_dir() and (path / "val.jsonl").is_file() and not (path / "val.bin").is_file():
         path = path / "val.jsonl"
+        if not path.read_text(encoding="utf-8").strip():
+            raise ValueError(f"the val split {path} is empty (no image-text rows): pass --data PAIRS.jsonl")
     return path if is_image_text_jsonl(str(path)) else None
 
 
 def _evaluate_image_text(args: argparse.Namespace, folder: Path, pairs: Path) -> int:
     from openk3.train.image_text import evaluate_image_text
 
+    if not json.loads((folder / "config.json").read_text()).get("vision_config"):
+        raise ValueError(
+            f"{pairs} is image-text pairs, which need a model with a vision tower; {folder} has none (its "
+            "config.json has no vision_config): pass --data a token split or text for it"
+        )
     given = [flag for flag, v in (("--needle", args.needle), ("--draft", args.draft), ("--seq-len", args.seq_len),
              ("--max-batches", args.max_batches)) if v]  # fmt: skip
     if given:
+        one = len(given) == 1
         raise ValueError(
-            f"{', '.join(given)} read token data; {pairs} is image-text pairs, evaluated whole (leave them out)"
+            f"{', '.join(given)} {'is' if one else 'are'} for token data only; {pairs} is image-text pairs, "
+            f"evaluated whole: leave {'it' if one else 'them'} out"
         )
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     r = evaluate_image_text(model, tokenizer, pairs, args.batch_size or DEFAULT_EVAL_BATCH_SIZE)
