@@ -370,3 +370,24 @@ def test_a_distributed_run_folder_is_read_through_its_final_export(lone, tmp_pat
         latest_checkpoint(run)
     (run / "final").symlink_to(lone / "ckpt")
     assert latest_checkpoint(run) == run / "final"
+
+
+def test_a_distributed_run_prints_its_sample_unless_no_sample(monkeypatch, tmp_path, capsys):
+    """Rank 0 of a finished torchrun run samples from ``OUT/final`` after the summary, and ``--no-sample``
+    skips that (it crashed on a ``None`` prompt after the run had succeeded)."""
+    import openk3.cli as cli
+    import openk3.dist.train
+
+    out = tmp_path / "cp2"
+    summary = {"rank": 0, "step": 5, "loss": 5.0, "checkpoint": str(out / "checkpoints" / "step-000005"),
+               "val_loss": 5.1, "val_tokens": 1024, "export": str(out / "final")}  # fmt: skip
+    monkeypatch.setattr(openk3.dist.train, "train_distributed", lambda *a, **k: summary)
+    samples = []
+    monkeypatch.setattr(
+        cli, "_print_sample", lambda args, config, ckpt: samples.append((config.sample_prompt, ckpt))
+    )
+    argv = ["train", "--cp", "2", "--steps", "5", "--eval-every", "5", "--batch-size", "4", "--out", str(out)]
+    assert main([*argv, "--no-sample"]) == 0
+    assert samples == [] and "val loss 5.1000 nats/token" in capsys.readouterr().out
+    assert main(argv) == 0
+    assert len(samples) == 1 and samples[0][0] and samples[0][1] == str(out / "final")

@@ -371,3 +371,47 @@ def test_train_draft_on_a_vision_run_says_why_not(tmp_path, capsys):
         and err.count("\n") == 1
     )
     assert "speculative decoding drafts text only" in err and not (run / "draft-lk").exists()
+
+
+def test_train_draft_refuses_an_out_holding_a_draft_without_resume(tmp_path, capsys):
+    """A fresh run into a folder with a stopped draft (train_state.pt) or a finished one (model.safetensors)
+    would overwrite it: one line says how to continue it or to pick another --out, and nothing is touched."""
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+    out = tmp_path / "draft"
+    out.mkdir()
+    settings = {"loss": "lk", "data": "corpus", "steps": 300, "batch_size": 2, "seq_len": 24, "ttt_steps": 2,
+                "lr": 1e-3, "gen_windows": 64, "seed": 0}  # fmt: skip
+    torch.save({"step": 33, "optimizer": {}, "settings": settings}, out / "train_state.pt")
+    (out / "model.safetensors").write_bytes(b"stopped draft")
+    args = ["train-draft", "--target", str(run), "--out", str(out), "--steps", "2", "--batch-size", "4", "--seq-len", "64"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--out {out} holds a train-draft stopped at step 33: continue it with `openk3 train-draft" in err
+    assert "--steps 300 --batch-size 2 --seq-len 24" in err and "--resume`, or pick another --out" in err
+    assert (out / "train_state.pt").is_file() and (out / "model.safetensors").read_bytes() == b"stopped draft"
+    (out / "train_state.pt").unlink()  # a finished draft
+    assert main(args) == 2
+    assert f"--out {out} already holds a trained draft: pick another --out" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == b"stopped draft"
+
+
+def test_eval_and_train_draft_read_a_distributed_run(tmp_path, capsys):
+    """A torchrun run leaves DCP checkpoints, ``data/{train,val}.bin`` and the export ``final``: ``eval`` and
+    ``train-draft`` given the run folder (or ``RUN/final``) read that run's splits."""
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+    (run / "checkpoints" / "step-000001").rename(run / "final")
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "step-000005").mkdir()
+    (run / "checkpoints" / "step-000005" / "__0_0.distcp").write_bytes(b"")
+    assert main(["eval", "--ckpt", str(run), "--seq-len", "24", "--max-batches", "1"]) == 0
+    assert f"{run / 'data' / 'val.bin'})" in capsys.readouterr().out
+    small = ["--steps", "1", "--batch-size", "2", "--seq-len", "24", "--ttt-steps", "2"]
+    assert main(["train-draft", "--target", str(run / "final"), *small]) == 0
+    assert f"draft saved to {run / 'draft-lk'}" in capsys.readouterr().out
+    assert main(["eval", "--ckpt", str(run), "--draft", str(run / "draft-lk"), "--seq-len", "24", "--max-batches", "1"]) == 0  # fmt: skip
+    assert "acceptance rate by draft depth: 1: " in capsys.readouterr().out

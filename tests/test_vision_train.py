@@ -153,7 +153,7 @@ def test_eval_reads_a_vision_runs_heldout_pairs(shapes, tmp_path, capsys):
     assert main(["eval", "--ckpt", str(run), "--data", str(shapes), "--batch-size", "7"]) == 0
     assert "on 48 images" in capsys.readouterr().out
     assert main(["eval", "--ckpt", str(run), "--seq-len", "64"]) == 2
-    assert "--seq-len read token data" in capsys.readouterr().err
+    assert "--seq-len is for token data only; " in capsys.readouterr().err
 
 
 def test_a_text_preset_cannot_train_on_images(shapes, tmp_path, capsys):
@@ -170,3 +170,37 @@ def test_a_text_preset_cannot_train_on_images(shapes, tmp_path, capsys):
     ]
     assert main(args) != 0
     assert "has no vision tower" in capsys.readouterr().err
+
+
+def test_eval_of_pairs_names_the_real_problem(shapes, tmp_path, capsys):
+    """Image-text pairs on a model without a vision tower: the error says so (not that a flag is wrong);
+    flags for token data on a vision model are named in plain English; an empty ``data/val.jsonl`` of a vision
+    run is called empty (not a deleted val.bin)."""
+    text_ckpt = tmp_path / "k3-tiny"
+    openk3.save_pretrained(openk3.build_model(get_preset("k3-tiny"), seed=0), text_ckpt)
+    assert main(["eval", "--ckpt", str(text_ckpt), "--data", str(shapes), "--max-batches", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{shapes} is image-text pairs, which need a model with a vision tower; {text_ckpt} has none" in err
+    )
+    assert "--max-batches" not in err
+    run = tmp_path / "run"
+    openk3.save_pretrained(
+        openk3.build_model(get_preset("k3-vision-tiny"), seed=0), run / "checkpoints" / "step-000001"
+    )
+    (run / "checkpoints" / "latest").write_text("step-000001\n")
+    argv = ["eval", "--ckpt", str(run), "--data", str(shapes), "--seq-len", "64", "--max-batches", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--seq-len, --max-batches are for token data only; " in err
+        and "evaluated whole: leave them out" in err
+    )
+    (run / "data").mkdir()
+    (run / "data" / "val.jsonl").write_text("")
+    assert main(["eval", "--ckpt", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"the val split {run / 'data' / 'val.jsonl'} is empty (no image-text rows)" in err
+        and "deleted" not in err
+    )

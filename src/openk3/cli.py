@@ -216,7 +216,7 @@ def _train(args: argparse.Namespace) -> int:
                 print(
                     f"val loss {summary['val_loss']:.4f} nats/token on {summary['val_tokens']:,} val tokens"
                 )
-            if "export" in summary:
+            if "export" in summary and not args.no_sample:
                 _print_sample(args, TrainConfig(**given), summary["export"])
         return 0
     if args.resume:
@@ -447,17 +447,20 @@ def _eval_split(folder: Path, data: str | None) -> Path:
     """The data ``openk3 eval`` reads: ``--data`` (a ``.bin`` split, a folder holding ``val.bin``, or text
     to tokenize: any other file, folder or glob), else the ``data/val.bin`` of the run that holds checkpoint
     ``folder``. Raises ``FileNotFoundError`` saying what to pass instead."""
+    from openk3.checkpoint.io import run_folder
+
     hint = (
         "pass --data path/to/val.bin (a token split written by `openk3 train` into RUN/data/), or an image-text "
         "JSONL for a vision model"
     )
     if data is None:
-        if folder.parent.name != "checkpoints":
+        run = run_folder(folder)
+        if run is None:
             raise FileNotFoundError(
-                f"checkpoint {folder} is not inside a run folder (RUN/checkpoints/step-*), so there is no run "
-                f"val split to default to: {hint}"
+                f"checkpoint {folder} is not inside a run folder (RUN/checkpoints/step-* or RUN/final), so there "
+                f"is no run val split to default to: {hint}"
             )
-        path = folder.parent.parent / "data" / "val.bin"
+        path = run / "data" / "val.bin"
         if not path.is_file():
             raise FileNotFoundError(f"the run of checkpoint {folder} has no {path} (deleted?): {hint}")
         return path
@@ -481,27 +484,38 @@ def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
 def _image_text_split(folder: Path, data: str | None) -> Path | None:
     """The image-text JSONL ``openk3 eval`` reads, or ``None`` for token data: ``--data`` when it is one (or a
     folder holding ``val.jsonl`` and no ``val.bin``), else the ``data/val.jsonl`` a vision run wrote."""
+    from openk3.checkpoint.io import run_folder
     from openk3.data.image_text import is_image_text_jsonl
 
     if data is None:
-        if folder.parent.name != "checkpoints":
+        run = run_folder(folder)
+        if run is None:
             return None
-        path = folder.parent.parent / "data"
+        path = run / "data"
     else:
         path = Path(data)
     if path.is_dir() and (path / "val.jsonl").is_file() and not (path / "val.bin").is_file():
         path = path / "val.jsonl"
+        if not path.read_text(encoding="utf-8").strip():
+            raise ValueError(f"the val split {path} is empty (no image-text rows): pass --data PAIRS.jsonl")
     return path if is_image_text_jsonl(str(path)) else None
 
 
 def _evaluate_image_text(args: argparse.Namespace, folder: Path, pairs: Path) -> int:
     from openk3.train.image_text import evaluate_image_text
 
+    if not json.loads((folder / "config.json").read_text()).get("vision_config"):
+        raise ValueError(
+            f"{pairs} is image-text pairs, which need a model with a vision tower; {folder} has none (its "
+            "config.json has no vision_config): pass --data a token split or text for it"
+        )
     given = [flag for flag, v in (("--needle", args.needle), ("--draft", args.draft), ("--seq-len", args.seq_len),
              ("--max-batches", args.max_batches)) if v]  # fmt: skip
     if given:
+        one = len(given) == 1
         raise ValueError(
-            f"{', '.join(given)} read token data; {pairs} is image-text pairs, evaluated whole (leave them out)"
+            f"{', '.join(given)} {'is' if one else 'are'} for token data only; {pairs} is image-text pairs, "
+            f"evaluated whole: leave {'it' if one else 'them'} out"
         )
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     r = evaluate_image_text(model, tokenizer, pairs, args.batch_size or DEFAULT_EVAL_BATCH_SIZE)

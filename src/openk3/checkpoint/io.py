@@ -523,3 +523,14 @@ def from_pretrained(
     if str(device) != "meta":  # official name → shard file, which save_pretrained keeps
         model.weight_map = {name: os.path.relpath(f, path) for name, f in _checkpoint_files(path).items()}
     return model
+
+
+def run_folder(ckpt: Path) -> Path | None:
+    """The training run folder that holds model folder ``ckpt``: ``RUN`` for ``RUN/checkpoints/step-*`` (an
+    ``openk3 train`` checkpoint) and for ``RUN/final`` beside ``RUN/data`` or ``RUN/checkpoints`` (the export of
+    a distributed run); ``None`` for a model folder outside a run. Its splits are ``RUN/data/{train,val}.bin``."""
+    if ckpt.parent.name == "checkpoints":
+        return ckpt.parent.parent
+    if ckpt.name == "final" and any((ckpt.parent / name).is_dir() for name in ("data", "checkpoints")):
+        return ckpt.parent
+    return None

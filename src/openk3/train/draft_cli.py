@@ -76,8 +76,11 @@ def add_draft_parser(sub) -> None:
 
 
 def _run_split(folder: Path, name: str) -> Path:
-    path = folder.parent.parent / "data" / f"{name}.bin"
-    if folder.parent.name == "checkpoints" and path.is_file():
+    from openk3.checkpoint.io import run_folder
+
+    run = run_folder(folder)
+    path = (folder.parent.parent if run is None else run) / "data" / f"{name}.bin"
+    if run is not None and path.is_file():
         return path
     config = folder / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("vision_config"):
@@ -180,9 +183,10 @@ def _train_draft(args: argparse.Namespace) -> int:
             f"--seq-len must be at least {GEN_PROMPT_TOKENS + args.ttt_steps + 2}, got {args.seq_len}"
         )
     folder = latest_checkpoint(args.target)
-    dataset = TokenDataset(_run_split(folder, "train"))
-    out = Path(args.out) if args.out else folder.parent.parent / f"draft-{args.loss}"
-    state = _load_resume_state(out, args) if args.resume else None
+    split = _run_split(folder, "train")  # RUN/data/train.bin
+    dataset = TokenDataset(split)
+    out = Path(args.out) if args.out else split.parents[1] / f"draft-{args.loss}"
+    state = _load_resume_state(out, args) if args.resume else _check_out_free(out, args)
     model = from_pretrained(folder, device=args.device).eval()
     lm = getattr(model, "language_model", model)
     cfg = lm.config
@@ -240,6 +244,22 @@ def _train_draft(args: argparse.Namespace) -> int:
     print(f"trained {args.steps} steps in {result.seconds:.0f} s; draft saved to {out}")
     print(f"acceptance: openk3 eval --ckpt {args.target} --draft {out}")
     return 0
+
+
+def _check_out_free(out: Path, args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` when ``out`` already holds a draft (stopped or finished) and ``--resume`` is not
+    given: a fresh run would overwrite it. Returns ``None`` (no resume state)."""
+    import torch
+
+    if (out / RESUME_STATE).is_file():
+        state = torch.load(out / RESUME_STATE, map_location="cpu", weights_only=True)
+        ran = argparse.Namespace(**{**vars(args), **state["settings"]})  # the options it ran with
+        raise ValueError(
+            f"--out {out} holds a train-draft stopped at step {state['step']}: continue it with "
+            f"`{_resume_line(ran, out)}`, or pick another --out"
+        )
+    if (out / "model.safetensors").is_file():
+        raise ValueError(f"--out {out} already holds a trained draft: pick another --out (or delete {out})")
 
 
 def _load_resume_state(out: Path, args: argparse.Namespace) -> dict:
