@@ -295,6 +295,21 @@ def test_chat_refuses_a_fifo_and_keeps_serving(server):
     assert chat(server, [{"type": "image_url", "image_url": {"url": "red.png"}}]).choices[0].message.content
 
 
+@pytest.mark.parametrize("kind, match", [("missing", "does not exist"), ("file", "is not a folder")])
+def test_serve_refuses_a_media_folder_that_is_not_one_at_startup(tmp_path, capsys, kind, match):
+    """``openk3 serve --allowed-local-media-path`` names a missing path or a file in one line before loading."""
+    from openk3.cli import main
+
+    path = tmp_path / "media"
+    if kind == "file":
+        path.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--ckpt", str(tmp_path / "none"), "--allowed-local-media-path", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument --allowed-local-media-path: {str(path)!r} {match}: give the folder" in err
+
+
 def test_media_inputs_digest_tells_images_apart(model):
     vision = model.config.vision_config
     a, b = pack_images([picture()], vision), pack_images([picture((0, 0, 255))], vision)
