@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import threading
 
 import openai
 import pytest
@@ -103,6 +105,60 @@ def test_relative_local_images_resolve_inside_the_allowed_folder(tmp_path):
         load_image("sub/none.png", allowed_dir=str(root))
     with pytest.raises(ValueError, match="outside the allowed media folder"):
         load_image("sub/a.png", allowed_dir="")
+
+
+def load_in_a_thread(source, allowed_dir, timeout=10.0):
+    """``load_image`` on a daemon thread: ``("ok", image)``, ``("error", ValueError)`` or ``("hung", None)``."""
+    out = []
+
+    def run():
+        try:
+            out.append(("ok", load_image(source, allowed_dir=allowed_dir)))
+        except ValueError as e:
+            out.append(("error", e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return out[0] if out else ("hung", None)
+
+
+def test_a_fifo_or_folder_in_the_media_folder_is_refused_without_blocking(tmp_path):
+    """A FIFO is never opened for a blocking read (it would stall the tokenizer thread, and with it every later
+    request); it and a folder are named as not regular files."""
+    (tmp_path / "cats").mkdir()
+    fifo = tmp_path / "cats" / "fifo.png"
+    os.mkfifo(fifo)
+    try:
+        kind, value = load_in_a_thread("cats/fifo.png", str(tmp_path))
+    finally:  # release a reader stuck in open() so a failing run does not leave the thread behind
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert kind == "error", kind
+    assert str(value) == "cannot read image 'cats/fifo.png': not a regular file"
+    with pytest.raises(ValueError, match="'cats': not a regular file"):
+        load_image("cats", allowed_dir=str(tmp_path))
+
+
+def test_file_url_with_localhost_is_an_absolute_path(tmp_path):
+    """RFC 8089: ``file://localhost/p`` names ``/p`` on this machine, like ``file:///p``."""
+    (tmp_path / "cats").mkdir()
+    picture().save(tmp_path / "cats" / "1.png")
+    for url in (f"file://localhost{tmp_path}/cats/1.png", f"file://{tmp_path}/cats/1.png"):
+        assert load_image(url, allowed_dir=str(tmp_path)).size == (70, 42), url
+        assert load_image(url).size == (70, 42), url
+
+
+def test_unreadable_image_errors_name_the_source_not_a_buffer(tmp_path):
+    (tmp_path / "junk.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError) as e:
+        load_image("junk.png", allowed_dir=str(tmp_path))
+    assert str(e.value) == "'junk.png' is not an image Pillow can read (unknown format)"
+    with pytest.raises(ValueError) as e:
+        load_image("data:image/png;base64," + base64.b64encode(b"not a png").decode())
+    assert str(e.value) == "the data URL is not an image Pillow can read (unknown format)"
 
 
 def test_too_large_image_is_refused(model):
@@ -225,6 +281,33 @@ def test_chat_refuses_images_it_cannot_take(server, url, match):
     with pytest.raises(openai.BadRequestError, match=match) as e:
         chat(server, [{"type": "image_url", "image_url": {"url": url}}])
     assert e.value.body["param"] == "messages.0.content.0.image_url"
+
+
+def test_chat_refuses_a_fifo_and_keeps_serving(server):
+    """A FIFO in the media folder is a 400 naming it, and the server still answers the next image request."""
+    fifo = server.media_dir / "fifo.png"
+    os.mkfifo(fifo)
+    try:
+        with pytest.raises(openai.BadRequestError, match="'fifo.png': not a regular file"):
+            chat(server, [{"type": "image_url", "image_url": {"url": "fifo.png"}}])
+    finally:
+        fifo.unlink()
+    assert chat(server, [{"type": "image_url", "image_url": {"url": "red.png"}}]).choices[0].message.content
+
+
+@pytest.mark.parametrize("kind, match", [("missing", "does not exist"), ("file", "is not a folder")])
+def test_serve_refuses_a_media_folder_that_is_not_one_at_startup(tmp_path, capsys, kind, match):
+    """``openk3 serve --allowed-local-media-path`` names a missing path or a file in one line before loading."""
+    from openk3.cli import main
+
+    path = tmp_path / "media"
+    if kind == "file":
+        path.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--ckpt", str(tmp_path / "none"), "--allowed-local-media-path", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument --allowed-local-media-path: {str(path)!r} {match}: give the folder" in err
 
 
 def test_media_inputs_digest_tells_images_apart(model):

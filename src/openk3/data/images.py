@@ -18,6 +18,7 @@ import binascii
 import hashlib
 import io
 import os
+import stat
 from dataclasses import dataclass, field
 
 import torch
@@ -32,8 +33,9 @@ def load_image(source: str, allowed_dir: str | None = None):
     """A Pillow RGB image from ``source``: a ``data:image/...;base64,...`` URL, a ``file://`` URL or a local
     path. ``allowed_dir``: when set, a relative path is taken inside it and a local file must lie inside it
     once symlinks and ``..`` are resolved (the server's rule); ``""`` refuses local files; ``None`` reads
-    any path (relative to the working folder). Raises ``ValueError`` naming the problem (a web URL: nothing is downloaded; a missing or
-    unreadable file; data that is not an image)."""
+    any path (relative to the working folder); ``file://localhost/p`` is ``/p`` (RFC 8089). Raises
+    ``ValueError`` naming the problem and the source (a web URL: nothing is downloaded; a missing or
+    unreadable file, or one that is not a regular file, such as a FIFO; data that is not an image)."""
     from PIL import Image, UnidentifiedImageError
 
     if source.startswith("data:"):
@@ -49,6 +51,8 @@ def load_image(source: str, allowed_dir: str | None = None):
         raise ValueError(f"{source[:60]!r}: images are not downloaded; pass a data: URL or a local file")
     else:
         path = source.removeprefix("file://")
+        if source.startswith("file://localhost/"):
+            path = source.removeprefix("file://localhost")  # RFC 8089: "localhost" is this machine
         if allowed_dir:
             path = os.path.join(allowed_dir, path)  # an absolute path stays as it is
         path = os.path.realpath(path)
@@ -56,18 +60,34 @@ def load_image(source: str, allowed_dir: str | None = None):
             root = os.path.realpath(allowed_dir) if allowed_dir else None
             if root is None or os.path.commonpath([root, path]) != root:
                 raise ValueError(f"local image {source!r} is outside the allowed media folder")
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read image {source!r}: {e.strerror or e}") from None
-        what = source
+        raw = _read_regular_file(path, source)
+        what = repr(source)
     try:
         image = Image.open(io.BytesIO(raw))
         image.load()
-    except (UnidentifiedImageError, OSError) as e:
+    except UnidentifiedImageError:
+        raise ValueError(f"{what} is not an image Pillow can read (unknown format)") from None
+    except OSError as e:
         raise ValueError(f"{what} is not an image Pillow can read: {e}") from None
     return image.convert("RGB")
+
+
+def _read_regular_file(path: str, source: str) -> bytes:
+    """The bytes of the regular file ``path`` (``source``: the name the error gives). It is opened without
+    blocking and checked with ``fstat`` before it is read, so a FIFO, device or folder is refused at once
+    rather than stalling the reader; raises ``ValueError`` naming ``source``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ValueError(f"cannot read image {source!r}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"cannot read image {source!r}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read image {source!r}: {e.strerror or e}") from None
 
 
 def image_patches(image, config: KimiK3VisionConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:

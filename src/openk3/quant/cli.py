@@ -39,18 +39,48 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def check_out_folder(ckpt: Path, out: str | os.PathLike) -> None:
+    """Raise ``ValueError`` when ``out`` is the checkpoint folder ``ckpt`` being packed, or lies inside a training
+    run's ``checkpoints`` folder (one holding ``latest``, or beside the run's ``train_config.json`` /
+    ``metrics.jsonl``): packing would replace a run's dense experts in place, text and vision runs alike."""
+    target = Path(os.path.realpath(out))
+    if target == Path(os.path.realpath(ckpt)):
+        raise ValueError(
+            f"--out {out} is the --ckpt checkpoint itself; refusing to replace it: write the packed model to "
+            "another folder"
+        )
+    for parent in target.parents:
+        if parent.name == "checkpoints" and (
+            (parent / "latest").is_file()
+            or any((parent.parent / name).is_file() for name in ("train_config.json", "metrics.jsonl"))
+        ):
+            raise ValueError(
+                f"--out {out} is inside the training run's checkpoints folder {parent}; refusing to write "
+                "there: write the packed model to another folder"
+            )
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Load ``--ckpt`` (a model folder or a run's latest checkpoint), pack its experts under the scheme of
     ``--activations`` and write the compressed-tensors layout to ``--out`` with the checkpoint's tokenizer;
-    print the bytes written and what they hold."""
+    print the bytes written and what they hold. Raises ``ValueError`` (before loading) for an ``--out`` that
+    :func:`check_out_folder` refuses, and for a model already packed or without routed experts."""
     from openk3.accounting import checkpoint_bytes
     from openk3.checkpoint import from_pretrained, save_pretrained
+    from openk3.checkpoint.io import latest_checkpoint
+    from openk3.model.moe import RoutedExperts
     from openk3.quant.experts import pack_experts
     from openk3.quant.scheme import ExpertScheme, expert_scheme
 
-    model = from_pretrained(args.ckpt)
+    ckpt = latest_checkpoint(args.ckpt)
+    check_out_folder(ckpt, args.out)
+    model = from_pretrained(ckpt)
     if expert_scheme(model.config) is not None:
         raise ValueError(f"{model.name_or_path} already holds MXFP4 experts: nothing to pack")
+    if not any(isinstance(m, RoutedExperts) for m in model.modules()):
+        raise ValueError(
+            f"{model.name_or_path} has no routed experts (a dense model): nothing to pack in MXFP4"
+        )
     release = checkpoint_bytes(model.config)["mxfp4"]
     pack_experts(model, ExpertScheme(activations=None if args.activations == "bf16" else args.activations))
     save_pretrained(model, args.out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
@@ -16,6 +17,18 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"invalid port {port}: must be in 1..65535 (or 0 for any free port)")
     return port
+
+
+def media_folder(text: str) -> str:
+    """``--allowed-local-media-path``: an existing folder; raises ``argparse.ArgumentTypeError`` (at startup,
+    before the model loads) for a missing path or a file."""
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} does not exist: give the folder chat requests may read images from"
+        )
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder: give the folder holding the image files")
+    return text
 
 
 SERVER_MODULES = {
@@ -124,6 +137,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--allowed-local-media-path",
         dest="allowed_local_media_path",
+        type=media_folder,
         help="folder whose image files chat requests may name in image_url (default: only data: URLs)",
     )
     g = p.add_argument_group("cache")

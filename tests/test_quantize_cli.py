@@ -1,0 +1,74 @@
+"""``openk3 quantize`` refusals: it never packs a training run's checkpoint in place (text or vision), and it
+names a model without routed experts instead of writing a quantization_config for nothing."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+import openk3
+from openk3.cli import main
+from openk3.presets import dense_baseline, k3_shaped
+from openk3.quant.scheme import expert_scheme
+from vision_tiny import tiny_config
+
+VOCAB = 512
+
+
+def digest(folder) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()
+    }
+
+
+@pytest.fixture
+def vision_run(tmp_path):
+    """A run folder as ``openk3 train-vision`` leaves it: checkpoints/step-000006 (no trainer_state.pt),
+    checkpoints/latest and metrics.jsonl."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step-000006"
+    model = openk3.build_model(tiny_config(vocab_size=VOCAB, placeholder=VOCAB - 1), seed=0)
+    openk3.save_pretrained(model, ckpt, tokenizer=None)
+    (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    return run, ckpt
+
+
+def test_quantize_refuses_to_replace_a_vision_checkpoint(vision_run, capsys):
+    run, ckpt = vision_run
+    before = digest(ckpt)
+    for src, out, says in [
+        (ckpt, ckpt, "is the --ckpt checkpoint itself; refusing to replace it"),
+        (run, ckpt, "is the --ckpt checkpoint itself; refusing to replace it"),
+        (ckpt, run / "checkpoints" / "step-000007", "is inside the training run's checkpoints folder"),
+    ]:
+        assert main(["quantize", "--ckpt", str(src), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"--out {out} {says}" in err, err
+    assert digest(ckpt) == before
+    assert not (run / "checkpoints" / "step-000007").exists()
+
+
+def test_quantize_writes_a_vision_checkpoint_outside_the_run(vision_run, tmp_path, capsys):
+    """The guard is about run folders, not names: a ``checkpoints`` folder of one's own takes the output."""
+    run, ckpt = vision_run
+    before = digest(ckpt)
+    out = tmp_path / "mine" / "checkpoints" / "packed"
+    assert main(["quantize", "--ckpt", str(run), "--out", str(out)]) == 0
+    assert "routed experts in MXFP4" in capsys.readouterr().out
+    packed = openk3.from_pretrained(out)
+    assert expert_scheme(packed.config) is not None
+    assert packed.config.vision_config is not None
+    assert digest(ckpt) == before
+
+
+def test_quantize_refuses_a_model_without_routed_experts(tmp_path, capsys):
+    src = tmp_path / "dense"
+    openk3.save_pretrained(
+        openk3.build_model(dense_baseline(k3_shaped(4, vocab_size=VOCAB)), seed=0), src, tokenizer=None
+    )
+    assert main(["quantize", "--ckpt", str(src), "--out", str(tmp_path / "packed")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("has no routed experts (a dense model): nothing to pack in MXFP4"), err
+    assert not (tmp_path / "packed").exists()
