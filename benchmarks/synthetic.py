@@ -241,12 +241,12 @@ def run_grid(
                 flush=True,
             )
             header["wall_s"] = time.perf_counter() - start
-            path.write_text(json.dumps({**header, "cells": results}, indent=1) + "\n")
+            path.write_text(json.dumps({**header, "cells": results}, indent=1, allow_nan=False) + "\n")
     skipped = len(cells) - len(results)
     if skipped:
         print(f"budget of {budget_s:g} s spent: {skipped} of {len(cells)} cells not started", flush=True)
     header["wall_s"] = time.perf_counter() - start
-    path.write_text(json.dumps({**header, "cells": results}, indent=1) + "\n")
+    path.write_text(json.dumps({**header, "cells": results}, indent=1, allow_nan=False) + "\n")
     render(path)
     return path
 
@@ -268,7 +268,7 @@ def merge(paths: list[Path], out: Path) -> Path:
         "cells": list(cells.values()),
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merged, indent=1) + "\n")
+    out.write_text(json.dumps(merged, indent=1, allow_nan=False) + "\n")
     render(out)
     return out
 

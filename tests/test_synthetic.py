@@ -199,7 +199,8 @@ def test_cli_runs_one_cell_and_writes_its_json(tmp_path, capsys):
     assert main([*args, "--extrapolate", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("step ") == 3 and "stack / decay / 40 tokens / 2 items / seed 0" in printed
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"bare {name} in the JSON"))
+    assert result["curve"][0]["train_loss"] is None and result["curve"][1]["train_loss"] > 0
     assert [p["step"] for p in result["curve"]] == [0, 1, 2] and list(result["extrapolation"]) == ["80"]
     with pytest.raises(SystemExit):
         main(["synthetic", "--task", "stack", "--mixer", "rwkv"])

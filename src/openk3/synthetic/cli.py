@@ -139,6 +139,6 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
         print(f"  at {length} tokens ({config.items} items): accuracy {scores['accuracy']:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f, indent=1, allow_nan=False)
             f.write("\n")
     return 0
