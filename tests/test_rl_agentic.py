@@ -292,3 +292,17 @@ def test_a_step_whose_rollouts_are_all_dropped_logs_the_first_reason(caplog):
     assert stats["dropped_rollouts"] == 4.0
     assert "all of 4 rollouts dropped" in caplog.text and "failed: no room" in caplog.text
     rollout.release()
+
+
+def test_the_agentic_snippet_of_the_docs_runs_over_the_test_double(capsys):
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "post_training.md").read_text()
+    section = docs.split("## Agentic tasks", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    server = 'E2BSandboxes(E2BConnection("http://127.0.0.1:3000", "my-key"))'
+    assert server in code
+    namespace = {"HostDirSandboxesDouble": HostDirSandboxesDouble}
+    exec(code.replace(server, "HostDirSandboxesDouble()"), namespace)  # the docs' own code, one line swapped
+    assert namespace["stats"]["dropped_rollouts"] == 0.0 and len(namespace["trajs"]) == 4
+    assert "'reward'" in capsys.readouterr().out
