@@ -31,7 +31,7 @@ from openk3.rl.harness import TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE, TOOL_RESP
 from openk3.rl.rollout import RolloutEngine, RolloutSampling
 from openk3.rl.sft import sft
 from openk3.rl.step import PolicyTrainer, RLConfig
-from openk3.rl.tool_sandbox import E2BConnection, E2BSandboxes
+from openk3.rl.tool_sandbox import E2BConnection, E2BSandboxes, SandboxServerError
 from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
 
 SUM_CODE = "s=sum(map(int,open('numbers.txt')));open('answer.txt','w').write(str(s))"
@@ -72,6 +72,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--md", type=Path, default=None, help="write the results table here")
     args = ap.parse_args()
+    try:  # an unreachable server is an error now, not a table of nan rewards after SFT
+        connection = E2BConnection(args.sandbox_url, args.api_key)
+        connection.check()
+    except (ValueError, SandboxServerError) as e:
+        ap.error(str(e))
     torch.set_num_threads(1)
     tok = AgentTokenizer()
     model = openk3.build_model(
@@ -84,7 +89,7 @@ def main() -> None:
     engine = RolloutEngine(
         model, cfg, RolloutSampling(1.0, stops, seed=args.seed), sample_vocab_size=tok.vocab_size
     )
-    sandboxes = E2BSandboxes(E2BConnection(args.sandbox_url, args.api_key))
+    sandboxes = E2BSandboxes(connection)
     rollout = AgenticRollout(engine, tok, [SumFile()], sandboxes, AgenticConfig(sandbox_workers=2))
     rng = random.Random(args.seed)
 

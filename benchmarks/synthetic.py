@@ -14,7 +14,8 @@ evaluation and keeps its curve (marked as cut), a cell not started is skipped.
 A grid (:class:`Grid`, presets in :data:`GRIDS`) names every choice; ``docs/synthetic.md`` says why each
 value. ``--shard i/n`` runs the i-th of n contiguous slices of the grid's cell list (the list is seed-major,
 so with n = the number of seeds each shard is one whole seed); ``--cells`` keeps the cells whose id
-``task/mixer/length/seed`` matches one of its shell patterns. ``--merge`` joins shard JSONs of one grid.
+``task/mixer/length/seed`` matches one of its shell patterns. ``--merge`` joins shard JSONs of one grid
+(:func:`merge` says what it refuses; ``--partial`` allows missing shards).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import argparse
 import fnmatch
 import json
 import multiprocessing
+import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -210,6 +213,7 @@ def run_grid(
     header = {
         "grid": name, "preset": asdict(GRIDS[name]), "device": label, "torch": torch.__version__,
         "workers": workers, "commands": [command], "selected": [cell_id(c) for c in cells],
+        "shard": list(shard) if shard else None, "overrides": {"steps": steps},
     }  # fmt: skip
     if device == "cuda":  # compile the Triton kernels once, before the workers share the cache
         run_cell(CellConfig(task="mqar", mixer="kda", seq_len=64, steps=1, eval_every=1, eval_size=4,
@@ -241,34 +245,92 @@ def run_grid(
                 flush=True,
             )
             header["wall_s"] = time.perf_counter() - start
-            path.write_text(json.dumps({**header, "cells": results}, indent=1) + "\n")
+            path.write_text(json.dumps({**header, "cells": results}, indent=1, allow_nan=False) + "\n")
     skipped = len(cells) - len(results)
     if skipped:
         print(f"budget of {budget_s:g} s spent: {skipped} of {len(cells)} cells not started", flush=True)
     header["wall_s"] = time.perf_counter() - start
-    path.write_text(json.dumps({**header, "cells": results}, indent=1) + "\n")
+    path.write_text(json.dumps({**header, "cells": results}, indent=1, allow_nan=False) + "\n")
     render(path)
     return path
 
 
-def merge(paths: list[Path], out: Path) -> Path:
-    """Join the JSONs of shards of one grid into ``out`` (then its table and plots). A cell present in several
-    files is kept from the last. Raises ``ValueError`` when the files are of different grids or devices."""
-    datas = [json.loads(Path(p).read_text()) for p in paths]
-    first = datas[0]
+def _read_shard(path: Path) -> dict:
+    """One JSON that :func:`run_grid` wrote; raises ``ValueError`` naming ``path`` when it cannot be read, is
+    not JSON, is not a grid's JSON or is already a merge."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a grid JSON (not JSON: {e})") from None
+    if not isinstance(data, dict) or not {"grid", "device", "cells", "selected", "commands"} <= data.keys():
+        raise ValueError(f"{path} is not a grid JSON written by benchmarks/synthetic.py")
+    if isinstance(data.get("wall_s"), list):
+        raise ValueError(f"{path} is not a shard: it is already a merge (pass the shard JSONs it came from)")
+    return data
+
+
+def _shard_of(data: dict) -> tuple[int, int]:
+    """``(i, n)`` of a shard JSON (from its command line for files written before ``shard`` was recorded);
+    ``(1, 1)`` for a run of the whole grid."""
+    if data.get("shard"):
+        return tuple(data["shard"])
+    found = re.search(r"--shard (\d+)/(\d+)", data["commands"][0])
+    return (int(found[1]), int(found[2])) if found else (1, 1)
+
+
+def _overrides_of(data: dict) -> dict:
+    """The command-line values that replaced the preset's (``steps``), from the command line for older files."""
+    if "overrides" in data:
+        return data["overrides"]
+    found = re.search(r"--steps (\d+)", data["commands"][0])
+    return {"steps": int(found[1]) if found else None}
+
+
+def merge(paths: list[Path], out: Path, partial: bool = False) -> Path:
+    """Join the JSONs of shards of one grid into ``out`` (then its table and plots). A shard present in
+    several files (a rerun, e.g. with ``--cells``) keeps each cell from the last file that has it.
+
+    Raises ``ValueError`` naming the file when one cannot be read, is already a merge, is of another grid,
+    device, preset or ``--steps``, or is a shard of another split (``1/2`` with ``1/3``: they overlap); and,
+    unless ``partial``, when shards of the split are missing (with ``partial`` the table names them)."""
+    datas = [_read_shard(p) for p in paths]
+    first, shard0 = datas[0], _shard_of(datas[0])
     for p, d in zip(paths, datas):
         if (d["grid"], d["device"], d.get("preset")) != (first["grid"], first["device"], first.get("preset")):
             raise ValueError(
                 f"{p} is grid {d['grid']!r} on {d['device']}, not {first['grid']!r} on {first['device']}"
+                + (
+                    " (another preset)"
+                    if d["grid"] == first["grid"] and d["device"] == first["device"]
+                    else ""
+                )
             )
+        if _overrides_of(d) != _overrides_of(first):
+            raise ValueError(f"{p} ran with {_overrides_of(d)}, {paths[0]} with {_overrides_of(first)}")
+        if _shard_of(d)[1] != shard0[1]:
+            i, n = _shard_of(d)
+            raise ValueError(
+                f"{p} is shard {i}/{n}, {paths[0]} is shard {shard0[0]}/{shard0[1]}: shards of different "
+                "splits overlap"
+            )
+    n = shard0[1]
+    missing = sorted(set(range(1, n + 1)) - {_shard_of(d)[0] for d in datas})
+    if missing and not partial:
+        raise ValueError(
+            f"shard {', '.join(f'{i}/{n}' for i in missing)} missing: pass its JSON too, or --partial to "
+            "merge without it"
+        )
     cells = {cell_id(r["config"]): r for d in datas for r in d["cells"]}
     merged = {
         **first, "workers": [d["workers"] for d in datas], "commands": [c for d in datas for c in d["commands"]],
-        "selected": [s for d in datas for s in d["selected"]], "wall_s": [d["wall_s"] for d in datas],
-        "cells": list(cells.values()),
+        "selected": list(dict.fromkeys(s for d in datas for s in d["selected"])),
+        "wall_s": [d["wall_s"] for d in datas], "shard": None, "overrides": _overrides_of(first),
+        "missing_shards": [f"{i}/{n}" for i in missing], "cells": list(cells.values()),
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merged, indent=1) + "\n")
+    out.write_text(json.dumps(merged, indent=1, allow_nan=False) + "\n")
     render(out)
     return out
 
@@ -334,6 +396,11 @@ def render(path: Path) -> None:
     missing = sorted(set(selected or []) - {cell_id(r["config"]) for r in cells})
     if missing:
         lines += ["", f"Not run (budget): {', '.join(missing)}."]
+    if data.get("missing_shards"):
+        lines += [
+            "",
+            f"Not merged (missing shards, their cells are not counted): {', '.join(data['missing_shards'])}.",
+        ]
     hybrid = [r for r in cells if r["extrapolation"]]
     if hybrid:
         lines += ["", "Hybrid (3 KDA : 1 MLA) scored beyond its training length, same item count:", ""]
@@ -404,6 +471,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cells", action="append", help="keep cells whose task/mixer/length/seed matches")
     parser.add_argument("--render", help="only redraw the table and plots of this JSON")
     parser.add_argument("--merge", nargs="+", help="join these shard JSONs into synthetic_<device>.json")
+    parser.add_argument(
+        "--partial", action="store_true", help="with --merge: merge even when shards of the split are missing"
+    )
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
@@ -420,8 +490,11 @@ def main(argv: list[str] | None = None) -> None:
         render(Path(args.render))
         return
     if args.merge:
-        first = json.loads(Path(args.merge[0]).read_text())
-        print(merge([Path(p) for p in args.merge], Path(args.out) / f"synthetic_{first['device']}.json"))
+        try:
+            out = Path(args.out) / f"synthetic_{_read_shard(Path(args.merge[0]))['device']}.json"
+            print(merge([Path(p) for p in args.merge], out, args.partial))
+        except ValueError as e:
+            sys.exit(f"synthetic.py --merge: {e}")
         return
     g = GRIDS[args.grid]
     workers = args.workers or g.workers

@@ -241,3 +241,68 @@ def test_policy_trainer_step_on_agentic_rollouts_drops_failed_sandboxes():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     rollout.release()
     assert set(factory.killed) == set(factory.all)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_sandbox_server_is_an_error_up_front():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from openk3.rl.tool_sandbox import E2BConnection, E2BSandboxes, SandboxServerError
+
+    with pytest.raises(ValueError, match="E2BConnection.api_url must be an http"):
+        E2BConnection("not-a-url", "x")
+    url = f"http://127.0.0.1:{_closed_port()}"
+    engine = ScriptedEngine(TOK, no_tool, CALL_END, lambda sandbox_id: "")
+    with pytest.raises(SandboxServerError, match=f"sandbox server at {url} is unreachable"):
+        AgenticRollout(engine, TOK, [SumFile()], E2BSandboxes(E2BConnection(url, "x", request_timeout_s=5)))
+    root = Path(__file__).resolve().parents[1]
+    args = ["--api-key", "x", "--sft-steps", "2", "--rl-steps", "1", "--prompts", "1", "--group", "2"]
+    for bad in (url, "not-a-url"):
+        run = subprocess.run(
+            [sys.executable, str(root / "benchmarks" / "agentic_rl.py"), "--sandbox-url", bad, *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 2 and "sft:" not in run.stdout, run.stdout
+        assert bad in run.stderr.strip().splitlines()[-1] and "Traceback" not in run.stderr
+
+
+def test_a_step_whose_rollouts_are_all_dropped_logs_the_first_reason(caplog):
+    model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=TOK.vocab_size), seed=0)
+    cfg = EngineConfig(
+        CacheConfig(block_size=16, num_blocks=400), SchedulerConfig(max_num_batched_tokens=1024)
+    )
+    sampling = RolloutSampling(1.0, frozenset({TOK.stop_id, CALL_END}), seed=0)
+    engine = RolloutEngine(model, cfg, sampling, sample_vocab_size=TOK.vocab_size)
+    rollout = AgenticRollout(
+        engine, TOK, [SumFile()], HostDirSandboxesDouble(fail_creates=frozenset(range(4)))
+    )
+    trainer = PolicyTrainer(model, rollout, RLConfig(group_size=2, max_tokens=4, lr=1e-3))
+    metas = [SumFile.sample(random.Random(0)) for _ in range(2)]
+    with caplog.at_level("WARNING", logger="openk3.rl.step"):
+        stats, _ = trainer.step([rollout.prompt_ids(m) for m in metas], metas, rollout.outcome)
+    assert stats["dropped_rollouts"] == 4.0
+    assert "all of 4 rollouts dropped" in caplog.text and "failed: no room" in caplog.text
+    rollout.release()
+
+
+def test_the_agentic_snippet_of_the_docs_runs_over_the_test_double(capsys):
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "post_training.md").read_text()
+    section = docs.split("## Agentic tasks", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    server = 'E2BSandboxes(E2BConnection("http://127.0.0.1:3000", "my-key"))'
+    assert server in code
+    namespace = {"HostDirSandboxesDouble": HostDirSandboxesDouble}
+    exec(code.replace(server, "HostDirSandboxesDouble()"), namespace)  # the docs' own code, one line swapped
+    assert namespace["stats"]["dropped_rollouts"] == 0.0 and len(namespace["trajs"]) == 4
+    assert "'reward'" in capsys.readouterr().out

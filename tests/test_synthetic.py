@@ -199,8 +199,26 @@ def test_cli_runs_one_cell_and_writes_its_json(tmp_path, capsys):
     assert main([*args, "--extrapolate", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("step ") == 3 and "stack / decay / 40 tokens / 2 items / seed 0" in printed
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"bare {name} in the JSON"))
+    assert result["curve"][0]["train_loss"] is None and result["curve"][1]["train_loss"] > 0
     assert [p["step"] for p in result["curve"]] == [0, 1, 2] and list(result["extrapolation"]) == ["80"]
     with pytest.raises(SystemExit):
         main(["synthetic", "--task", "stack", "--mixer", "rwkv"])
     assert main(["synthetic", "--task", "mqar", "--mixer", "kda", "--seq-len", "8"]) == 2  # too short
+
+
+def test_cli_errors_name_the_flags_and_the_help_says_what_extrapolate_multiplies(capsys):
+    from openk3.cli import main
+
+    args = ["synthetic", "--task", "mqar", "--mixer", "kda", "--seq-len", "32", "--items", "2"]
+    assert main([*args, "--curriculum", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--curriculum [16] is invalid: expected increasing lengths above --seq-len 32" in err
+    assert "CellConfig" not in err
+    assert main([*args, "--stop-at", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--stop-at 1.5 is invalid: expected a number in (0, 1]" in err and "CellConfig" not in err
+    with pytest.raises(SystemExit):
+        main(["synthetic", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "multiples of the last training length (the last --curriculum length, else --seq-len)" in help_text

@@ -182,3 +182,52 @@ def test_the_grid_runs_end_to_end_in_worker_processes(synthetic, tmp_path, monke
     ]
     assert all(r["stopped"] == "steps" and r["final"]["step"] == 2 for r in data["cells"])
     assert "| stack | 32 |" in path.with_suffix(".md").read_text()
+
+
+def _fake_shard(synthetic, path: Path, shard=None, steps=None, **extra) -> Path:
+    """A shard JSON's header with no cells (the merge's checks run before any cell is read)."""
+    command = "python benchmarks/synthetic.py --grid cpu"
+    command += f" --steps {steps}" if steps else ""
+    command += f" --shard {shard[0]}/{shard[1]}" if shard else ""
+    header = {
+        "grid": "cpu", "preset": synthetic.asdict(synthetic.GRIDS["cpu"]), "device": "cpu", "torch": "t",
+        "workers": 1, "commands": [command], "wall_s": 1.0, "selected": [], "cells": [],
+        "shard": list(shard) if shard else None, "overrides": {"steps": steps}, **extra,
+    }  # fmt: skip
+    path.write_text(json.dumps(header))
+    return path
+
+
+def _merge_error(synthetic, tmp_path, *files) -> str:
+    with pytest.raises(SystemExit) as stop:
+        synthetic.main(["--merge", *map(str, files), "--out", str(tmp_path / "out")])
+    return str(stop.value.code)
+
+
+def test_merge_names_a_file_it_cannot_use(synthetic, tmp_path):
+    one = _fake_shard(synthetic, tmp_path / "one.json", (1, 2))
+    message = _merge_error(synthetic, tmp_path, tmp_path / "absent.json", one)
+    assert "absent.json: cannot read it" in message and "\n" not in message
+    (tmp_path / "table.md").write_text("# Synthetic tasks\n")
+    assert "table.md is not a grid JSON" in _merge_error(synthetic, tmp_path, one, tmp_path / "table.md")
+    merged = _fake_shard(synthetic, tmp_path / "synthetic_cpu.json", wall_s=[1.0, 2.0])
+    assert "synthetic_cpu.json is not a shard" in _merge_error(synthetic, tmp_path, merged, one)
+
+
+def test_merge_refuses_other_steps_overlapping_and_missing_shards(synthetic, tmp_path):
+    a = _fake_shard(synthetic, tmp_path / "a.json", (1, 2), steps=5)
+    b = _fake_shard(synthetic, tmp_path / "b.json", (2, 2), steps=3)
+    assert "b.json ran with {'steps': 3}" in _merge_error(synthetic, tmp_path, a, b)
+    old = json.loads(b.read_text())
+    del old["overrides"], old["shard"]  # a file written before they were recorded: read from its command
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert "old.json ran with {'steps': 3}" in _merge_error(synthetic, tmp_path, a, tmp_path / "old.json")
+    third = _fake_shard(synthetic, tmp_path / "third.json", (1, 3), steps=5)
+    assert "third.json is shard 1/3" in _merge_error(synthetic, tmp_path, a, third)
+    assert "shard 2/2 missing" in _merge_error(synthetic, tmp_path, a)
+    part = json.loads(_shard_file(synthetic, tmp_path / "kda.json", "stack/kda/*").read_text())
+    part |= {"shard": [1, 2], "overrides": {"steps": None}}
+    (tmp_path / "kda.json").write_text(json.dumps(part))
+    merged = synthetic.merge([tmp_path / "kda.json"], tmp_path / "synthetic_cpu.json", partial=True)
+    assert json.loads(merged.read_text())["missing_shards"] == ["2/2"]
+    assert "missing shards, their cells are not counted): 2/2." in merged.with_suffix(".md").read_text()

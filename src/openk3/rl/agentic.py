@@ -83,7 +83,8 @@ def final_text(tokenizer: AgentTokenizer, trajectory: Trajectory) -> str:
 class AgenticRollout:
     """Agentic rollouts over ``engine`` (a :class:`~openk3.rl.rollout.RolloutEngine` whose sampling stops at
     the tokenizer's stop token and ``</tool_call>``). Raises ``ValueError`` when a stop token is missing or
-    two groups share a name."""
+    two groups share a name, and :class:`~openk3.rl.tool_sandbox.SandboxServerError` when the sandbox server
+    cannot be reached (``sandboxes.check()``)."""
 
     def __init__(self, engine, tokenizer: AgentTokenizer, groups: list[AgenticTaskGroup],
                  sandboxes: SandboxFactory, config: AgenticConfig | None = None) -> None:  # fmt: skip
@@ -99,6 +100,7 @@ class AgenticRollout:
                 f"the engine's sampling must stop at the stop token and </tool_call> (ids {sorted(need)}), got "
                 f"stop_token_ids={sorted(engine.sampling.stop_token_ids)}"
             )
+        sandboxes.check()
         self._live: dict[str, ToolSandbox] = {}
         self.stats = {"tool_calls": 0, "failed_trajectories": 0}
 

@@ -10,7 +10,7 @@ rest resume at the next step. Old tokens are masked or importance-corrected per
 Rewards come from two callables: ``outcome(trajectory) → float`` (one number per rollout, group-normalised
 into the advantage) and optionally ``dense(trajectories) → [B, T]`` (a per-token reward added to the
 advantage with discount 0, e.g. MOPD). An outcome function that raises drops that rollout (its tokens do
-not train) and is counted in the statistics; training continues. A group with fewer than two surviving
+not train), is counted in the statistics and logged (a warning with the first error); training continues. A group with fewer than two surviving
 rollouts does not train.
 
 Legend: ``P`` prompts, ``G`` samples per prompt, ``B = P·G`` rollouts, ``T`` response tokens.
@@ -18,6 +18,7 @@ Legend: ``P`` prompts, ``G`` samples per prompt, ``B = P·G`` rollouts, ``T`` re
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -132,9 +133,18 @@ class PolicyTrainer:
         for t in trajs:
             try:
                 rewards.append(float(outcome(t)))
-            except Exception:  # a broken reward drops its rollout, never the run
+            except Exception as e:  # a broken reward drops its rollout, never the run
                 rewards.append(float("nan"))
                 dropped += 1
+                if dropped == 1:
+                    first_error = f"{type(e).__name__}: {e}"
+        if dropped:
+            logging.getLogger(__name__).warning(
+                "%s of %d rollouts dropped (their outcome raised); the first: %s",
+                "all" if dropped == len(trajs) else dropped,
+                len(trajs),
+                first_error,
+            )
         r_PG = torch.tensor(rewards).view(P, G)
         adv_PG, keep_PG = masked_group_advantages(r_PG)
         temperature = self.engine.sampling.temperature or 1.0  # the behaviour log-probs' temperature

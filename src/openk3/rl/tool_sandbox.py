@@ -12,17 +12,25 @@ An agentic trajectory owns one sandbox for its whole life:
 * a sandbox that is gone (guest crash, killed VMM, hung guest failed by the server's health probe) raises
   :class:`SandboxDiedError`; the rollout marks the trajectory failed and never retries it.
 
-A command that exits non-zero is a normal result (the policy sees its output), not an error.
+A command that exits non-zero is a normal result (the policy sees its output), not an error. A sandbox server
+that cannot be reached is an error up front: :meth:`SandboxFactory.check` (called when an
+:class:`~openk3.rl.agentic.AgenticRollout` is created) raises :class:`SandboxServerError`.
 """
 
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 
 class SandboxDiedError(RuntimeError):
     """The sandbox is gone or no longer answers; the message says which sandbox and why."""
+
+
+class SandboxServerError(ConnectionError):
+    """The sandbox server cannot be used (unreachable, or it refuses the API key); the message names its URL."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,11 @@ class ToolSandbox(abc.ABC):
 
 
 class SandboxFactory(abc.ABC):
+    def check(self) -> None:
+        """Raise :class:`SandboxServerError` when no sandbox can be created (the server is unreachable); a
+        factory with no server has nothing to check."""
+        return
+
     @abc.abstractmethod
     def create(self, template: str, timeout_s: float) -> ToolSandbox:
         """A running sandbox from ``template`` that lives ``timeout_s`` seconds of running time."""
@@ -82,6 +95,37 @@ class E2BConnection:
     def __post_init__(self) -> None:
         if not self.request_timeout_s > 0:
             raise ValueError(f"E2BConnection.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.api_url is not None:
+            url = urlparse(self.api_url)
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise ValueError(
+                    f"E2BConnection.api_url must be an http(s) URL such as http://127.0.0.1:3000, "
+                    f"got {self.api_url!r}"
+                )
+
+    def check(self, timeout_s: float = 10.0) -> None:
+        """Raise :class:`SandboxServerError` naming the URL when ``GET /sandboxes`` (the list every
+        E2B-compatible API serves) does not answer 200 within ``timeout_s``: nothing listens there, or the API
+        key is refused. ``api_url=None`` checks ``E2B_API_URL`` when it is set, else nothing."""
+        import httpx
+
+        base = self.api_url or os.environ.get("E2B_API_URL")
+        if not base:
+            return
+        key = self.api_key or os.environ.get("E2B_API_KEY") or ""
+        try:
+            r = httpx.get(base.rstrip("/") + "/sandboxes", headers={"X-API-Key": key}, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise SandboxServerError(
+                f"the sandbox server at {base} is unreachable ({type(e).__name__}: {e}); "
+                "is `openk3 sandbox serve` running there?"
+            ) from None
+        if r.status_code in (401, 403):
+            raise SandboxServerError(f"the sandbox server at {base} refused the API key ({r.status_code})")
+        if r.status_code != 200:
+            raise SandboxServerError(
+                f"the sandbox server at {base} answered GET /sandboxes with {r.status_code}: {r.text[:200]}"
+            )
 
     def opts(self) -> dict:
         o: dict = {"request_timeout": self.request_timeout_s}
@@ -159,6 +203,9 @@ class E2BSandbox(ToolSandbox):
 class E2BSandboxes(SandboxFactory):
     def __init__(self, connection: E2BConnection | None = None) -> None:
         self.connection = connection or E2BConnection()
+
+    def check(self) -> None:
+        self.connection.check()
 
     def create(self, template: str, timeout_s: float) -> E2BSandbox:
         from e2b import Sandbox

@@ -159,7 +159,8 @@ def run_cell(
     """Train and score one cell; returns its result (JSON-serialisable).
 
     Keys: ``config``, ``params``, ``stages`` (one per training length: ``seq_len``, ``curve`` with
-    ``step``, ``accuracy``, ``token_accuracy``, ``loss``, ``train_loss`` per evaluation, step 0 included,
+    ``step``, ``accuracy``, ``token_accuracy``, ``loss``, ``train_loss`` (None before the first step) per
+    evaluation, step 0 included,
     ``final`` the last evaluation, ``steps_to_full`` the first step with accuracy ≥ :data:`FULL_ACCURACY` or
     None, ``stopped``: ``"steps"`` all steps ran, ``"solved"`` ``stop_at`` reached, ``"deadline"`` cut at
     ``deadline``, and ``seconds``), the first stage's ``curve``, ``final``, ``steps_to_full`` and ``stopped``
@@ -226,7 +227,7 @@ def _train_stage(
 ) -> dict:
     """Up to ``steps`` steps at ``length`` tokens (warmup to ``lr`` and cosine over them); see :func:`run_cell`."""
     device = next(model.parameters()).device
-    curve, steps_to_full, train_loss, stopped = [], None, float("nan"), "steps"
+    curve, steps_to_full, train_loss, stopped = [], None, None, "steps"
     start = time.perf_counter()
     for step in range(steps + 1):
         if step % config.eval_every == 0 or step == steps:

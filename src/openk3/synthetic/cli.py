@@ -11,6 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+
+_FLAGS = {"num_layers": "--layers", "num_heads": "--heads"}
+"""Config fields whose flag is not ``--`` + the field name with dashes."""
+
+
+def _flag_error(error: ValueError) -> ValueError:
+    """``error`` of :class:`~openk3.synthetic.cell.CellConfig` or :class:`~openk3.synthetic.mixers.MixerSize`
+    with each ``CellConfig.field=`` (and a bare ``seq_len=``) written as the command-line flag."""
+
+    def flag(field: str) -> str:
+        return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+    text = re.sub(r"(?:CellConfig|MixerSize)\.(\w+)=", lambda m: flag(m[1]) + " ", str(error))
+    text = re.sub(r"\bseq_len=", "--seq-len ", text).replace("expected None or a", "expected a")
+    return ValueError(text)
 
 
 def _ints(text: str) -> list[int]:
@@ -89,7 +105,11 @@ def add_parser(sub) -> None:
         help="peak learning rate of each curriculum stage as a fraction of --lr",
     )
     p.add_argument(
-        "--extrapolate", type=_ints, default=[], help="multiples of seq-len scored at the end, e.g. 4,8"
+        "--extrapolate",
+        type=_ints,
+        default=[],
+        help="score at the end at these multiples of the last training length (the last --curriculum "
+        "length, else --seq-len), same item count, e.g. 4,8",
     )
     p.add_argument("--hidden-size", dest="hidden_size", type=_positive(int), default=128, help="model width")
     p.add_argument("--layers", type=_positive(int), default=4, help="decoder layers")
@@ -105,14 +125,17 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
     from openk3.synthetic.cell import CellConfig, run_cell
     from openk3.synthetic.mixers import MixerSize
 
-    size = MixerSize(args.hidden_size, args.layers, args.heads, args.head_dim)
-    config = CellConfig(
-        task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, noise=args.noise,
-        seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-        eval_size=args.eval_size, stop_at=args.stop_at, curriculum=args.curriculum,
-        curriculum_steps=args.curriculum_steps, curriculum_lr=args.curriculum_lr,
-        extrapolate=args.extrapolate, size=size, device=args.device,
-    )  # fmt: skip
+    try:
+        size = MixerSize(args.hidden_size, args.layers, args.heads, args.head_dim)
+        config = CellConfig(
+            task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, noise=args.noise,
+            seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+            eval_size=args.eval_size, stop_at=args.stop_at, curriculum=args.curriculum,
+            curriculum_steps=args.curriculum_steps, curriculum_lr=args.curriculum_lr,
+            extrapolate=args.extrapolate, size=size, device=args.device,
+        )  # fmt: skip
+    except ValueError as e:
+        raise _flag_error(e) from None
 
     def log(point: dict) -> None:
         print(
@@ -139,6 +162,6 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
         print(f"  at {length} tokens ({config.items} items): accuracy {scores['accuracy']:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f, indent=1, allow_nan=False)
             f.write("\n")
     return 0
