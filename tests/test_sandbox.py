@@ -352,7 +352,9 @@ def test_crash_hang_killed_vmm_and_full_disk(server):
         "echo 1 > /proc/sys/kernel/sysrq; (sleep 0.5; echo c > /proc/sysrq-trigger) >/dev/null 2>&1 &"
     )
     vm, deadline = manager._live[sb.sandbox_id].vm, time.time() + 240
-    while vm.alive() and time.time() < deadline:  # the panic takes a moment under TCG (minutes on a loaded host)
+    while (
+        vm.alive() and time.time() < deadline
+    ):  # the panic takes a moment under TCG (minutes on a loaded host)
         time.sleep(0.2)
     assert "crashed" in (manager.check(sb.sandbox_id) or "")
     with pytest.raises(SandboxNotFoundException):
