@@ -155,12 +155,12 @@ def test_a_client_disconnect_through_the_router_frees_the_worker_request(fleet):
         host, port = r.base_url.removeprefix("http://").split(":")
         for seed in range(9, 40):  # a prompt whose greedy continuation does not stop early (random weights)
             start = time.monotonic()
-            full = complete(r.base_url, ids(30, seed), max_tokens=160).json()
+            full = complete(r.base_url, ids(30, seed), max_tokens=480).json()  # up to --max-model-len
             if full["choices"][0]["finish_reason"] == "length":
                 break
         full_s = time.monotonic() - start
         for stream in (True, False):
-            body = {"model": MODEL, "prompt": ids(30, seed=seed), "max_tokens": 160, "temperature": 0}
+            body = {"model": MODEL, "prompt": ids(30, seed=seed), "max_tokens": 480, "temperature": 0}
             body["stream"] = stream
             conn = http.client.HTTPConnection(host, int(port), timeout=30)
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -168,8 +168,11 @@ def test_a_client_disconnect_through_the_router_frees_the_worker_request(fleet):
                 resp = conn.getresponse()
                 worker = next(w for w in fleet if w.url == resp.getheader("x-openk3-worker"))
                 resp.fp.readline()
-            else:
-                time.sleep(0.5)
+            else:  # wait for the request to reach a worker (a fixed sleep raced a fast decode)
+                deadline = time.monotonic() + 10
+                while not any(w.metric("openk3:num_requests_running") for w in fleet):
+                    assert time.monotonic() < deadline, "the request never reached a worker"
+                    time.sleep(0.02)
                 worker = max(fleet, key=lambda w: w.metric("openk3:num_requests_running"))
             assert worker.metric("openk3:num_requests_running") == 1.0
             conn.sock.shutdown(socket.SHUT_RDWR)
@@ -178,7 +181,11 @@ def test_a_client_disconnect_through_the_router_frees_the_worker_request(fleet):
             while worker.metric("openk3:num_requests_running") or worker.metric("openk3:kv_cache_usage_perc"):
                 assert time.monotonic() < deadline, "the worker request was not aborted"
                 time.sleep(0.1)
-        assert "openk3:router_client_disconnects_total 2.0" in httpx.get(r.base_url + "/metrics").text
+        # the router counts a disconnect when its handler unwinds, which can finish after the worker's abort
+        deadline = time.monotonic() + 10
+        while "openk3:router_client_disconnects_total 2.0" not in httpx.get(r.base_url + "/metrics").text:
+            assert time.monotonic() < deadline, "the router did not count both client disconnects"
+            time.sleep(0.1)
 
 
 def test_openk3_route_command(fleet):
