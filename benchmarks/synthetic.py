@@ -10,6 +10,7 @@ evaluation and keeps its curve (marked as cut), a cell not started is skipped.
     python benchmarks/synthetic.py --grid gpu --device cuda --shard 1/2 --budget-s 420  # one H200 call
     python benchmarks/synthetic.py --grid gpu --device cuda --shard 2/2 --budget-s 420  # a second call
     python benchmarks/synthetic.py --merge benchmarks/results/synthetic_h200.shard*.json  # one table + plot
+    python benchmarks/synthetic.py --grid recall --device cuda                          # items grow with length
 
 A grid (:class:`Grid`, presets in :data:`GRIDS`) names every choice; ``docs/synthetic.md`` says why each
 value. ``--shard i/n`` runs the i-th of n contiguous slices of the grid's cell list (the list is seed-major,
@@ -53,7 +54,8 @@ class Grid:
     (:attr:`~openk3.synthetic.cell.CellConfig.curriculum`); False: a cell per length, from scratch."""
     seeds: list[int]
     items: dict[str, int]
-    """Items per sequence by task, the same at every length (longer sequences: more noise between them)."""
+    """Items per sequence by task at the first length (and at every length without ``curriculum_items``:
+    longer sequences then only put more noise between them)."""
     noise: dict[str, int]
     """Noise symbols filling the gaps, by task (1: one filler token, up to 120)."""
     steps: int
@@ -79,6 +81,10 @@ class Grid:
     when several) and scored at ``extrapolate`` × the last of them; ``None``: no hybrid cells."""
     budget_s: float | None = None
     """Default ``--budget-s``."""
+    curriculum_items: dict[str, list[int]] | None = None
+    """Items per sequence by task at each later curriculum length (``None``: ``items`` throughout)."""
+    tag: str = ""
+    """Added to the result files' names (``synthetic_<device><tag>.json``) so grids do not overwrite another's."""
 
 
 GRIDS = {
@@ -98,6 +104,15 @@ GRIDS = {
         eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=15, budget_s=420,
         hybrid=dict(lengths=[64, 256], extrapolate=[4, 8],
                     size=dict(hidden_size=128, num_layers=4, num_heads=2, head_dim=64)),
+    ),
+    "recall": Grid(
+        tasks=["palindrome", "mqar", "stack"], mixers=["kda", "gdn", "decay"], lengths=[64, 256, 512],
+        curriculum=True, seeds=[0, 1], items={"palindrome": 6, "mqar": 4, "stack": 6},
+        curriculum_items={"palindrome": [12, 24], "mqar": [8, 16], "stack": [12, 24]},
+        noise={"palindrome": 1, "mqar": 120, "stack": 120},
+        steps=1200, curriculum_steps=500, curriculum_lr=0.3, batch_size=32, lr={m: 3e-3 for m in MIXERS},
+        size=dict(hidden_size=128, num_layers=2, num_heads=2, head_dim=64),
+        eval_every=25, eval_size=128, stop_at=FULL_ACCURACY, workers=18, budget_s=420, tag="_recall",
     ),
 }  # fmt: skip
 
@@ -131,7 +146,14 @@ def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellCon
     for seed in g.seeds:
         if g.curriculum:
             cells += [
-                cell(task, mixer, lengths[0], seed, curriculum=lengths[1:])
+                cell(
+                    task,
+                    mixer,
+                    lengths[0],
+                    seed,
+                    curriculum=lengths[1:],
+                    curriculum_items=(g.curriculum_items or {}).get(task, []),
+                )
                 for task in g.tasks
                 for mixer in g.mixers
             ]
@@ -204,7 +226,7 @@ def run_grid(
     out.mkdir(parents=True, exist_ok=True)
     label = device_label(device)
     suffix = f".shard-{shard[0]}-of-{shard[1]}" if shard else ""
-    path = out / f"synthetic_{label}{suffix}.json"
+    path = out / f"synthetic_{label}{GRIDS[name].tag}{suffix}.json"
     command = f"python benchmarks/synthetic.py --grid {name} --device {device} --workers {workers}"
     command += f" --budget-s {budget_s:g}" if budget_s else ""
     command += f" --steps {steps}" if steps else ""
@@ -393,6 +415,21 @@ def render(path: Path) -> None:
             _cell_text(groups[(task, length, m)]) if (task, length, m) in groups else "" for m in mixers
         ]
         lines.append(f"| {task} | {length} | " + " | ".join(entries) + " |")
+    if data.get("preset", {}).get("curriculum_items"):
+        preset = data["preset"]
+        lines += ["", "Items per sequence at each length (growing with the length in this grid):", ""]
+        lines += [
+            f"- {t}: "
+            + ", ".join(
+                f"{n} at {length}"
+                for length, n in zip(
+                    sorted(preset["lengths"]),
+                    [preset["items"][t], *preset["curriculum_items"][t]],
+                    strict=True,
+                )
+            )
+            for t in preset["tasks"]
+        ]
     missing = sorted(set(selected or []) - {cell_id(r["config"]) for r in cells})
     if missing:
         lines += ["", f"Not run (budget): {', '.join(missing)}."]

@@ -100,6 +100,35 @@ def test_a_curriculum_continues_the_model_at_each_longer_length(synthetic, monke
         CellConfig(curriculum_lr=0.0)
 
 
+def test_curriculum_items_grow_the_stored_items_stage_by_stage(synthetic, monkeypatch):
+    """Each stage trains and is scored on its own item count; the extrapolation keeps the last one."""
+    answers = []
+    real = cell_module.evaluate
+
+    def evaluate(model, batch, *args, **kwargs):
+        answers.append((batch.tokens_NL.shape[1], int(batch.answer_NL[0].sum())))
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(cell_module, "evaluate", evaluate)
+    config = CellConfig(
+        task="mqar", mixer="decay", seq_len=24, items=2, curriculum=[40, 64], curriculum_items=[4, 8], steps=1,
+        eval_every=1, eval_size=2, batch_size=2, extrapolate=[2], size=TINY,
+    )  # fmt: skip
+    result = run_cell(config)
+    assert [(s["seq_len"], s["items"]) for s in result["stages"]] == [(24, 2), (40, 4), (64, 8)]
+    # an MQAR sequence of n pairs scores exactly n answers (each queried key's value)
+    assert answers == [(24, 2)] * 2 + [(40, 4)] * 2 + [(64, 8)] * 2 + [(128, 8)]
+    with pytest.raises(ValueError, match="one int >= 1 per curriculum length"):
+        CellConfig(task="mqar", seq_len=24, items=2, curriculum=[40, 64], curriculum_items=[4])
+    with pytest.raises(ValueError, match="8 mqar items need 33 tokens, the curriculum length is 30"):
+        CellConfig(task="mqar", seq_len=24, items=2, curriculum=[30], curriculum_items=[8])
+    cells = synthetic.grid_cells("recall", "cpu")  # the recall grid doubles the items with each length
+    assert {(c.task, c.seq_len, tuple(c.curriculum), tuple(c.curriculum_items)) for c in cells} == {
+        ("palindrome", 64, (256, 512), (12, 24)), ("mqar", 64, (256, 512), (8, 16)),
+        ("stack", 64, (256, 512), (12, 24)),
+    }  # fmt: skip
+
+
 def test_shards_partition_the_grid(synthetic):
     cells = synthetic.grid_cells("gpu", "cpu")
     ids = [synthetic.cell_id(c) for c in cells]

@@ -61,6 +61,9 @@ class CellConfig:
     """Longer lengths trained after ``seq_len``, in order, continuing the same model and optimizer (each a
     stage of up to ``curriculum_steps`` steps with its own warmup to ``curriculum_lr`` × ``lr`` and cosine,
     ending early at ``stop_at``)."""
+    curriculum_items: list[int] = field(default_factory=list)
+    """Items per sequence of each ``curriculum`` stage, in order (empty: ``items`` at every stage). Growing
+    counts make a longer stage harder in what must be stored, not only in the distance to bridge."""
     curriculum_steps: int | None = None
     """Most steps of each curriculum stage after the first; ``None``: ``steps``."""
     curriculum_lr: float = 0.3
@@ -103,6 +106,20 @@ class CellConfig:
                 f"CellConfig.curriculum={self.curriculum!r} is invalid: expected increasing lengths above "
                 f"seq_len={self.seq_len}"
             )
+        if self.curriculum_items and (
+            len(self.curriculum_items) != len(self.curriculum)
+            or not all(isinstance(n, int) and n >= 1 for n in self.curriculum_items)
+        ):
+            raise ValueError(
+                f"CellConfig.curriculum_items={self.curriculum_items!r} is invalid: expected one int >= 1 per "
+                f"curriculum length {self.curriculum!r}"
+            )
+        for length, items in zip(self.curriculum, self.curriculum_items, strict=False):
+            if length < min_length(self.task, items):
+                raise ValueError(
+                    f"CellConfig.curriculum_items={self.curriculum_items!r} is invalid: {items} {self.task} items "
+                    f"need {min_length(self.task, items)} tokens, the curriculum length is {length}"
+                )
         if not all(isinstance(m, int) and m >= 1 for m in self.extrapolate):
             raise ValueError(f"CellConfig.extrapolate={self.extrapolate!r} is invalid: expected ints >= 1")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -183,16 +200,21 @@ def run_cell(
     train_rng = np.random.default_rng([config.seed, 0])
     start = time.perf_counter()
     stages = []
-    for i, length in enumerate([config.seq_len, *config.curriculum]):
+    items_per_stage = [config.items, *(config.curriculum_items or [config.items] * len(config.curriculum))]
+    for i, (length, items) in enumerate(
+        zip([config.seq_len, *config.curriculum], items_per_stage, strict=True)
+    ):
         held_rng = np.random.default_rng([config.seed, 1] if i == 0 else [config.seed, 1, length])
-        held_out = make_batch(config.task, config.eval_size, length, config.items, held_rng, config.noise)
+        held_out = make_batch(config.task, config.eval_size, length, items, held_rng, config.noise)
         steps, lr = (
             (config.steps, config.lr)
             if i == 0
             else (config.curriculum_steps, config.lr * config.curriculum_lr)
         )
         stages.append(
-            _train_stage(model, optimizer, config, length, steps, lr, held_out, train_rng, log, deadline)
+            _train_stage(
+                model, optimizer, config, length, items, steps, lr, held_out, train_rng, log, deadline
+            )
         )
         if stages[-1]["stopped"] == "deadline":
             break
@@ -200,7 +222,7 @@ def run_cell(
     for multiple in config.extrapolate:
         length = multiple * stages[-1]["seq_len"]
         rng = np.random.default_rng([config.seed, 2, multiple])
-        batch = make_batch(config.task, config.eval_size, length, config.items, rng, config.noise)
+        batch = make_batch(config.task, config.eval_size, length, stages[-1]["items"], rng, config.noise)
         extrapolation[str(length)] = evaluate(model, batch, device, micro_batch=max(1, 32 // multiple))
     first = stages[0]
     return {
@@ -218,6 +240,7 @@ def _train_stage(
     optimizer,
     config: CellConfig,
     length: int,
+    items: int,
     steps: int,
     lr: float,
     held_out,
@@ -225,7 +248,7 @@ def _train_stage(
     log,
     deadline,
 ) -> dict:
-    """Up to ``steps`` steps at ``length`` tokens (warmup to ``lr`` and cosine over them); see :func:`run_cell`."""
+    """Up to ``steps`` steps at ``length`` tokens and ``items`` items (warmup to ``lr`` and cosine over them); see :func:`run_cell`."""
     device = next(model.parameters()).device
     curve, steps_to_full, train_loss, stopped = [], None, None, "steps"
     start = time.perf_counter()
@@ -246,7 +269,7 @@ def _train_stage(
         for group in optimizer.param_groups:
             group["lr"] = lr * _lr_factor(step, steps)
         tokens_NL, answer_NL = _to_device(
-            make_batch(config.task, config.batch_size, length, config.items, train_rng, config.noise), device
+            make_batch(config.task, config.batch_size, length, items, train_rng, config.noise), device
         )
         logits = _logits(model, tokens_NL, device)
         mask = answer_NL[:, 1:]
@@ -257,6 +280,6 @@ def _train_stage(
         optimizer.step()
         train_loss = loss.item()
     return {
-        "seq_len": length, "curve": curve, "final": curve[-1], "steps_to_full": steps_to_full,
+        "seq_len": length, "items": items, "curve": curve, "final": curve[-1], "steps_to_full": steps_to_full,
         "stopped": stopped, "seconds": time.perf_counter() - start,
     }  # fmt: skip

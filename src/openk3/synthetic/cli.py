@@ -92,6 +92,13 @@ def add_parser(sub) -> None:
         help="longer lengths trained after seq-len with the same model, a stage each, e.g. 512,1024",
     )
     p.add_argument(
+        "--curriculum-items",
+        dest="curriculum_items",
+        type=_ints,
+        default=[],
+        help="items per sequence at each --curriculum length, e.g. 16,32 (default: --items throughout)",
+    )
+    p.add_argument(
         "--curriculum-steps",
         dest="curriculum_steps",
         type=_positive(int),
@@ -131,7 +138,7 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
             task=args.task, mixer=args.mixer, seq_len=args.seq_len, items=args.items, noise=args.noise,
             seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
             eval_size=args.eval_size, stop_at=args.stop_at, curriculum=args.curriculum,
-            curriculum_steps=args.curriculum_steps, curriculum_lr=args.curriculum_lr,
+            curriculum_items=args.curriculum_items, curriculum_steps=args.curriculum_steps, curriculum_lr=args.curriculum_lr,
             extrapolate=args.extrapolate, size=size, device=args.device,
         )  # fmt: skip
     except ValueError as e:
@@ -148,7 +155,7 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
     for stage in result["stages"][1:]:
         full = stage["steps_to_full"]
         print(
-            f"  then at {stage['seq_len']} tokens: accuracy {stage['final']['accuracy']:.3f}, "
+            f"  then at {stage['seq_len']} tokens ({stage['items']} items): accuracy {stage['final']['accuracy']:.3f}, "
             f"{'full accuracy at stage step ' + str(full) if full is not None else 'full accuracy not reached'}"
         )
     full = result["steps_to_full"]
