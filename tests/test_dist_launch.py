@@ -14,9 +14,11 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 import openk3
+from dist_utils import run_world
 from openk3 import cli
 from openk3.cli import main
 from openk3.dist.launch import failure_report
+from openk3.dist.rank_zero import on_rank_zero
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
 TINY = ["--preset", "k3-tiny", "--dp-shard", "2", "--steps", "2", "--no-sample"]
@@ -110,3 +112,26 @@ def test_failure_report_adds_a_line_only_when_rank_0_printed_none(tmp_path):
     assert (code, line) == (1, "openk3: error: rank 1 failed (exit code 1): RuntimeError: boom")
     code, line = failure_report({0: _failure(tmp_path, 0, -9, None, 10)})
     assert code == 1 and line.startswith("openk3: error: rank 0 failed (exit code -9, SIGKILL): "), line
+
+
+def _rank_zero_fails(rank, world, folder):
+    """Rank 0's work raises; every rank reports what it raised (none may wait in a collective)."""
+    outcomes = []
+    for work in (lambda: Path(folder, "missing").read_text(), lambda: 1 / 0, lambda: None):
+        try:
+            on_rank_zero(work)
+            outcomes.append(None)
+        except Exception as e:  # noqa: BLE001 - the type and text are what the test checks
+            outcomes.append((type(e).__name__, str(e)))
+    return outcomes
+
+
+def test_a_failure_of_rank_zeros_work_is_raised_on_every_rank(tmp_path):
+    missing = f"[Errno 2] No such file or directory: '{tmp_path / 'missing'}'"
+    rank0, rank1 = run_world(_rank_zero_fails, 2, str(tmp_path), timeout=60, pg_timeout=20)
+    assert rank0 == [("FileNotFoundError", missing), ("ZeroDivisionError", "division by zero"), None]
+    assert rank1 == [
+        ("FileNotFoundError", missing),
+        ("RuntimeError", "rank 0 failed: ZeroDivisionError: division by zero"),
+        None,
+    ]
