@@ -313,9 +313,9 @@ def test_ctrl_c_saves_the_draft_and_prints_how_to_resume(tmp_path, capsys):
     )
     try:
         lines = []
-        for line in proc.stdout:  # the handler is installed before this line is printed
+        for line in proc.stdout:  # the target's windows are sampled: the steps have begun
             lines.append(line)
-            if "draft taps layers" in line:
+            if line.startswith("sampled 2 target windows"):
                 break
         proc.send_signal(signal.SIGINT)
         text = "".join(lines) + proc.stdout.read()
@@ -336,6 +336,79 @@ def test_ctrl_c_saves_the_draft_and_prints_how_to_resume(tmp_path, capsys):
     resume[steps_at] = str(step + 1)
     assert main(resume) == 2  # nothing left to resume
     assert "holds no interrupted train-draft" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_sampling_the_target_stops_at_once_and_writes_nothing(tmp_path):
+    """``--data generations`` samples the target before the first step; Ctrl-C there stops within a second or
+    so (not after the sampling), says that nothing was written, and leaves no folder, torn or temporary."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    run = _run_folder(tmp_path)
+    out = tmp_path / "drafts" / "gen"
+    env = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "openk3.cli", "train-draft", "--target", str(run), "--out", str(out),
+           "--data", "generations", "--gen-windows", "100000", "--seq-len", "64", "--steps", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # printed just before the sampling (many minutes of it) begins
+            if "draft taps layers" in line:
+                break
+        time.sleep(1.0)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        seconds = time.monotonic() - sent
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+    assert code == 130, err
+    # the sampling alone takes minutes; the exit (interpreter teardown included) took 2.5-4.1 s on the 2 cores
+    # under a load of 9-22 from other jobs
+    assert seconds < 10, f"stopped {seconds:.1f} s after Ctrl-C"
+    assert err == (
+        f"openk3: Ctrl-C: stopped while sampling the target; nothing was written ({out} was not created): run "
+        "the same command again to start over\n"
+    ), err
+    assert not (tmp_path / "drafts").exists()  # neither the draft folder nor a temporary one
+
+
+def test_an_interrupted_draft_save_leaves_no_torn_folder(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the draft's weights are written (after its config.json): ``--out`` does not appear, so a
+    later run sees no half-written draft, and no temporary folder is left."""
+    import safetensors.torch
+
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("interrupted")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    small = ["--steps", "1", "--batch-size", "2", "--seq-len", "24", "--ttt-steps", "2"]
+    assert main(["train-draft", "--target", str(run), "--out", str(tmp_path / "d"), *small]) == 130
+    assert "openk3: interrupted" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "run"]
+
+
+def test_train_draft_refuses_an_out_holding_a_checkpoint(tmp_path, capsys):
+    """``--out RUN/final`` or a checkpoint folder: the draft's config.json would replace the model's."""
+    from openk3.cli import main
+
+    run = _run_folder(tmp_path)
+    ckpt = run / "checkpoints" / "step-000001"
+    before = (ckpt / "config.json").read_bytes()
+    assert main(["train-draft", "--target", str(run), "--out", str(ckpt), "--steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"openk3: error: --out {ckpt} already exists and holds a checkpoint (config.json); refusing to overwrite "
+        f"it: choose a new folder (or delete {ckpt} first)\n"
+    )
+    assert (ckpt / "config.json").read_bytes() == before
 
 
 def test_resume_refuses_other_settings(tmp_path, capsys):

@@ -72,3 +72,48 @@ def test_quantize_refuses_a_model_without_routed_experts(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.endswith("has no routed experts (a dense model): nothing to pack in MXFP4"), err
     assert not (tmp_path / "packed").exists()
+
+
+def test_quantize_refuses_any_existing_out_naming_it(tmp_path, capsys):
+    """``--out RUN/final`` (a distributed run's export) from another checkpoint, a training run, a folder of
+    one's own: one line names the path and what it holds, and nothing there changes."""
+    model = openk3.build_model(k3_shaped(4, vocab_size=VOCAB), seed=0)
+    run, src = tmp_path / "run", tmp_path / "src"
+    openk3.save_pretrained(model, run / "final", tokenizer=None)
+    (run / "data").mkdir()
+    openk3.save_pretrained(model, src, tokenizer=None)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    for out, held in [
+        (run / "final", "a checkpoint (config.json)"),
+        (run, "files (data, final)"),
+        (notes, "files (todo.txt)"),
+        (notes / "todo.txt", "a file"),
+    ]:
+        before = digest(out) if out.is_dir() else out.read_bytes()
+        assert main(["quantize", "--ckpt", str(src), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"openk3: error: --out {out} already exists and holds {held}; refusing to overwrite it: choose a "
+            f"new folder (or delete {out} first)\n"
+        ), err
+        assert (digest(out) if out.is_dir() else out.read_bytes()) == before
+    (tmp_path / "empty").mkdir()  # an empty folder is a new one
+    assert main(["quantize", "--ckpt", str(src), "--out", str(tmp_path / "empty")]) == 0
+    assert expert_scheme(openk3.from_pretrained(tmp_path / "empty").config) is not None
+
+
+def test_an_interrupted_quantize_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the shards are written: ``--out`` does not appear and no temporary folder is left."""
+    import openk3.checkpoint.io as io
+
+    src = tmp_path / "src"
+    openk3.save_pretrained(openk3.build_model(k3_shaped(4, vocab_size=VOCAB), seed=0), src, tokenizer=None)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(io, "save_file", interrupted)
+    assert main(["quantize", "--ckpt", str(src), "--out", str(tmp_path / "packed")]) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

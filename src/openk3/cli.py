@@ -164,6 +164,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import dataclasses
 
+    if args.nproc_per_node:  # this process only starts the ranks (openk3.dist.launch)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            raise ValueError("--nproc-per-node starts the ranks itself: run it without torchrun")
+        from openk3.dist.launch import launch
+
+        return launch(args.nproc_per_node, _without_flag(args.argv, "--nproc-per-node"))
+
     from openk3.train.run_lock import check_run_free
     from openk3.train.schedule import parse_context_schedule
     from openk3.train.state import latest_checkpoint, load_trainer_state
@@ -245,6 +252,19 @@ def _train(args: argparse.Namespace) -> int:
     if config.sample_prompt:
         _print_sample(args, config, summary["checkpoint"])
     return 0
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag VALUE`` / ``flag=VALUE``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 def _print_sample(args: argparse.Namespace, config, checkpoint: str) -> None:
@@ -602,7 +622,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(
+            2, f"{self.prog}: error: {message} (see {self.prog} --help)\n" if _reports_errors() else None
+        )
 
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
@@ -726,6 +748,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also log the metrics as TensorBoard events in OUT/tensorboard (tensorboard --logdir OUT); "
         'needs pip install -e ".[tensorboard]"',
+    )
+    tr.add_argument(
+        "--nproc-per-node",
+        dest="nproc_per_node",
+        type=_positive_int,
+        help="start this many local ranks (as torchrun --standalone --nproc_per_node does); a failed world "
+        "is reported in one line",
     )
     tr.add_argument(
         "--dp-shard", dest="dp_shard", type=_positive_int, help="FSDP2 shard degree (under torchrun)"
@@ -924,14 +953,34 @@ def _failure_line(e: BaseException, command: str | None = None) -> str | None:
     )
 
 
+def _reports_errors() -> bool:
+    """False on the ranks other than 0 of a world started by torch's elastic agent (torchrun, ``openk3 train
+    --nproc-per-node``): bad input is the same on every rank, so rank 0 alone prints it."""
+    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("RANK", "0") == "0"
+
+
+def _user_error(e: BaseException) -> None:
+    """Print bad input ``e`` as one ``openk3: error:`` line (rank 0 only under the elastic agent) and, under
+    the agent, record it in this rank's error file, where torchrun's report and :mod:`openk3.dist.launch`
+    read it."""
+    if _reports_errors():
+        print(f"openk3: error: {e}", file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e.with_traceback(None))  # bad input: its line, not a traceback
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: its own (0 on success), 2 for a bad input (one ``openk3: error:`` line on
-    stderr; argparse's own errors raise ``SystemExit(2)`` with one ``openk3 <command>: error:`` line), 1 for
-    diverged training or memory exhausted (one such line), 130 for Ctrl-C (one line saying what was saved),
-    141 when stdout was closed early (``openk3 info --json | head``; nothing printed)."""
+    stderr; argparse's own errors raise ``SystemExit(2)`` with one ``openk3 <command>: error:`` line; under
+    torch's elastic agent rank 0 alone prints it, :func:`_user_error`), 1 for diverged training or memory
+    exhausted (one such line), 130 for Ctrl-C (one line saying what was saved), 141 when stdout was closed
+    early (``openk3 info --json | head``; nothing printed)."""
     args = None
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at interpreter exit
         return code
@@ -939,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"openk3: error: {e}", file=sys.stderr)
+        _user_error(e)
         return 2
     except (MemoryError, RuntimeError) as e:
         why = _failure_line(e, getattr(args, "command", None))
@@ -949,7 +998,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         with contextlib.suppress(OSError):  # stderr may be a closed pipe too
-            print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
+            if _reports_errors():  # every rank of a world gets the Ctrl-C: rank 0 says it
+                print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
         return 130
 
 

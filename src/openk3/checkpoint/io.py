@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -48,6 +47,7 @@ from openk3.checkpoint.names import (
     is_stacked,
     to_module,
 )
+from openk3.checkpoint.out_folder import folder_written_whole
 from openk3.config import AnyConfig, KimiK3Config, load_config, save_config
 from openk3.model.modeling import build_model, check_dtype
 from openk3.quant.experts import use_packed_experts
@@ -177,13 +177,8 @@ def save_pretrained(
     tok = _tokenizer_to_save(model, tokenizer)
     tensors = official_state(model)
     shards = _shard_files(getattr(model, "weight_map", None), tensors, max_shard_size)
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; a checkpoint folder follows the umask
-    try:
+    with folder_written_whole(path) as tmp_path:
+        tmp = str(tmp_path)
         save_config(model.config, tmp)
         write_remote_code(tmp)  # config.json auto_map + the code transformers loads with trust_remote_code
         weight_map, total = {}, 0
@@ -198,19 +193,12 @@ def save_pretrained(
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         if tok is not None:
             tok.save(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
         for name in os.listdir(tmp):  # safetensors writes owner-only files; follow the umask like the rest
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.exists(path):
             _keep_user_files(path, tmp, tokenizer_written=tok is not None)
-            old = path + ".old-" + os.path.basename(tmp)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _shard_files(

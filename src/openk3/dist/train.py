@@ -45,6 +45,7 @@ from openk3.dist.cp_plan import LAYOUTS
 from openk3.dist.fsdp import build_sharded_model
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
+from openk3.dist.rank_zero import on_rank_zero
 from openk3.presets import get_preset
 from openk3.quant.qat import enable_qat
 from openk3.train.balance import QuantileBalancer
@@ -200,10 +201,12 @@ def train_distributed(
     prepare = dict(
         out_dir=run_dir / "data", vocab_size=text_config_of(model_config).vocab_size, seed=config.seed
     )
-    if rank == 0:
+
+    def prepare_on_rank_zero() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         prepare_data(config.data, val_fraction=config.val_fraction, progress=True, **prepare)
-    dist.barrier()
+
+    on_rank_zero(prepare_on_rank_zero)  # a bad --data is raised on every rank, not left to a collective
     data = prepare_data(config.data, val_fraction=config.val_fraction, progress=False, **prepare)
     meshes = build_meshes(dims, device.type)
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

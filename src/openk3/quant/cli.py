@@ -42,7 +42,11 @@ def _mb(n: int) -> str:
 def check_out_folder(ckpt: Path, out: str | os.PathLike) -> None:
     """Raise ``ValueError`` when ``out`` is the checkpoint folder ``ckpt`` being packed, or lies inside a training
     run's ``checkpoints`` folder (one holding ``latest``, or beside the run's ``train_config.json`` /
-    ``metrics.jsonl``): packing would replace a run's dense experts in place, text and vision runs alike."""
+    ``metrics.jsonl``): packing would replace a run's dense experts in place, text and vision runs alike.
+    Raise ``FileExistsError`` when ``out`` holds anything else (a run's ``final`` export, another checkpoint,
+    files): :func:`openk3.checkpoint.out_folder.check_new_folder`."""
+    from openk3.checkpoint.out_folder import check_new_folder
+
     target = Path(os.path.realpath(out))
     if target == Path(os.path.realpath(ckpt)):
         raise ValueError(
@@ -58,13 +62,16 @@ def check_out_folder(ckpt: Path, out: str | os.PathLike) -> None:
                 f"--out {out} is inside the training run's checkpoints folder {parent}; refusing to write "
                 "there: write the packed model to another folder"
             )
+    check_new_folder(out)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Load ``--ckpt`` (a model folder or a run's latest checkpoint), pack its experts under the scheme of
     ``--activations`` and write the compressed-tensors layout to ``--out`` with the checkpoint's tokenizer;
-    print the bytes written and what they hold. Raises ``ValueError`` (before loading) for an ``--out`` that
-    :func:`check_out_folder` refuses, and for a model already packed or without routed experts."""
+    print the bytes written and what they hold. Raises ``ValueError`` / ``FileExistsError`` (before loading)
+    for an ``--out`` that :func:`check_out_folder` refuses, and ``ValueError`` for a model already packed or
+    without routed experts. The folder appears whole or not at all (``save_pretrained`` writes a temporary
+    sibling folder and renames it)."""
     from openk3.accounting import checkpoint_bytes
     from openk3.checkpoint import from_pretrained, save_pretrained
     from openk3.checkpoint.io import latest_checkpoint
@@ -108,7 +115,9 @@ def add_quantize_parser(sub) -> None:
         help="pack a checkpoint's routed experts to MXFP4 (compressed-tensors mxfp4-pack-quantized)",
     )
     q.add_argument("--ckpt", required=True, help="checkpoint folder or run folder (its latest checkpoint)")
-    q.add_argument("--out", required=True, help="folder to write the packed checkpoint to")
+    q.add_argument(
+        "--out", required=True, help="new folder to write the packed checkpoint to (refused if it exists)"
+    )
     q.add_argument(
         "--activations",
         choices=["mxfp8", "bf16"],

@@ -6,7 +6,11 @@ Data: ``corpus`` reads random windows of the target run's ``data/train.bin``; ``
 trains on those, so the draft learns the distribution it will be verified against.
 
 Ctrl-C or SIGTERM stops after the current step, saves the draft and :data:`RESUME_STATE` beside it, and prints
-the command that continues (the same options plus ``--resume``); a second Ctrl-C aborts at once.
+the command that continues (the same options plus ``--resume``); a second Ctrl-C aborts at once. While the
+target is being sampled (``--data generations``, before the first step) Ctrl-C stops at once: nothing has been
+written yet, and the line says so. The draft folder is written whole or not at all
+(:func:`~openk3.checkpoint.out_folder.folder_written_whole`), and a fresh run refuses an ``--out`` that holds
+anything (:func:`~openk3.checkpoint.out_folder.check_new_folder`).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def add_draft_parser(sub) -> None:
         "train-draft", help="train a speculative draft (EAGLE-3 head, LK or KL loss) for a run"
     )
     p.add_argument("--target", required=True, help="run or checkpoint folder of the target model")
-    p.add_argument("--out", help="draft folder to write (default: RUN/draft-LOSS)")
+    p.add_argument("--out", help="new draft folder to write (default: RUN/draft-LOSS)")
     p.add_argument(
         "--loss", choices=["lk", "kl"], default="lk", help="lk: -log sum min(p, q); kl: KL(p || q)"
     )
@@ -126,19 +130,34 @@ def pool_batches(pool, batch_size: int, seed: int, step: int):
 
 class _StopRequest:
     """SIGINT / SIGTERM handler of ``train-draft``: the first asks the loop to stop after its step (the draft
-    is then saved with its optimizer state), the second raises ``KeyboardInterrupt`` at once."""
+    is then saved with its optimizer state), the second raises ``KeyboardInterrupt`` at once. Inside
+    :meth:`aborting` the first raises ``KeyboardInterrupt`` at once, with the block's text."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.abort_text: str | None = None
+        """Set inside :meth:`aborting`: what the interrupted work leaves behind, for the one-line report."""
 
     def __call__(self, signum, frame) -> None:
         import signal
 
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.abort_text is not None:
+            raise KeyboardInterrupt(f"{what}: {self.abort_text}")
         if self.requested:
             raise KeyboardInterrupt("train-draft aborted by a second Ctrl-C; nothing of this step was saved")
         self.requested = True
-        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"{what}: finishing this step and saving the draft (Ctrl-C again to abort)", flush=True)
+
+    @contextlib.contextmanager
+    def aborting(self, text: str):
+        """Within the block a signal stops the work at once (``KeyboardInterrupt("Ctrl-C: " + text)``): for
+        work that keeps nothing worth saving, such as sampling the target before the first step."""
+        self.abort_text = text
+        try:
+            yield
+        finally:
+            self.abort_text = None
 
     @contextlib.contextmanager
     def installed(self):
@@ -170,6 +189,7 @@ def _train_draft(args: argparse.Namespace) -> int:
     import torch
 
     from openk3.checkpoint import from_pretrained
+    from openk3.checkpoint.out_folder import folder_written_whole
     from openk3.data import TokenDataset
     from openk3.data.shards import RandomBatches
     from openk3.model.draft import DraftConfig, build_draft, feature_layers, load_draft, save_draft
@@ -217,7 +237,12 @@ def _train_draft(args: argparse.Namespace) -> int:
                 pool = state["pool"].to(args.device)
             else:
                 t0 = time.perf_counter()
-                pool = generated_windows(lm, dataset, args.gen_windows, args.seq_len, args.seed, args.device)
+                print(f"sampling {args.gen_windows} target windows of {args.seq_len} tokens", flush=True)
+                with stop.aborting(f"stopped while sampling the target; nothing was written ({out} was not "
+                                   "created): run the same command again to start over"):  # fmt: skip
+                    pool = generated_windows(
+                        lm, dataset, args.gen_windows, args.seq_len, args.seed, args.device
+                    )
                 print(f"sampled {pool.shape[0]} target windows of {args.seq_len} tokens in "
                       f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
             batches = pool_batches(pool, args.batch_size, args.seed, start)
@@ -229,18 +254,18 @@ def _train_draft(args: argparse.Namespace) -> int:
                 start_step=start, optimizer_state=None if state is None else state["optimizer"],
                 stop=lambda: stop.requested,
             )  # fmt: skip
-        save_draft(draft, out)
-        resume_file = out / RESUME_STATE
+        with folder_written_whole(out) as tmp:  # the draft and its resume state appear together, or neither
+            save_draft(draft, tmp)
+            if result.step < args.steps:
+                settings = {name: getattr(args, name) for name in SETTINGS}
+                saved = {"step": result.step, "optimizer": result.optimizer_state, "settings": settings}
+                if pool is not None:
+                    saved["pool"] = pool.cpu()
+                torch.save(saved, tmp / RESUME_STATE)
         if result.step < args.steps:
-            settings = {name: getattr(args, name) for name in SETTINGS}
-            saved = {"step": result.step, "optimizer": result.optimizer_state, "settings": settings}
-            if pool is not None:
-                saved["pool"] = pool.cpu()
-            torch.save(saved, resume_file)
             print(f"stopped at step {result.step}/{args.steps}; draft saved to {out}; continue with: "
                   f"{_resume_line(args, out)}")  # fmt: skip
             return 130
-        resume_file.unlink(missing_ok=True)
     print(f"trained {args.steps} steps in {result.seconds:.0f} s; draft saved to {out}")
     print(f"acceptance: openk3 eval --ckpt {args.target} --draft {out}")
     return 0
@@ -248,8 +273,11 @@ def _train_draft(args: argparse.Namespace) -> int:
 
 def _check_out_free(out: Path, args: argparse.Namespace) -> None:
     """Raise ``ValueError`` when ``out`` already holds a draft (stopped or finished) and ``--resume`` is not
-    given: a fresh run would overwrite it. Returns ``None`` (no resume state)."""
+    given: a fresh run would overwrite it; ``FileExistsError`` when it holds anything else (a checkpoint, a
+    run, files: :func:`~openk3.checkpoint.out_folder.check_new_folder`). Returns ``None`` (no resume state)."""
     import torch
+
+    from openk3.checkpoint.out_folder import check_new_folder
 
     if (out / RESUME_STATE).is_file():
         state = torch.load(out / RESUME_STATE, map_location="cpu", weights_only=True)
@@ -260,6 +288,7 @@ def _check_out_free(out: Path, args: argparse.Namespace) -> None:
         )
     if (out / "model.safetensors").is_file():
         raise ValueError(f"--out {out} already holds a trained draft: pick another --out (or delete {out})")
+    check_new_folder(out)
 
 
 def _load_resume_state(out: Path, args: argparse.Namespace) -> dict:

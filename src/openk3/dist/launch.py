@@ -1,0 +1,88 @@
+"""``openk3 train --nproc-per-node N …``: start ``N`` local ranks of ``python -m openk3 train …`` under torch's
+elastic agent (what ``torchrun --standalone --nproc_per_node N -m openk3 train …`` starts) and report a failed
+world in one line.
+
+torchrun ends a failed world with its own report: the agent's log lines, a traceback of its launcher and a
+``ChildFailedError`` table, even when the failure is bad input that rank 0 has already named in one line.
+This launcher runs the same agent (:func:`torch.distributed.launcher.api.elastic_launch`, a c10d rendezvous
+on a free local port) and turns its ``ChildFailedError`` into the exit status and at most one line:
+
+- rank 0 ended with 2 (bad input; it printed ``openk3: error: …`` itself, the only rank that prints it): no
+  further line, exit status 2;
+- another rank ended first with 2: that rank's message, from the error file every rank writes
+  (``TORCHELASTIC_ERROR_FILE``, :func:`openk3.cli.main`), exit status 2;
+- any other failure: ``openk3: error: rank R failed (exit code C, SIGNAL): MESSAGE``, exit status 1 (a
+  traceback, when there is one, was printed by that rank above);
+- the launcher itself interrupted (Ctrl-C, SIGTERM; the agent passes the signal on to the ranks): one line,
+  exit status 128 + the signal's number.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+
+USER_ERROR_EXIT = 2
+"""The exit status of a rank that stopped on bad input (:func:`openk3.cli.main`)."""
+
+
+def _message(failure) -> str:
+    """The one-line message of a ``ProcessFailure``: the error file's ``TYPE: TEXT`` (the type dropped for
+    bad input), else ``<N/A>``."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message")
+    lines = str(message or "").strip().splitlines()
+    text = lines[0] if lines else "<N/A>"
+    if failure.exitcode == USER_ERROR_EXIT:
+        text = text.split(": ", 1)[-1]
+    return text
+
+
+def failure_report(failures: dict) -> tuple[int, str | None]:
+    """``(exit status, line or None)`` for the failed ranks ``failures`` (rank → ``ProcessFailure``, as in
+    ``ChildFailedError.failures``); see the module docstring."""
+    if failures.get(0) is not None and failures[0].exitcode == USER_ERROR_EXIT:
+        return USER_ERROR_EXIT, None
+    rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
+    if first.exitcode == USER_ERROR_EXIT:
+        return USER_ERROR_EXIT, f"openk3: error: {_message(first)}"
+    signal = first.signal_name()
+    how = f"exit code {first.exitcode}" + (f", {signal}" if signal and signal != "<N/A>" else "")
+    return 1, f"openk3: error: rank {rank} failed ({how}): {_message(first)}"
+
+
+def launch(nproc_per_node: int, argv: list[str]) -> int:
+    """Run ``python -m openk3 *argv`` on ``nproc_per_node`` local ranks; return the exit status (0 when
+    every rank succeeded). The agent's own log lines are silenced unless ``LOGLEVEL`` is set."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "LOGLEVEL" not in os.environ:  # the agent's loggers set their level from LOGLEVEL when imported
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "openk3", *argv)
+    except ChildFailedError as e:
+        code, line = failure_report(e.failures)
+        if line:
+            print(line, file=sys.stderr)
+        return code
+    except SignalException as e:  # Ctrl-C or SIGTERM: the agent passed it on to the ranks and stopped them
+        print(f"openk3: {e.sigval.name} received: the {nproc_per_node} ranks were stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0

@@ -1,0 +1,137 @@
+"""Bad input under torch's elastic agent: one ``openk3: error:`` line from rank 0, not one per rank, no rank
+left waiting in a collective, exit status 2; ``openk3 train --nproc-per-node`` adds nothing to that line,
+while plain torchrun's own report carries the message instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+import openk3
+from dist_utils import run_world
+from openk3 import cli
+from openk3.cli import main
+from openk3.dist.launch import failure_report
+from openk3.dist.rank_zero import on_rank_zero
+
+ENV = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+TINY = ["--preset", "k3-tiny", "--dp-shard", "2", "--steps", "2", "--no-sample"]
+
+
+def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    # a rank left waiting would hang the world: the timeout turns that into a failure
+    return subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow  # two ranks of torch imports on 2 cores: 15-30 s
+def test_launcher_reports_a_missing_data_folder_in_one_line(tmp_path):
+    missing = tmp_path / "no-such-corpus"
+    cmd = [sys.executable, "-m", "openk3", "train", "--nproc-per-node", "2", "--out", str(tmp_path / "run"),
+           "--data", str(missing), *TINY]  # fmt: skip
+    done = _run(cmd, tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"openk3: error: input path does not exist: {str(missing)!r}\n", done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.slow  # two ranks of torch imports on 2 cores: 15-30 s
+def test_torchrun_prints_a_bad_config_value_once(tmp_path):
+    """``--batch-size 3`` over 2 data ranks is refused by every rank: rank 0 alone prints it, no rank prints
+    a traceback, and torchrun's report shows the message (from the ranks' error files)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: a small corpus for two ranks.\n" for i in range(400)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "openk3", "train",
+           "--out", str(tmp_path / "run"), "--data", str(corpus), "--batch-size", "3", *TINY]  # fmt: skip
+    done = _run(cmd, tmp_path)
+    text = (
+        "--batch-size 3 (global sequences per micro-batch) is not divisible by the 2 data ranks (world_size=2 "
+        "/ cp=1)"
+    )
+    assert done.returncode != 0
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("openk3: error:")]
+    assert lines == [f"openk3: error: {text}"], done.stderr
+    assert f"traceback : ValueError: {text}" in done.stderr, done.stderr  # torchrun's root cause
+    assert "[rank0]" not in done.stderr and "[rank1]" not in done.stderr, done.stderr  # no rank's traceback
+
+
+def test_ranks_other_than_0_record_bad_input_without_printing_it(tmp_path, monkeypatch, capsys):
+    """Under the agent a rank other than 0 prints neither argparse's line nor a command's error (rank 0 prints
+    the same one); the error goes to its error file, where the launcher reads it."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--lr", "nan"])
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""
+    assert main(["train", "--nproc-per-node", "2"]) == 2  # a ValueError: the launcher under the agent
+    assert capsys.readouterr().err == ""
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"] == (
+        "ValueError: --nproc-per-node starts the ranks itself: run it without torchrun"
+    )
+    assert "Traceback" not in message["extraInfo"]["py_callstack"]
+
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", ctrl_c)  # Ctrl-C reaches every rank: rank 0 alone says so
+    assert main(["info"]) == 130 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["info"]) == 130 and capsys.readouterr().err == "openk3: interrupted\n"
+    assert main(["train", "--nproc-per-node", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "openk3: error: --nproc-per-node starts the ranks itself: run it without torchrun\n"
+    )
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None, timestamp: int) -> ProcessFailure:
+    error_file = tmp_path / f"error-{rank}.json"
+    if message is not None:
+        body = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(timestamp)}}
+        error_file.write_text(json.dumps({"message": body}))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def test_failure_report_adds_a_line_only_when_rank_0_printed_none(tmp_path):
+    bad = "FileNotFoundError: input path does not exist: 'x'"
+    stopped_by_agent = _failure(tmp_path, 1, -15, None, 11)
+    # rank 0 stopped on bad input (and printed it); rank 1 was stopped by the agent
+    assert failure_report({0: _failure(tmp_path, 0, 2, bad, 10), 1: stopped_by_agent}) == (2, None)
+    # only rank 1 saw bad input: its message, without the type
+    only_rank_1 = {1: _failure(tmp_path, 1, 2, bad, 10), 0: _failure(tmp_path, 0, -15, None, 12)}
+    assert failure_report(only_rank_1) == (2, "openk3: error: input path does not exist: 'x'")
+    # a crash: which rank, how, and its message
+    code, line = failure_report({1: _failure(tmp_path, 1, 1, "RuntimeError: boom", 10)})
+    assert (code, line) == (1, "openk3: error: rank 1 failed (exit code 1): RuntimeError: boom")
+    code, line = failure_report({0: _failure(tmp_path, 0, -9, None, 10)})
+    assert code == 1 and line.startswith("openk3: error: rank 0 failed (exit code -9, SIGKILL): "), line
+
+
+def _rank_zero_fails(rank, world, folder):
+    """Rank 0's work raises; every rank reports what it raised (none may wait in a collective)."""
+    outcomes = []
+    for work in (lambda: Path(folder, "missing").read_text(), lambda: 1 / 0, lambda: None):
+        try:
+            on_rank_zero(work)
+            outcomes.append(None)
+        except Exception as e:  # noqa: BLE001 - the type and text are what the test checks
+            outcomes.append((type(e).__name__, str(e)))
+    return outcomes
+
+
+def test_a_failure_of_rank_zeros_work_is_raised_on_every_rank(tmp_path):
+    missing = f"[Errno 2] No such file or directory: '{tmp_path / 'missing'}'"
+    rank0, rank1 = run_world(_rank_zero_fails, 2, str(tmp_path), timeout=60, pg_timeout=20)
+    assert rank0 == [("FileNotFoundError", missing), ("ZeroDivisionError", "division by zero"), None]
+    assert rank1 == [
+        ("FileNotFoundError", missing),
+        ("RuntimeError", "rank 0 failed: ZeroDivisionError: division by zero"),
+        None,
+    ]
