@@ -234,3 +234,29 @@ def test_static_step_reads_nothing_on_the_host(pair, monkeypatch):
     )
     assert out["h"] == reference(model, prompts[2], 12)
     assert len(seen) >= 3 and all(ops == [] for ops in seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_gpu_graphed_step_equals_the_eager_step_and_plain_decoding(pair, k):
+    """fp32 on CUDA: the engine's default speculative path (the static step replayed from CUDA graphs) gives
+    the tokens of the same step run eagerly, of the engine without a draft (graphed plain decoding) and of
+    the model's own greedy decoding, for one stream and for three (a padding row)."""
+    model64, draft64, prompts = pair
+    model, draft = copy.deepcopy(model64).float().cuda(), copy.deepcopy(draft64).float().cuda()
+    graphed, eager = engine(model, draft, k), engine(model, draft, k)
+    eager.runner.speculative.graphs.capture = False
+    plain = LLMEngine(model, EngineConfig(CacheConfig(block_size=4, num_blocks=600), SchedulerConfig()))
+    for ps in ([prompts[0]], [prompts[1], prompts[2] + prompts[3], prompts[3] * 3]):
+        outs = []
+        for eng in (graphed, eager, plain):
+            reqs = [Request(f"g{k}-{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(ps)]
+            got = eng.generate(reqs)
+            outs.append([got[r.request_id] for r in reqs])
+        want = [greedy(model, torch.tensor([p], device="cuda"), 24)[0].tolist() for p in ps]
+        assert outs[0] == outs[1] == outs[2] == want, k
+    steps = graphed.runner.speculative.graphs.steps
+    assert steps and all(s.graph is not None for s in steps.values())
+    assert {1, 4} <= {b for b, _, _ in steps}
+    spec = graphed.runner.speculative
+    assert 0 < spec.num_accepted and spec.num_drafted == eager.runner.speculative.num_drafted
