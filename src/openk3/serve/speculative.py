@@ -73,6 +73,8 @@ class SpeculativeDecoder:
         self.num_drafted = 0
         """Drafted tokens verified so far (with :attr:`num_accepted`: the acceptance rate)."""
         self.num_accepted = 0
+        self.num_verified = 0
+        """Speculative steps of a request so far (each emits ``1 +`` its accepted drafts)."""
         self._taps: list[torch.Tensor] = []
 
     @contextlib.contextmanager
@@ -180,6 +182,7 @@ class SpeculativeDecoder:
         for c, emitted in zip(chunks, self.graphs.run_speculative(chunks, k, states)):
             self.num_drafted += k
             self.num_accepted += len(emitted) - 1
+            self.num_verified += 1
             sampled[c.request.request_id] = emitted
 
     def _chains(self, chunks, k: int, choosers) -> list[tuple[list[int], list]]:
@@ -238,6 +241,7 @@ class SpeculativeDecoder:
             kept.append(n + 1)
             self.num_drafted += k
             self.num_accepted += n
+            self.num_verified += 1
             emitted.append([*drafts[:n], nxt])
             sampled[c.request.request_id] = emitted[-1]
         self._feed([c.request for c in chunks], [taps_BTF[b, :n] for b, n in enumerate(kept)], emitted)
