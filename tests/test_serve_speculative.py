@@ -34,10 +34,11 @@ def pair():
     return model.double(), draft.double().eval(), prompts.tolist()
 
 
-def engine(model, draft, k=3, caching=True) -> LLMEngine:
+def engine(model, draft, k=3, caching=True, static=None) -> LLMEngine:
+    """``static``: the static speculative step (``None``: the engine's default, on CUDA only)."""
     cache = CacheConfig(block_size=4, num_blocks=600, checkpoint_interval=1, enable_prefix_caching=caching)
     sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=16)
-    return LLMEngine(model, EngineConfig(cache, sched), draft=draft, num_speculative_tokens=k)
+    return LLMEngine(model, EngineConfig(cache, sched, static), draft=draft, num_speculative_tokens=k)
 
 
 def reference(model, prompt, n):
@@ -59,10 +60,11 @@ def test_greedy_batch_equals_plain_decoding(pair):
     assert eng.pool.num_free_blocks == eng.pool.num_blocks - 1  # nothing leaked
 
 
+@pytest.mark.parametrize("static", [None, True])
 @pytest.mark.parametrize("k", [1, 5])
-def test_each_k_and_per_request_override(pair, k):
+def test_each_k_and_per_request_override(pair, k, static):
     model, draft, prompts = pair
-    eng = engine(model, draft, k=k)
+    eng = engine(model, draft, k=k, static=static)
     reqs = [
         Request("a", prompts[0], SamplingParams(max_tokens=20)),
         Request("b", prompts[1], SamplingParams(max_tokens=20, num_speculative_tokens=0)),
@@ -73,9 +75,10 @@ def test_each_k_and_per_request_override(pair, k):
         assert out[r.request_id] == reference(model, r.prompt_token_ids, 20), (k, r.request_id)
 
 
-def test_prefix_cache_hit_and_stop_token(pair):
+@pytest.mark.parametrize("static", [None, True])
+def test_prefix_cache_hit_and_stop_token(pair, static):
     model, draft, prompts = pair
-    eng = engine(model, draft)
+    eng = engine(model, draft, static=static)
     prefix = prompts[0] * 4  # 16 tokens: 4 full blocks
     first = eng.generate([Request("x", prefix + [3], SamplingParams(max_tokens=12))])["x"]
     assert first == reference(model, prefix + [3], 12)
@@ -128,14 +131,6 @@ def test_gpu_engine_greedy_on_cuda(pair):
 
 
 # ---- the static speculative step (serve/speculative_graph.py), eager on the CPU ---------------------------
-def static_engine(model, draft, k, static: bool) -> LLMEngine:
-    cache = CacheConfig(block_size=4, num_blocks=600, checkpoint_interval=1, enable_prefix_caching=True)
-    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=16)
-    return LLMEngine(
-        model, EngineConfig(cache, sched, static_decode=static), draft=draft, num_speculative_tokens=k
-    )
-
-
 def engine_state(eng, request):
     """A request's KDA states ``([L, H, K, V], [L, 3, P, W−1])``, its cached latents ``[L_mla, S, C + r]``
     (``S = num_computed_tokens``) and its draft cache ``[S_d, C + r]`` with the draft's last output."""
@@ -171,7 +166,7 @@ def test_static_step_equals_the_dynamic_path_and_plain_decoding(pair, k):
     outputs are plain greedy decoding's."""
     model, draft, prompts = pair
     ps = [prompts[0], prompts[1] + prompts[2], prompts[3] * 3]
-    fast, slow = static_engine(model, draft, k, True), static_engine(model, draft, k, False)
+    fast, slow = engine(model, draft, k, static=True), engine(model, draft, k, static=False)
     graphs = fast.runner.speculative.graphs
     assert graphs is not None and not graphs.capture and slow.runner.speculative.graphs is None
     calls = []
@@ -229,7 +224,7 @@ def test_static_step_reads_nothing_on_the_host(pair, monkeypatch):
         seen.append(reads.ops)
 
     monkeypatch.setattr(StaticSpeculative, "forward", watched)
-    out = static_engine(model, draft, 3, True).generate(
+    out = engine(model, draft, 3, static=True).generate(
         [Request("h", prompts[2], SamplingParams(max_tokens=12))]
     )
     assert out["h"] == reference(model, prompts[2], 12)
