@@ -231,6 +231,39 @@ def test_static_step_reads_nothing_on_the_host(pair, monkeypatch):
     assert len(seen) >= 3 and all(ops == [] for ops in seen)
 
 
+def test_steady_speculative_step_waits_on_the_device_once(pair, monkeypatch):
+    """A steady greedy speculative engine step (schedule, the static step, update) of one stream reads device
+    values on the host exactly once: the kept count and tokens. The step's own forward is left out (a CUDA
+    graph on a GPU: ``test_static_step_reads_nothing_on_the_host``)."""
+    from openk3.serve.speculative_graph import StaticSpeculative
+    from test_serve_decode_graph import HostWaits
+
+    model, draft, prompts = pair
+    waits = HostWaits()
+    real_forward = StaticSpeculative.forward
+
+    def unwatched(self, states):
+        waits.paused = True
+        try:
+            real_forward(self, states)
+        finally:
+            waits.paused = False
+
+    monkeypatch.setattr(StaticSpeculative, "forward", unwatched)
+    eng = engine(model, draft, 3, static=True)
+    req = Request("w", prompts[0], SamplingParams(max_tokens=40))
+    eng.add_request(req)
+    while len(req.output_token_ids) < 2:
+        eng.step()
+    per_step = []
+    for _ in range(4):
+        waits.reads.clear()
+        with waits:
+            eng.step()
+        per_step.append(list(waits.reads))
+    assert per_step == [["tolist"]] * 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_gpu_graphed_step_equals_the_eager_step_and_plain_decoding(pair, k):
