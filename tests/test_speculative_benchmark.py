@@ -55,7 +55,7 @@ def test_gpu_command_of_the_docs_parses(bench):
     command = text[text.index("python benchmarks/speculative.py --train-target") :].split("\n```")[0]
     argv = command.replace("\\\n", " ").split()[2:]
     args = bench.parse_args(argv)
-    assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 200.0
+    assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 150.0
     assert args.streams == [1, 64] and args.engine_ks == [1, 2, 3, 4, 5] and args.data == ".corpus"
 
 
