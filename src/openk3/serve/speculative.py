@@ -74,7 +74,8 @@ class SpeculativeDecoder:
         """Drafted tokens verified so far (with :attr:`num_accepted`: the acceptance rate)."""
         self.num_accepted = 0
         self.num_verified = 0
-        """Speculative steps of a request so far (each emits ``1 +`` its accepted drafts)."""
+        """Rows verified so far, one per request per speculative step (each emits ``1 +`` its accepted
+        drafts)."""
         self._taps: list[torch.Tensor] = []
 
     @contextlib.contextmanager
