@@ -121,7 +121,7 @@ class KDAStateSlots:
     steps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """After a verifying forward of ``T`` tokens: the recurrent state before it ``[B, H, K, V]``, the
     recurrent state after each token ``[B, T, H, K, V]`` and the conv window before and after each token
-    ``[B, T + 1, 3, H·K, W−1]`` (``None`` outside a verification)."""
+    ``[B, T + 1, 3, H·K, W−1]`` (in the layer's input dtype; ``None`` outside a verification)."""
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the current states (the layer overwrites them in place)."""

@@ -193,7 +193,7 @@ class KimiDeltaAttention(nn.Module):
         if slots.verify:  # the conv window after token t: the last W − 1 inputs up to it
             W1 = slots.conv.shape[-1]
             xp_B3PS = torch.cat([slots.conv.to(proj_B3PT.dtype), proj_B3PT], -1)
-            conv_steps = xp_B3PS.unfold(-1, W1, 1).permute(0, 3, 1, 2, 4).to(slots.conv.dtype)
+            conv_steps = xp_B3PS.unfold(-1, W1, 1).permute(0, 3, 1, 2, 4)  # a view; the rollback casts
             rec0 = slots.recurrent.clone()
             rec_steps = slots.recurrent.new_empty(B, T, *slots.recurrent.shape[1:])
         qkv_BT3P = short_conv_step_(proj_B3PT, slots.conv, weight_3PW).permute(0, 3, 1, 2)
