@@ -130,6 +130,10 @@ class StaticDecode:
         old_BTLW = view[page_BT, :, off_BT]
         view[page_BT, :, off_BT] = torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW)
 
+    def before_run(self) -> None:
+        """Host-side updates of a subclass's other input buffers, made after any capture and right before
+        each run (none here)."""
+
     def capture(self, states: StateBatch | None) -> None:
         """Capture :meth:`forward` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
         states), after two warm-up runs on a side stream (Triton compilation, lazy initialisation)."""
@@ -221,8 +225,8 @@ class DecodeGraphs:
     def launch(self, step: StaticDecode, chunks, ids: list[int], extra: list[int] = ()) -> None:
         """Run ``step`` for ``chunks``: check their KDA states out (padding rows: the scratch slot), capture
         the step first on CUDA (or again when the states moved), stage the packed inputs (``ids``: the
-        chunks' ``n·T`` token ids; ``extra``: ``n·E`` values of :attr:`StaticDecode.extra_BE`) and replay it
-        (or run it eagerly)."""
+        chunks' ``n·T`` token ids; ``extra``: ``n·E`` values of :attr:`StaticDecode.extra_BE`), call its
+        :meth:`~StaticDecode.before_run` and replay it (or run it eagerly)."""
         n, B, T, N = len(chunks), step.B, step.T, step.N
         pad, E = B - n, step.extra_BE.shape[1]
         slots = [c.state_slot for c in chunks] + [self.scratch_slot] * pad
@@ -243,6 +247,7 @@ class DecodeGraphs:
             self._stage(len(values))
         self.host_inputs_np[: len(values)] = values  # no tensor built per step
         step.inputs.copy_(self.host_inputs[: len(values)], non_blocking=True)
+        step.before_run()
         if step.graph is not None:
             step.graph.replay()
         else:

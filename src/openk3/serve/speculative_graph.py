@@ -8,8 +8,9 @@ device, the same padding rows) for ``B`` rows of one ``k``:
 
 1. **Draft chain.** The draft starts from each row's last output (:attr:`~StaticSpeculative.g_BD`) and its
    cached latents, copied before the step into :attr:`~StaticSpeculative.past_BSW` (``S = N·bs`` positions,
-   the first :attr:`~StaticSpeculative.draft_len_B` real); step ``j`` takes the argmax of its logits as
-   ``d_{j+1}`` and, for ``j ≥ 1``, runs the draft layer on ``d_j`` over the past and the chain so far.
+   the first :attr:`~StaticSpeculative.draft_len_B` real) unless the buffers hold them already (below);
+   step ``j`` takes the argmax of its logits as ``d_{j+1}`` and, for ``j ≥ 1``, runs the draft layer on
+   ``d_j`` over the past and the chain so far.
 2. **Verification.** The drafts are written after the last emitted token ``y`` into the ids buffer and the
    target runs once over ``[y, d_1 … d_k]`` on the paged caches, every KDA layer keeping the state after
    each token (:class:`~openk3.model.cache.KDAStateSlots` with ``verify``); forward pre-hooks on the tapped
@@ -21,11 +22,13 @@ device, the same padding rows) for ``B`` rows of one ``k``:
    the kept ones lie beyond ``num_computed_tokens`` and are overwritten before their block is full.
 5. **Draft update.** The draft reads the features of positions ``0 … k`` with the emitted tokens after them
    (``d_{j+1}`` for ``j < n``, ``a_n`` at ``n``; later positions are computed and dropped: causal attention
-   keeps them out of the kept ones), its output at ``n`` goes to :attr:`~StaticSpeculative.g_out_BD` and its
-   new latents to :attr:`~StaticSpeculative.new_BTW`.
+   keeps them out of the kept ones), its output at ``n`` goes to :attr:`~StaticSpeculative.g_BD` and its
+   new latents to :attr:`~StaticSpeculative.new_BTW` and into the draft cache buffer after each row's cache.
 
-The host then reads :attr:`~StaticSpeculative.out_BT` (``n`` and the emitted tokens of every real row: the
-step's one device→host copy) and appends the first ``n + 1`` new latents to each request's draft cache.
+The host then reads :attr:`~StaticSpeculative.out_BT1` (``n`` and the emitted tokens of every real row: the
+step's one device→host copy) and appends the first ``n + 1`` new latents to each request's draft cache. A
+request that stays in its row from one run of a step to the next finds its draft cache and last output in
+the buffers already (the step wrote them); any other row is copied in before the run.
 Sampled requests (temperature > 0) verify on the eager path of :mod:`openk3.serve.speculative`: their rule
 draws on each request's own generator.
 
@@ -69,19 +72,25 @@ class StaticSpeculative(StaticDecode):
         self.past_BSW = weight.new_zeros(B, S, W)
         """The draft's cached latents (``kv_a_layernorm(c)`` then ``k_pe``), the first ``draft_len`` real."""
         self.g_BD = weight.new_zeros(B, D)
-        """The draft's last output per row (the chain's first feature)."""
+        """The draft's last output per row: read as the chain's first feature, then overwritten with the
+        draft's output at the last kept position (the next step's)."""
         self.out_BT1 = torch.zeros(B, T + 1, dtype=torch.int64, device=weight.device)
         """Per row: kept drafts ``n``, then the emitted tokens ``d_1 … d_n, a_n`` (later entries repeat
         ``a_n``)."""
         self.new_BTW = weight.new_zeros(B, T, W)
-        """The draft update's new latents (the first ``n + 1`` are kept)."""
-        self.g_out_BD = weight.new_zeros(B, D)
-        """The draft's output at the last kept position (the next step's :attr:`g_BD`)."""
+        """The draft update's new latents (the first ``n + 1`` are kept), also written into
+        :attr:`past_BSW` after each row's cache."""
+        self.rows: list = []
+        """The draft states of the next run's real rows (set by :class:`SpeculativeGraphs`)."""
+        self.resident: list[tuple[object, int] | None] = [None] * B
+        """Per row: the draft state whose first ``L`` cached latents and last output the buffers hold, as
+        ``(state, L)`` (``None``: unknown), so a request that stays in its row is not copied in again."""
 
     @torch.no_grad()
     def forward(self, states: StateBatch | None) -> None:
         """The step: reads the input buffers, ``states`` (updated in place) and the draft buffers; writes the
-        latents to the pool and :attr:`out_BT1`, :attr:`new_BTW`, :attr:`g_out_BD`."""
+        latents to the pool, :attr:`out_BT1`, :attr:`new_BTW` and the draft buffers :attr:`g_BD`,
+        :attr:`past_BSW`."""
         B, k, T, C = self.B, self.k, self.T, self.C
         draft, embed, head = self.draft, self.lm.model.embed_tokens, self.lm.lm_head
         dev = self.ids_BT.device
@@ -123,9 +132,31 @@ class StaticSpeculative(StaticDecode):
         g_BTD, (c_BTC, kpe_BTr) = draft(
             draft.fuse(taps[0]), emitted_BT, embed, mask_TS=mask_BTS[:, None], past=(lat_BSC, kpe_BSr)
         )
-        self.g_out_BD.copy_(g_BTD[torch.arange(B, device=dev), n_B])
+        b_B = torch.arange(B, device=dev)
+        self.g_BD.copy_(g_BTD[b_B, n_B])
         self.new_BTW.copy_(torch.cat([c_BTC, kpe_BTr], -1))
+        # after each row's cache (draft_len + T ≤ S: the cache is no longer than the target's context);
+        # positions past the kept ones lie beyond the next step's draft_len
+        self.past_BSW[b_B[:, None], self.draft_len_B[:, None] + j_T] = self.new_BTW
         self.out_BT1.copy_(torch.cat([n_B[:, None], emitted_BT], 1))
+
+    def capture(self, states: StateBatch | None) -> None:
+        super().capture(states)
+        self.resident = [None] * self.B  # the warm-up runs wrote every row's draft buffers
+
+    def before_run(self) -> None:
+        """Copy each real row's draft cache and last output into the buffers unless they hold them already
+        (the same request in the same row after this step's previous run); padding rows lose theirs."""
+        C = self.C
+        for b, st in enumerate(self.rows):
+            L = 0 if st.cache.latent is None else st.cache.latent.shape[1]
+            held = self.resident[b]
+            if held is None or held[0] is not st or held[1] != L:
+                if L:
+                    self.past_BSW[b, :L, :C].copy_(st.cache.latent[0])
+                    self.past_BSW[b, :L, C:].copy_(st.cache.k_pe[0])
+                self.g_BD[b].copy_(st.g_11D[0, 0])
+        self.resident[len(self.rows) :] = [None] * (self.B - len(self.rows))
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.sample_vocab_size is not None:
@@ -172,23 +203,19 @@ class SpeculativeGraphs(DecodeGraphs):
             step = self.steps[(B, k + 1, N)] = StaticSpeculative(
                 self.lm, self.draft, self.storage, B, k, N, self.sample_vocab_size
             )
-        lengths = []
-        for b, st in enumerate(states):
-            L = 0 if st.cache.latent is None else st.cache.latent.shape[1]
-            if L:
-                step.past_BSW[b, :L, : step.C].copy_(st.cache.latent[0])
-                step.past_BSW[b, :L, step.C :].copy_(st.cache.k_pe[0])
-            step.g_BD[b].copy_(st.g_11D[0, 0])
-            lengths.append(L)
+        lengths = [0 if st.cache.latent is None else st.cache.latent.shape[1] for st in states]
         ids = [t for c in chunks for t in c.token_ids + [0] * k]
+        step.rows = states
         self.launch(step, chunks, ids, lengths)
         rows = step.out_BT1[:n].tolist()  # the step's one host wait: one device→host copy
         new_BTW = step.new_BTW[:n].clone()  # the buffers are the next replay's
-        g_BD = step.g_out_BD[:n].clone()
+        g_BD = step.g_BD[:n].clone()
         emitted = []
-        for b, (st, row) in enumerate(zip(states, rows)):
+        for b, (st, row, L) in enumerate(zip(states, rows, lengths)):
             kept = row[0] + 1
             st.cache.append(new_BTW[b : b + 1, :kept, : step.C], new_BTW[b : b + 1, :kept, step.C :])
             st.g_11D = g_BD[b : b + 1, None]
+            step.resident[b] = (st, L + kept)
             emitted.append(row[1 : 1 + kept])
+        step.rows = []
         return emitted
