@@ -12,9 +12,10 @@ forward and the single-sequence speed-up over plain decoding.
   (``corpus``). They differ only in the loss.
 * Engine (``--streams``): ``N`` greedy requests of ``--prompt-len`` val tokens and ``--new-tokens`` new
   tokens each, all submitted at once, tokens / wall time (prefills included), best of ``--repeats`` after a
-  warm-up round; without a draft the engine takes its default path (decode steps in CUDA graphs on CUDA),
-  with the LK draft at k = ``--engine-k`` every step runs the paged forward. Greedy outputs are compared
-  stream by stream (bf16 on a GPU may flip near-ties, so the count is reported, not asserted).
+  warm-up round, without a draft and with the LK draft at each k of ``--engine-ks``; every engine takes its
+  default path (on CUDA: plain decode steps and greedy speculative steps replayed from CUDA graphs). Greedy
+  outputs are compared stream by stream (bf16 on a GPU may flip near-ties, so the count is reported, not
+  asserted).
 * Single sequence (``--ks``): ``--prompts`` prompts, greedy (or ``--temperature``), :func:`openk3.generate
   .generate` against :func:`openk3.speculative.speculative_generate`, best of ``--repeats``, plain and the
   two drafts alternating so a shared machine slows all alike.
@@ -25,9 +26,9 @@ forward and the single-sequence speed-up over plain decoding.
 
     python benchmarks/speculative.py --target runs/k3-tiny --out benchmarks/results/   # CPU
     python benchmarks/speculative.py --train-target k3-small --device cuda --data CORPUS --work /tmp/spec \\
-        --budget-s 200 --target-steps 3000 --target-batch-size 32 --target-seq-len 256 --draft-steps 1000 \\
-        --batch-size 32 --seq-len 128 --gen-windows 128 --eval-batches 16 --streams 1,64 --new-tokens 64 \\
-        --ks 1,3,5 --prompts 1 --out OUT_DIR                                        # one H200, ~5 min
+        --budget-s 150 --target-steps 3000 --target-batch-size 32 --target-seq-len 256 --draft-steps 1000 \\
+        --batch-size 32 --seq-len 128 --gen-windows 128 --eval-batches 16 --streams 1,64 --new-tokens 128 \\
+        --engine-ks 1,2,3,4,5 --ks 3 --prompts 1 --out OUT_DIR                     # one H200, ~5 min
 
 Prints a Markdown report; ``--out`` is a ``.md`` file or a folder (which receives ``speculative_<device>.md``
 and ``.json``).
@@ -127,14 +128,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="engine throughput at these concurrent streams, e.g. 1,64",
     )
-    p.add_argument("--engine-k", type=positive_int, default=3, help="k of the engine throughput test")
+    p.add_argument(
+        "--engine-ks", type=_int_list, default=[3], help="k of the engine throughput test, e.g. 1,2,3,4,5"
+    )
     p.add_argument("--threads", type=positive_int, help="torch threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help=".md file or folder for the report")
     args = p.parse_args(argv)
-    for k in [*args.ks, args.engine_k]:
+    for k in [*args.ks, *args.engine_ks]:
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            p.error(f"--ks and --engine-k take k in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+            p.error(f"--ks and --engine-ks take k in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
     if any(n < 1 for n in args.streams):
         p.error(f"--streams takes numbers of streams >= 1, got {args.streams}")
     if args.target and (args.data or args.work):
@@ -246,85 +249,104 @@ def val_prompts(val: TokenDataset, n: int, length: int) -> list[list[int]]:
 
 
 def engine_throughput(model, draft, val, args, device) -> dict:
-    """Decode tokens per second of the serving engine with and without the LK draft (greedy, every request
-    ``--new-tokens`` long, all submitted at once; prefills included)."""
-    from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+    """Decode tokens per second of the serving engine without the draft and with the LK draft at each k of
+    ``--engine-ks`` (greedy, every request ``--new-tokens`` long, all submitted at once; prefills included).
+    Each engine takes its default path: on CUDA plain decode steps and speculative steps replayed from CUDA
+    graphs."""
+    from openk3.serve import Request, SamplingParams
 
     out = {}
     for n in args.streams:
         prompts = val_prompts(val, n, args.prompt_len)
-        row = {}
-        outputs = {}
-        for name, d in (("plain", None), ("speculative", draft)):
-            config = EngineConfig(
-                CacheConfig(block_size=16, pool_mib=256 if device.type == "cpu" else 8192),
-                SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, n * 8)),
-            )
-            eng = LLMEngine(model, config, draft=d, num_speculative_tokens=args.engine_k)
-            best = math.inf
-            for r in range(args.repeats + 1):  # the first round warms up (and captures the decode graphs)
-                reqs = [
-                    Request(f"{name}{r}-{i}", p, SamplingParams(max_tokens=args.new_tokens))
-                    for i, p in enumerate(prompts)
-                ]
-                got, seconds = timed(eng.generate, reqs)
-                if r:
-                    best = min(best, seconds)
-            row[name] = {"tokens_per_s": n * args.new_tokens / best, "seconds": best}
-            outputs[name] = [got[q.request_id] for q in reqs]
+
+        _, plain, plain_outputs = engine_round(model, None, 1, prompts, "plain", args, device)
+        row = {"plain": plain, "speculative": {}}
+        for k in args.engine_ks:
+            eng, spec_row, outputs = engine_round(model, draft, k, prompts, f"k{k}-", args, device)
             spec = eng.runner.speculative
-            if spec is not None:
-                row[name]["acceptance_rate"] = spec.num_accepted / max(spec.num_drafted, 1)
-                reqs = [
-                    Request(f"phases-{i}", p, SamplingParams(max_tokens=args.new_tokens))
-                    for i, p in enumerate(prompts)
-                ]
-                row[name]["ms_per_verify_step"] = phase_times(eng, reqs)
-        row["identical_streams"] = sum(a == b for a, b in zip(outputs["plain"], outputs["speculative"]))
-        row["speedup"] = row["speculative"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
-        print(f"engine {n} streams: {row['plain']['tokens_per_s']:.1f} → {row['speculative']['tokens_per_s']:.1f} "
-              f"tok/s ({row['speedup']:.2f}x), identical {row['identical_streams']}/{n}", file=sys.stderr)  # fmt: skip
+            spec_row.update(
+                acceptance_rate=spec.num_accepted / max(spec.num_drafted, 1),
+                tokens_per_step=1 + spec.num_accepted / max(spec.num_verified, 1),
+                speedup=spec_row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+                identical_streams=sum(a == b for a, b in zip(plain_outputs, outputs)),
+            )
+            reqs = [
+                Request(f"timed-{i}", p, SamplingParams(max_tokens=args.new_tokens))
+                for i, p in enumerate(prompts)
+            ]
+            spec_row["ms_per_step"] = speculative_step_ms(eng, reqs)
+            row["speculative"][k] = spec_row
+            print(f"engine {n} streams, k={k}: decode {plain['decode_tokens_per_s']:.1f} → "
+                  f"{spec_row['decode_tokens_per_s']:.1f} tok/s "
+                  f"({spec_row['speedup']:.2f}x), {spec_row['tokens_per_step']:.2f} tokens/step, identical "
+                  f"{spec_row['identical_streams']}/{n}", file=sys.stderr)  # fmt: skip
         out[n] = row
     return out
 
 
-def phase_times(eng, requests) -> dict:
-    """One more (untimed) round of the speculative engine with a device sync around its phases: mean ms per
-    verify step of the draft chain, the target's verify forward, and the draft reading the verified tokens'
-    features (the syncs add a little to each)."""
-    spec = eng.runner.speculative
-    totals = {"draft chain": 0.0, "draft update": 0.0, "verify step": 0.0}
-    inside = []
+def engine_round(model, draft, k, prompts, name, args, device):
+    """An engine for ``prompts`` (with ``draft`` at ``k``, or none): ``(engine, row, outputs)``, the row's
+    ``tokens_per_s`` over the whole round (prefills included) and ``decode_tokens_per_s`` over the steps
+    after every stream has its first token, each the best of ``--repeats`` rounds after a warm-up round
+    (which captures the graphs)."""
+    from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 
-    def wrap(name, fn):
+    n = len(prompts)
+    config = EngineConfig(
+        CacheConfig(block_size=16, pool_mib=256 if device.type == "cpu" else 8192),
+        SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, n * args.prompt_len)),
+    )
+    eng = LLMEngine(model, config, draft=draft, num_speculative_tokens=k)
+    best, best_decode = math.inf, math.inf
+    for r in range(args.repeats + 1):
+        reqs = [
+            Request(f"{name}{r}-{i}", p, SamplingParams(max_tokens=args.new_tokens))
+            for i, p in enumerate(prompts)
+        ]
+        for q in reqs:
+            eng.add_request(q)
+        sync()
+        t0 = time.perf_counter()
+        first = None
+        while eng.has_unfinished_requests():
+            eng.step()
+            if first is None and all(q.output_token_ids for q in reqs):
+                sync()
+                first = time.perf_counter()
+        sync()
+        if r:
+            best = min(best, time.perf_counter() - t0)
+            best_decode = min(best_decode, time.perf_counter() - first)
+    row = {
+        "tokens_per_s": n * args.new_tokens / best,
+        "decode_tokens_per_s": n * (args.new_tokens - 1) / max(best_decode, 1e-9),
+        "seconds": best,
+    }
+    return eng, row, [list(q.output_token_ids) for q in reqs]
+
+
+def speculative_step_ms(eng, requests) -> float:
+    """One more (untimed) round of the speculative engine with a device sync around each speculative step
+    (a graph replay for greedy requests on CUDA): the mean ms per step."""
+    spec = eng.runner.speculative
+    total, calls = [0.0], [0]
+
+    def synced(fn):
         def run(*a, **kw):
-            inside.append(name)
             sync()
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
                 sync()
-                inside.pop()
-                if name != "draft update" or inside:  # the draft's prefill reads are not a verify step's
-                    totals[name] += time.perf_counter() - t0
+                total[0] += time.perf_counter() - t0
+                calls[0] += 1
 
         return run
 
-    for name, attr in (("draft chain", "_chains"), ("draft update", "_feed"), ("verify step", "_verify")):
-        setattr(spec, attr, wrap(name, getattr(spec, attr)))
-    steps = [0]
-    verify = spec._verify
-
-    def counted(*a, **kw):
-        steps[0] += 1
-        return verify(*a, **kw)
-
-    spec._verify = counted
+    spec._verify, spec._verify_static = synced(spec._verify), synced(spec._verify_static)
     eng.generate(requests)
-    n = max(steps[0], 1)
-    chain, update, whole = (1e3 * totals[k] / n for k in ("draft chain", "draft update", "verify step"))
-    return {"draft_chain": chain, "target_verify": whole - chain - update, "draft_update": update}
+    return 1e3 * total[0] / max(calls[0], 1)
 
 
 def single_sequence(model, drafts, val, args, device, clock: Clock, skipped: list[str]) -> dict:
@@ -539,32 +561,26 @@ def render(result: dict, args) -> str:
         lines += [
             "",
             f"Serving engine, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens per stream, "
-            f"prefills included; plain = the engine's default path (CUDA-graph decode on a GPU), speculative = "
-            f"the LK draft at k = {args.engine_k}:",
+            "each engine on its default path (on a GPU: plain decode steps and speculative steps replayed from "
+            "CUDA graphs); speculative = the LK draft. Decode tok/s counts the tokens after each stream's first "
+            "over the steps after the last stream got it (the speed-up compares these); all tok/s includes the "
+            "prefills; tokens per step = tokens emitted per speculative step of a stream; ms per step from an "
+            "extra round with a device sync around each speculative step:",
             "",
-            "| streams | plain tok/s | speculative tok/s | speed-up | drafts accepted | identical streams |",
-            "|---|---|---|---|---|---|",
+            "| streams | k | plain decode tok/s | speculative decode tok/s | speed-up | plain / speculative all tok/s "
+            "| drafts accepted | tokens per step | ms per speculative step | plain ms per step | identical streams |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for n, row in result["engine"].items():
-            s = row["speculative"]
-            lines.append(
-                f"| {n} | {row['plain']['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | {row['speedup']:.2f}× | "
-                f"{s['acceptance_rate']:.2f} | {row['identical_streams']}/{n} |"
-            )
-        lines += [
-            "",
-            "Where a speculative engine step goes (ms per verify step, an extra round with a device sync around "
-            "each phase; the step's other work is the scheduler and the sampling):",
-            "",
-            "| streams | draft chain | target verify forward | draft update | plain engine ms per token-step |",
-            "|---|---|---|---|---|",
-        ]
-        for n, row in result["engine"].items():
-            ph = row["speculative"]["ms_per_verify_step"]
-            lines.append(
-                f"| {n} | {ph['draft_chain']:.1f} | {ph['target_verify']:.1f} | {ph['draft_update']:.1f} | "
-                f"{1e3 * int(n) / row['plain']['tokens_per_s']:.1f} |"
-            )
+            p = row["plain"]
+            plain_ms = 1e3 * int(n) / p["decode_tokens_per_s"]
+            for k, s in row["speculative"].items():
+                lines.append(
+                    f"| {n} | {k} | {p['decode_tokens_per_s']:.1f} | {s['decode_tokens_per_s']:.1f} | "
+                    f"{s['speedup']:.2f}× | {p['tokens_per_s']:.1f} / {s['tokens_per_s']:.1f} | "
+                    f"{s['acceptance_rate']:.2f} | {s['tokens_per_step']:.2f} | {s['ms_per_step']:.1f} | "
+                    f"{plain_ms:.1f} | {s['identical_streams']}/{n} |"
+                )
     single = result["single_sequence"]
     if single["lk"]:
         lines += [

@@ -43,6 +43,33 @@ def test_pool_decode_equals_the_reference(T, slots):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("slots", [None, [4, 0, 2]])
+def test_pool_decode_step_states_are_each_prefix_state(slots):
+    """``step_states[n, t]`` is the reference recurrence's final state over sequence ``n``'s first ``t + 1``
+    tokens; the outputs and the pool are those of the call without it."""
+    N, T, H, K, S = 3, 4, 2, 8, 6
+    tokens, gate = inputs(N, T, H, K, seed=3)
+    pool = torch.randn(S, H, K, K, dtype=torch.float64) * 0.1
+    rows = list(range(N)) if slots is None else slots
+    idx = None if slots is None else torch.tensor(slots)
+    plain_pool = pool.clone()
+    plain_o = fused_recurrent_kda_pool(*tokens, plain_pool, idx, use_beta_sigmoid_in_kernel=True, **gate)
+    steps = torch.empty(N, T, H, K, K, dtype=torch.float64)
+    start = pool[rows].clone()
+    o = fused_recurrent_kda_pool(
+        *tokens, pool, idx, use_beta_sigmoid_in_kernel=True, step_states=steps, **gate
+    )
+    assert torch.equal(o, plain_o) and torch.equal(pool, plain_pool)
+    for t in range(T):
+        _, want = naive_recurrent_kda(
+            *(x[:, : t + 1] for x in tokens), initial_state=start.clone(), output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gate,
+        )  # fmt: skip
+        torch.testing.assert_close(steps[:, t], want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="step_states must be contiguous"):
+        fused_recurrent_kda_pool(*tokens, pool, idx, step_states=steps[:, :2], **gate)
+
+
 def test_pool_decode_fp32_pool_with_bf16_inputs():
     """A bf16 model's tokens on an fp32 pool: within bf16 rounding of the fp64 reference."""
     tokens, gate = inputs(2, 1, 2, 16, seed=1)

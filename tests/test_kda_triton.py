@@ -596,6 +596,40 @@ def test_gpu_decode_state_pool(T, lower_bound):
     assert torch.equal(new_pool[untouched], pool[untouched])
 
 
+def check_decode_step_states(device: str) -> None:
+    """The decode kernel with ``step_states``: the state after token ``t`` of sequence ``n`` equals the
+    kernel's own final state over the first ``t + 1`` tokens (same arithmetic, so bitwise), and the outputs
+    and pool equal those of the call without it."""
+    from openk3.ops.kda.triton import fused_recurrent_kda_decode
+
+    N, T, H, K, S = 2, 3, 2, 16, 4
+    inputs = make_inputs(N, T, H, K, K, dtype=torch.float32, device=device, seed=31)
+    gate = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=LOWER_BOUND)
+    tokens = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    pool = torch.randn(S, H, K, K, generator=torch.Generator().manual_seed(32)).to(device)
+    slots = torch.tensor([3, 1], device=device)
+    plain = pool.clone()
+    o_plain = fused_recurrent_kda_decode(*tokens, plain, slots, **gate)
+    steps = torch.empty(N, T, H, K, K, device=device)
+    got = pool.clone()
+    o = fused_recurrent_kda_decode(*tokens, got, slots, step_states=steps, **gate)
+    assert torch.equal(o, o_plain) and torch.equal(got, plain)
+    for t in range(T):
+        prefix = pool.clone()
+        fused_recurrent_kda_decode(*(x[:, : t + 1] for x in tokens), prefix, slots, **gate)
+        assert torch.equal(steps[:, t], prefix[slots]), t
+
+
+@gpu
+def test_gpu_decode_step_states():
+    check_decode_step_states("cuda")
+
+
+@interpreter
+def test_interpreter_decode_step_states():
+    check_decode_step_states("cpu")
+
+
 @gpu
 def test_gpu_fused_recurrent_dispatch():
     """``fused_recurrent_kda`` on CUDA (no grad) takes the decode kernel, out of place, varlen included."""

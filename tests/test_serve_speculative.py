@@ -10,6 +10,7 @@ import torch
 
 import openk3
 from openk3.generate import generate, greedy
+from openk3.model.cache import KDACache, MLACache
 from openk3.model.draft import DraftConfig, build_draft, feature_layers
 from openk3.presets import k3_shaped
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
@@ -33,10 +34,11 @@ def pair():
     return model.double(), draft.double().eval(), prompts.tolist()
 
 
-def engine(model, draft, k=3, caching=True) -> LLMEngine:
+def engine(model, draft, k=3, caching=True, static=None) -> LLMEngine:
+    """``static``: the static speculative step (``None``: the engine's default, on CUDA only)."""
     cache = CacheConfig(block_size=4, num_blocks=600, checkpoint_interval=1, enable_prefix_caching=caching)
     sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, long_prefill_token_threshold=16)
-    return LLMEngine(model, EngineConfig(cache, sched), draft=draft, num_speculative_tokens=k)
+    return LLMEngine(model, EngineConfig(cache, sched, static), draft=draft, num_speculative_tokens=k)
 
 
 def reference(model, prompt, n):
@@ -58,10 +60,11 @@ def test_greedy_batch_equals_plain_decoding(pair):
     assert eng.pool.num_free_blocks == eng.pool.num_blocks - 1  # nothing leaked
 
 
+@pytest.mark.parametrize("static", [None, True])
 @pytest.mark.parametrize("k", [1, 5])
-def test_each_k_and_per_request_override(pair, k):
+def test_each_k_and_per_request_override(pair, k, static):
     model, draft, prompts = pair
-    eng = engine(model, draft, k=k)
+    eng = engine(model, draft, k=k, static=static)
     reqs = [
         Request("a", prompts[0], SamplingParams(max_tokens=20)),
         Request("b", prompts[1], SamplingParams(max_tokens=20, num_speculative_tokens=0)),
@@ -72,9 +75,10 @@ def test_each_k_and_per_request_override(pair, k):
         assert out[r.request_id] == reference(model, r.prompt_token_ids, 20), (k, r.request_id)
 
 
-def test_prefix_cache_hit_and_stop_token(pair):
+@pytest.mark.parametrize("static", [None, True])
+def test_prefix_cache_hit_and_stop_token(pair, static):
     model, draft, prompts = pair
-    eng = engine(model, draft)
+    eng = engine(model, draft, static=static)
     prefix = prompts[0] * 4  # 16 tokens: 4 full blocks
     first = eng.generate([Request("x", prefix + [3], SamplingParams(max_tokens=12))])["x"]
     assert first == reference(model, prefix + [3], 12)
@@ -110,8 +114,6 @@ def test_bad_k_is_refused(pair):
         plain.add_request(Request("z", prompts[0], SamplingParams(num_speculative_tokens=2)))
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         engine(model, draft, k=0)
-    with pytest.raises(ValueError, match="static_decode=True cannot run with a draft"):
-        LLMEngine(model, EngineConfig(static_decode=True), draft=draft)
     assert engine(model, draft).runner.decode_graphs is None  # the draft needs every forward's features
 
 
@@ -126,3 +128,163 @@ def test_gpu_engine_greedy_on_cuda(pair):
         want = greedy(model, torch.tensor([r.prompt_token_ids], device="cuda"), 20)[0].tolist()
         assert out[r.request_id] == want, r.request_id
     assert eng.runner.speculative.num_accepted > 0
+
+
+# ---- the static speculative step (serve/speculative_graph.py), eager on the CPU ---------------------------
+def engine_state(eng, request):
+    """A request's KDA states ``([L, H, K, V], [L, 3, P, W−1])``, its cached latents ``[L_mla, S, C + r]``
+    (``S = num_computed_tokens``) and its draft cache ``[S_d, C + r]`` with the draft's last output."""
+    rid, n = request.request_id, request.num_computed_tokens
+    batch = eng.storage.gather_states([eng.kv.state_slots[rid]])
+    latents, _ = eng.storage.gather_latents([eng.kv.block_tables[rid]], [n])
+    d = eng.runner.speculative.states[rid]
+    draft = torch.cat([d.cache.latent[0], d.cache.k_pe[0]], -1)
+    return batch.recurrent[:, 0].clone(), batch.conv[:, 0].clone(), latents[:, 0], draft, d.g_11D
+
+
+def plain_state(model, tokens):
+    """The same for the model's plain decoding: a prefill of the first token, then one token at a time."""
+    cache = model.language_model.new_cache()
+    with torch.no_grad():
+        for t in range(len(tokens)):
+            model.language_model(torch.tensor([tokens[t : t + 1]]), cache)
+    kda = [c for c in cache.layers if isinstance(c, KDACache)]
+    mla = [c for c in cache.layers if isinstance(c, MLACache)]
+    return (
+        torch.stack([c.recurrent_state[0] for c in kda]),
+        torch.stack([torch.stack(c.conv_states, 1)[0] for c in kda]),
+        torch.stack([torch.cat([c.latent[0], c.k_pe[0]], -1) for c in mla]),
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_static_step_equals_the_dynamic_path_and_plain_decoding(pair, k):
+    """fp64: the static step (eager) and the paged-forward path run in lockstep on three greedy requests (a
+    padding row in bucket 4, block tables growing): after every step the same tokens, KDA states, conv
+    windows, MLA latents and draft caches (to 1e-12: padding to other shapes rounds in the last bit); after
+    partly rejected steps the target's caches equal plain one-token decoding of the computed tokens; the
+    outputs are plain greedy decoding's."""
+    model, draft, prompts = pair
+    ps = [prompts[0], prompts[1] + prompts[2], prompts[3] * 3]
+    fast, slow = engine(model, draft, k, static=True), engine(model, draft, k, static=False)
+    graphs = fast.runner.speculative.graphs
+    assert graphs is not None and not graphs.capture and slow.runner.speculative.graphs is None
+    calls = []
+    real_run = graphs.run_speculative
+    graphs.run_speculative = lambda chunks, *a: calls.append(len(chunks)) or real_run(chunks, *a)
+    reqs = {
+        name: [Request(f"r{i}", p, SamplingParams(max_tokens=18)) for i, p in enumerate(ps)]
+        for name in ("fast", "slow")
+    }
+    for r in reqs["fast"] + reqs["slow"]:
+        (fast if r in reqs["fast"] else slow).add_request(r)
+    checked_plain = 0
+    while fast.has_unfinished_requests():
+        before = (fast.runner.speculative.num_drafted, fast.runner.speculative.num_accepted)
+        fast.step()
+        slow.step()
+        spec = fast.runner.speculative
+        partly = 0 < spec.num_accepted - before[1] < spec.num_drafted - before[0]
+        for a, b in zip(reqs["fast"], reqs["slow"]):
+            assert a.output_token_ids == b.output_token_ids and a.num_computed_tokens == b.num_computed_tokens
+            if a.is_finished or a.request_id not in spec.states or spec.states[a.request_id].g_11D is None:
+                continue
+            got = engine_state(fast, a)
+            for x, y in zip(got, engine_state(slow, b)):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+            if partly and checked_plain < 3:
+                checked_plain += 1
+                for x, y in zip(got, plain_state(model, a.all_token_ids[: a.num_computed_tokens])):
+                    torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+    assert 3 in calls  # the three requests verified as one padded batch
+    assert checked_plain > 0
+    spec = fast.runner.speculative
+    assert 0 < spec.num_accepted < spec.num_drafted  # drafts kept and rejected
+    assert (spec.num_drafted, spec.num_accepted) == (
+        slow.runner.speculative.num_drafted,
+        slow.runner.speculative.num_accepted,
+    )
+    for r, p in zip(reqs["fast"], ps):
+        assert r.output_token_ids == reference(model, p, 18), r.request_id
+
+
+def test_static_step_reads_nothing_on_the_host(pair, monkeypatch):
+    """What a CUDA graph captures must not read device values on the host (the eager twin is the same
+    code)."""
+    from openk3.serve.speculative_graph import StaticSpeculative
+    from test_serve_decode_graph import HostReads
+
+    model, draft, prompts = pair
+    seen: list[list[str]] = []
+    real_forward = StaticSpeculative.forward
+
+    def watched(self, states):
+        with HostReads() as reads:
+            real_forward(self, states)
+        seen.append(reads.ops)
+
+    monkeypatch.setattr(StaticSpeculative, "forward", watched)
+    out = engine(model, draft, 3, static=True).generate(
+        [Request("h", prompts[2], SamplingParams(max_tokens=12))]
+    )
+    assert out["h"] == reference(model, prompts[2], 12)
+    assert len(seen) >= 3 and all(ops == [] for ops in seen)
+
+
+def test_steady_speculative_step_waits_on_the_device_once(pair, monkeypatch):
+    """A steady greedy speculative engine step (schedule, the static step, update) of one stream reads device
+    values on the host exactly once: the kept count and tokens. The step's own forward is left out (a CUDA
+    graph on a GPU: ``test_static_step_reads_nothing_on_the_host``)."""
+    from openk3.serve.speculative_graph import StaticSpeculative
+    from test_serve_decode_graph import HostWaits
+
+    model, draft, prompts = pair
+    waits = HostWaits()
+    real_forward = StaticSpeculative.forward
+
+    def unwatched(self, states):
+        waits.paused = True
+        try:
+            real_forward(self, states)
+        finally:
+            waits.paused = False
+
+    monkeypatch.setattr(StaticSpeculative, "forward", unwatched)
+    eng = engine(model, draft, 3, static=True)
+    req = Request("w", prompts[0], SamplingParams(max_tokens=40))
+    eng.add_request(req)
+    while len(req.output_token_ids) < 2:
+        eng.step()
+    per_step = []
+    for _ in range(4):
+        waits.reads.clear()
+        with waits:
+            eng.step()
+        per_step.append(list(waits.reads))
+    assert per_step == [["tolist"]] * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_gpu_graphed_step_equals_the_eager_step_and_plain_decoding(pair, k):
+    """fp32 on CUDA: the engine's default speculative path (the static step replayed from CUDA graphs) gives
+    the tokens of the same step run eagerly, of the engine without a draft (graphed plain decoding) and of
+    the model's own greedy decoding, for one stream and for three (a padding row)."""
+    model64, draft64, prompts = pair
+    model, draft = copy.deepcopy(model64).float().cuda(), copy.deepcopy(draft64).float().cuda()
+    graphed, eager = engine(model, draft, k), engine(model, draft, k)
+    eager.runner.speculative.graphs.capture = False
+    plain = LLMEngine(model, EngineConfig(CacheConfig(block_size=4, num_blocks=600), SchedulerConfig()))
+    for ps in ([prompts[0]], [prompts[1], prompts[2] + prompts[3], prompts[3] * 3]):
+        outs = []
+        for eng in (graphed, eager, plain):
+            reqs = [Request(f"g{k}-{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(ps)]
+            got = eng.generate(reqs)
+            outs.append([got[r.request_id] for r in reqs])
+        want = [greedy(model, torch.tensor([p], device="cuda"), 24)[0].tolist() for p in ps]
+        assert outs[0] == outs[1] == outs[2] == want, k
+    steps = graphed.runner.speculative.graphs.steps
+    assert steps and all(s.graph is not None for s in steps.values())
+    assert {1, 4} <= {b for b, _, _ in steps}
+    spec = graphed.runner.speculative
+    assert 0 < spec.num_accepted and spec.num_drafted == eager.runner.speculative.num_drafted

@@ -216,25 +216,27 @@ def test_verification_computes_what_the_plain_forward_computes():
         torch.testing.assert_close(x, y, rtol=0, atol=1e-13)
 
 
-@pytest.mark.parametrize("kept", [[0, 2, 5], [5, 1, 3]])
-def test_server_slots_roll_back_each_row_to_its_own_kept_tokens(kept):
+@pytest.mark.parametrize("B", [3, 4])
+@pytest.mark.parametrize("kept", [[0, 2, 5, 4], [5, 1, 3, 0]])
+def test_server_slots_roll_back_each_row_to_its_own_kept_tokens(kept, B):
     """A KDA layer on a server's :class:`KDAStateSlots` (fp64): a verification of 5 tokens then
     ``rollback(kept)`` leaves row ``b`` with the recurrent state and conv window of the model's plain cached
     forward (the chunked op over a :class:`KDACache`, an independent path) over its first ``kept[b]``
     tokens; the outputs of the kept tokens match too."""
     model = openk3.build_model(k3_shaped(4, vocab_size=16), dtype=torch.float64, seed=0).eval()
     layer = next(m for m in model.modules() if type(m).__name__ == "KimiDeltaAttention")
-    B, T, D, P, W1 = 3, 5, layer.q_proj.in_features, layer.q_proj.out_features, layer.q_conv1d.kernel_size - 1
+    kept = kept[:B]
+    T, D, P, W1 = 5, layer.q_proj.in_features, layer.q_proj.out_features, layer.q_conv1d.kernel_size - 1
     g = torch.Generator().manual_seed(7)
     x_BTD = torch.randn(B, T, D, generator=g, dtype=torch.float64)
     rec0 = torch.randn(B, layer.num_heads, layer.head_dim, layer.head_dim, generator=g, dtype=torch.float64)
     conv0 = torch.randn(B, 3, P, W1, generator=g, dtype=torch.float64)
-    slots = KDAStateSlots(rec0.clone(), conv0.clone(), steps=[])
+    slots = KDAStateSlots(rec0.clone(), conv0.clone(), verify=True)
     with torch.no_grad():
         y_BTD = layer(x_BTD, slots)
-        assert len(slots.steps) == T + 1
-        slots.rollback(kept)
-        assert slots.steps is None
+        assert slots.steps[1].shape[1] == T and slots.steps[2].shape[1] == T + 1
+        slots.rollback(kept if B % 2 else torch.tensor(kept))  # host ints or a device tensor
+        assert slots.steps is None and not slots.verify
         for b, n in enumerate(kept):
             cache = KDACache(tuple(conv0[b : b + 1, i] for i in range(3)), rec0[b : b + 1].clone())
             if n:

@@ -31,7 +31,8 @@ def bench(monkeypatch):
         ([], "one of the arguments --target --train-target is required"),
         (["--target", "r", "--train-target", "k3-tiny"], "not allowed with argument"),
         (["--train-target", "k3-huge"], "invalid choice: 'k3-huge'"),
-        (["--target", "r", "--ks", "1,17"], "--ks and --engine-k take k in [1, 16], got 17"),
+        (["--target", "r", "--ks", "1,17"], "--ks and --engine-ks take k in [1, 16], got 17"),
+        (["--target", "r", "--engine-ks", "0,3"], "--ks and --engine-ks take k in [1, 16], got 0"),
         (["--target", "r", "--ks", "a"], "expected comma-separated ints"),
         (["--target", "r", "--streams", "0,64"], "--streams takes numbers of streams >= 1"),
         (["--target", "r", "--budget-s", "0"], "expected a finite number > 0, got 0"),
@@ -54,8 +55,8 @@ def test_gpu_command_of_the_docs_parses(bench):
     command = text[text.index("python benchmarks/speculative.py --train-target") :].split("\n```")[0]
     argv = command.replace("\\\n", " ").split()[2:]
     args = bench.parse_args(argv)
-    assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 200.0
-    assert args.streams == [1, 64] and args.ks == [1, 3, 5] and args.data == ".corpus"
+    assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 150.0
+    assert args.streams == [1, 64] and args.engine_ks == [1, 2, 3, 4, 5] and args.data == ".corpus"
 
 
 @pytest.mark.slow  # trains a k3-tiny target and two drafts for a few steps: ~1–2 min on 2 busy cores
@@ -69,7 +70,7 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
         "--train-target", "k3-tiny", "--data", str(corpus), "--work", str(tmp_path / "w"), "--target-steps", "7",
         "--target-batch-size", "2", "--target-seq-len", "32", "--draft-steps", "2", "--gen-windows", "2",
         "--batch-size", "2", "--seq-len", "24", "--eval-batches", "1", "--ks", "1,3", "--prompts", "2",
-        "--prompt-len", "8", "--new-tokens", "5", "--streams", "1,2", "--budget-s", "100000", "--threads", "1",
+        "--prompt-len", "8", "--new-tokens", "5", "--streams", "1,2", "--engine-ks", "1,3", "--budget-s", "100000", "--threads", "1",
         "--out", str(out),
     ]  # fmt: skip
     monkeypatch.setattr(sys, "argv", ["speculative.py"])
@@ -85,9 +86,11 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
             row = result["single_sequence"][loss][k]
             assert row["identical_prompts"] == 2 and 1 <= row["tokens_per_forward"] <= int(k) + 1
     for n in ("1", "2"):
-        row = result["engine"][n]
-        assert row["identical_streams"] == int(n)
-        assert 0 <= row["speculative"]["acceptance_rate"] <= 1
+        for k in ("1", "3"):
+            row = result["engine"][n]["speculative"][k]
+            assert row["identical_streams"] == int(n)
+            assert 0 <= row["acceptance_rate"] <= 1 and 1 <= row["tokens_per_step"] <= int(k) + 1
+            assert row["decode_tokens_per_s"] > 0 and row["ms_per_step"] > 0
     report = (out / "speculative_cpu.md").read_text()
     assert report.startswith("# Speculative decoding") and "--train-target k3-tiny" in report
     assert "| 2 |" in report and "trained here for 7 steps" in report

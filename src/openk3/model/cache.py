@@ -16,7 +16,8 @@ Speculative verification (``docs/speculative.md``): while a KDA cache's ``steps`
 the chunk one decode step per token and appends the state after each one (the state before the chunk
 first), so rolling back to the last accepted token selects a kept state and cuts the MLA latents; nothing
 is recomputed. :meth:`KimiCache.begin_verify` / :meth:`KimiCache.rollback` do it for a model cache,
-:meth:`KDAStateSlots.rollback` per row for a server's states.
+:meth:`KDAStateSlots.rollback` per row for a server's states (``verify`` set: the same states kept as
+tensors, the rollback index possibly on the device).
 """
 
 from __future__ import annotations
@@ -115,21 +116,28 @@ class KDAStateSlots:
     """``[B, H, K, V]`` contiguous, fp32 (fp64 for an fp64 model)."""
     conv: torch.Tensor
     """``[B, 3, H·K, W−1]``: the q, k, v conv caches (last ``W − 1`` inputs), any float dtype."""
-    steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    """Copies of ``(recurrent, conv)`` before and after each token of an open verification (``None``
-    outside one); the layer fills it."""
+    verify: bool = False
+    """The next forward verifies drafted tokens: the layer keeps the state after every token in :attr:`steps`."""
+    steps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """After a verifying forward of ``T`` tokens: the recurrent state before it ``[B, H, K, V]``, the
+    recurrent state after each token ``[B, T, H, K, V]`` and the conv window before and after each token
+    ``[B, T + 1, 3, H·K, W−1]`` (in the layer's input dtype; ``None`` outside a verification)."""
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the current states (the layer overwrites them in place)."""
         return self.recurrent.clone(), self.conv.clone()
 
-    def rollback(self, kept: list[int]) -> None:
-        """Set row ``b``'s states to those after its first ``kept[b]`` (0 … T) verified tokens, in place."""
-        steps, self.steps = self.steps, None
+    def rollback(self, kept: list[int] | torch.Tensor) -> None:
+        """Set row ``b``'s states to those after its first ``kept[b]`` (0 … T) verified tokens, in place.
+        ``kept``: ints, or an int64 tensor ``[B]`` on the states' device (no host data: a CUDA graph can
+        capture it)."""
+        (rec0_B, rec_BT, conv_BT), self.steps, self.verify = self.steps, None, False
         dev = self.recurrent.device
-        n_B, b_B = torch.tensor(kept, device=dev), torch.arange(len(kept), device=dev)
-        self.recurrent.copy_(torch.stack([r for r, _ in steps])[n_B, b_B])
-        self.conv.copy_(torch.stack([c for _, c in steps])[n_B, b_B])
+        n_B = kept if isinstance(kept, torch.Tensor) else torch.tensor(kept, device=dev)
+        b_B = torch.arange(n_B.shape[0], device=dev)
+        after_B = rec_BT[b_B, (n_B - 1).clamp(min=0)]
+        self.recurrent.copy_(torch.where((n_B == 0)[:, None, None, None], rec0_B, after_B))
+        self.conv.copy_(conv_BT[b_B, n_B])
 
 
 @dataclass

@@ -21,9 +21,12 @@ With a server's :class:`~openk3.model.cache.KDAStateSlots` the layer updates the
 state-pool decode op (:func:`~openk3.ops.kda.fused_recurrent_kda_pool`), more tokens through the path below,
 the new states copied in. The chunked op runs for training and prefill (on CUDA, training takes it as the custom op
 :func:`~openk3.ops.kda.triton.train_op.chunk_kda_train`, which ``torch.compile`` traces); with a cache and few new tokens outside training the
-recurrent decode op runs instead. In a speculative verification (the cache's ``steps`` a list, set by
-:meth:`~openk3.model.cache.KimiCache.begin_verify` or the server's verifying forward) the layer runs one
-decode step per token, on either kind of cache, and keeps the state after each one.
+recurrent decode op runs instead. In a speculative verification the layer keeps the state after every
+token: on a :class:`~openk3.model.cache.KDACache` (its ``steps`` a list, set by
+:meth:`~openk3.model.cache.KimiCache.begin_verify`) it runs one decode step per token; on
+:class:`~openk3.model.cache.KDAStateSlots` with ``verify`` set (the server's verifying forward) it runs the
+tokens in one call, the decode op storing the state after each token and the conv windows read off the
+stacked inputs, with no host data (a CUDA graph captures it).
 
 Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``H`` KDA heads, ``K`` head size (= V), ``P = H·K``, ``G`` decay
 inputs per head (K, or 1 with one decay per head).
@@ -87,7 +90,7 @@ class KimiDeltaAttention(nn.Module):
 
         Returns ``[B, T, D]``. With ``cu_seqlens`` and a cache, the cache receives one state per document.
         """
-        if cache is not None and cache.steps is not None:
+        if isinstance(cache, KDACache) and cache.steps is not None:
             return self._verify(x_BTD, cache)
         if isinstance(cache, KDAStateSlots):
             return self._forward_slots(x_BTD, cache)
@@ -170,10 +173,11 @@ class KimiDeltaAttention(nn.Module):
 
     def _forward_slots(self, x_BTD: torch.Tensor, slots: KDAStateSlots) -> torch.Tensor:
         """The layer on a server's states, overwritten in place (``docs/references.md#kda-layer``): up to
-        :data:`DECODE_MAX_TOKENS` tokens by the stacked conv step and the state-pool decode op, more through
-        :meth:`forward` with the new states copied in."""
+        :data:`DECODE_MAX_TOKENS` tokens (or a verification of any length) by the stacked conv step and the
+        state-pool decode op, more through :meth:`forward` with the new states copied in. A verification sets
+        ``slots.steps`` (see :class:`~openk3.model.cache.KDAStateSlots`)."""
         B, T, _ = x_BTD.shape
-        if T > DECODE_MAX_TOKENS or not self.delta_rule:
+        if (T > DECODE_MAX_TOKENS and not slots.verify) or not self.delta_rule:
             conv = slots.conv.to(x_BTD.dtype)
             cache = KDACache((conv[:, 0], conv[:, 1], conv[:, 2]), slots.recurrent)
             y_BTD = self.forward(x_BTD, cache)
@@ -186,6 +190,12 @@ class KimiDeltaAttention(nn.Module):
         proj_B3PT = torch.stack([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], 2).permute(
             0, 2, 3, 1
         )
+        if slots.verify:  # the conv window after token t: the last W − 1 inputs up to it
+            W1 = slots.conv.shape[-1]
+            xp_B3PS = torch.cat([slots.conv.to(proj_B3PT.dtype), proj_B3PT], -1)
+            conv_steps = xp_B3PS.unfold(-1, W1, 1).permute(0, 3, 1, 2, 4)  # a view; the rollback casts
+            rec0 = slots.recurrent.clone()
+            rec_steps = slots.recurrent.new_empty(B, T, *slots.recurrent.shape[1:])
         qkv_BT3P = short_conv_step_(proj_B3PT, slots.conv, weight_3PW).permute(0, 3, 1, 2)
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3P[:, :, i].reshape(B, T, H, K) for i in range(3))
         g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1).expand(B, T, H, K)
@@ -194,7 +204,10 @@ class KimiDeltaAttention(nn.Module):
         o_BTHK = fused_recurrent_kda_pool(
             q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_BTH, slots.recurrent, A_log=self.A_log[:H],
             dt_bias=dt_bias, lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True,
+            step_states=rec_steps if slots.verify else None,
         )  # fmt: skip
+        if slots.verify:
+            slots.steps = (rec0, rec_steps, conv_steps)
         return self._output(x_BTD, o_BTHK)
 
     def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:

@@ -94,9 +94,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     static_decode: bool | None = None
-    """Run greedy one-token decode batches through the static-shape step of ``serve/decode_graph.py``,
-    captured in CUDA graphs on CUDA (eager elsewhere); ``None``: on CUDA only, and never with a speculative
-    draft (``True`` with one raises ``ValueError``)."""
+    """Run greedy one-token decode batches through the static-shape step of ``serve/decode_graph.py`` (with
+    a speculative draft: greedy speculative steps through ``serve/speculative_graph.py``), captured in CUDA
+    graphs on CUDA (eager elsewhere); ``None``: on CUDA only."""
 
     def __post_init__(self) -> None:
         if self.static_decode not in (None, True, False):

@@ -67,7 +67,7 @@ class PagedForward:
         if steps_out is not None:
             kda = [c for c in caches if isinstance(c, KDAStateSlots)]
             for c in kda:
-                c.steps = []
+                c.verify = True
             steps_out.extend(kda)
         ids_BT = to_device(token_ids, self.device)
         h_BTD = self.lm.model(

@@ -54,18 +54,28 @@ class StaticDecode:
     docstring)."""
 
     def __init__(
-        self, lm: nn.Module, storage: CacheStorage, B: int, T: int, N: int, sample_vocab_size: int | None
+        self,
+        lm: nn.Module,
+        storage: CacheStorage,
+        B: int,
+        T: int,
+        N: int,
+        sample_vocab_size: int | None,
+        extra_inputs: int = 0,
     ) -> None:
+        """``extra_inputs``: int64 inputs per row after the block table (:attr:`extra_BE`), for a subclass."""
         self.lm, self.storage, self.B, self.T, self.N = lm, storage, B, T, N
         self.sample_vocab_size = sample_vocab_size
         self.kinds = lm.config.layer_types
         dev = storage.pages.device
-        self.inputs = torch.zeros(B * (T + 2 + N), dtype=torch.int64, device=dev)
-        """Packed int64 inputs: ids ``[B, T]``, cached lengths ``[B]``, valid ``[B]`` (0/1), tables ``[B, N]``."""
+        self.inputs = torch.zeros(B * (T + 2 + N + extra_inputs), dtype=torch.int64, device=dev)
+        """Packed int64 inputs: ids ``[B, T]``, cached lengths ``[B]``, valid ``[B]`` (0/1), tables ``[B, N]``,
+        then ``[B, extra_inputs]``."""
         self.ids_BT = self.inputs[: B * T].view(B, T)
         self.lengths_B = self.inputs[B * T : B * (T + 1)]
         self.valid_B = self.inputs[B * (T + 1) : B * (T + 2)]
-        self.table_BN = self.inputs[B * (T + 2) :].view(B, N)
+        self.table_BN = self.inputs[B * (T + 2) : B * (T + 2 + N)].view(B, N)
+        self.extra_BE = self.inputs[B * (T + 2 + N) :].view(B, extra_inputs)
         self.next_B = torch.zeros(B, dtype=torch.int64, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.state_ptr: int | None = None
@@ -75,32 +85,54 @@ class StaticDecode:
     def forward(self, states: StateBatch | None) -> None:
         """The step: reads the input buffers and ``states`` (updated in place), writes the new latents to
         the pool and the greedy tokens to :attr:`next_B`."""
+        h_BTD, mla, _ = self.run_model(states)
+        logits_BV = self.lm.lm_head(h_BTD[:, -1])
+        if self.sample_vocab_size is not None:
+            logits_BV = logits_BV[:, : self.sample_vocab_size]
+        self.next_B.copy_(logits_BV.argmax(-1))
+        self.write_latents(mla)
+
+    def run_model(
+        self, states: StateBatch | None, verify: bool = False
+    ) -> tuple[torch.Tensor, list[PagedLatents], list[KDAStateSlots]]:
+        """The model over :attr:`ids_BT` on the paged caches: ``(h_BTD, MLA caches holding the new latents,
+        KDA caches)``; with ``verify`` the KDA caches keep the state after every token (their ``rollback``
+        then picks one)."""
         st = self.storage
         lo = st.layout
+        kda: list[KDAStateSlots] = []
+        mla: list[PagedLatents] = []
         if states is not None:
-            kda = iter(KDAStateSlots(r, c) for r, c in zip(states.recurrent, states.conv))
+            kda = [KDAStateSlots(r, c, verify=verify) for r, c in zip(states.recurrent, states.conv)]
         if lo.num_mla_layers:
             past_LBSW, mask_BS = st.gather_latents_padded(
                 self.table_BN, self.lengths_B, self.N * lo.block_size
             )
             mla = [PagedLatents(past, mask_BS) for past in past_LBSW]
-            mla_iter = iter(mla)
-        caches = [next(kda) if kind == "kda" else next(mla_iter) for kind in self.kinds]
+        kda_iter, mla_iter = iter(kda), iter(mla)
+        caches = [next(kda_iter) if kind == "kda" else next(mla_iter) for kind in self.kinds]
         h_BTD = self.lm.model(self.ids_BT, KimiCache(caches), check_inputs=False, two_phase_attn_res=True)
-        logits_BV = self.lm.lm_head(h_BTD[:, -1])
-        if self.sample_vocab_size is not None:
-            logits_BV = logits_BV[:, : self.sample_vocab_size]
-        self.next_B.copy_(logits_BV.argmax(-1))
-        if lo.num_mla_layers:
-            bs = lo.block_size
-            view = st.pages.view(-1, lo.num_mla_layers, bs, lo.latent_width)
-            valid_B1 = self.valid_B.bool()[:, None]
-            pos_BT = self.lengths_B[:, None] + torch.arange(self.T, device=self.lengths_B.device)
-            page_BT = torch.where(valid_B1, self.table_BN.gather(1, pos_BT // bs), 0)
-            off_BT = torch.where(valid_B1, pos_BT % bs, 0)
-            new_BTLW = torch.stack([c.new for c in mla], 2).to(lo.dtype)
-            old_BTLW = view[page_BT, :, off_BT]
-            view[page_BT, :, off_BT] = torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW)
+        return h_BTD, mla, kda
+
+    def write_latents(self, mla: list[PagedLatents]) -> None:
+        """Write the ``T`` new latents of every valid row to its blocks (padding rows write back what null
+        block 0 holds)."""
+        if not mla:
+            return
+        lo = self.storage.layout
+        bs = lo.block_size
+        view = self.storage.pages.view(-1, lo.num_mla_layers, bs, lo.latent_width)
+        valid_B1 = self.valid_B.bool()[:, None]
+        pos_BT = self.lengths_B[:, None] + torch.arange(self.T, device=self.lengths_B.device)
+        page_BT = torch.where(valid_B1, self.table_BN.gather(1, pos_BT // bs), 0)
+        off_BT = torch.where(valid_B1, pos_BT % bs, 0)
+        new_BTLW = torch.stack([c.new for c in mla], 2).to(lo.dtype)
+        old_BTLW = view[page_BT, :, off_BT]
+        view[page_BT, :, off_BT] = torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW)
+
+    def before_run(self) -> None:
+        """Host-side updates of a subclass's other input buffers, made after any capture and right before
+        each run (none here)."""
 
     def capture(self, states: StateBatch | None) -> None:
         """Capture :meth:`forward` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
@@ -173,15 +205,30 @@ class DecodeGraphs:
     def run(self, chunks) -> list[int]:
         """Run the chunks (``ScheduledChunk``s of ``T`` tokens each); returns the greedy token after each, or
         ``[]`` (nothing read back) when none of them samples."""
-        n, T, bs = len(chunks), chunks[0].num_tokens, self.storage.layout.block_size
-        B = bucket_of(n)
-        N = bucket_of(max((c.start + T - 1) // bs + 1 for c in chunks))
+        n, T = len(chunks), chunks[0].num_tokens
+        B, N = bucket_of(n), self.blocks_for(chunks, T)
         step = self.steps.get((B, T, N))
         if step is None:
             step = self.steps[(B, T, N)] = StaticDecode(
                 self.lm, self.storage, B, T, N, self.sample_vocab_size
             )
-        pad = B - n
+        self.launch(step, chunks, [t for c in chunks for t in c.token_ids])
+        if not any(c.samples for c in chunks):
+            return []
+        return step.next_B[:n].tolist()  # the step's one host wait: one device→host copy of n tokens
+
+    def blocks_for(self, chunks, T: int) -> int:
+        """``N``: blocks per row covering ``T`` new tokens of every chunk (a power of two)."""
+        bs = self.storage.layout.block_size
+        return bucket_of(max((c.start + T - 1) // bs + 1 for c in chunks))
+
+    def launch(self, step: StaticDecode, chunks, ids: list[int], extra: list[int] = ()) -> None:
+        """Run ``step`` for ``chunks``: check their KDA states out (padding rows: the scratch slot), capture
+        the step first on CUDA (or again when the states moved), stage the packed inputs (``ids``: the
+        chunks' ``n·T`` token ids; ``extra``: ``n·E`` values of :attr:`StaticDecode.extra_BE`), call its
+        :meth:`~StaticDecode.before_run` and replay it (or run it eagerly)."""
+        n, B, T, N = len(chunks), step.B, step.T, step.N
+        pad, E = B - n, step.extra_BE.shape[1]
         slots = [c.state_slot for c in chunks] + [self.scratch_slot] * pad
         states = self.storage.gather_states(slots) if self.has_kda else None
         moved = states is not None and states.recurrent.data_ptr() != step.state_ptr
@@ -190,19 +237,18 @@ class DecodeGraphs:
             step.capture(scratch)
             states = self.storage.gather_states(slots) if self.has_kda else None
         values = (
-            [t for c in chunks for t in c.token_ids] + [0] * (pad * T)
+            list(ids) + [0] * (pad * T)
             + [c.start for c in chunks] + [0] * pad
             + [1] * n + [0] * pad
             + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)
+            + list(extra) + [0] * (pad * E)
         )  # fmt: skip
         if self.host_inputs.numel() < len(values):
             self._stage(len(values))
         self.host_inputs_np[: len(values)] = values  # no tensor built per step
         step.inputs.copy_(self.host_inputs[: len(values)], non_blocking=True)
+        step.before_run()
         if step.graph is not None:
             step.graph.replay()
         else:
             step.forward(states)
-        if not any(c.samples for c in chunks):
-            return []
-        return step.next_B[:n].tolist()  # the step's one host wait: one device→host copy of n tokens

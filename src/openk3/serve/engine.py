@@ -20,6 +20,7 @@ from openk3.serve.kv_manager import KVCacheManager
 from openk3.serve.model_runner import ModelRunner, language_model
 from openk3.serve.request import Request, RequestOutput
 from openk3.serve.scheduler import Scheduler
+from openk3.serve.speculative_graph import SpeculativeGraphs
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -108,30 +109,31 @@ class LLMEngine:
                 f"only {free / 2**30:.2f} GiB is free on {device}: lower --pool-mib or --num-blocks"
             )
         static = self.config.static_decode
-        if static and draft is not None:
-            raise ValueError(
-                "EngineConfig.static_decode=True cannot run with a draft: a speculative engine runs every step "
-                "on the paged forward (the draft reads each forward's features; verification keeps every state)"
-            )
-        static = device.type == "cuda" and draft is None if static is None else static
+        static = device.type == "cuda" if static is None else static
         self.pool = BlockPool(num_blocks)
         # the static decode step's padding rows keep their KDA state in pages past the pool's
         scratch = tuple(range(num_blocks, num_blocks + layout.state_pages)) if static else ()
         self.storage = CacheStorage(layout, num_blocks + len(scratch), device)
         self.kv = KVCacheManager(self.pool, self.storage, cc)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        graphs = None
-        if static:
-            graphs = DecodeGraphs(
-                lm, self.storage, scratch, self.config.scheduler.max_num_seqs, sample_vocab_size,
-                capture=device.type == "cuda",
-            )  # fmt: skip
+        graphs = spec_graphs = None
+        args = (
+            self.storage,
+            scratch,
+            self.config.scheduler.max_num_seqs,
+            sample_vocab_size,
+            device.type == "cuda",
+        )
+        if static and draft is None:
+            graphs = DecodeGraphs(lm, *args)
+        elif static:  # the static speculative step; plain chunks take the paged forward (the draft's hooks)
+            spec_graphs = SpeculativeGraphs(lm, draft, *args)
         self.runner = ModelRunner(model, self.storage, sample_vocab_size, graphs)
         if draft is not None:
             from openk3.serve.speculative import SpeculativeDecoder
 
             self.runner.speculative = SpeculativeDecoder(
-                lm, draft, self.runner, self.kv, num_speculative_tokens
+                lm, draft, self.runner, self.kv, num_speculative_tokens, spec_graphs
             )
 
     def add_request(self, request: Request) -> None:

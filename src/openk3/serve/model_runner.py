@@ -15,7 +15,9 @@ embeddings with the images' embeddings placed at those tokens (:meth:`ModelRunne
 images are encoded once per request, at its first such chunk.
 
 With a draft (:mod:`openk3.serve.speculative`), the speculative decodes of a step are taken out first and
-verified through the paged forward; the other chunks run as above.
+verified (greedy ones through the static step of :mod:`openk3.serve.speculative_graph` when the engine has
+one, the others through the paged forward); the other chunks run as above, on the paged forward (the draft
+reads their features through hooks).
 
 Sampling reuses :func:`openk3.generate.sample_next` per request (temperature 0 = argmax; ``seed`` gives the
 request its own generator, on the model's device); a batch's tokens, greedy or drawn, come back in one
@@ -66,26 +68,27 @@ class ModelRunner:
         self.paged_forward = PagedForward(self.lm, storage)
         self.decode_graphs = decode_graphs
         self.speculative = None
-        """A :class:`~openk3.serve.speculative.SpeculativeDecoder` when the engine has a draft (the engine
-        then has no decode graphs: the draft reads every forward's features)."""
+        """A :class:`~openk3.serve.speculative.SpeculativeDecoder` when the engine has a draft (the runner
+        then has no plain decode graphs: the draft reads every forward's features)."""
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run every chunk of the step; return request id → sampled token for chunks that sample (a list of
         tokens for a speculative decode). See :meth:`_execute`."""
-        if self.speculative is None:
-            return self._execute(out)
-        with self.speculative.capturing():
-            return self._execute(out)
+        sampled: dict[str, int] = {}  # a list of tokens for a speculative decode
+        spec = self.speculative
+        if spec is None:
+            return self._execute(out.chunks, sampled)
+        chunks = spec.decode(out.chunks, sampled)
+        with spec.capturing():
+            return self._execute(chunks, sampled)
 
-    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run every chunk of the step; return request id → sampled token for chunks that sample.
+    def _execute(self, chunks: list[ScheduledChunk], sampled: dict[str, int]) -> dict[str, int]:
+        """Run ``chunks``; add request id → sampled token to ``sampled`` for chunks that sample and return it.
 
         Chunks of equal length run as one :class:`PagedForward` batch; first chunks (``start == 0``) whose
         length no other chunk shares are packed into one reference forward instead."""
-        sampled: dict[str, int] = {}  # a list of tokens for a speculative decode
         spec = self.speculative
-        chunks = out.chunks if spec is None else spec.decode(out.chunks, sampled)
         by_length: dict[int, list[ScheduledChunk]] = {}
         for chunk in chunks:
             by_length.setdefault(chunk.num_tokens, []).append(chunk)

@@ -8,15 +8,17 @@
   :class:`~openk3.model.cache.MLACache` of its own) reads ``(feature_t, token_{t+1})`` for those positions.
   A prefix-cache hit skips the draft's context over the cached part (speed only; the output is unchanged).
 * **Decodes.** A running request with a token to decode (and ``k ≥ 1`` for it) is taken out of the normal
-  path (:meth:`decode`): its draft proposes a chain of ``k`` tokens, the chains of all such requests with
-  the same ``k`` are verified in one :class:`~openk3.serve.decode_forward.PagedForward` call of ``k + 1``
-  tokens each (all positions' logits; each KDA layer runs one decode step per token on the requests'
-  :class:`~openk3.model.cache.KDAStateSlots` and keeps every state), each row is accepted by the rule of
+  path (:meth:`decode`) before the step's other chunks run. Greedy requests of one ``k`` run as one static
+  step of :mod:`openk3.serve.speculative_graph` when the engine has one (on CUDA by default: draft chain,
+  verification, acceptance, rollback and draft update in one CUDA-graph replay). Otherwise (sampled
+  requests, or no static step) the draft proposes a chain of ``k`` tokens, the chains of all such requests
+  with the same ``k`` are verified in one :class:`~openk3.serve.decode_forward.PagedForward` call of
+  ``k + 1`` tokens each (all positions' logits; each KDA layer keeps the state after every token on the
+  requests' :class:`~openk3.model.cache.KDAStateSlots`), each row is accepted by the rule of
   :mod:`openk3.speculative` with the request's own sampling settings and generator, and its KDA state and
   conv window are set to those after its last kept token (:meth:`~openk3.model.cache.KDAStateSlots.rollback`,
-  in place). Verification never takes the decode graphs of :mod:`openk3.serve.decode_graph` (their step
-  returns the last position's argmax, keeps no intermediate state and runs no hooks), and an engine with a
-  draft builds none. MLA latents written for rejected drafts lie
+  in place). The engine's plain decode graphs are not built with a draft (their step runs no hooks, and
+  the draft reads every forward's features). MLA latents written for rejected drafts lie
   beyond ``num_computed_tokens`` and are overwritten before their block is full, so no block the prefix
   cache can hand out ever holds them.
 
@@ -39,6 +41,7 @@ from openk3.model.cache import MLACache
 from openk3.model.draft import EagleDraft, capture_features
 from openk3.serve.model_runner import request_generator
 from openk3.serve.request import Request
+from openk3.serve.speculative_graph import SpeculativeGraphs
 from openk3.speculative import MAX_SPECULATIVE_TOKENS, TokenChooser
 
 
@@ -50,17 +53,29 @@ class _DraftState:
 
 
 class SpeculativeDecoder:
-    def __init__(self, lm: nn.Module, draft: EagleDraft, runner, kv, num_speculative_tokens: int) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        draft: EagleDraft,
+        runner,
+        kv,
+        num_speculative_tokens: int,
+        graphs: SpeculativeGraphs | None = None,
+    ) -> None:
+        """``graphs``: the static greedy step (``None``: every verification on the paged forward)."""
         if not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens}"
             )
         self.lm, self.draft, self.runner, self.kv = lm, draft.eval(), runner, kv
-        self.k = num_speculative_tokens
+        self.k, self.graphs = num_speculative_tokens, graphs
         self.states: dict[str, _DraftState] = {}
         self.num_drafted = 0
         """Drafted tokens verified so far (with :attr:`num_accepted`: the acceptance rate)."""
         self.num_accepted = 0
+        self.num_verified = 0
+        """Rows verified so far, one per request per speculative step (each emits ``1 +`` its accepted
+        drafts)."""
         self._taps: list[torch.Tensor] = []
 
     @contextlib.contextmanager
@@ -151,8 +166,25 @@ class SpeculativeDecoder:
             k = self._k_for(c)
             (groups.setdefault(k, []) if k else rest).append(c)
         for k, group in groups.items():
-            self._verify(group, k, sampled)
+            if self.graphs is not None:
+                greedy = [c for c in group if c.request.sampling_params.temperature == 0]
+                if greedy and self.graphs.supports_speculative(greedy, k):
+                    self._verify_static(greedy, k, sampled)
+                    group = [c for c in group if c.request.sampling_params.temperature != 0]
+            if group:
+                self._verify(group, k, sampled)
         return rest
+
+    def _verify_static(self, chunks, k: int, sampled: dict) -> None:
+        """Greedy decodes through the static step (:mod:`openk3.serve.speculative_graph`)."""
+        for c in chunks:
+            self.kv.allocate_slots(c.request, k + 1)
+        states = [self.states[c.request.request_id] for c in chunks]
+        for c, emitted in zip(chunks, self.graphs.run_speculative(chunks, k, states)):
+            self.num_drafted += k
+            self.num_accepted += len(emitted) - 1
+            self.num_verified += 1
+            sampled[c.request.request_id] = emitted
 
     def _chains(self, chunks, k: int, choosers) -> list[tuple[list[int], list]]:
         """Draft ``k`` tokens for every request of ``chunks`` at once: each chain step is one draft forward over
@@ -194,14 +226,15 @@ class SpeculativeDecoder:
             self.kv.allocate_slots(c.request, k + 1)
         rows = self._chains(chunks, k, choosers)
         steps: list = []
-        logits_BTV = self.runner.paged_forward(
-            [[*c.token_ids, *drafts] for c, (drafts, _) in zip(chunks, rows)],
-            [c.start for c in chunks],
-            [c.block_table for c in chunks],
-            [c.state_slot for c in chunks],
-            all_positions=True,
-            steps_out=steps,
-        )
+        with self.capturing():
+            logits_BTV = self.runner.paged_forward(
+                [[*c.token_ids, *drafts] for c, (drafts, _) in zip(chunks, rows)],
+                [c.start for c in chunks],
+                [c.block_table for c in chunks],
+                [c.state_slot for c in chunks],
+                all_positions=True,
+                steps_out=steps,
+            )
         taps_BTF = self._taps.pop(0)
         kept, emitted = [], []
         for b, (c, (drafts, qs), choose) in enumerate(zip(chunks, rows, choosers)):
@@ -209,6 +242,7 @@ class SpeculativeDecoder:
             kept.append(n + 1)
             self.num_drafted += k
             self.num_accepted += n
+            self.num_verified += 1
             emitted.append([*drafts[:n], nxt])
             sampled[c.request.request_id] = emitted[-1]
         self._feed([c.request for c in chunks], [taps_BTF[b, :n] for b, n in enumerate(kept)], emitted)

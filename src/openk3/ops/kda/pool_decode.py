@@ -37,6 +37,7 @@ def fused_recurrent_kda_pool(
     lower_bound: float | None = None,
     use_qk_l2norm_in_kernel: bool = True,
     use_beta_sigmoid_in_kernel: bool = False,
+    step_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode ``T`` tokens of ``N`` sequences; the state of sequence ``n`` is ``state_pool[slot_idx[n]]``
     (``state_pool[n]`` without ``slot_idx``), read and overwritten in place.
@@ -52,6 +53,8 @@ def fused_recurrent_kda_pool(
         A_log: ``[H' ≥ H]``; dt_bias: ``[H*K]`` or None; lower_bound: ``lb < 0`` or None.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (default True, as the model layers).
         use_beta_sigmoid_in_kernel: ``beta`` holds logits (default False).
+        step_states: optional contiguous ``[N, T, H, K, V]`` in the pool's dtype that receives the state after
+            each token (a speculative verification rolls back to one of them).
 
     Returns:
         ``o`` ``[N, T, H, V]`` in ``v.dtype``.
@@ -77,6 +80,12 @@ def fused_recurrent_kda_pool(
         raise ValueError(f"slot_idx must be int32/int64 [{N}]; got {slot_idx.dtype} {list(slot_idx.shape)}")
     if A_log is None and (dt_bias is not None or lower_bound is not None):
         raise ValueError("dt_bias / lower_bound need A_log (the gate applied in the op)")
+    if step_states is not None and (
+        step_states.shape != (N, T, H, K, V) or step_states.dtype != state_pool.dtype
+        or not step_states.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"step_states must be contiguous {state_pool.dtype} [{N}, {T}, {H}, {K}, {V}]; got "
+                         f"{step_states.dtype} {list(step_states.shape)}")  # fmt: skip
     scale = K**-0.5 if scale is None else scale
     if state_pool.dtype == torch.float32 and use_triton_recurrent(q, k, v, g, beta, initial_state=state_pool):
         from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
@@ -85,7 +94,7 @@ def fused_recurrent_kda_pool(
         return fused_recurrent_kda_decode(
             q, k, v, g, beta, state_pool, slots, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, step_states=step_states,
         )  # fmt: skip
     dtype = state_pool.dtype
     g = kda_gate(g.to(dtype), A_log, dt_bias, lower_bound).to(dtype) if A_log is not None else g.to(dtype)
@@ -95,7 +104,11 @@ def fused_recurrent_kda_pool(
         q, k = l2norm(q), l2norm(k)
     q = q * scale
     S_NHKV = state_pool[:N] if slot_idx is None else state_pool[slot_idx]
-    o = [_step_(S_NHKV, q[:, t], k[:, t], v[:, t].to(dtype), g[:, t], beta[:, t]) for t in range(T)]
+    o = []
+    for t in range(T):
+        o.append(_step_(S_NHKV, q[:, t], k[:, t], v[:, t].to(dtype), g[:, t], beta[:, t]))
+        if step_states is not None:
+            step_states[:, t].copy_(S_NHKV)
     if slot_idx is not None:
         state_pool[slot_idx] = S_NHKV
     return torch.stack(o, 1).to(v.dtype)

@@ -9,7 +9,8 @@ suffix)::
 The gate is applied in the kernel: the K3 lower-bounded gate (``lower_bound``), the Kimi-Linear softplus gate
 (``A_log`` without ``lower_bound``) or none (``g`` already the log-decay). ``slot_idx`` maps each sequence to
 its row of the pool, as a server's state cache needs (vLLM's ``ssm_state_indices``); a negative slot skips
-the sequence (its outputs are written as zeros, no state is touched).
+the sequence (its outputs are written as zeros, no state is touched). With ``steps`` the kernel also stores
+the state after every token (a speculative verification keeps them to roll back to the last accepted one).
 
 Legend: ``N`` sequences, ``T`` tokens per sequence, ``H`` heads, ``K``/``V`` key/value dims, ``BV`` value
 block, ``S`` state slots of the pool.
@@ -29,14 +30,15 @@ GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 
 @triton.jit
 def kda_decode_kernel(
-    q, k, v, g, beta, A_log, dt_bias, state, slot_idx, o, cu_seqlens,
+    q, k, v, g, beta, A_log, dt_bias, state, slot_idx, o, cu_seqlens, steps,
     scale, lower_bound, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, BETA_SIGMOID: tl.constexpr, STORE_STEPS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(V/BV, N·H)``. Tokens of sequence ``n`` are rows ``[n·T, (n+1)·T)`` of the flat token axis,
-    or ``[cu_seqlens[n], cu_seqlens[n+1])`` with ``IS_VARLEN``; ``state`` is fp32 ``[S, H, K, V]``."""
+    or ``[cu_seqlens[n], cu_seqlens[n+1])`` with ``IS_VARLEN``; ``state`` is fp32 ``[S, H, K, V]``; with
+    ``STORE_STEPS``, ``steps`` fp32 ``[tokens, H, K, V]`` receives the state after each token."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // H
@@ -84,6 +86,8 @@ def kda_decode_kernel(
             b_S = b_S + b_k[:, None] * b_delta[None, :]
             b_o = tl.sum((b_q * scale)[:, None] * b_S, axis=0)
             tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty))
+            if STORE_STEPS:
+                tl.store(steps + (t * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_S)
         tl.store(state + p_state, b_S)
     else:
         for t in range(bos, eos):
@@ -115,19 +119,21 @@ def launch_decode(
     lower_bound: float | None,
     use_l2norm: bool,
     beta_sigmoid: bool = False,
+    steps: torch.Tensor | None = None,
     launch: DecodeLaunch = DEFAULT_GEOMETRY.decode,
 ) -> None:
     """Launch :func:`kda_decode_kernel` on flat ``[tokens, H, ·]`` tensors (the arguments unchecked: see the
-    callers; ``launch``: the value block by program count)."""
+    callers; ``steps``: fp32 ``[tokens, H, K, V]`` for the state after each token, or ``None``; ``launch``:
+    the value block by program count)."""
     H, K = q.shape[-2:]
     V = v.shape[-1]
     BV = min(V, launch.small_bv if num_seqs * H < launch.large_programs else launch.large_bv)
     kda_decode_kernel[(triton.cdiv(V, BV), num_seqs * H)](
-        q, k, v, g, beta, A_log, dt_bias, state, slot_idx, o, cu_seqlens,
+        q, k, v, g, beta, A_log, dt_bias, state, slot_idx, o, cu_seqlens, steps,
         scale, 0.0 if lower_bound is None else lower_bound, tokens_per_seq,
         H=H, K=K, V=V, BV=BV, GATE=_gate_kind(A_log, lower_bound), HAS_BIAS=dt_bias is not None,
         USE_L2NORM=use_l2norm, IS_VARLEN=cu_seqlens is not None, HAS_SLOTS=slot_idx is not None,
-        BETA_SIGMOID=beta_sigmoid,
+        BETA_SIGMOID=beta_sigmoid, STORE_STEPS=steps is not None,
         num_warps=4 if K * BV >= 128 * 64 else 2, num_stages=1,
     )  # fmt: skip
 
@@ -148,6 +154,7 @@ def fused_recurrent_kda_decode(
     use_qk_l2norm_in_kernel: bool = True,
     use_beta_sigmoid_in_kernel: bool = False,
     out: torch.Tensor | None = None,
+    step_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode (or verify) ``T`` new tokens for ``N`` sequences whose fp32 states live in a pool; updates
     ``state_pool[slot_idx[n]]`` in place (CUDA, or CPU under ``TRITON_INTERPRET=1``).
@@ -163,6 +170,8 @@ def fused_recurrent_kda_decode(
         use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(Σx² + 1e-6)``, default True).
         use_beta_sigmoid_in_kernel: apply ``σ`` to ``beta`` in the kernel (default False).
         out: optional ``[N, T, H, V]`` output buffer (v's dtype).
+        step_states: optional contiguous fp32 ``[N, T, H, K, V]`` that receives the state after each token
+            (not for skipped sequences).
 
     Returns:
         ``o`` ``[N, T, H, V]`` in v's dtype (``out`` when given).
@@ -186,12 +195,18 @@ def fused_recurrent_kda_decode(
         raise ValueError(f"slot_idx must be int32/int64 [{N}]; got {slot_idx.dtype} {list(slot_idx.shape)}")
     if A_log is None and (dt_bias is not None or lower_bound is not None):
         raise ValueError("dt_bias / lower_bound need A_log (the gate in the kernel)")
+    if step_states is not None and (
+        step_states.shape != (N, T, H, K, V) or step_states.dtype != torch.float32
+        or not step_states.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"step_states must be contiguous fp32 [{N}, {T}, {H}, {K}, {V}]; got "
+                         f"{step_states.dtype} {list(step_states.shape)}")  # fmt: skip
     o = torch.empty_like(v) if out is None else out
     launch_decode(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
         slot_idx, None, o, num_seqs=N, tokens_per_seq=T, scale=K**-0.5 if scale is None else scale,
         A_log=None if A_log is None else A_log[:H], dt_bias=dt_bias, lower_bound=lower_bound,
-        use_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
+        use_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel, steps=step_states,
     )  # fmt: skip
     return o
 
