@@ -178,6 +178,7 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer("routing_counts_E", None, persistent=False)
         self.register_buffer("routing_margin_hist_EB", None, persistent=False)
         self.register_buffer("routing_margin_range", None, persistent=False)  # fp64 [2]: lo, bin width
+        self.register_buffer("routing_range_set", None, persistent=False)  # bool []: routing_range_fixed
         self.routing_range_fixed = False
 
     # ------------------------------------------------------------------------------------ routing statistics
@@ -196,6 +197,7 @@ class SparseMoeBlock(nn.Module):
             torch.zeros(E, bins, dtype=COUNT_DTYPE, device=device) if with_hist else None
         )
         self.routing_margin_range = torch.zeros(2, dtype=torch.float64, device=device) if with_hist else None
+        self.routing_range_set = torch.zeros((), dtype=torch.bool, device=device) if with_hist else None
         self.routing_range_fixed = False
 
     def routing_stats(self) -> RoutingStats:
@@ -220,23 +222,35 @@ class SparseMoeBlock(nn.Module):
             lo, width = histogram_range(
                 self.gate.e_score_correction_bias, self.routing_margin_hist_EB.shape[1]
             )
-            self.routing_margin_range.copy_(torch.stack([lo, width]))
-            self.routing_range_fixed = True
+            self.set_routing_range(lo, width)
+
+    def set_routing_range(self, lo: torch.Tensor, width: torch.Tensor) -> None:
+        """Fix the histogram range to ``lo`` and bin width ``width`` (fp64 0-dim; a resumed balancer's)."""
+        self.routing_margin_range.copy_(torch.stack([lo, width]))
+        self.routing_range_set.fill_(True)
+        self.routing_range_fixed = True
 
     def reset_routing_stats(self) -> None:
         """Zero the counts; the next counted forward fixes a new histogram range."""
-        for buf in (self.routing_counts_E, self.routing_margin_hist_EB):
+        for buf in (self.routing_counts_E, self.routing_margin_hist_EB, self.routing_range_set):
             if buf is not None:
                 buf.zero_()
         self.routing_range_fixed = False
 
     def count_routing(self, routing: RouterOutput) -> None:
-        """Add one routing decision to the statistics (the forward calls it in training mode); no host sync."""
+        """Add one routing decision to the statistics (the forward calls it in training mode); no host sync.
+
+        The first counted forward after a reset fixes the histogram range from the bias. It decides that on the
+        device (``routing_range_set``), not with a Python branch on :attr:`routing_range_fixed`, so a compiled
+        layer has one graph for the first and the later forwards instead of two."""
         self.routing_counts_E.add_(routing.counts_E.to(COUNT_DTYPE))
         if self.routing_margin_hist_EB is None:
             return
-        if not self.routing_range_fixed:
-            self.fix_routing_range()
+        rng = self.routing_margin_range
+        lo, width = histogram_range(self.gate.e_score_correction_bias, self.routing_margin_hist_EB.shape[1])
+        rng.copy_(torch.where(self.routing_range_set, rng, torch.stack([lo, width])))
+        self.routing_range_set.fill_(True)
+        self.routing_range_fixed = True
         r_NE = routing.cutoff_N.detach()[:, None] - routing.scores_NE.detach()  # required bias α_i − s_ij
         ones_N = torch.ones(r_NE.shape[0], dtype=COUNT_DTYPE, device=r_NE.device)
         lo, width = self.routing_margin_range.unbind(0)

@@ -69,10 +69,15 @@ class HostSyncAudit(TorchDispatchMode):
     CPU, ``"Tensor.<method>"`` for :data:`_HOST_READS` (one event per call: the copy such a call makes on a GPU
     is not counted again). Operators called inside another operator's kernel are not seen (module docstring).
     Not thread-safe: the tensor methods are wrapped process-wide while the block runs.
+
+    ``device``: where the audited code runs. On a GPU (``"cuda"``), reads of CPU tensors are no syncs and are
+    not counted (e.g. AdamW's step counts kept on the host); ``None`` (default) or ``"cpu"`` counts every read,
+    so a CPU run shows what would sync on a GPU.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__()
+        self.device = None if device is None else torch.device(device)
         self.events: list[tuple[str, str]] = []
         self._saved: dict[str, object] = {}
         self._in_read = 0  # > 0 inside a wrapped tensor method: its own copy is not a second event
@@ -94,7 +99,7 @@ class HostSyncAudit(TorchDispatchMode):
 
     def _wrap(self, name: str, original):
         def read(tensor, *args, **kwargs):
-            if not self._in_read:
+            if not self._in_read and not self._host_local((tensor,)):
                 self.events.append((f"Tensor.{name}", _where()))
             self._in_read += 1
             try:
@@ -107,7 +112,7 @@ class HostSyncAudit(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name.split("::", 1)[-1]
-        if self._in_read:
+        if self._in_read or self._host_local(args):
             pass
         elif name in SYNC_OPS:
             if name != "repeat_interleave" or kwargs.get("output_size") is None:
@@ -117,6 +122,13 @@ class HostSyncAudit(TorchDispatchMode):
         elif name in ("_to_copy", "copy_") and _to_host(func, args, kwargs):
             self.events.append((f"aten::{name} to cpu", _where()))
         return func(*args, **kwargs)
+
+    def _host_local(self, args) -> bool:
+        """On a GPU run, whether every tensor argument is on the CPU (reading it waits for nothing)."""
+        if self.device is None or self.device.type == "cpu":
+            return False
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
 
     def counts(self) -> dict[str, int]:
         """``{"what @ where": count}``, most frequent first."""
