@@ -13,7 +13,7 @@ after the time budget):
    phase the wall time, the time the GPU was busy, kernels, launches and host syncs; the top kernels by
    device time; device time per kernel class (GEMM, KDA kernels, MoE dispatch, attention, other;
    communication is 0 on one GPU); where the step reads device data on the host
-   (:class:`~openk3.train.host_syncs.HostSyncAudit`); graphs, graph breaks and recompilations of
+   (:class:`~openk3.train.host_syncs.HostSyncAudit`); frames compiled, graphs and graph breaks of
    ``torch.compile``.
 3. ``dense``: the dense yardstick, the same model with every MoE replaced by a dense SwiGLU MLP of the same active
    parameters (KDA/MLA, AttnRes kept), same batch and planner: its MFU and K3's ratio to it.
@@ -288,8 +288,9 @@ SECTIONS = ("profile", "compare", "dense", "largest")
 def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
     """One step under ``torch.profiler`` (:func:`openk3.train.step_profile.profile_step`: per phase wall and
     device-busy time, kernels, launches, host syncs; the top kernels; device time per kernel class), the host
-    reads of one more (unprofiled) step with where they are (:class:`~openk3.train.host_syncs.HostSyncAudit`),
-    and what ``torch.compile`` did so far (graphs, graph breaks, recompilations)."""
+    reads of one more (unprofiled) step with where they are (:class:`~openk3.train.host_syncs.HostSyncAudit`;
+    ``torch.compile`` steps aside while a dispatch mode is active, so that step runs the layers eagerly), and
+    what ``torch.compile`` did so far (frames compiled, graphs, graph breaks)."""
     from torch._dynamo.utils import counters
 
     device = batches[0][0].device
@@ -307,7 +308,7 @@ def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
             "graphs": counters["stats"].get("unique_graphs", 0),
             "graph_breaks": sum(counters["graph_break"].values()),
             "graph_break_reasons": dict(counters["graph_break"]),
-            "recompiles": counters["recompiles"].get("total", 0) if "recompiles" in counters else None,
+            "frames_compiled": counters["frames"].get("ok", 0),
         },
     }
 
@@ -590,8 +591,8 @@ def finish(results: dict, args) -> None:
         lines += ["", f"Host reads of device data in one step ({sum(reads.values())}, HostSyncAudit): "
                   + ("; ".join(f"{n} × {where}" for where, n in reads.items()) or "none")]  # fmt: skip
         dyn = prof["dynamo"]
-        lines += ["", f"torch.compile so far: {dyn['graphs']} graphs, {dyn['graph_breaks']} graph breaks, "
-                  f"{dyn['recompiles']} recompilations"]  # fmt: skip
+        lines += ["", f"torch.compile so far: {dyn['frames_compiled']} frames compiled into {dyn['graphs']} "
+                  f"graphs, {dyn['graph_breaks']} graph breaks"]  # fmt: skip
     if "mfu_ratio_dense_over_k3" in results:
         lines += [
             "",

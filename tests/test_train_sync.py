@@ -80,6 +80,24 @@ def test_trainer_step_reads_the_device_twice_and_the_model_never(corpus, tmp_pat
     assert all(what == "aten::_local_scalar_dense" for what, where in audit.events if "optim.py" in where)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU test: the trainer's step on CUDA, audited")
+def test_trainer_step_on_the_gpu_reads_the_device_twice(corpus, tmp_path):
+    """On CUDA (Triton KDA op, fused AdamW, bf16 autocast) the only device reads of a step are the trainer's and
+    the balancer's: nothing is excluded. (``torch.compile`` steps aside under the audit's dispatch mode, so the
+    layers run eagerly: the same operators as the compiled graph, with no fewer reads.)"""
+    config = small(corpus, tmp_path / "run", steps=3, device="cuda", compile=False)
+    trainer = Trainer(config, progress=False)
+    try:
+        trainer.train_step()
+        with HostSyncAudit("cuda") as audit:
+            trainer.train_step()
+    finally:
+        trainer.release_lock()
+    per_file = collections.Counter(where.rsplit(":", 1)[0] for _, where in audit.events)
+    assert per_file == {"openk3/train/trainer.py": 1, "openk3/train/balance.py": 1}, audit.counts()
+
+
 def mla_k3(block_size: int) -> KimiK3Config:
     """k3-tiny with every layer MLA (the CPU's KDA path has data-dependent branches; on a GPU KDA is one custom
     op) and AttnRes blocks of ``block_size`` layers."""
