@@ -173,3 +173,45 @@ def test_step_profile_phases_cover_the_step():
     assert sum(count for name, count, _ in prof.top_kernels if name == "aten::_grouped_mm") == 2 * 3 * 3 * 7
     lines = prof.markdown()
     assert lines[0].startswith("| phase |") and any(line.startswith("| step |") for line in lines)
+
+
+def test_step_profile_attributes_gpu_events_to_phases():
+    """The CUDA branch of the summary on a hand-made trace: kernels by their start, runtime launches and syncs
+    by the host time of the call, the boundary synchronisations not counted, busy time as the union of
+    overlapping kernels."""
+    from types import SimpleNamespace
+
+    from openk3.train.step_profile import BOUNDARY, summarize
+
+    def ev(name, start, end, device="DeviceType.CPU"):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               cpu_parent=None, cpu_children=[])  # fmt: skip
+
+    gpu = "DeviceType.CUDA"
+    events = [
+        ev("phase:forward", 0, 100), ev("cudaLaunchKernel", 1, 2), ev("cudaLaunchKernel", 3, 4),
+        ev("gemm_a", 10, 30, gpu), ev("gemm_a", 20, 40, gpu), ev(BOUNDARY, 90, 100), ev("cudaDeviceSynchronize", 91, 99),
+        ev("phase:optimizer", 100, 200), ev("cudaLaunchKernel", 101, 102), ev("cudaMemcpyAsync", 103, 104),
+        ev("cudaStreamSynchronize", 105, 150), ev("adam", 110, 120, gpu), ev(BOUNDARY, 190, 200),
+        ev("phase:forward", 200, 300), ev("cudaLaunchKernel", 201, 202), ev("gemm_a", 250, 260, gpu),
+        ev("outside", 400, 410, gpu),
+    ]  # fmt: skip
+    prof = summarize(events, cuda=True)
+    fwd, opt = prof.phases
+    assert (fwd.name, fwd.wall_s, fwd.busy_s, fwd.kernels, fwd.launches, fwd.syncs) == (
+        "forward",
+        200e-6,
+        40e-6,
+        3,
+        3,
+        0,
+    )
+    assert (opt.name, opt.wall_s, opt.busy_s, opt.kernels, opt.launches, opt.syncs) == (
+        "optimizer",
+        100e-6,
+        10e-6,
+        1,
+        2,
+        1,
+    )
+    assert prof.top_kernels[0][:2] == ("gemm_a", 3) and prof.top_kernels[0][2] == pytest.approx(50e-6)

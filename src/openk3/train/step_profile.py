@@ -2,9 +2,10 @@
 
 :func:`profile_step` runs ``step(mark)`` once under the profiler, where ``mark(name)`` starts phase ``name``
 (``"forward"``, ``"backward"``, ... as :func:`openk3.train.step.accumulate_gradients` marks them; a name met
-again adds to the same phase; ``"end"`` ends the last one). At every phase boundary the device is synchronised, so a phase's kernels run
-inside its wall-clock window and can be attributed to it; this costs the step its overlap between phases, so
-the profiled step is a little slower than a timed one. Per phase (:class:`PhaseProfile`):
+again adds to the same phase; ``"end"`` ends the last one). At the end of every phase the device is
+synchronised, so a phase's kernels run inside its wall-clock window and can be attributed to it; this costs
+the step its overlap between phases, so the profiled step is a little slower than a timed one. Per phase
+(:class:`PhaseProfile`):
 
 * ``wall_s``: host wall time of the phase (device synchronised at both ends);
 * ``busy_s``: time the device ran at least one kernel or copy in the window (union of their intervals);
@@ -100,25 +101,23 @@ class StepProfile:
 
 
 class _Marks:
-    """``mark(name)``: close the open phase's ``record_function`` range, synchronise the device, open the next."""
+    """``mark(name)``: synchronise the device inside the open phase (so its kernels finish inside its window),
+    close it, open phase ``name`` (``"end"`` opens none)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.open = None
-        self.names: list[str] = []
 
     def __call__(self, name: str) -> None:
-        self.close()
+        self.finish()
+        if name != "end":
+            self.open = torch.profiler.record_function(f"phase:{name}")
+            self.open.__enter__()
+
+    def finish(self) -> None:
         with torch.profiler.record_function(BOUNDARY):
             if self.cuda:
                 torch.cuda.synchronize()
-        if name == "end":
-            return
-        self.names.append(name)
-        self.open = torch.profiler.record_function(f"phase:{name}")
-        self.open.__enter__()
-
-    def close(self) -> None:
         if self.open is not None:
             self.open.__exit__(None, None, None)
             self.open = None
@@ -135,10 +134,7 @@ def profile_step(step: Callable[[Callable[[str], None]], object], device: torch.
     marks = _Marks(device)
     with profile(activities=activities) as prof:
         step(marks)
-        marks.close()
-        with torch.profiler.record_function(BOUNDARY):
-            if cuda:
-                torch.cuda.synchronize()
+        marks.finish()
     return summarize(prof.events(), cuda)
 
 
