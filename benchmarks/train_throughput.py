@@ -290,7 +290,8 @@ def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
     device-busy time, kernels, launches, host syncs; the top kernels; device time per kernel class), the host
     reads of one more (unprofiled) step with where they are (:class:`~openk3.train.host_syncs.HostSyncAudit`;
     ``torch.compile`` steps aside while a dispatch mode is active, so that step runs the layers eagerly), and
-    what ``torch.compile`` did so far (frames compiled, graphs, graph breaks)."""
+    what ``torch.compile`` did so far (frames compiled, graphs, Inductor kernels generated, graph breaks)."""
+    import torch._inductor.metrics as inductor_metrics
     from torch._dynamo.utils import counters
 
     device = batches[0][0].device
@@ -309,6 +310,7 @@ def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
             "graph_breaks": sum(counters["graph_break"].values()),
             "graph_break_reasons": dict(counters["graph_break"]),
             "frames_compiled": counters["frames"].get("ok", 0),
+            "inductor_kernels": inductor_metrics.generated_kernel_count,
         },
     }
 
@@ -592,7 +594,8 @@ def finish(results: dict, args) -> None:
                   + ("; ".join(f"{n} × {where}" for where, n in reads.items()) or "none")]  # fmt: skip
         dyn = prof["dynamo"]
         lines += ["", f"torch.compile so far: {dyn['frames_compiled']} frames compiled into {dyn['graphs']} "
-                  f"graphs, {dyn['graph_breaks']} graph breaks"]  # fmt: skip
+                  f"graphs ({dyn['inductor_kernels']} Inductor kernels generated), {dyn['graph_breaks']} graph "
+                  "breaks"]  # fmt: skip
     if "mfu_ratio_dense_over_k3" in results:
         lines += [
             "",
