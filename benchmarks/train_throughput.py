@@ -6,18 +6,24 @@ after the time budget):
 1. ``--preset`` (default ``k3-1b``) at a global batch of ``--batch-size × --seq-len`` (16 × 2048): the memory
    planner (:func:`openk3.train.memory.plan_memory`, budget ``--memory-gb``, default 60) picks micro-batch,
    accumulation and checkpointing; compiled decoder layers with the Triton KDA custom op, the fused
-   LM-head loss, Per-Head Muon + AdamW, Quantile Balancing, one host sync per step
-   (:func:`openk3.train.step.accumulate_gradients`, as the trainer). Reported: tokens/s, MFU, the
+   LM-head loss, Per-Head Muon + AdamW, Quantile Balancing, two host reads per step after the backward (loss
+   and gradient norm; the balancer's statistics), as the trainer (:func:`openk3.train.step.accumulate_gradients`). Reported: tokens/s, MFU, the
    estimate and the measured peak (``torch.cuda.max_memory_allocated``), time per phase (CUDA events).
-2. A profile of one step of that model (``torch.profiler``): device time per kernel class (GEMM, KDA
-   kernels, MoE dispatch, attention, other; communication is 0 on one GPU).
-3. The dense yardstick: the same model with every MoE replaced by a dense SwiGLU MLP of the same active
+2. ``profile``: one step of that model under ``torch.profiler`` (:mod:`openk3.train.step_profile`): per
+   phase the wall time, the time the GPU was busy, kernels, launches and host syncs; the top kernels by
+   device time; device time per kernel class (GEMM, KDA kernels, MoE dispatch, attention, other;
+   communication is 0 on one GPU); where the step reads device data on the host
+   (:class:`~openk3.train.host_syncs.HostSyncAudit`); frames compiled, graphs and graph breaks of
+   ``torch.compile``.
+3. ``dense``: the dense yardstick, the same model with every MoE replaced by a dense SwiGLU MLP of the same active
    parameters (KDA/MLA, AttnRes kept), same batch and planner: its MFU and K3's ratio to it.
-4. ``--compare-preset`` (``k3-small``) at ``--compare-batch`` × ``--seq-len`` against transformers'
+4. ``compare``: ``--compare-preset`` (``k3-small``) at ``--compare-batch`` × ``--seq-len`` against transformers'
    ``kimi_linear`` of the same shape, with fla's kernels when ``fla`` imports (forward + backward + fused
    AdamW; it has no balancer); the ratio of tokens/s.
-5. The largest ``k3_shaped(depth)`` model whose estimate fits 90% of the GPU, confirmed with two steps at
+5. ``largest``: the largest ``k3_shaped(depth)`` model whose estimate fits 90% of the GPU, confirmed with two steps at
    micro-batch 1 with full checkpointing (stepping down a size when that runs out of memory).
+
+``--sections`` picks among 2–5 (default all; section 1 always runs; 4 runs before 3).
 
 MFU = 6 · active parameters · tokens/s / peak bf16 dense FLOP/s (attention score FLOPs not counted;
 ``--peak-tflops`` default 989, the H200 SXM datasheet value).
@@ -26,6 +32,11 @@ GPU (about 7 minutes on an H200)::
 
     python benchmarks/train_throughput.py --json benchmarks/results/train_throughput_h200.json \
         --md benchmarks/results/train_throughput_h200.md
+
+Where the k3-1b step goes, alone (a few minutes on a cold H200, most of it compiling)::
+
+    python benchmarks/train_throughput.py --sections profile --steps 3 --json DIR/train_profile_h200.json \
+        --md DIR/train_profile_h200.md
 
 CPU smoke run (k3-tiny, a few tiny steps, every section; the numbers mean nothing)::
 
@@ -53,9 +64,11 @@ from openk3.config import KimiLinearConfig, text_config_of
 from openk3.presets import get_preset, k3_shaped
 from openk3.train.balance import QuantileBalancer
 from openk3.train.checkpointing import wrap_decoder_layers
+from openk3.train.host_syncs import HostSyncAudit
 from openk3.train.memory import device_memory_bytes, estimate_memory, plan_memory
 from openk3.train.optim import build_optimizer
 from openk3.train.step import accumulate_gradients
+from openk3.train.step_profile import profile_step as step_profile
 
 
 def hf_config_like(text):
@@ -259,30 +272,47 @@ CLASSES = (
 )  # fmt: skip
 
 
-def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
-    """Device time per kernel class of one step (``torch.profiler``), in seconds."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        openk3_step(model, optimizer, balancer, *batches[0], micro_batch, lambda p: None)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+def kernel_classes(top_kernels) -> dict[str, float]:
+    """Device seconds per kernel class (:data:`CLASSES`, first match wins) from ``(name, count, seconds)``."""
     totals = {name: 0.0 for name, _ in CLASSES} | {"other (norms, activations, optimizer, glue)": 0.0}
-    cuda = torch.cuda.is_available()
-    for event in prof.events():
-        if cuda and "CUDA" not in str(getattr(event, "device_type", "")):
-            continue
-        if not cuda and (event.cpu_children or not event.name.startswith("aten::")):
-            continue  # CPU smoke run: leaf aten ops stand in for kernels
-        seconds = event.time_range.elapsed_us() / 1e6
-        for name, pattern in CLASSES:
-            if pattern.search(event.name):
-                totals[name] += seconds
-                break
-        else:
-            totals["other (norms, activations, optimizer, glue)"] += seconds
+    for kernel, _, seconds in top_kernels:
+        key = next((name for name, pattern in CLASSES if pattern.search(kernel)), None)
+        totals[key or "other (norms, activations, optimizer, glue)"] += seconds
     return totals
+
+
+SECTIONS = ("profile", "compare", "dense", "largest")
+"""Sections 2–5 of the module docstring, as ``--sections`` names them."""
+
+
+def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
+    """One step under ``torch.profiler`` (:func:`openk3.train.step_profile.profile_step`: per phase wall and
+    device-busy time, kernels, launches, host syncs; the top kernels; device time per kernel class), the host
+    reads of one more (unprofiled) step with where they are (:class:`~openk3.train.host_syncs.HostSyncAudit`;
+    ``torch.compile`` steps aside while a dispatch mode is active, so that step runs the layers eagerly), and
+    what ``torch.compile`` did so far (frames compiled, graphs, Inductor kernels generated, graph breaks)."""
+    import torch._inductor.metrics as inductor_metrics
+    from torch._dynamo.utils import counters
+
+    device = batches[0][0].device
+    prof = step_profile(
+        lambda mark: openk3_step(model, optimizer, balancer, *batches[0], micro_batch, mark), device
+    )
+    with HostSyncAudit(device) as audit:
+        openk3_step(model, optimizer, balancer, *batches[1], micro_batch, lambda p: None)
+    return {
+        **prof.to_dict(),
+        "markdown": prof.markdown(),
+        "classes": kernel_classes(prof.top_kernels),
+        "host_reads": audit.counts(),
+        "dynamo": {
+            "graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": dict(counters["graph_break"]),
+            "frames_compiled": counters["frames"].get("ok", 0),
+            "inductor_kernels": inductor_metrics.generated_kernel_count,
+        },
+    }
 
 
 def two_steps(config, args, device) -> dict:
@@ -403,13 +433,15 @@ def sections(args, device, results: dict) -> None:
         results["rows"]["k3"] = row
 
     section(results, "planned run", start, args.budget_s, main_row)
-    if "k3" in held:
+    if "k3" in held and "profile" in args.sections:
         results["profile"] = section(
             results, "profile", start, args.budget_s, lambda: profile_step(*held["k3"])
         )
     held.clear()
     free(device)
     finish(results, args)
+    if "compare" not in args.sections and "dense" not in args.sections and "largest" not in args.sections:
+        return
     compare_args = argparse.Namespace(**{**vars(args), "batch_size": args.compare_batch})
 
     def compare_rows():
@@ -424,7 +456,8 @@ def sections(args, device, results: dict) -> None:
             if hf is not None:
                 results["rows"]["hf"] = hf
 
-    section(results, "comparison", start, args.budget_s, compare_rows)
+    if "compare" in args.sections:
+        section(results, "comparison", start, args.budget_s, compare_rows)
     free(device)
     finish(results, args)
 
@@ -433,13 +466,15 @@ def sections(args, device, results: dict) -> None:
         row, _ = planned_row(f"{args.preset} dense yardstick", config, args, device, budget, compile)
         results["rows"]["dense"] = row
 
-    section(results, "dense yardstick", start, args.budget_s, dense_row)
+    if "dense" in args.sections:
+        section(results, "dense yardstick", start, args.budget_s, dense_row)
     free(device)
     finish(results, args)
     total = device_memory_bytes(args.device) if device.type == "cuda" else int(args.memory_gb * 1e9)
-    results["largest"] = section(
-        results, "largest model", start, args.budget_s, lambda: largest_trainable(args, device, total)
-    )
+    if "largest" in args.sections:
+        results["largest"] = section(
+            results, "largest model", start, args.budget_s, lambda: largest_trainable(args, device, total)
+        )
     finish(results, args)
 
 
@@ -462,6 +497,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="eager decoder layers")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: k3-tiny, batch 4 × 64, 1 step")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+        help="sections after the planned run (always run): profile, compare, dense, largest",
+    )  # fmt: skip
     parser.add_argument("--json")
     parser.add_argument("--md")
     args = parser.parse_args()
@@ -542,10 +581,21 @@ def finish(results: dict, args) -> None:
         )
     if results.get("profile"):
         prof = results["profile"]
-        whole = sum(prof.values()) or math.nan
-        lines += ["", f"Device time of one {args.preset} step by kernel class (torch.profiler):", ""]
-        lines += ["| kernels | ms | share |", "|---|---|---|"]
-        lines += [f"| {k} | {v * 1e3:,.1f} | {v / whole * 100:.1f}% |" for k, v in prof.items()]
+        lines += ["", f"One {args.preset} step under torch.profiler, the device synchronised at each phase boundary "
+                  "(busy share = device busy / wall; launches = CUDA runtime launch calls; host syncs = the "
+                  "step's own waits on the device):", ""]  # fmt: skip
+        lines += prof["markdown"]
+        classes = prof["classes"]
+        whole = sum(classes.values()) or math.nan
+        lines += ["", "| kernel class | ms | share |", "|---|---|---|"]
+        lines += [f"| {k} | {v * 1e3:,.1f} | {v / whole * 100:.1f}% |" for k, v in classes.items()]
+        reads = prof["host_reads"]
+        lines += ["", f"Host reads of device data in one step ({sum(reads.values())}, HostSyncAudit): "
+                  + ("; ".join(f"{n} × {where}" for where, n in reads.items()) or "none")]  # fmt: skip
+        dyn = prof["dynamo"]
+        lines += ["", f"torch.compile so far: {dyn['frames_compiled']} frames compiled into {dyn['graphs']} "
+                  f"graphs ({dyn['inductor_kernels']} Inductor kernels generated), {dyn['graph_breaks']} graph "
+                  "breaks"]  # fmt: skip
     if "mfu_ratio_dense_over_k3" in results:
         lines += [
             "",

@@ -46,14 +46,13 @@ class KimiDecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config, D, config.intermediate_size)
         self.block_size = config.attn_res_block_size
+        self.opens_block = self.block_size is not None and layer_idx % self.block_size == 0
+        """Whether this layer starts a new AttnRes block (its input partial sum becomes a closed block). A bool
+        fixed here, not computed from ``layer_idx`` in the forward: ``torch.compile`` then guards on it, and
+        layers of one kind share a compiled graph instead of compiling once per layer index."""
         if self.block_size is not None:
             self.self_attention_res_norm, self.self_attention_res_proj = make_res_pair(D, config.rms_norm_eps)
             self.mlp_res_norm, self.mlp_res_proj = make_res_pair(D, config.rms_norm_eps)
-
-    @property
-    def opens_block(self) -> bool:
-        """Whether this layer starts a new AttnRes block (its input partial sum becomes a closed block)."""
-        return self.layer_idx % self.block_size == 0
 
     def ffn(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.mlp(x_BTD) if hasattr(self, "mlp") else self.block_sparse_moe(x_BTD)

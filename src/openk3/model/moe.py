@@ -11,14 +11,15 @@ Kimi-Linear has no latent path and no norm: ``y = Σ_k w_k · Expert_k(x) + shar
 
 Expert compute is batched: token-slots are sorted by expert and run through a grouped matmul
 (``torch.nn.functional.grouped_mm`` with per-expert offsets), with no per-expert Python loop and no host
-sync. :func:`experts_loop_reference` is the readable loop kept as the test oracle.
+sync; dispatch and combine are permutations (gathers forward and backward, no atomic scatter-add).
+:func:`experts_loop_reference` is the readable loop kept as the test oracle.
 
 Quantised experts (``docs/quantization.md``): with ``RoutedExperts.qat`` set (``openk3 train --qat mxfp4``) the
 GEMMs see MXFP4 fake-quantised weights and MXFP8 fake-quantised inputs, with straight-through gradients;
 :class:`openk3.quant.experts.MXFP4RoutedExperts` keeps the weights packed and dequantises them per forward.
 
 Legend: ``N`` tokens, ``D`` width, ``L`` expert input width (latent or D), ``F`` expert width,
-``E`` experts, ``k`` experts per token, ``M = N·k`` token-slots.
+``E`` experts, ``k`` experts per token, ``M = N·k`` token-slots, ``R`` rows of a gathered tensor (N or M).
 Official names: expert ``j`` is ``experts.{j}.w1`` (gate, ``[F, L]``), ``w3`` (up, ``[F, L]``),
 ``w2`` (down, ``[L, F]``); here they are stacked as ``experts.w1 [E, F, L]`` etc. (see checkpoint/names.py).
 """
@@ -63,19 +64,43 @@ def grouped_expert_ffn(config, x_ML, w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M, x
     return _grouped_linear(q(glu(config, gate_MF, up_MF)), w2_ELF, offs_E, expert_M)
 
 
+class _SortedRows(torch.autograd.Function):
+    """``out[m] = x[order[m] // k]``: rows of ``x`` in the sorted slot order, each row of ``x`` read ``k`` times
+    (dispatch: ``k`` = experts per token; combine: ``k = 1``, a plain permutation). The backward gathers the
+    gradient back through the inverse permutation ``rank`` and sums each row's ``k`` copies: gathers only, no
+    atomic scatter-add, so the gradient is deterministic and summed in one reduction (autograd's backward of
+    ``x[index]`` would be an ``index_put`` with accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x_RL, order_M, rank_M, k: int):
+        ctx.save_for_backward(rank_M)
+        ctx.k = k
+        return x_RL.index_select(0, order_M // k if k > 1 else order_M)
+
+    @staticmethod
+    def backward(ctx, g_ML):
+        (rank_M,) = ctx.saved_tensors
+        g_RkL = g_ML.index_select(0, rank_M).view(-1, ctx.k, g_ML.shape[-1])
+        return (g_RkL.sum(1) if ctx.k > 1 else g_RkL.squeeze(1)), None, None, None
+
+
 def combine_sorted(z_NL, weights_Nk, indices_Nk, num_experts: int, expert_ffn) -> torch.Tensor:
     """``Σ_k weights[n,k] · y[n,k]``, shape ``[N, L]`` in ``z_NL.dtype``, where the token-slots are sorted by
     expert and ``y_ML = expert_ffn(x_ML, offs_E, expert_M)`` computes them (rows of ``z`` in that order, the
-    int32 cumulative row count per expert, the expert of each row); no host sync."""
+    int32 cumulative row count per expert, the expert of each row).
+
+    Dispatch and combine are permutations (``order_M`` sorts the slots by expert, ``rank_M`` is its inverse):
+    gathers forward and backward, no host sync, no atomic scatter; the ``k`` weighted outputs of a token are
+    summed in one reduction, in fp32 for bf16/fp16 (one rounding to ``z_NL.dtype`` at the end)."""
     N, k = indices_Nk.shape
     expert_M, order_M = torch.sort(indices_Nk.reshape(-1), stable=True)
-    token_M = order_M // k
+    rank_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(N * k, device=order_M.device))
     experts_E = torch.arange(num_experts, device=z_NL.device)
     offs_E = torch.searchsorted(expert_M, experts_E, right=True, out_int32=True)  # rows of experts ≤ e
-    y_ML = expert_ffn(z_NL[token_M], offs_E, expert_M)
-    w_M = weights_Nk.reshape(-1)[order_M].to(y_ML.dtype)
-    out_NL = torch.zeros_like(z_NL)
-    return out_NL.index_add_(0, token_M, y_ML * w_M[:, None])
+    y_ML = expert_ffn(_SortedRows.apply(z_NL, order_M, rank_M, k), offs_E, expert_M)
+    y_NkL = _SortedRows.apply(y_ML, rank_M, order_M, 1).view(N, k, -1)
+    acc = torch.promote_types(y_NkL.dtype, torch.float32)
+    return (y_NkL.to(acc) * weights_Nk.to(acc).unsqueeze(-1)).sum(1).to(z_NL.dtype)
 
 
 def combine_experts(config, z_NL, weights_Nk, indices_Nk, w1_EFL, w3_EFL, w2_ELF, x_quant=None):
@@ -153,6 +178,7 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer("routing_counts_E", None, persistent=False)
         self.register_buffer("routing_margin_hist_EB", None, persistent=False)
         self.register_buffer("routing_margin_range", None, persistent=False)  # fp64 [2]: lo, bin width
+        self.register_buffer("routing_range_set", None, persistent=False)  # bool []: routing_range_fixed
         self.routing_range_fixed = False
 
     # ------------------------------------------------------------------------------------ routing statistics
@@ -171,6 +197,7 @@ class SparseMoeBlock(nn.Module):
             torch.zeros(E, bins, dtype=COUNT_DTYPE, device=device) if with_hist else None
         )
         self.routing_margin_range = torch.zeros(2, dtype=torch.float64, device=device) if with_hist else None
+        self.routing_range_set = torch.zeros((), dtype=torch.bool, device=device) if with_hist else None
         self.routing_range_fixed = False
 
     def routing_stats(self) -> RoutingStats:
@@ -195,23 +222,35 @@ class SparseMoeBlock(nn.Module):
             lo, width = histogram_range(
                 self.gate.e_score_correction_bias, self.routing_margin_hist_EB.shape[1]
             )
-            self.routing_margin_range.copy_(torch.stack([lo, width]))
-            self.routing_range_fixed = True
+            self.set_routing_range(lo, width)
+
+    def set_routing_range(self, lo: torch.Tensor, width: torch.Tensor) -> None:
+        """Fix the histogram range to ``lo`` and bin width ``width`` (fp64 0-dim; a resumed balancer's)."""
+        self.routing_margin_range.copy_(torch.stack([lo, width]))
+        self.routing_range_set.fill_(True)
+        self.routing_range_fixed = True
 
     def reset_routing_stats(self) -> None:
         """Zero the counts; the next counted forward fixes a new histogram range."""
-        for buf in (self.routing_counts_E, self.routing_margin_hist_EB):
+        for buf in (self.routing_counts_E, self.routing_margin_hist_EB, self.routing_range_set):
             if buf is not None:
                 buf.zero_()
         self.routing_range_fixed = False
 
     def count_routing(self, routing: RouterOutput) -> None:
-        """Add one routing decision to the statistics (the forward calls it in training mode); no host sync."""
+        """Add one routing decision to the statistics (the forward calls it in training mode); no host sync.
+
+        The first counted forward after a reset fixes the histogram range from the bias. It decides that on the
+        device (``routing_range_set``), not with a Python branch on :attr:`routing_range_fixed`, so a compiled
+        layer has one graph for the first and the later forwards instead of two."""
         self.routing_counts_E.add_(routing.counts_E.to(COUNT_DTYPE))
         if self.routing_margin_hist_EB is None:
             return
-        if not self.routing_range_fixed:
-            self.fix_routing_range()
+        rng = self.routing_margin_range
+        lo, width = histogram_range(self.gate.e_score_correction_bias, self.routing_margin_hist_EB.shape[1])
+        rng.copy_(torch.where(self.routing_range_set, rng, torch.stack([lo, width])))
+        self.routing_range_set.fill_(True)
+        self.routing_range_fixed = True
         r_NE = routing.cutoff_N.detach()[:, None] - routing.scores_NE.detach()  # required bias α_i − s_ij
         ones_N = torch.ones(r_NE.shape[0], dtype=COUNT_DTYPE, device=r_NE.device)
         lo, width = self.routing_margin_range.unbind(0)

@@ -330,5 +330,4 @@ class QuantileBalancer:
         )
         if state["lo"] is not None:
             for block, lo, width in zip(self._histogram_blocks(), state["lo"], state["width"], strict=True):
-                block.routing_margin_range.copy_(torch.stack([lo, width]))
-                block.routing_range_fixed = True
+                block.set_routing_range(lo, width)
