@@ -61,11 +61,11 @@ class DemoConfig:
 
     depth: int = 4
     """K3-shaped depth (``k3_shaped``; 8 is k3-tiny)."""
-    sft_steps: int = 900
+    sft_steps: int = 1000
     sft_batch: int = 32
     sft_lr: float = 2e-3
-    high_steps: int = 20
-    effort_steps: int = 12
+    high_steps: int = 12
+    effort_steps: int = 24
     distill_samples: int = 8
     """Samples per training problem from each expert for the warm start (before filtering)."""
     distill_steps: int = 300
@@ -73,13 +73,13 @@ class DemoConfig:
     mopd_steps: int = 24
     prompts_per_step: int = 6
     group_size: int = 6
-    rl_lr: float = 5e-5
+    rl_lr: float = 2e-4
     mopd_lr: float = 5e-5
     """The student's learning rate in MOPD (the experts train at ``rl_lr``)."""
     max_tokens: int = 32
     train_problems: int = 48
-    eval_problems: int = 24
-    eval_every: int = 6
+    eval_problems: int = 48
+    eval_every: int = 8
     rho: float = 0.9
     """b0's percentile of the high expert's correct lengths: high enough that b0 is its scratchpad's length
     while the expert still writes every format (at 0.5 b0 is the carry format's, and τ·b0 shuts it out)."""
