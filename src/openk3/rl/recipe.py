@@ -9,8 +9,7 @@
    on-policy distillation in Qwen3 arXiv 2505.09388 and Thinking Machines' "On-Policy Distillation"): each
    expert samples its training prompts, the samples its own reward scores 1 (correct, and within its
    budget for medium and low) are kept with the expert's effort tag, and the student, the SFT base, is
-   fine-tuned on them, balanced over (domain, effort). This ties the tag to a format, which MOPD's
-   per-token reward alone did not do from a base that ignores the tag (``docs/LOG.md``).
+   fine-tuned on them, balanced over (domain, effort), so that it starts MOPD following the tag.
 4. **MOPD**: the warm-started student samples every (domain, effort) equally often; each token is rewarded
    by the clipped log-ratio against the teacher of that (domain, effort).
 
