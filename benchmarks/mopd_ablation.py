@@ -1,7 +1,8 @@
 """MOPD ablations: the clip, and the teacher routing.
 
-From one SFT base and one set of RL experts (the demo recipe's stages, :mod:`openk3.rl.recipe`), the student
-is distilled three ways for the same steps, the same prompts and the same sampling seeds:
+From one SFT base, one set of RL experts and one warm-started student (the demo recipe's stages,
+:mod:`openk3.rl.recipe`), the student is distilled three ways for the same steps, the same prompts and the
+same sampling seeds:
 
 * ``clip`` — MOPD as the recipe runs it: ``clip(sg(log π_T − log π_S), −R_max, R_max)``, ``R_max`` from the
   config (2);
@@ -14,7 +15,7 @@ and each student, the mean over the six rows, and the wall time. Run::
 
     python benchmarks/mopd_ablation.py --md benchmarks/results/mopd_ablation.md
 
-(``--stages FILE`` keeps the SFT base and the experts in ``FILE`` and reuses them on the next run, so
+(``--stages FILE`` keeps the warm-started student and the experts in ``FILE`` and reuses them on the next run, so
 variants of the MOPD stage cost a minute; ``--quick`` for the recipe's quick sizes: every stage in seconds to minutes, too short to learn.)
 """
 
@@ -60,7 +61,7 @@ def main() -> None:
         "--stages",
         type=Path,
         default=None,
-        help="torch file of the SFT base and the experts: loaded if it exists (same config assumed), else written",
+        help="torch file of the warm-started student and the experts: loaded if it exists (same config assumed), else written",
     )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -74,17 +75,18 @@ def main() -> None:
     loaded = args.stages is not None and args.stages.exists()
     if loaded:
         saved = torch.load(args.stages, weights_only=False)  # our own file, written below
-        base, experts = saved["base"], saved["experts"]
+        warm, experts = saved["warm"], saved["experts"]
     else:
         base = demo.stage_sft()
         experts = demo.stage_experts(base)
+        warm = demo.stage_distill(base, experts)
         if args.stages is not None:
-            torch.save({"base": base, "experts": experts}, args.stages)
+            torch.save({"warm": warm, "experts": experts}, args.stages)
     t_stages = time.monotonic() - t0
     students, t_mopd = {}, {}
     for name, kw in VARIANTS.items():
         t1 = time.monotonic()
-        students[name] = demo.stage_mopd(base, experts, name=f"mopd-{name}", **kw)
+        students[name] = demo.stage_mopd(warm, experts, name=f"mopd-{name}", **kw)
         t_mopd[name] = time.monotonic() - t1
     rows = []
     for d in DOMAINS:
@@ -112,7 +114,7 @@ def main() -> None:
             f"Command: `python benchmarks/mopd_ablation.py {' '.join(sys.argv[1:])}`",
             "",
             f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} thread(s). Wall time {wall:.0f} s (SFT + experts {t_stages:.0f} s{', loaded from --stages' if loaded else ''}; "
+            f"{torch.get_num_threads()} thread(s). Wall time {wall:.0f} s (SFT + experts + warm start {t_stages:.0f} s{', loaded from --stages' if loaded else ''}; "
             + ", ".join(f"MOPD {n} {t:.0f} s" for n, t in t_mopd.items())
             + ").",
             "",

@@ -54,7 +54,7 @@ def test_step_drops_a_raising_reward_and_syncs():
             raise RuntimeError("reward service down")
         return float(len(calls) % 2)
 
-    prompts = [tok.encode("HA12+34="), tok.encode("LC1+2+3+4=")]
+    prompts = [tok.encode("HA123+456="), tok.encode("LX123*4=")]
     stats, trajs = trainer.step(prompts, [{}, {}], outcome)
     assert len(trajs) == 8 and stats["dropped_rollouts"] == 1.0 and "loss" in stats
     assert engine.version == 1
@@ -87,32 +87,122 @@ def test_written_effort_reads_each_format():
             p = sample_problem(d, rng)
             for e in EFFORTS:
                 assert written_effort(p, solution(p, e)) == e
-    add, chain = sample_problem("add", rng), sample_problem("chain", rng)
+    add, mul = sample_problem("add", rng), sample_problem("mul", rng)
     assert written_effort(add, "12") == "other" and written_effort(add, "c1|3") == "other"
-    assert written_effort(chain, "1,2,3,4|5") == "other" and written_effort(chain, "|5") == "low"
+    assert written_effort(mul, "1,2|5") == "other" and written_effort(mul, "|5") == "low"
+
+
+def _solve_columns(a: int, b: int, times: bool) -> list[tuple[int, int, int, int]]:
+    """Schoolbook addition (``a + b``) or multiplication by a digit (``a * b``) by integer division,
+    independent of ``tasks.solution``: per column from the right, ``(digit of a, digit of b or b, carry in,
+    column result)``."""
+    cols, carry = [], 0
+    while a or (b and not times):
+        other = b if times else b % 10
+        s = (a % 10) * other + carry if times else a % 10 + other + carry
+        cols.append((a % 10, other, carry, s))
+        a, b, carry = a // 10, b if times else b // 10, s // 10
+    return cols
+
+
+def test_task_formats_match_an_independent_solver():
+    """Every written step of every format, parsed back and checked against schoolbook column arithmetic,
+    and the answers against Python's integers; the operand ranges are the tasks' (three-digit ``a``; ``b``
+    three-digit for add, a digit 2–9 for mul)."""
+    rng = random.Random(2)
+    for d, op in (("add", "+"), ("mul", "*")):
+        for _ in range(400):
+            p = sample_problem(d, rng)
+            a, b = p.operands
+            assert 100 <= a <= 999 and (100 <= b <= 999 if d == "add" else 2 <= b <= 9)
+            assert p.prompt("low") == f"L{'A' if d == 'add' else 'X'}{a}{op}{b}="
+            cols = _solve_columns(a, b, times=d == "mul")
+            high, medium, low = (solution(p, e) for e in EFFORTS)
+            assert low == f"|{a + b if d == 'add' else a * b}" and medium.endswith(low) and high.endswith(low)
+            steps = high[: -len(low)].split(",")
+            assert len(steps) == len(cols) == 3
+            for step, (da, db, cin, s) in zip(steps, cols):
+                lhs, rhs = step.split("=")
+                terms = lhs.replace("*", "+").split("+")  # digit, digit or b, then the carry in if any
+                assert [int(x) for x in terms] == [da, db] + ([cin] if cin else []) and int(rhs) == s
+                assert ("*" in lhs) == (d == "mul")
+            assert medium[: -len(low)] == "c:" + "".join(str(s // 10) for *_, s in cols)
+            # the written answer is the last column's result followed by the lower columns' last digits
+            assert int(low[1:]) == int(str(cols[-1][3]) + "".join(str(s % 10) for *_, s in cols[-2::-1]))
 
 
 def test_demo_efforts_separate_the_formats_on_every_problem():
     """With b0 at the scratchpad's length, the demo's τ per effort admits each effort's own format and shuts
-    out the next longer one on every problem of both domains (enumerated)."""
+    out the next longer one on the problems of both domains (add: a grid over the operands that meets each
+    carry pattern and answer width; mul: every problem)."""
     from openk3.rl.recipe import DemoConfig
     from openk3.rl.rewards.budget import ProblemBudget, budget_limit
     from openk3.rl.tasks import Problem
 
     efforts = DemoConfig().efforts
-    problems = [Problem("add", (a, b)) for a in range(10, 100) for b in range(10, 100)]
-    problems += [
-        Problem("chain", (a, b, c, d))
-        for a in range(10)
-        for b in range(10)
-        for c in range(10)
-        for d in range(10)
-    ]
+    grid = [100, 101, 109, 150, 199, 455, 499, 500, 545, 555, 901, 990, 999]
+    problems = [Problem("add", (a, b)) for a in grid for b in grid]
+    problems += [Problem("add", (a, b)) for a in range(100, 1000, 7) for b in range(100, 1000, 11)]
+    problems += [Problem("mul", (a, b)) for a in range(100, 1000) for b in range(2, 10)]
     for p in problems:
         n = {e: len(solution(p, e)) + 1 for e in EFFORTS}  # + the stop token
         for e, longer in (("medium", "high"), ("low", "medium")):
             limit = budget_limit(ProblemBudget(b0=n["high"], min_correct=n["low"]), efforts.tau(e))
             assert n[e] <= limit < n[longer], (p, e, limit, n)
+
+
+def test_effort_tag_is_one_distinct_token_first_in_the_prompt():
+    tok, rng = CharTokenizer(), random.Random(3)
+    for d in DOMAINS:
+        p = sample_problem(d, rng)
+        ids = {e: tok.encode(p.prompt(e)) for e in EFFORTS}
+        assert len({v[0] for v in ids.values()}) == 3  # one token per effort
+        assert all(v[1:] == ids["high"][1:] for v in ids.values())  # the rest is the problem
+
+
+def test_demo_mopd_prompts_balance_every_domain_and_effort_under_its_tag(tmp_path):
+    from openk3.rl.recipe import Demo, DemoConfig
+
+    cfg = DemoConfig(prompts_per_step=12, train_problems=8, eval_problems=2)
+    demo = Demo(cfg, tmp_path)
+    tags = {e: CharTokenizer().encode(sample_problem("add", random.Random(0)).prompt(e))[0] for e in EFFORTS}
+    prompts, metas = demo.mopd_prompts(random.Random(0))
+    keys = [(m["domain"], m["effort"]) for m in metas]
+    assert sorted(keys) == sorted([(d, e) for d in DOMAINS for e in EFFORTS] * 2)
+    train_prompts = {
+        d: {demo.tok.decode(demo.tok.encode(p.prompt("high"))[1:]) for p in demo.train[d]} for d in DOMAINS
+    }
+    for ids, (d, e) in zip(prompts, keys):
+        assert ids[0] == tags[e] and demo.tok.decode(ids[1:]) in train_prompts[d]
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        DemoConfig(prompts_per_step=4)
+
+
+def test_demo_warm_start_keeps_what_the_experts_reward_scores_one(tmp_path):
+    """The warm start keeps an expert's sample when it stopped and is correct, and for medium and low only
+    within ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included)."""
+    from openk3.rl.recipe import Demo, DemoConfig
+    from openk3.rl.rewards.budget import ProblemBudget
+    from openk3.rl.rollout import Segment, Trajectory
+    from openk3.rl.tasks import Problem
+
+    demo = Demo(DemoConfig(train_problems=2, eval_problems=2), tmp_path)
+    tok = demo.tok
+    p = Problem("add", (964, 494))
+    high, medium, low = (solution(p, e) for e in EFFORTS)
+    demo.budgets.budgets[p.id] = ProblemBudget(b0=len(high) + 1, min_correct=len(low) + 1)
+
+    def traj(text, reason="stop", stop=True):
+        ids = tok.encode(text) + ([tok.stop_id] if stop else [])
+        return Trajectory(
+            tok.encode(p.prompt("high")), 32, {"problem": p}, [Segment(ids, [0.0] * len(ids))], reason
+        )
+
+    assert all(demo.expert_keeps(traj(x), "high") for x in (high, medium, low))
+    assert not demo.expert_keeps(traj("|1457"), "high")  # wrong
+    assert not demo.expert_keeps(traj(low, "length", stop=False), "high")  # cut off
+    assert demo.expert_keeps(traj(medium), "medium") and not demo.expert_keeps(traj(high), "medium")
+    assert demo.expert_keeps(traj(low), "low") and not demo.expert_keeps(traj(medium), "low")
 
 
 def test_posttrain_cli_parses():
@@ -128,10 +218,10 @@ def test_demo_quick_runs_end_to_end(tmp_path):
 
     cfg = quick_config()
     Demo(cfg, tmp_path).run()
-    for name in ("sft", "rl-add-high", "rl-add-low", "rl-chain-medium", "mopd"):
+    for name in ("sft", "rl-add-high", "rl-add-low", "rl-mul-medium", "mopd"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     text = (tmp_path / "results.md").read_text()
-    assert text.count("\n| add |") == 3 and text.count("\n| chain |") == 3
+    assert text.count("\n| add |") == 3 and text.count("\n| mul |") == 3
 
 
 def test_partial_step_trains_complete_groups_only():
@@ -150,7 +240,7 @@ def test_partial_step_trains_complete_groups_only():
     )  # hot: lengths vary
     partial = PartialRolloutConfig(finish_fraction=1 / 3, max_staleness=4)
     trainer = PolicyTrainer(model, engine, RLConfig(group_size=3, max_tokens=30, lr=1e-3, partial=partial))
-    prompts = [tok.encode(f"HC{i}+1+2+3=") for i in range(6)]
+    prompts = [tok.encode(f"HX12{i}*3=") for i in range(6)]
     trained, outstanding, paused = [], 0, 0
     for step in range(3):
         batch = prompts[2 * step : 2 * step + 2]

@@ -5,8 +5,13 @@
 2. **RL experts**, one per (domain, effort): the high-effort expert first, on correctness alone; its correct
    lengths on the training problems give ``b0(x)`` (fixed from then on); the medium and low experts start from
    it and train with the budget reward, ``τ`` annealed from 1 to the effort's value.
-3. **MOPD**: a student starting from the SFT base samples prompts of every (domain, effort); each token is
-   rewarded by the clipped log-ratio against the teacher of that (domain, effort).
+3. **Sequence-level distillation warm start** (Kim & Rush arXiv 1606.07947; the off-policy stage before
+   on-policy distillation in Qwen3 arXiv 2505.09388 and Thinking Machines' "On-Policy Distillation"): each
+   expert samples its training prompts, the samples its own reward scores 1 (correct, and within its
+   budget for medium and low) are kept with the expert's effort tag, and the student, the SFT base, is
+   fine-tuned on them, balanced over (domain, effort), so that it starts MOPD following the tag.
+4. **MOPD**: the warm-started student samples every (domain, effort) equally often; each token is rewarded
+   by the clipped log-ratio against the teacher of that (domain, effort).
 
 Each stage writes a plot (``<out>/<stage>.png``: reward, length, over-budget fraction and held-out accuracy
 against steps) and ``<out>/results.md`` holds the final table: held-out accuracy and mean length per domain
@@ -55,21 +60,25 @@ class DemoConfig:
 
     depth: int = 4
     """K3-shaped depth (``k3_shaped``; 8 is k3-tiny)."""
-    sft_steps: int = 900
+    sft_steps: int = 1000
     sft_batch: int = 32
     sft_lr: float = 2e-3
-    high_steps: int = 20
-    effort_steps: int = 12
+    high_steps: int = 12
+    effort_steps: int = 24
+    distill_samples: int = 8
+    """Samples per training problem from each expert for the warm start (before filtering)."""
+    distill_steps: int = 300
+    distill_lr: float = 5e-4
     mopd_steps: int = 24
     prompts_per_step: int = 6
     group_size: int = 6
-    rl_lr: float = 5e-5
+    rl_lr: float = 2e-4
     mopd_lr: float = 5e-5
     """The student's learning rate in MOPD (the experts train at ``rl_lr``)."""
-    max_tokens: int = 24
+    max_tokens: int = 32
     train_problems: int = 48
-    eval_problems: int = 24
-    eval_every: int = 6
+    eval_problems: int = 48
+    eval_every: int = 8
     rho: float = 0.9
     """b0's percentile of the high expert's correct lengths: high enough that b0 is its scratchpad's length
     while the expert still writes every format (at 0.5 b0 is the carry format's, and τ·b0 shuts it out)."""
@@ -77,16 +86,19 @@ class DemoConfig:
     """Samples per training problem from the high-effort expert for ``b0``."""
     r_max: float = 2.0
     efforts: EffortLevels = field(
-        default_factory=lambda: EffortLevels((("low", 0.4), ("medium", 0.8), ("high", 2.0)))
+        default_factory=lambda: EffortLevels((("low", 0.35), ("medium", 0.8), ("high", 2.0)))
     )
     """τ per effort. With b0 at the scratchpad's length, 0.8 admits the medium format and shuts out the
-    scratchpad, 0.4 admits the bare answer and shuts out the medium format, on every problem of both
-    domains (enumerated in the tests); the high expert trains on correctness alone."""
+    scratchpad, 0.35 admits the bare answer and shuts out the medium format, on every problem of both
+    domains (checked in the tests; 0.4 still admits the carry format on part of them); the high expert
+    trains on correctness alone."""
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in (
             "sft_steps",
+            "distill_samples",
+            "distill_steps",
             "high_steps",
             "effort_steps",
             "mopd_steps",
@@ -95,11 +107,16 @@ class DemoConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sft_lr", "rl_lr", "mopd_lr"):
+        for name in ("sft_lr", "distill_lr", "rl_lr", "mopd_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.eval_problems < 1 or self.eval_every < 1:
             raise ValueError("eval_problems and eval_every must be >= 1")
+        if self.prompts_per_step % (len(DOMAINS) * len(EFFORTS)):
+            raise ValueError(
+                f"prompts_per_step must be a multiple of {len(DOMAINS) * len(EFFORTS)} (MOPD samples every "
+                f"(domain, effort) equally), got {self.prompts_per_step}"
+            )
         if tuple(self.efforts.names) != ("low", "medium", "high"):
             raise ValueError(f"the demo's efforts are low, medium, high; got {self.efforts.names}")
 
@@ -107,7 +124,8 @@ class DemoConfig:
 def quick_config() -> DemoConfig:
     """A few minutes on 2 CPU cores: every stage runs, too short to learn much."""
     return DemoConfig(
-        sft_steps=40, sft_batch=16, high_steps=2, effort_steps=2, mopd_steps=3, prompts_per_step=2,
+        sft_steps=40, sft_batch=16, distill_samples=2, distill_steps=4, high_steps=2, effort_steps=2,
+        mopd_steps=3, prompts_per_step=6,
         group_size=4, train_problems=8, eval_problems=4, eval_every=2,
     )  # fmt: skip
 
@@ -368,10 +386,84 @@ class Demo:
                 experts[(d, e)] = self._rl(f"rl-{d}-{e}", high, d, e, cfg.effort_steps, sched)
         return experts
 
+    def expert_keeps(self, t: Trajectory, effort: str) -> bool:
+        """Whether the warm start keeps the expert sample ``t`` (``meta["problem"]`` set) of ``effort``: it
+        stopped, and the expert's own final reward scores it 1: correct, and for medium and low no longer
+        than ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ (a problem without ``b0`` has no limit)."""
+        tau = None if effort == "high" else self.cfg.efforts.tau(effort)
+        return t.finish_reason == "stop" and self.outcome(t, tau, []) == 1.0
+
+    def mopd_prompts(self, rng: random.Random) -> tuple[list[list[int]], list[dict]]:
+        """One MOPD step's prompts and metas: every (domain, effort) ``prompts_per_step / 6`` times, each
+        on a training problem of its domain drawn by ``rng``, under that effort's tag."""
+        per = self.cfg.prompts_per_step // (len(DOMAINS) * len(EFFORTS))
+        keys = [(d, e) for d in DOMAINS for e in EFFORTS] * per
+        problems = [rng.choice(self.train[d]) for d, _ in keys]
+        return (
+            [self.tok.encode(p.prompt(e)) for p, (_, e) in zip(problems, keys)],
+            [{"domain": d, "effort": e} for d, e in keys],
+        )
+
+    def stage_distill(self, base, experts) -> torch.nn.Module:
+        """The student's warm start: ``base`` fine-tuned on the experts' own samples. Each expert samples
+        ``distill_samples`` responses per training problem at its effort tag (temperature 1); a sample is
+        kept when it stopped and the expert's own final reward scores it 1 (correct; within
+        ``max(⌊τ·b0⌋, min_correct)`` for medium and low). Each (domain, effort)'s kept samples are resampled
+        to the largest count, so every tag weighs the same; then :func:`~openk3.rl.sft.sft` for
+        ``distill_steps`` batches of ``sft_batch`` at ``distill_lr``. An expert with nothing to keep adds
+        nothing (logged); with nothing kept at all the student is the SFT base."""
+        cfg = self.cfg
+        rng = random.Random(cfg.seed + 5)
+        kept: dict[tuple[str, str], list[tuple[list[int], list[int]]]] = {}
+        for (d, e), expert in experts.items():
+            trajs = self.engine(expert, 1.0).generate(
+                [
+                    Trajectory(self.tok.encode(p.prompt(e)), cfg.max_tokens, {"problem": p})
+                    for p in self.train[d]
+                    for _ in range(cfg.distill_samples)
+                ]
+            )
+            kept[(d, e)] = [(t.prompt_ids, t.response_ids) for t in trajs if self.expert_keeps(t, e)]
+        self.log(
+            "[distill] kept samples per (domain, effort): "
+            + ", ".join(
+                f"{d}-{e} {len(v)}/{len(self.train[d]) * cfg.distill_samples}" for (d, e), v in kept.items()
+            )
+        )
+        model = copy.deepcopy(base)
+        most = max(len(v) for v in kept.values())
+        if most == 0:
+            self.log("[distill] no expert sample to keep: the student starts from the SFT base")
+            return model.eval()
+        examples = [x for v in kept.values() if v for x in v + rng.choices(v, k=most - len(v))]
+        hist = []
+        every = max(1, cfg.distill_steps // 4)
+
+        def on_eval(step: int, losses: list[float]) -> None:
+            recent = losses[-every:]
+            evs = {(d, e): self.evaluate(model, d, e) for d in DOMAINS for e in EFFORTS}
+            row = {"step": step, "loss": sum(recent) / len(recent)}
+            row["accuracy"] = sum(v["accuracy"] for v in evs.values()) / len(evs)
+            for e in EFFORTS:
+                row[f"eval_length_{e}"] = sum(evs[(d, e)]["length"] for d in DOMAINS) / len(DOMAINS)
+            hist.append(row)
+            self.log(
+                "[distill] "
+                + " ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+            )
+
+        t0 = time.monotonic()
+        sft(model, examples, cfg.distill_steps, cfg.sft_batch, cfg.distill_lr, cfg.seed + 5, on_eval, every)
+        self.history["distill"] = hist
+        self.log(f"[distill] {time.monotonic() - t0:.0f} s")
+        return model.eval()
+
     def stage_mopd(
         self, base, experts, name: str = "mopd", r_max: float | None = None, route: Route | None = None
     ) -> torch.nn.Module:
-        """The student from ``base``, distilled from ``experts`` for ``mopd_steps``. ``r_max`` overrides the
+        """The student from ``base`` (the warm start of :meth:`stage_distill`), distilled from ``experts`` for
+        ``mopd_steps``; each step samples every (domain, effort) ``prompts_per_step / 6`` times, each on a
+        random training problem of its domain. ``r_max`` overrides the
         config's clip (``math.inf``: no clip) and ``route`` the teacher routing (both for the ablations of
         ``benchmarks/mopd_ablation.py``); the history is kept under ``name``."""
         cfg = self.cfg
@@ -392,11 +484,10 @@ class Demo:
             return mopd_dense_reward(registry, trajs, r_max, route)
 
         for step in range(cfg.mopd_steps):
-            keys = [(rng.choice(DOMAINS), rng.choice(EFFORTS)) for _ in range(cfg.prompts_per_step)]
-            problems = [rng.choice(self.train[d]) for d, _ in keys]
+            prompts, metas = self.mopd_prompts(rng)
             stats, _ = trainer.step(
-                [self.tok.encode(p.prompt(e)) for p, (_, e) in zip(problems, keys)],
-                [{"domain": d, "effort": e} for d, e in keys],
+                prompts,
+                metas,
                 lambda t: 0.0,
                 dense,
             )
@@ -494,7 +585,7 @@ class Demo:
         t0 = time.monotonic()
         base = self.stage_sft()
         experts = self.stage_experts(base)
-        student = self.stage_mopd(base, experts)
+        student = self.stage_mopd(self.stage_distill(base, experts), experts)
         table = self.table(experts, student)
         wall = time.monotonic() - t0
         self.plot()

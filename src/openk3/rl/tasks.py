@@ -1,13 +1,14 @@
 """The demo's two task domains, where written effort pays, and their character tokenizer.
 
-* ``add`` — two-digit addition ``a+b``. High effort writes every column with its carry (right to left)
-  ``7+5=12,4+8+1=13|132``; medium writes only the carry bits ``c:11|132``; low writes the answer ``|132``.
-* ``chain`` — the sum of four digits ``3+5+2+6``. High effort writes the running sums ``8,10,16|16``; medium
-  the two pair sums ``8,8|16``; low the answer ``|16``.
+* ``add`` — three-digit addition ``a+b``. High effort writes every column with its carry (right to left)
+  ``7+5=12,4+8+1=13,3+6+1=10|1032``; medium writes only the carry bits ``c:111|1032``; low writes the answer
+  ``|1032``.
+* ``mul`` — a three-digit number times a digit ``a*b`` (``b`` in 2–9). High effort writes every column's
+  product with the carry in (right to left) ``7*8=56,4*8+5=37,3*8+3=27|2776``; medium writes only the carries
+  out ``c:532|2776``; low writes the answer ``|2776``.
 
-A prompt is ``<effort><domain>problem=`` (effort ``H``/``M``/``L``, domain ``A``/``C``); the answer is what
-follows the last ``|``, and the response ends with the stop token. A response is correct when its answer
-equals the true value, whatever it wrote before.
+Both are sized so that writing pays for a small model: the bare answer needs every carry at once, each
+written column is a one-digit step.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-DOMAINS = ("add", "chain")
+DOMAINS = ("add", "mul")
 EFFORTS = ("high", "medium", "low")
-_DOMAIN_CHAR = {"add": "A", "chain": "C"}
+_DOMAIN_CHAR = {"add": "A", "mul": "X"}
+_OPERATOR = {"add": "+", "mul": "*"}
 _EFFORT_CHAR = {"high": "H", "medium": "M", "low": "L"}
 
 
@@ -26,7 +28,7 @@ _EFFORT_CHAR = {"high": "H", "medium": "M", "low": "L"}
 class CharTokenizer:
     """Id 0 padding, id 1 the stop token, then one id per character of ``alphabet``."""
 
-    alphabet: str = "0123456789+=,|c:ACHML"
+    alphabet: str = "0123456789+*=,|c:AXHML"
     pad_id: int = 0
     stop_id: int = 1
 
@@ -55,21 +57,26 @@ class Problem:
 
     @property
     def answer(self) -> int:
-        return sum(self.operands)
+        a, b = self.operands
+        return a + b if self.domain == "add" else a * b
+
+    @property
+    def text(self) -> str:
+        return _OPERATOR[self.domain].join(map(str, self.operands))
 
     @property
     def id(self) -> str:
-        return f"{self.domain}:{'+'.join(map(str, self.operands))}"
+        return f"{self.domain}:{self.text}"
 
     def prompt(self, effort: str) -> str:
-        return f"{_EFFORT_CHAR[effort]}{_DOMAIN_CHAR[self.domain]}{'+'.join(map(str, self.operands))}="
+        return f"{_EFFORT_CHAR[effort]}{_DOMAIN_CHAR[self.domain]}{self.text}="
 
 
 def sample_problem(domain: str, rng: random.Random) -> Problem:
     if domain == "add":
-        return Problem(domain, (rng.randint(10, 99), rng.randint(10, 99)))
-    if domain == "chain":
-        return Problem(domain, tuple(rng.randint(0, 9) for _ in range(4)))
+        return Problem(domain, (rng.randint(100, 999), rng.randint(100, 999)))
+    if domain == "mul":
+        return Problem(domain, (rng.randint(100, 999), rng.randint(2, 9)))
     raise ValueError(f"unknown domain {domain!r}; choose one of {DOMAINS}")
 
 
@@ -78,40 +85,36 @@ def solution(problem: Problem, effort: str) -> str:
     answer = f"|{problem.answer}"
     if effort == "low":
         return answer
+    a, b = problem.operands
+    steps, carries, carry = [], "", 0
     if problem.domain == "add":
-        a, b = problem.operands
-        steps, carries, carry = [], "", 0
         for da, db in zip(reversed(str(a)), reversed(str(b))):
             s = int(da) + int(db) + carry
             steps.append(f"{da}+{db}" + (f"+{carry}" if carry else "") + f"={s}")
             carry = s // 10
             carries += str(carry)
-        return (",".join(steps) if effort == "high" else f"c:{carries}") + answer
-    ops = problem.operands
-    if effort == "high":
-        run = [ops[0] + ops[1], ops[0] + ops[1] + ops[2], sum(ops)]
-        return ",".join(map(str, run)) + answer
-    return f"{ops[0] + ops[1]},{ops[2] + ops[3]}" + answer
+    else:
+        for da in reversed(str(a)):
+            s = int(da) * b + carry
+            steps.append(f"{da}*{b}" + (f"+{carry}" if carry else "") + f"={s}")
+            carry = s // 10
+            carries += str(carry)
+    return (",".join(steps) if effort == "high" else f"c:{carries}") + answer
 
 
 def written_effort(problem: Problem, response_text: str) -> str:
     """Which effort's format ``response_text`` was written in, from its shape before the last ``|``:
     ``"high"``, ``"medium"``, ``"low"`` (nothing before ``|``) or ``"other"`` (no ``|``, or a shape of no
-    effort). ``add``: column sums with ``=`` are high, ``c:`` carry bits medium; ``chain``: two commas
-    (three running sums) are high, one comma (two pair sums) medium. Correctness is not checked."""
+    effort): column results with ``=`` are high, ``c:`` and the carry digits medium. Correctness is not
+    checked."""
     if "|" not in response_text:
         return "other"
     head = response_text.rsplit("|", 1)[0]
     if not head:
         return "low"
-    if problem.domain == "add":
-        if head.startswith("c:") and head[2:].isdigit():
-            return "medium"
-        return "high" if "=" in head and "c" not in head else "other"
-    parts = head.split(",")
-    if all(x.isdigit() for x in parts):
-        return {3: "high", 2: "medium"}.get(len(parts), "other")
-    return "other"
+    if head.startswith("c:") and head[2:].isdigit():
+        return "medium"
+    return "high" if "=" in head and "c" not in head else "other"
 
 
 def parse_answer(text: str) -> int | None:
