@@ -178,7 +178,7 @@ def test_step_profile_phases_cover_the_step():
 def test_step_profile_attributes_gpu_events_to_phases():
     """The CUDA branch of the summary on a hand-made trace: kernels by their start, runtime launches and syncs
     by the host time of the call, the boundary synchronisations not counted, busy time as the union of
-    overlapping kernels."""
+    overlapping kernels, the device-side mirrors of record_function ranges not counted as kernels."""
     from types import SimpleNamespace
 
     from openk3.train.step_profile import BOUNDARY, summarize
@@ -191,6 +191,7 @@ def test_step_profile_attributes_gpu_events_to_phases():
     events = [
         ev("phase:forward", 0, 100), ev("cudaLaunchKernel", 1, 2), ev("cudaLaunchKernel", 3, 4),
         ev("gemm_a", 10, 30, gpu), ev("gemm_a", 20, 40, gpu), ev(BOUNDARY, 90, 100), ev("cudaDeviceSynchronize", 91, 99),
+        ev("phase:forward", 10, 40, gpu),  # the device mirror of the phase's range: not a kernel
         ev("phase:optimizer", 100, 200), ev("cudaLaunchKernel", 101, 102), ev("cudaMemcpyAsync", 103, 104),
         ev("cudaStreamSynchronize", 105, 150), ev("adam", 110, 120, gpu), ev(BOUNDARY, 190, 200),
         ev("phase:forward", 200, 300), ev("cudaLaunchKernel", 201, 202), ev("gemm_a", 250, 260, gpu),

@@ -163,7 +163,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 def summarize(events, cuda: bool) -> StepProfile:
     """A :class:`StepProfile` from the events of a trace made by :func:`profile_step`."""
     windows = [(e.name.removeprefix("phase:"), e.time_range.start, e.time_range.end)
-               for e in events if e.name.startswith("phase:")]  # fmt: skip
+               for e in events if e.name.startswith("phase:") and not _is_device(e)]  # fmt: skip
     boundaries = [(e.time_range.start, e.time_range.end) for e in events if e.name == BOUNDARY]
     phases: dict[str, PhaseProfile] = {}
     for name, start, end in windows:
@@ -177,9 +177,15 @@ def summarize(events, cuda: bool) -> StepProfile:
 
     busy: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
+    # the profiler mirrors every record_function range (phase:*, Optimizer.step#…) on the device timeline as
+    # a "GPU user annotation" spanning the kernels inside it: a device event named like a host event is such
+    # a mirror, not a kernel (no kernel is named like a host-side range or operator)
+    host_names = {e.name for e in events if not _is_device(e)}
     for e in events:
         start, end = e.time_range.start, e.time_range.end
         if cuda and _is_device(e):
+            if e.name in host_names:
+                continue
             kind = "kernel"
         elif not cuda and e.name.startswith("aten::") and not _under_aten(e):
             kind = "op"
