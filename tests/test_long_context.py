@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch
 from openk3.cli import main
 from openk3.synthetic.long_context import (
     DEPTHS,
+    NEEDLE_CUE,
     PASSAGE_TOKENS,
     LongContextBatches,
     needle_eval,
@@ -66,25 +65,34 @@ def test_batches_are_seeded_and_resume_exactly():
 
 
 class _Induction(torch.nn.Module):
-    """Next token = the one after the last earlier occurrence of the current (previous, current) pair."""
+    """Next token = the one after the last earlier occurrence of the current (previous, current) pair; its
+    ``model`` gives the scores as hidden states, ``lm_head`` passes them on (the shapes the eval feeds it are
+    recorded in ``head_inputs``)."""
 
-    def forward(self, ids_BT):
+    def __init__(self):
+        super().__init__()
+        self.head_inputs = []
+        self.lm_head = lambda h: self.head_inputs.append(tuple(h.shape)) or h
+
+    def model(self, ids_BT):
         B, T = ids_BT.shape
-        logits = torch.zeros(B, T, 6000)
+        scores = torch.zeros(B, T, 6000)
         for b in range(B):
             seen = {}
             row = ids_BT[b].tolist()
             for t in range(T):
                 if t >= 1 and (row[t - 1], row[t]) in seen:
-                    logits[b, t, seen[(row[t - 1], row[t])]] = 1
+                    scores[b, t, seen[(row[t - 1], row[t])]] = 1
                 if t >= 2:
                     seen[(row[t - 2], row[t - 1])] = row[t]
-        return SimpleNamespace(logits=logits)
+        return scores
 
 
 class _Constant(torch.nn.Module):
-    def forward(self, ids_BT):
-        return SimpleNamespace(logits=torch.zeros(*ids_BT.shape, 6000))
+    lm_head = torch.nn.Identity()
+
+    def model(self, ids_BT):
+        return torch.zeros(*ids_BT.shape, 6000)
 
 
 def test_needle_eval_scores_an_oracle_one_and_a_constant_zero():
@@ -93,6 +101,41 @@ def test_needle_eval_scores_an_oracle_one_and_a_constant_zero():
     assert [(r["length"], r["depth"]) for r in oracle] == [(n, d) for n in (40, 300) for d in DEPTHS]
     assert all(r["accuracy"] == r["token_accuracy"] == 1.0 for r in oracle)
     assert all(r["accuracy"] == r["token_accuracy"] == 0.0 for r in needle_eval(_Constant(), split, [64], 2))
+
+
+def test_needle_eval_projects_only_the_scored_tokens_a_micro_batch_at_a_time():
+    """The full-vocabulary logits of a row of T tokens would be T × V floats: only the needle's scored
+    tokens (m − cue = 24 at m = 32) reach the head, ``micro_batch`` rows at a time."""
+    oracle = _Induction()
+    rows = needle_eval(oracle, _Split(), [1000], samples=6, micro_batch=4)
+    assert all(r["accuracy"] == 1.0 for r in rows)
+    assert oracle.head_inputs == [
+        (4, PASSAGE_TOKENS - NEEDLE_CUE, 6000),
+        (2, PASSAGE_TOKENS - NEEDLE_CUE, 6000),
+    ] * len(DEPTHS)
+
+
+def test_needle_longer_than_the_val_split_is_refused_with_the_numbers():
+    with pytest.raises(ValueError) as error:
+        needle_eval(_Constant(), _Split(500), [256, 600])
+    assert "--needle 600" in str(error.value) and "holds 500 tokens" in str(error.value)
+
+
+def test_needle_refuses_the_flags_it_does_not_use(capsys):
+    args = ["eval", "--ckpt", "absent-run", "--needle", "64"]
+    assert main([*args, "--seq-len", "64", "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "openk3: error: --seq-len, --batch-size are not used by --needle (its rows have the --needle lengths, "
+        "a fixed count each): leave them out"
+    )
+
+
+def test_long_context_refuses_a_short_schedule_before_any_data_work(tmp_path, capsys):
+    args = ["train", "--data", str(tmp_path / "absent"), "--out", str(tmp_path / "run"), "--long-context"]
+    assert main([*args, "--context-schedule", "0:4"]) == 2
+    err = capsys.readouterr().err
+    assert "--context-schedule" in err and "0:4" in err and "need every length >= 8" in err
 
 
 @pytest.mark.slow  # ~70 s: trains a tokenizer and k3-tiny for 2 steps
