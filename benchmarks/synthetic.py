@@ -199,7 +199,10 @@ def select(cells: list[CellConfig], shard: tuple[int, int] | None, patterns: lis
     if patterns:
         cells = [c for c in cells if any(fnmatch.fnmatchcase(cell_id(c), p) for p in patterns)]
     if not cells:
-        raise ValueError(f"no cell of the grid is selected by --shard {shard} --cells {patterns}")
+        given = ([f"--shard {shard[0]}/{shard[1]}"] if shard else []) + [
+            f"--cells '{p}'" for p in patterns or []
+        ]
+        raise ValueError(f"no cell of the grid is selected by {' '.join(given)}")
     return cells
 
 
