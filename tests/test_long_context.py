@@ -21,6 +21,7 @@ from openk3.synthetic.long_context import (
     PASSAGE_TOKENS,
     LongContextBatches,
     needle_eval,
+    needle_rows,
     recall_row,
 )
 
@@ -153,3 +154,31 @@ def test_cli_long_context_train_then_needle_eval(tmp_path, capsys):
     assert main(["eval", "--ckpt", str(out), "--needle", "64,128"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 * len(DEPTHS) and lines[0].startswith("needle at     64 tokens, depth 0.00")
+
+
+def test_needle_eval_of_a_real_model_matches_its_full_logits():
+    """k3-tiny at random init: the logits the eval computes (scored positions only, 4 rows at a time) equal the
+    model's whole logits at those positions (all rows at once), and the accuracies are their argmax's."""
+    import openk3
+
+    model = openk3.build_model(openk3.get_preset("k3-tiny"), seed=0).eval()
+    head = model.language_model.lm_head
+    seen = []
+    head.register_forward_hook(lambda module, args, out: seen.append(out))
+    split = _Split(3000)
+    split.tokens_N = (split.tokens_N * 7919) % (head.out_features - 1) + 1  # in range, no EOS
+    length = 96
+    rows = needle_eval(model, split, [length], samples=6, micro_batch=4)
+    eval_logits = [torch.cat(seen[2 * i : 2 * i + 2]) for i in range(len(DEPTHS))]
+    assert len(seen) == 2 * len(DEPTHS)
+    for row, logits_BMV in zip(rows, eval_logits):
+        rng = np.random.default_rng([0, length, round(row["depth"] * 100)])
+        rows_BT, m = needle_rows(split.tokens_N, EOS, length, row["depth"], 6, rng)
+        tokens_BT, scored = torch.from_numpy(rows_BT), slice(length - m + NEEDLE_CUE - 1, length - 1)
+        seen.clear()
+        with torch.no_grad():
+            full_BTV = model(tokens_BT[:, :-1]).logits
+        torch.testing.assert_close(logits_BMV, full_BTV[:, scored], rtol=1e-4, atol=1e-4)
+        hit_BM = full_BTV[:, scored].argmax(-1) == tokens_BT[:, scored.start + 1 :]
+        assert row["token_accuracy"] == float(hit_BM.float().mean())
+        assert row["accuracy"] == float(hit_BM.all(-1).float().mean())
