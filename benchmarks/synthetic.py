@@ -2,10 +2,11 @@
 
 Writes ``benchmarks/results/synthetic_<device><tag>.md`` (tables; ``tag`` is the grid's, e.g. ``_recall``),
 ``.json`` (every cell's curve) and ``.png`` (exact-match accuracy against training steps, one line per seed;
-one panel per task and length). Cells run in parallel worker processes (``--workers``; a worker keeps its compiled kernels from cell to cell). The JSON is
-rewritten (whole: temporary file and rename) after every cell; Ctrl-C keeps and draws the finished cells and
-ends with one line (exit 130); ``--budget-s`` ends the grid on time: a running cell stops at its next
-evaluation and keeps its curve (marked as cut), a cell not started is skipped.
+one panel per task and length). Cells run in parallel worker processes (``--workers``; a worker keeps its
+compiled kernels from cell to cell). The JSON is rewritten (whole: temporary file and rename) after every
+cell; Ctrl-C keeps and draws the finished cells and ends with one line (exit 130); ``--budget-s`` ends the
+grid on time: a running cell stops at its next evaluation and keeps its curve (marked as cut), a cell not
+started is skipped.
 
     python benchmarks/synthetic.py --grid cpu                                           # CI-sized, CPU
     python benchmarks/synthetic.py --grid gpu --device cuda --shard 1/2 --budget-s 420  # one H200 call
