@@ -1,10 +1,12 @@
 """The synthetic grid: tasks × mixers × training lengths × seeds, with the hybrid scored beyond its length.
 
-Writes ``benchmarks/results/synthetic_<device>.md`` (tables), ``.json`` (every cell's curve) and ``.png``
-(exact-match accuracy against training steps, one line per seed; one panel per task and length). Cells run in
-parallel worker processes (``--workers``; a worker keeps its compiled kernels from cell to cell). The JSON is
-rewritten after every cell; ``--budget-s`` ends the grid on time: a running cell stops at its next
-evaluation and keeps its curve (marked as cut), a cell not started is skipped.
+Writes ``benchmarks/results/synthetic_<device><tag>.md`` (tables; ``tag`` is the grid's, e.g. ``_recall``),
+``.json`` (every cell's curve) and ``.png`` (exact-match accuracy against training steps, one line per seed;
+one panel per task and length). Cells run in parallel worker processes (``--workers``; a worker keeps its
+compiled kernels from cell to cell). The JSON is rewritten (whole: temporary file and rename) after every
+cell; Ctrl-C keeps and draws the finished cells and ends with one line (exit 130); ``--budget-s`` ends the
+grid on time: a running cell stops at its next evaluation and keeps its curve (marked as cut), a cell not
+started is skipped.
 
     python benchmarks/synthetic.py --grid cpu                                           # CI-sized, CPU
     python benchmarks/synthetic.py --grid gpu --device cuda --shard 1/2 --budget-s 420  # one H200 call
@@ -24,8 +26,10 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import multiprocessing
 import re
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +40,7 @@ import torch
 
 from openk3.synthetic.cell import FULL_ACCURACY, CellConfig, run_cell
 from openk3.synthetic.mixers import MIXERS, MixerSize
+from openk3.synthetic.results import write_json
 from openk3.synthetic.tasks import TASKS
 
 CONTROLS = ["kda", "gdn", "decay", "mla"]
@@ -169,6 +174,13 @@ def grid_cells(name: str, device: str, steps: int | None = None) -> list[CellCon
     return cells
 
 
+def result_path(out: Path, grid: str, device: str, shard: tuple[int, int] | None = None) -> Path:
+    """``out/synthetic_<device><tag>[.shard-i-of-n].json``: the grid's tag keeps grids from overwriting one
+    another's files, for a run and for the merge of its shards alike."""
+    suffix = f".shard-{shard[0]}-of-{shard[1]}" if shard else ""
+    return out / f"synthetic_{device}{GRIDS[grid].tag}{suffix}.json"
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """``"i/n"`` → ``(i, n)`` with ``1 ≤ i ≤ n``; raises ``argparse.ArgumentTypeError`` otherwise."""
     try:
@@ -189,8 +201,17 @@ def select(cells: list[CellConfig], shard: tuple[int, int] | None, patterns: lis
     if patterns:
         cells = [c for c in cells if any(fnmatch.fnmatchcase(cell_id(c), p) for p in patterns)]
     if not cells:
-        raise ValueError(f"no cell of the grid is selected by --shard {shard} --cells {patterns}")
+        given = ([f"--shard {shard[0]}/{shard[1]}"] if shard else []) + [
+            f"--cells '{p}'" for p in patterns or []
+        ]
+        raise ValueError(f"no cell of the grid is selected by {' '.join(given)}")
     return cells
+
+
+def _ignore_ctrl_c() -> None:
+    """A worker's initializer: Ctrl-C reaches the whole process group; the parent alone handles it (it stops
+    the workers), so the workers print no tracebacks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run(job: tuple[CellConfig, float | None]) -> dict | None:
@@ -220,13 +241,20 @@ def run_grid(
 ) -> Path:
     """Run the selected cells of grid ``name`` (:func:`select`). With ``budget_s``, cells still training
     that many seconds after the start stop at their next evaluation (``stopped: "deadline"``) and cells not
-    started are skipped. Returns the JSON's path: ``synthetic_<device>[.shard-i-of-n].json``."""
+    started are skipped. At most ``workers`` processes, never more than the selected cells. Returns the JSON's
+    path (:func:`result_path`).
+
+    Raises ``ValueError`` for ``cuda`` without CUDA or a selection of no cell (before ``out`` is created).
+    On Ctrl-C (``KeyboardInterrupt``) the workers are stopped, the finished cells stay saved and rendered,
+    and :class:`Interrupted` names the file."""
     start_wall, start = time.time(), time.perf_counter()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch.cuda.is_available() is False (no GPU or a CPU build of torch)")
     cells = select(grid_cells(name, device, steps), shard, patterns)
+    workers = min(workers, len(cells))
     out.mkdir(parents=True, exist_ok=True)
     label = device_label(device)
-    suffix = f".shard-{shard[0]}-of-{shard[1]}" if shard else ""
-    path = out / f"synthetic_{label}{GRIDS[name].tag}{suffix}.json"
+    path = result_path(out, name, label, shard)
     command = f"python benchmarks/synthetic.py --grid {name} --device {device} --workers {workers}"
     command += f" --budget-s {budget_s:g}" if budget_s else ""
     command += f" --steps {steps}" if steps else ""
@@ -243,43 +271,56 @@ def run_grid(
         print(f"kernels compiled in {time.perf_counter() - start:.0f} s", flush=True)
     deadline = start_wall + budget_s if budget_s else None
     results: list[dict] = []
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pending = pool.imap_unordered(_run, [(c, deadline) for c in cells])
-        for done in range(1, len(cells) + 1):
-            # a cut cell ends at its next evaluation: allow it a grace period past the deadline
-            left = None if deadline is None else max(deadline + 120 - time.time(), 0.0)
-            try:
-                r = pending.next(timeout=left)
-            except multiprocessing.TimeoutError:
+    try:
+        with multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_ctrl_c) as pool:
+            pending = pool.imap_unordered(_run, [(c, deadline) for c in cells])
+            for done in range(1, len(cells) + 1):
+                # a cut cell ends at its next evaluation: allow it a grace period past the deadline
+                left = None if deadline is None else max(deadline + 120 - time.time(), 0.0)
+                try:
+                    r = pending.next(timeout=left)
+                except multiprocessing.TimeoutError:
+                    print(
+                        f"{len(cells) - done + 1} cells still running 120 s past the budget: stopped",
+                        flush=True,
+                    )
+                    pool.terminate()
+                    break
+                if r is None:
+                    continue
+                results.append(r)
+                c = r["config"]
                 print(
-                    f"{len(cells) - done + 1} cells still running 120 s past the budget: stopped", flush=True
+                    f"[{done}/{len(cells)} {time.perf_counter() - start:4.0f} s] {cell_id(c):<24} "
+                    f"accuracy {r['final']['accuracy']:.3f} at step {r['final']['step']} ({r['stopped']}), "
+                    f"full at {r['steps_to_full']} ({r['seconds']:.0f} s)",
+                    flush=True,
                 )
-                pool.terminate()
-                break
-            if r is None:
-                continue
-            results.append(r)
-            c = r["config"]
-            print(
-                f"[{done}/{len(cells)} {time.perf_counter() - start:4.0f} s] {cell_id(c):<24} "
-                f"accuracy {r['final']['accuracy']:.3f} at step {r['final']['step']} ({r['stopped']}), "
-                f"full at {r['steps_to_full']} ({r['seconds']:.0f} s)",
-                flush=True,
-            )
-            header["wall_s"] = time.perf_counter() - start
-            path.write_text(json.dumps({**header, "cells": results}, indent=1, allow_nan=False) + "\n")
+                header["wall_s"] = time.perf_counter() - start
+                write_json(path, {**header, "cells": results})
+    except KeyboardInterrupt:
+        header["wall_s"] = time.perf_counter() - start
+        write_json(path, {**header, "cells": results})
+        render(path)
+        raise Interrupted(
+            f"interrupted: {len(results)} of {len(cells)} cells saved in {path}; redraw with --render {path}"
+        ) from None
     skipped = len(cells) - len(results)
     if skipped:
         print(f"budget of {budget_s:g} s spent: {skipped} of {len(cells)} cells not started", flush=True)
     header["wall_s"] = time.perf_counter() - start
-    path.write_text(json.dumps({**header, "cells": results}, indent=1, allow_nan=False) + "\n")
+    write_json(path, {**header, "cells": results})
     render(path)
     return path
 
 
-def _read_shard(path: Path) -> dict:
-    """One JSON that :func:`run_grid` wrote; raises ``ValueError`` naming ``path`` when it cannot be read, is
-    not JSON, is not a grid's JSON or is already a merge."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the grid; the message says where the finished cells are."""
+
+
+def read_grid(path: Path) -> dict:
+    """A JSON that :func:`run_grid` or :func:`merge` wrote; raises ``ValueError`` naming ``path`` when it
+    cannot be read, is not JSON or is not a grid's JSON."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -288,6 +329,12 @@ def _read_shard(path: Path) -> dict:
         raise ValueError(f"{path} is not a grid JSON (not JSON: {e})") from None
     if not isinstance(data, dict) or not {"grid", "device", "cells", "selected", "commands"} <= data.keys():
         raise ValueError(f"{path} is not a grid JSON written by benchmarks/synthetic.py")
+    return data
+
+
+def _read_shard(path: Path) -> dict:
+    """One JSON that :func:`run_grid` wrote (:func:`read_grid`); also raises ``ValueError`` for a merge."""
+    data = read_grid(path)
     if isinstance(data.get("wall_s"), list):
         raise ValueError(f"{path} is not a shard: it is already a merge (pass the shard JSONs it came from)")
     return data
@@ -316,7 +363,12 @@ def merge(paths: list[Path], out: Path, partial: bool = False) -> Path:
 
     Raises ``ValueError`` naming the file when one cannot be read, is already a merge, is of another grid,
     device, preset or ``--steps``, or is a shard of another split (``1/2`` with ``1/3``: they overlap); and,
-    unless ``partial``, when shards of the split are missing (with ``partial`` the table names them)."""
+    unless ``partial``, when shards of the split are missing (with ``partial`` the table names them); and
+    when ``out`` is one of ``paths``."""
+    if any(Path(p).resolve() == Path(out).resolve() for p in paths):
+        raise ValueError(
+            f"the merged file {out} is one of the inputs: merging would overwrite it; pass --out"
+        )
     datas = [_read_shard(p) for p in paths]
     first, shard0 = datas[0], _shard_of(datas[0])
     for p, d in zip(paths, datas):
@@ -352,7 +404,7 @@ def merge(paths: list[Path], out: Path, partial: bool = False) -> Path:
         "missing_shards": [f"{i}/{n}" for i in missing], "cells": list(cells.values()),
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merged, indent=1, allow_nan=False) + "\n")
+    write_json(out, merged)
     render(out)
     return out
 
@@ -378,8 +430,9 @@ def _cell_text(runs: list[dict]) -> str:
 
 
 def render(path: Path) -> None:
-    """Write the ``.md`` table and the ``.png`` plots next to the JSON ``path``."""
-    data = json.loads(path.read_text())
+    """Write the ``.md`` table and the ``.png`` plots next to the JSON ``path`` (no plot, and any old one
+    removed, when no cell finished). Raises ``ValueError`` naming ``path`` when it is not a grid's JSON."""
+    data = read_grid(path)
     cells = data["cells"]
     groups = _group(cells)
     mixers = [m for m in [*CONTROLS, "hybrid"] if any(k[2] == m for k in groups)]
@@ -391,7 +444,9 @@ def render(path: Path) -> None:
         f"# Synthetic tasks on {data['device']} (grid `{data['grid']}`)",
         "",
         "Commands (torch " + data["torch"] + "; wall " + " + ".join(f"{w:.0f}" for w in wall) + " s; "
-        f"{len(cells)} cells" + (f" of {len(selected)} selected" if selected else "") + "):",
+        f"{len(cells)} cell{'' if len(cells) == 1 else 's'}"
+        + (f" of {len(selected)} selected" if selected else "")
+        + "):",
         "",
         *[f"    {c}" for c in commands],
         "",
@@ -451,8 +506,13 @@ def render(path: Path) -> None:
             lines.append(
                 f"| {c['task']} | {last['seq_len']} | {c['seed']} | {last['final']['accuracy']:.2f} | {more} |"
             )
+    if not cells:
+        lines += ["", "No cell finished: nothing to plot."]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    _plot(groups, rows, mixers, path.with_suffix(".png"), data["device"])
+    if cells:
+        _plot(groups, rows, mixers, path.with_suffix(".png"), data["device"])
+    else:
+        path.with_suffix(".png").unlink(missing_ok=True)
 
 
 def _plot(groups, rows, mixers, png: Path, device: str) -> None:
@@ -507,7 +567,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard", type=parse_shard, help="run the i-th of n slices of the grid, i/n")
     parser.add_argument("--cells", action="append", help="keep cells whose task/mixer/length/seed matches")
     parser.add_argument("--render", help="only redraw the table and plots of this JSON")
-    parser.add_argument("--merge", nargs="+", help="join these shard JSONs into synthetic_<device>.json")
+    parser.add_argument(
+        "--merge", nargs="+", help="join these shard JSONs into --out/synthetic_<device><grid tag>.json"
+    )
     parser.add_argument(
         "--partial", action="store_true", help="with --merge: merge even when shards of the split are missing"
     )
@@ -516,29 +578,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    if args.budget_s is not None and args.budget_s <= 0:
-        parser.error(f"--budget-s must be > 0, got {args.budget_s:g}")
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        parser.error(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s:g}")
+    if args.merge and args.render:
+        parser.error("--merge and --render are separate runs: pass one")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the command line; bad input and Ctrl-C end with one line (exit 1 and 130), not a traceback."""
     args = parse_args(argv)
-    if args.render:
-        render(Path(args.render))
-        return
-    if args.merge:
-        try:
-            out = Path(args.out) / f"synthetic_{_read_shard(Path(args.merge[0]))['device']}.json"
+    try:
+        if args.render:
+            render(Path(args.render))
+            return
+        if args.merge:
+            shard = _read_shard(Path(args.merge[0]))
+            out = result_path(Path(args.out), shard["grid"], shard["device"])
             print(merge([Path(p) for p in args.merge], out, args.partial))
-        except ValueError as e:
-            sys.exit(f"synthetic.py --merge: {e}")
-        return
-    g = GRIDS[args.grid]
-    workers = args.workers or g.workers
-    budget = args.budget_s or g.budget_s
-    print(
-        run_grid(args.grid, args.device, workers, Path(args.out), budget, args.steps, args.shard, args.cells)
-    )
+            return
+        g = GRIDS[args.grid]
+        workers = args.workers or g.workers
+        budget = args.budget_s or g.budget_s
+        print(
+            run_grid(
+                args.grid, args.device, workers, Path(args.out), budget, args.steps, args.shard, args.cells
+            )
+        )
+    except ValueError as e:
+        sys.exit(f"synthetic.py: {e}")
+    except Interrupted as e:
+        print(f"synthetic.py: {e}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

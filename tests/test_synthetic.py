@@ -222,3 +222,67 @@ def test_cli_errors_name_the_flags_and_the_help_says_what_extrapolate_multiplies
         main(["synthetic", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "multiples of the last training length (the last --curriculum length, else --seq-len)" in help_text
+
+
+TINY_CELL = ["--eval-size", "4", "--hidden-size", "16", "--layers", "1", "--head-dim", "8"]
+
+
+def test_cli_stops_at_a_diverged_loss_and_writes_no_json(tmp_path, capsys):
+    from openk3.cli import main
+
+    out = tmp_path / "cell.json"
+    args = ["synthetic", "--task", "stack", "--mixer", "decay", "--seq-len", "40", "--steps", "20"]
+    assert main([*args, "--eval-every", "1", "--lr", "1e30", *TINY_CELL, "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("openk3: error: training diverged: the answer loss is nan")
+    assert captured.out.count("step ") < 20 and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["missing/cell.json", "."])
+def test_cli_checks_the_json_path_before_training(tmp_path, capsys, where):
+    from openk3.cli import main
+
+    args = ["synthetic", "--task", "stack", "--mixer", "decay", "--seq-len", "40", "--steps", "2", *TINY_CELL]
+    assert main([*args, "--json", str(tmp_path / where)]) == 2
+    captured = capsys.readouterr()
+    assert "step" not in captured.out and captured.err.startswith("openk3: error: --json ")
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+def test_results_are_written_whole_or_not_at_all(tmp_path):
+    from openk3.synthetic.results import write_json
+
+    path = tmp_path / "r.json"
+    write_json(path, {"accuracy": 0.5})
+    with pytest.raises(ValueError, match="JSON compliant"):
+        write_json(path, {"accuracy": float("nan")})
+    assert json.loads(path.read_text()) == {"accuracy": 0.5} and [p.name for p in tmp_path.iterdir()] == [
+        "r.json"
+    ]
+
+
+def test_cli_names_the_seed_and_items_flags(capsys):
+    from openk3.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["synthetic", "--task", "mqar", "--mixer", "kda", "--seed", "-1"])
+    assert "argument --seed: expected an int in [0, 2^63), got '-1'" in capsys.readouterr().err
+    assert main(["synthetic", "--task", "mqar", "--mixer", "kda", "--seq-len", "512", "--items", "65"]) == 2
+    err = capsys.readouterr().err
+    assert "--items 65 is invalid: mqar holds at most 64 key-value pairs per sequence" in err
+    with pytest.raises(SystemExit):
+        main(["synthetic", "--help"])
+    assert "at least 2); MQAR holds at most 64" in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_curriculum_summary_comes_first_and_extrapolation_names_the_scored_items(capsys):
+    from openk3.cli import main
+
+    args = ["synthetic", "--task", "stack", "--mixer", "decay", "--seq-len", "24", "--items", "2"]
+    args += ["--curriculum", "40", "--curriculum-items", "4", "--steps", "1", "--eval-every", "1"]
+    assert main([*args, "--extrapolate", "2", *TINY_CELL]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("L ")]
+    assert lines[0].startswith("stack / decay / 24 tokens / 2 items / seed 0: accuracy")
+    assert lines[1].startswith("  then at 40 tokens (4 items): accuracy")
+    assert lines[2].startswith("  at 80 tokens (4 items): accuracy") and len(lines) == 3

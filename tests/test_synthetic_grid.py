@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import time
 from pathlib import Path
 
@@ -260,3 +261,123 @@ def test_merge_refuses_other_steps_overlapping_and_missing_shards(synthetic, tmp
     merged = synthetic.merge([tmp_path / "kda.json"], tmp_path / "synthetic_cpu.json", partial=True)
     assert json.loads(merged.read_text())["missing_shards"] == ["2/2"]
     assert "missing shards, their cells are not counted): 2/2." in merged.with_suffix(".md").read_text()
+
+
+def test_merge_keeps_the_grid_tag_and_never_overwrites_an_input(synthetic, tmp_path):
+    recall = synthetic.asdict(synthetic.GRIDS["recall"])
+    a, b = (
+        _fake_shard(synthetic, tmp_path / f"{i}.json", (i, 2), grid="recall", preset=recall) for i in (1, 2)
+    )
+    synthetic.main(["--merge", str(a), str(b), "--out", str(tmp_path / "out")])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "synthetic_cpu_recall.json",
+        "synthetic_cpu_recall.md",
+    ]
+    whole = _fake_shard(synthetic, tmp_path / "synthetic_cpu.json")  # a run of the whole grid, no shard
+    before = whole.read_text()
+    with pytest.raises(SystemExit) as stop:
+        synthetic.main(["--merge", str(whole), "--out", str(tmp_path)])
+    assert "is one of the inputs" in str(stop.value.code) and whole.read_text() == before
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_a_budget_must_be_a_finite_number_of_seconds(synthetic, capsys, value):
+    with pytest.raises(SystemExit) as stop:
+        synthetic.parse_args(["--budget-s", value])
+    assert (
+        stop.value.code == 2
+        and "--budget-s must be a finite number of seconds > 0" in capsys.readouterr().err
+    )
+
+
+class _InProcessPool:
+    """``multiprocessing``'s spawn context stand-in: the cells run here, in order, each after 10 ms (a worker's
+    start); ``interrupt_after`` results, then Ctrl-C. Records the worker counts asked for."""
+
+    TimeoutError = multiprocessing.TimeoutError
+
+    def __init__(self, interrupt_after=None):
+        self.sizes, self.interrupt_after = [], interrupt_after
+
+    def get_context(self, method):
+        return self
+
+    def Pool(self, workers, initializer=None):  # noqa: N802 (the name multiprocessing uses)
+        self.sizes.append(workers)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def imap_unordered(self, fn, jobs):
+        results = map(lambda job: time.sleep(0.01) or fn(job), jobs)  # a worker takes time to start
+        outer = self
+
+        class Pending:
+            given = 0
+
+            def next(self, timeout=None):
+                if self.given == outer.interrupt_after:
+                    raise KeyboardInterrupt
+                self.given += 1
+                return next(results)
+
+        return Pending()
+
+
+@pytest.fixture
+def tiny_cpu_grid(synthetic, monkeypatch):
+    monkeypatch.setitem(
+        synthetic.GRIDS,
+        "cpu",
+        synthetic.Grid(**{**synthetic.GRIDS["cpu"].__dict__, "size": TINY.__dict__, "eval_size": 4}),
+    )
+
+
+def test_a_grid_where_no_cell_ran_writes_its_table_without_a_plot(synthetic, tmp_path, monkeypatch):
+    pool = _InProcessPool()
+    monkeypatch.setattr(synthetic, "multiprocessing", pool)
+    synthetic.main(["--budget-s", "0.001", "--cells", "stack/kda/*", "--out", str(tmp_path)])
+    assert pool.sizes == [1]  # one selected cell: one worker, not the preset's 2
+    table = (tmp_path / "synthetic_cpu.md").read_text()
+    assert "0 cells of 1 selected" in table and "No cell finished" in table
+    assert not (tmp_path / "synthetic_cpu.png").exists()
+
+
+def test_ctrl_c_saves_and_renders_the_finished_cells(synthetic, tmp_path, monkeypatch, capsys, tiny_cpu_grid):
+    monkeypatch.setattr(synthetic, "multiprocessing", _InProcessPool(interrupt_after=1))
+    args = ["--steps", "1", "--cells", "stack/kda/*", "--cells", "stack/mla/*", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as stop:
+        synthetic.main(args)
+    path = tmp_path / "synthetic_cpu.json"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 130 and len(err) == 1
+    assert err[0] == f"synthetic.py: interrupted: 1 of 2 cells saved in {path}; redraw with --render {path}"
+    assert [synthetic.cell_id(r["config"]) for r in json.loads(path.read_text())["cells"]] == [
+        "stack/kda/32/0"
+    ]
+    assert "1 cell of 2 selected" in path.with_suffix(".md").read_text() and path.with_suffix(".png").exists()
+
+
+def test_bad_selections_and_render_inputs_are_one_line_errors(synthetic, tmp_path):
+    def error(*args) -> str:
+        with pytest.raises(SystemExit) as stop:
+            synthetic.main([*args])
+        message = str(stop.value.code)
+        assert "\n" not in message and "Traceback" not in message
+        return message
+
+    assert "no cell of the grid is selected" in error("--cells", "copy/*", "--out", str(tmp_path / "new"))
+    (tmp_path / "garbage.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    assert "absent.json: cannot read it" in error("--render", str(tmp_path / "absent.json"))
+    assert "garbage.json is not a grid JSON (not JSON" in error("--render", str(tmp_path / "garbage.json"))
+    assert "other.json is not a grid JSON" in error("--render", str(tmp_path / "other.json"))
+    if not synthetic.torch.cuda.is_available():
+        assert "--device cuda: torch.cuda.is_available() is False" in error(
+            "--device", "cuda", "--out", str(tmp_path / "new")
+        )
+    assert not (tmp_path / "new").exists()

@@ -521,6 +521,16 @@ def _image_text_split(folder: Path, data: str | None) -> Path | None:
     return path if is_image_text_jsonl(str(path)) else None
 
 
+def _refuse_flags(args: argparse.Namespace, flags: list[str], why: str) -> None:
+    """Raise ``ValueError`` naming those of ``flags`` given on the command line: they are ``why``."""
+    given = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_"))]
+    if given:
+        one = len(given) == 1
+        raise ValueError(
+            f"{', '.join(given)} {'is' if one else 'are'} {why}: leave {'it' if one else 'them'} out"
+        )
+
+
 def _evaluate_image_text(args: argparse.Namespace, folder: Path, pairs: Path) -> int:
     from openk3.train.image_text import evaluate_image_text
 
@@ -529,14 +539,8 @@ def _evaluate_image_text(args: argparse.Namespace, folder: Path, pairs: Path) ->
             f"{pairs} is image-text pairs, which need a model with a vision tower; {folder} has none (its "
             "config.json has no vision_config): pass --data a token split or text for it"
         )
-    given = [flag for flag, v in (("--needle", args.needle), ("--draft", args.draft), ("--seq-len", args.seq_len),
-             ("--max-batches", args.max_batches)) if v]  # fmt: skip
-    if given:
-        one = len(given) == 1
-        raise ValueError(
-            f"{', '.join(given)} {'is' if one else 'are'} for token data only; {pairs} is image-text pairs, "
-            f"evaluated whole: leave {'it' if one else 'them'} out"
-        )
+    _refuse_flags(args, ["--needle", "--draft", "--seq-len", "--max-batches"],
+                  f"for token data only; {pairs} is image-text pairs, evaluated whole")  # fmt: skip
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     r = evaluate_image_text(model, tokenizer, pairs, args.batch_size or DEFAULT_EVAL_BATCH_SIZE)
     print(
@@ -551,6 +555,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from openk3.data import TokenDataset
     from openk3.train.state import latest_checkpoint
 
+    if args.needle:
+        _refuse_flags(args, ["--seq-len", "--max-batches", "--batch-size", "--draft"],
+                      "not used by --needle (its rows have the --needle lengths, a fixed count each)")  # fmt: skip
     folder = latest_checkpoint(args.ckpt)
     pairs = _image_text_split(folder, args.data)
     if pairs is not None:  # a vision run's held-out pairs

@@ -31,7 +31,15 @@ import torch.nn.functional as F
 
 from openk3.model.modeling import build_model
 from openk3.synthetic.mixers import MIXERS, MixerSize, mixer_config
-from openk3.synthetic.tasks import NUM_NOISE, VOCAB_SIZE, check_task, default_items, make_batch, min_length
+from openk3.synthetic.tasks import (
+    NUM_KEYS,
+    NUM_NOISE,
+    VOCAB_SIZE,
+    check_task,
+    default_items,
+    make_batch,
+    min_length,
+)
 
 FULL_ACCURACY = 0.99
 """Exact-match accuracy counted as solved (``steps_to_full``)."""
@@ -94,6 +102,13 @@ class CellConfig:
             raise ValueError(f"CellConfig.noise={self.noise!r} is invalid: expected an int in 1..{NUM_NOISE}")
         if self.items is None:
             self.items = default_items(self.task, self.seq_len)
+        for name, counts in (("items", [self.items]), ("curriculum_items", self.curriculum_items)):
+            if self.task == "mqar" and any(isinstance(n, int) and n > NUM_KEYS for n in counts):
+                value = self.items if name == "items" else counts
+                raise ValueError(
+                    f"CellConfig.{name}={value!r} is invalid: mqar holds at most {NUM_KEYS} key-value pairs "
+                    "per sequence"
+                )
         if self.seq_len < min_length(self.task, self.items):
             raise ValueError(
                 f"CellConfig.seq_len={self.seq_len} is too short for {self.items} {self.task} items "
@@ -183,7 +198,10 @@ def run_cell(
     ``deadline``, and ``seconds``), the first stage's ``curve``, ``final``, ``steps_to_full`` and ``stopped``
     at the top level, ``extrapolation`` (``{length: scores}``) and ``seconds``. ``log`` receives each curve
     point (with its ``seq_len``) as it is measured. ``deadline`` (``time.time()`` seconds) ends training at
-    the first evaluation after it, keeping the curve so far; later stages are then not run."""
+    the first evaluation after it, keeping the curve so far; later stages are then not run.
+
+    Raises :class:`~openk3.train.trainer.DivergenceError` at the first non-finite training loss (before that
+    step updates the model), and ``ValueError`` for ``cuda`` without CUDA."""
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
@@ -274,11 +292,18 @@ def _train_stage(
         logits = _logits(model, tokens_NL, device)
         mask = answer_NL[:, 1:]
         loss = F.cross_entropy(logits[mask], tokens_NL[:, 1:][mask])
+        train_loss = loss.item()
+        if not math.isfinite(train_loss):
+            from openk3.train.trainer import DivergenceError
+
+            raise DivergenceError(
+                f"training diverged: the answer loss is {train_loss} at step {step + 1} at {length} tokens "
+                f"(lr {optimizer.param_groups[0]['lr']:.3g}); lower --lr"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        train_loss = loss.item()
     return {
         "seq_len": length, "items": items, "curve": curve, "final": curve[-1], "steps_to_full": steps_to_full,
         "stopped": stopped, "seconds": time.perf_counter() - start,

@@ -4,13 +4,13 @@
     openk3 synthetic --task palindrome --mixer hybrid --seq-len 256 --extrapolate 4,8 --device cuda
 
 It prints the accuracy curve as it is measured and a summary line; ``--json PATH`` writes the whole result
-(:func:`openk3.synthetic.cell.run_cell`).
+(:func:`openk3.synthetic.cell.run_cell`), checked before training and written whole. Training that diverges
+(a non-finite loss) stops at once with one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
 _FLAGS = {"num_layers": "--layers", "num_heads": "--heads"}
@@ -54,6 +54,7 @@ def _positive(cast):
 
 def add_parser(sub) -> None:
     """Register the ``synthetic`` subcommand on the top-level subparsers ``sub``."""
+    from openk3.cli import _seed
     from openk3.synthetic.mixers import MIXERS
     from openk3.synthetic.tasks import TASKS
 
@@ -61,7 +62,11 @@ def add_parser(sub) -> None:
     p.add_argument("--task", choices=TASKS, required=True, help="the synthetic task")
     p.add_argument("--mixer", choices=MIXERS, required=True, help="the sequence mixer of every layer")
     p.add_argument("--seq-len", dest="seq_len", type=_positive(int), default=256, help="tokens per sequence")
-    p.add_argument("--items", type=_positive(int), help="items per sequence (default seq-len // 32)")
+    p.add_argument(
+        "--items",
+        type=_positive(int),
+        help="items per sequence (default seq-len // 32, at least 2); MQAR holds at most 64",
+    )
     p.add_argument(
         "--noise",
         type=_positive(int),
@@ -122,15 +127,16 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=_positive(int), default=4, help="decoder layers")
     p.add_argument("--heads", type=_positive(int), default=2, help="heads per mixer")
     p.add_argument("--head-dim", dest="head_dim", type=_positive(int), default=64, help="head size")
-    p.add_argument("--seed", type=int, default=0, help="seed of data and init")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of data and init, in [0, 2^63)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the cell trains")
-    p.add_argument("--json", help="write the full result to this file")
+    p.add_argument("--json", help="write the full result to this file (checked before training)")
     p.set_defaults(func=cmd_synthetic)
 
 
 def cmd_synthetic(args: argparse.Namespace) -> int:
     from openk3.synthetic.cell import CellConfig, run_cell
     from openk3.synthetic.mixers import MixerSize
+    from openk3.synthetic.results import check_output, write_json
 
     try:
         size = MixerSize(args.hidden_size, args.layers, args.heads, args.head_dim)
@@ -143,6 +149,8 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except ValueError as e:
         raise _flag_error(e) from None
+    if args.json:
+        check_output(args.json, "--json")
 
     def log(point: dict) -> None:
         print(
@@ -152,12 +160,6 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
         )
 
     result = run_cell(config, log)
-    for stage in result["stages"][1:]:
-        full = stage["steps_to_full"]
-        print(
-            f"  then at {stage['seq_len']} tokens ({stage['items']} items): accuracy {stage['final']['accuracy']:.3f}, "
-            f"{'full accuracy at stage step ' + str(full) if full is not None else 'full accuracy not reached'}"
-        )
     full = result["steps_to_full"]
     print(
         f"{args.task} / {args.mixer} / {args.seq_len} tokens / {config.items} items / seed {args.seed}: "
@@ -165,10 +167,15 @@ def cmd_synthetic(args: argparse.Namespace) -> int:
         f"{'full accuracy at step ' + str(full) if full is not None else 'full accuracy not reached'}, "
         f"{result['params']:,} parameters, {result['seconds']:.1f} s"
     )
+    for stage in result["stages"][1:]:
+        full = stage["steps_to_full"]
+        print(
+            f"  then at {stage['seq_len']} tokens ({stage['items']} items): accuracy {stage['final']['accuracy']:.3f}, "
+            f"{'full accuracy at stage step ' + str(full) if full is not None else 'full accuracy not reached'}"
+        )
+    scored_items = result["stages"][-1]["items"]  # the extrapolation keeps the last stage's item count
     for length, scores in result["extrapolation"].items():
-        print(f"  at {length} tokens ({config.items} items): accuracy {scores['accuracy']:.3f}")
+        print(f"  at {length} tokens ({scored_items} items): accuracy {scores['accuracy']:.3f}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, allow_nan=False)
-            f.write("\n")
+        write_json(args.json, result)
     return 0

@@ -15,7 +15,7 @@ Eval (``openk3 eval --ckpt RUN --needle 256,512,1024``): for each context length
 and the needle again. The model sees the first ``cue`` tokens of that copy; the score is the teacher-forced
 argmax on the rest: ``accuracy`` (every token right) and ``token_accuracy``.
 
-Legend: ``B`` rows, ``T`` tokens per row.
+Legend: ``B`` rows, ``T`` tokens per row, ``D`` hidden size, ``M`` scored tokens per row.
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ import torch
 from openk3.data.shards import RandomBatches
 
 PASSAGE_TOKENS = 32
+MIN_ROW_TOKENS = 8
+"""Shortest training length of a recall row (a passage, documents, the copy)."""
 DOCUMENTS = 4
 """Documents between the passage and its copy (fewer when the room is short)."""
 NEEDLE_CUE = 8
 """Tokens of the needle's copy given before the scored ones."""
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+NEEDLE_MICRO_BATCH = 4
+"""Needle rows run through the model at once (bounds the activations at long lengths)."""
 
 
 def _window(tokens_N: np.ndarray, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -59,9 +63,9 @@ class LongContextBatches(RandomBatches):
     run resumes exactly: batch ``s`` depends only on ``(seed, s)``."""
 
     def __init__(self, dataset, batch_size: int, seq_len: int, seed: int = 0):
-        if seq_len < 8:
+        if seq_len < MIN_ROW_TOKENS:
             raise ValueError(
-                f"long-context rows need seq_len >= 8 (a passage, documents, the copy); got {seq_len}"
+                f"long-context rows need seq_len >= {MIN_ROW_TOKENS} (a passage, documents, the copy); got {seq_len}"
             )
         super().__init__(dataset, batch_size, seq_len, seed)
 
@@ -95,20 +99,43 @@ def needle_rows(
 
 @torch.no_grad()
 def needle_eval(
-    model, dataset, lengths: list[int], samples: int = 16, seed: int = 0, device: str = "cpu"
+    model,
+    dataset,
+    lengths: list[int],
+    samples: int = 16,
+    seed: int = 0,
+    device: str = "cpu",
+    micro_batch: int = NEEDLE_MICRO_BATCH,
 ) -> list[dict]:
     """Score ``model`` on needle rows of each length × :data:`DEPTHS` (``samples`` rows each, from the val
-    split ``dataset``). Returns one dict per cell: ``length``, ``depth``, ``accuracy``, ``token_accuracy``."""
+    split ``dataset``). Returns one dict per cell: ``length``, ``depth``, ``accuracy``, ``token_accuracy``.
+
+    Memory: ``micro_batch`` rows run at a time and the vocabulary projection is applied to the scored
+    positions only (``m − NEEDLE_CUE`` per row), so the logits take ``micro_batch × 24 × V`` floats at any
+    length. Raises ``ValueError`` when a length is longer than the val split (checked for every length
+    before any is scored)."""
+    have = len(dataset.tokens_N)
+    too_long = [n for n in lengths if n > have]
+    if too_long:
+        raise ValueError(
+            f"--needle {max(too_long)}: the val split {getattr(dataset, 'path', '')} holds {have:,} tokens, "
+            f"fewer than one needle row of {max(too_long):,}; pass --needle lengths up to {have:,}"
+        )
+    lm = getattr(model, "language_model", model)
     model.eval()
     results = []
     for length in lengths:
         for depth in DEPTHS:
             rng = np.random.default_rng([seed, length, round(depth * 100)])
             rows_BT, m = needle_rows(dataset.tokens_N, dataset.eos_id, length, depth, samples, rng)
-            tokens_BT = torch.from_numpy(rows_BT).to(device)
-            predicted_BT = model(tokens_BT[:, :-1]).logits.argmax(-1)
             scored = slice(length - m + NEEDLE_CUE - 1, length - 1)  # predictions of the needle's last tokens
-            hit_BM = predicted_BT[:, scored] == tokens_BT[:, scored.start + 1 :]
+            hits = []
+            for part_BT in torch.from_numpy(rows_BT).split(micro_batch):
+                tokens_BT = part_BT.to(device)
+                h_BTD = lm.model(tokens_BT[:, :-1])
+                predicted_BM = lm.lm_head(h_BTD[:, scored]).argmax(-1)
+                hits.append(predicted_BM == tokens_BT[:, scored.start + 1 :])
+            hit_BM = torch.cat(hits)
             results.append(
                 {
                     "length": length,

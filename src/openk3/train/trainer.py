@@ -63,7 +63,7 @@ from openk3.data.corpus import resolve_inputs, source_records
 from openk3.model import build_model
 from openk3.presets import get_preset
 from openk3.quant.qat import QAT_SCHEMES, enable_qat
-from openk3.synthetic.long_context import LongContextBatches
+from openk3.synthetic.long_context import MIN_ROW_TOKENS, LongContextBatches
 from openk3.train.balance import QuantileBalancer
 from openk3.train.checkpointing import wrap_decoder_layers
 from openk3.train.memory import MemoryPlan, device_memory_bytes, plan_memory
@@ -226,6 +226,13 @@ class TrainConfig:
         )
         if not isinstance(self.long_context, bool):
             raise ValueError(f"TrainConfig.long_context={self.long_context!r}: use true or false")
+        short = min(t for _, t in self.context_schedule)
+        if self.long_context and short < MIN_ROW_TOKENS:
+            raise ValueError(
+                f"TrainConfig.context_schedule (--context-schedule) "
+                f"{','.join(f'{s}:{t}' for s, t in self.context_schedule)}: --long-context rows need every "
+                f"length >= {MIN_ROW_TOKENS} (a passage, documents, the copy); {short} is shorter"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"TrainConfig.device={self.device!r}: use 'cpu' or 'cuda'")
         if self.balance not in ("quantile", "sign", "none"):
