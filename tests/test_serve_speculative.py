@@ -4,6 +4,7 @@ batching, prefix caching, stop tokens and per-request k; seeded sampling reprodu
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -288,3 +289,33 @@ def test_gpu_graphed_step_equals_the_eager_step_and_plain_decoding(pair, k):
     assert {1, 4} <= {b for b, _, _ in steps}
     spec = graphed.runner.speculative
     assert 0 < spec.num_accepted and spec.num_drafted == eager.runner.speculative.num_drafted
+
+
+# ---- the CUDA branch of the KDA ops, on the CPU ------------------------------------------------------------
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels in the interpreter (CPU only)"
+)
+@pytest.mark.parametrize("static", [True, False], ids=["static-step", "paged"])
+def test_interpreter_engine_on_the_cuda_kda_branch(pair, monkeypatch, static):
+    """fp32, every KDA op on the branch it takes on CUDA (the Triton kernels, here in the interpreter): the
+    engine with a draft (the static step run eagerly, or the paged path) and without one gives the model's
+    greedy tokens. The server's KDA layer hands the state-pool op q, k, v with the token axis fastest in
+    memory; the decode kernel's output once copied that layout and was written as if contiguous, so every
+    chunk of 2 … 16 tokens (4-token prompts, every verification) came out scrambled on CUDA only: on the
+    GPU this test's twin failed at the first token (``test_gpu_engine_greedy_on_cuda``)."""
+    from openk3.ops.kda.triton import dispatch
+
+    model64, draft64, prompts = pair
+    model, draft = copy.deepcopy(model64).float(), copy.deepcopy(draft64).float()
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda *tensors: dispatch.triton_available())
+    ps = prompts[:2]  # equal lengths: one paged batch of first chunks (the pool op), not the packed prefill
+    want = [greedy(model, torch.tensor([p]), 10)[0].tolist() for p in ps]
+    plain = LLMEngine(
+        model, EngineConfig(CacheConfig(block_size=4, num_blocks=200), SchedulerConfig(), static)
+    )
+    spec = engine(model, draft, 3, static=static)
+    for eng in (spec, plain):
+        reqs = [Request(f"t{i}", p, SamplingParams(max_tokens=10)) for i, p in enumerate(ps)]
+        got = eng.generate(reqs)
+        assert [got[r.request_id] for r in reqs] == want, "plain" if eng is plain else "speculative"
+    assert spec.runner.speculative.num_accepted > 0
