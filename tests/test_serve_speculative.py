@@ -319,3 +319,64 @@ def test_interpreter_engine_on_the_cuda_kda_branch(pair, monkeypatch, static):
         got = eng.generate(reqs)
         assert [got[r.request_id] for r in reqs] == want, "plain" if eng is plain else "speculative"
     assert spec.runner.speculative.num_accepted > 0
+
+
+# ---- CUDA-graph capture and replay, emulated on the CPU ------------------------------------------------------
+class _TracedGraph:
+    """A step traced once by ``make_fx`` (Python control flow and host values frozen, the step's buffers,
+    states and cache pool held by reference as the graph's constants), replayed by running the trace: what
+    a CUDA graph sees."""
+
+    def __init__(self, traced) -> None:
+        self.traced, self.replays = traced, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.traced()
+
+
+def _capture_by_tracing(self, states) -> None:
+    """:meth:`StaticDecode.capture` on the CPU: the same padding-only warm-up runs, then a trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    self.inputs.zero_()
+    for _ in range(2):
+        self.forward(states)
+    with torch.no_grad():
+        self.graph = _TracedGraph(make_fx(lambda: self.forward(states))())
+    self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
+
+
+@pytest.mark.slow  # ~40 s: a trace per step shape
+def test_steps_replayed_from_a_trace_give_greedy_tokens(pair, monkeypatch):
+    """fp64: the engine's static steps, each captured once per shape as a trace and then only replayed (the
+    inputs and draft caches copied into their buffers before each replay), give the model's greedy tokens,
+    with a draft (keeping the drafts its eager twin keeps) and without: nothing the step computes on the
+    host at capture (a length, a row count, a fresh tensor) goes stale across replays of other requests,
+    rows and lengths. (A draft-cache key mask built from host lengths passes the token check, the
+    verification corrects the draft, but keeps other drafts: checked.)"""
+    from openk3.serve.decode_graph import StaticDecode
+
+    model, draft, prompts = pair
+    monkeypatch.setattr(StaticDecode, "capture", _capture_by_tracing)
+    ps = [prompts[0], prompts[1] + prompts[2], prompts[3] * 3]  # a padding row in bucket 4
+    want = [reference(model, p, 10 + 2 * i) for i, p in enumerate(ps)]
+    plain = LLMEngine(model, EngineConfig(CacheConfig(block_size=4, num_blocks=200), SchedulerConfig(), True))
+    spec, eager = engine(model, draft, 3, static=True), engine(model, draft, 3, static=True)
+    for eng, graphs in (
+        (spec, spec.runner.speculative.graphs),
+        (plain, plain.runner.decode_graphs),
+        (eager, None),
+    ):
+        if graphs is not None:
+            graphs.capture = True  # the CPU refuses it at construction; the patched capture traces instead
+        reqs = [Request(f"t{i}", p, SamplingParams(max_tokens=10 + 2 * i)) for i, p in enumerate(ps)]
+        got = eng.generate(reqs)
+        assert [got[r.request_id] for r in reqs] == want, "plain" if eng is plain else "speculative"
+        if graphs is not None:
+            replays = [s.graph.replays for s in graphs.steps.values()]
+            assert all(n >= 1 for n in replays) and sum(replays) > len(replays)  # replayed, not re-captured
+    # the verification corrects any draft, so the draft side shows in what was kept: the same as eager
+    replayed, twin = spec.runner.speculative, eager.runner.speculative
+    assert (replayed.num_accepted, replayed.num_drafted) == (twin.num_accepted, twin.num_drafted)
+    assert 0 < twin.num_accepted < twin.num_drafted
