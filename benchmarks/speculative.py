@@ -279,7 +279,8 @@ def engine_throughput(model, draft, val, args, device) -> dict:
             print(f"engine {n} streams, k={k}: decode {plain['decode_tokens_per_s']:.1f} → "
                   f"{spec_row['decode_tokens_per_s']:.1f} tok/s "
                   f"({spec_row['speedup']:.2f}x), {spec_row['tokens_per_step']:.2f} tokens/step, identical "
-                  f"{spec_row['identical_streams']}/{n}", file=sys.stderr)  # fmt: skip
+                  f"{spec_row['identical_streams']}/{n}{differ(spec_row['identical_streams'], n)}",
+                  file=sys.stderr)  # fmt: skip
         out[n] = row
     return out
 
@@ -400,8 +401,9 @@ def single_sequence(model, drafts, val, args, device, clock: Clock, skipped: lis
         for loss, row in rows.items():
             row.update(plain_s=best_plain, speedup=best_plain / row["spec_s"])
             out[loss][k] = row
-            print(f"{loss} k={k}: {row['tokens_per_forward']:.2f} tokens/forward, speed-up {row['speedup']:.2f}x",
-                  file=sys.stderr)  # fmt: skip
+            same = row["identical_prompts"]
+            print(f"{loss} k={k}: {row['tokens_per_forward']:.2f} tokens/forward, speed-up {row['speedup']:.2f}x"
+                  f"{'' if same is None else differ(same, args.prompts)}", file=sys.stderr)  # fmt: skip
         last = time.perf_counter() - t0
     return out
 
@@ -499,6 +501,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def differ(identical: int, total: int) -> str:
+    """``""`` when all ``total`` greedy outputs equal plain decoding's, else a loud note for a speed-up cell."""
+    return "" if identical == total else f" **OUTPUTS DIFFER ({total - identical}/{total})**"
+
+
+def differing_rows_warning(bad: list[str], what: str) -> list[str]:
+    """Lines after a table with speed-ups whose greedy outputs are not plain decoding's (none if all are)."""
+    if not bad:
+        return []
+    return [
+        "",
+        f"**WARNING: the outputs differ from plain greedy decoding** in {what} {', '.join(bad)}: a lossless "
+        "speculative decoder gives the same tokens, so these rows' speed-ups are not of one (a bug, or "
+        "rounding that flips a greedy choice at this dtype) and must not be quoted.",
+    ]
+
+
 def render(result: dict, args) -> str:
     env = result["environment"]
     where = (
@@ -571,16 +590,20 @@ def render(result: dict, args) -> str:
             "| drafts accepted | tokens per step | ms per speculative step | plain ms per step | identical streams |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        bad = []
         for n, row in result["engine"].items():
             p = row["plain"]
             plain_ms = 1e3 * int(n) / p["decode_tokens_per_s"]
             for k, s in row["speculative"].items():
+                note = differ(s["identical_streams"], int(n))
+                bad += [f"{n} streams k = {k}"] if note else []
                 lines.append(
                     f"| {n} | {k} | {p['decode_tokens_per_s']:.1f} | {s['decode_tokens_per_s']:.1f} | "
-                    f"{s['speedup']:.2f}× | {p['tokens_per_s']:.1f} / {s['tokens_per_s']:.1f} | "
+                    f"{s['speedup']:.2f}×{note} | {p['tokens_per_s']:.1f} / {s['tokens_per_s']:.1f} | "
                     f"{s['acceptance_rate']:.2f} | {s['tokens_per_step']:.2f} | {s['ms_per_step']:.1f} | "
                     f"{plain_ms:.1f} | {s['identical_streams']}/{n} |"
                 )
+        lines += differing_rows_warning(bad, "rows")
     single = result["single_sequence"]
     if single["lk"]:
         lines += [
@@ -592,17 +615,22 @@ def render(result: dict, args) -> str:
             "| k | LK tokens/forward | LK speed-up | KL tokens/forward | KL speed-up | identical to plain (LK, KL) |",
             "|---|---|---|---|---|---|",
         ]
+        bad = []
         for k in single["lk"]:
             lk, kl = single["lk"][k], single["kl"][k]
+            sampled = lk["identical_prompts"] is None
             same = (
                 "n/a (sampled)"
-                if lk["identical_prompts"] is None
+                if sampled
                 else f"{lk['identical_prompts']}/{args.prompts}, {kl['identical_prompts']}/{args.prompts}"
             )
+            notes = ["" if sampled else differ(r["identical_prompts"], args.prompts) for r in (lk, kl)]
+            bad += [f"{loss.upper()} k = {k}" for loss, note in zip(("lk", "kl"), notes) if note]
             lines.append(
-                f"| {k} | {lk['tokens_per_forward']:.2f} | {lk['speedup']:.2f}× | {kl['tokens_per_forward']:.2f} | "
-                f"{kl['speedup']:.2f}× | {same} |"
+                f"| {k} | {lk['tokens_per_forward']:.2f} | {lk['speedup']:.2f}×{notes[0]} | "
+                f"{kl['tokens_per_forward']:.2f} | {kl['speedup']:.2f}×{notes[1]} | {same} |"
             )
+        lines += differing_rows_warning(bad, "rows")
     if result["skipped"]:
         lines += ["", "Skipped:", ""] + [f"- {s}" for s in result["skipped"]]
     return "\n".join(lines) + "\n"

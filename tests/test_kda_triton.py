@@ -630,6 +630,50 @@ def test_interpreter_decode_step_states():
     check_decode_step_states("cpu")
 
 
+def check_decode_strided_inputs(device: str) -> None:
+    """q, k, v laid out as the server's KDA layer hands them to the state-pool op (slices of the stacked conv
+    outputs ``[N, 3, H·K, T]``: the token axis fastest in memory): the decode kernel's outputs and states
+    equal those of the same call on contiguous copies, bitwise, for a verification (``step_states``) and a
+    plain call, and ``o`` comes back contiguous. (``o`` once copied v's strides, which for ``T > 1`` put the
+    kernel's flat rows out of place: every server chunk of 2 … 16 tokens on CUDA had scrambled outputs.) A
+    strided ``out`` is refused."""
+    from openk3.ops.kda.triton import fused_recurrent_kda_decode
+
+    N, T, H, K, S = 2, 4, 2, 16, 3
+    x = make_inputs(N, T, H, K, K, dtype=torch.float32, device=device, seed=41)
+    gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND)
+    stacked_N3PT = torch.stack([x[n].flatten(2) for n in ("q", "k", "v")], 2).permute(0, 2, 3, 1).contiguous()
+    q, k, v = (stacked_N3PT.permute(0, 3, 1, 2)[:, :, i].reshape(N, T, H, K) for i in range(3))
+    assert v.stride(1) == 1 and torch.empty_like(v).stride(1) == 1  # the layout that broke it
+    pool = torch.randn(S, H, K, K, generator=torch.Generator().manual_seed(42)).to(device)
+    slots = torch.tensor([2, 0], device=device)
+    for steps in (None, torch.empty(N, T, H, K, K, device=device)):
+        want_pool, got_pool = pool.clone(), pool.clone()
+        want_steps = None if steps is None else torch.empty_like(steps)
+        want = fused_recurrent_kda_decode(
+            q.contiguous(), k.contiguous(), v.contiguous(), x["g"], x["beta"], want_pool, slots,
+            step_states=want_steps, **gate,
+        )  # fmt: skip
+        got = fused_recurrent_kda_decode(
+            q, k, v, x["g"], x["beta"], got_pool, slots, step_states=steps, **gate
+        )
+        assert got.is_contiguous() and torch.equal(got, want) and torch.equal(got_pool, want_pool)
+        assert steps is None or torch.equal(steps, want_steps)
+    strided = torch.empty(N, H, T, K, device=device).transpose(1, 2)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        fused_recurrent_kda_decode(q, k, v, x["g"], x["beta"], pool.clone(), slots, out=strided, **gate)
+
+
+@gpu
+def test_gpu_decode_strided_inputs():
+    check_decode_strided_inputs("cuda")
+
+
+@interpreter
+def test_interpreter_decode_strided_inputs():
+    check_decode_strided_inputs("cpu")
+
+
 @gpu
 def test_gpu_fused_recurrent_dispatch():
     """``fused_recurrent_kda`` on CUDA (no grad) takes the decode kernel, out of place, varlen included."""

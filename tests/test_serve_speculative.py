@@ -4,6 +4,7 @@ batching, prefix caching, stop tokens and per-request k; seeded sampling reprodu
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -288,3 +289,94 @@ def test_gpu_graphed_step_equals_the_eager_step_and_plain_decoding(pair, k):
     assert {1, 4} <= {b for b, _, _ in steps}
     spec = graphed.runner.speculative
     assert 0 < spec.num_accepted and spec.num_drafted == eager.runner.speculative.num_drafted
+
+
+# ---- the CUDA branch of the KDA ops, on the CPU ------------------------------------------------------------
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels in the interpreter (CPU only)"
+)
+@pytest.mark.parametrize("static", [True, False], ids=["static-step", "paged"])
+def test_interpreter_engine_on_the_cuda_kda_branch(pair, monkeypatch, static):
+    """fp32, every KDA op on the branch it takes on CUDA (the Triton kernels, here in the interpreter): the
+    engine with a draft (the static step run eagerly, or the paged path) and without one gives the model's
+    greedy tokens. The server's KDA layer hands the state-pool op q, k, v with the token axis fastest in
+    memory; the decode kernel's output once copied that layout and was written as if contiguous, so every
+    chunk of 2 … 16 tokens (4-token prompts, every verification) came out scrambled on CUDA only: on the
+    GPU this test's twin failed at the first token (``test_gpu_engine_greedy_on_cuda``)."""
+    from openk3.ops.kda.triton import dispatch
+
+    model64, draft64, prompts = pair
+    model, draft = copy.deepcopy(model64).float(), copy.deepcopy(draft64).float()
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda *tensors: dispatch.triton_available())
+    ps = prompts[:2]  # equal lengths: one paged batch of first chunks (the pool op), not the packed prefill
+    want = [greedy(model, torch.tensor([p]), 10)[0].tolist() for p in ps]
+    plain = LLMEngine(
+        model, EngineConfig(CacheConfig(block_size=4, num_blocks=200), SchedulerConfig(), static)
+    )
+    spec = engine(model, draft, 3, static=static)
+    for eng in (spec, plain):
+        reqs = [Request(f"t{i}", p, SamplingParams(max_tokens=10)) for i, p in enumerate(ps)]
+        got = eng.generate(reqs)
+        assert [got[r.request_id] for r in reqs] == want, "plain" if eng is plain else "speculative"
+    assert spec.runner.speculative.num_accepted > 0
+
+
+# ---- CUDA-graph capture and replay, emulated on the CPU ------------------------------------------------------
+class _TracedGraph:
+    """A step traced once by ``make_fx`` (Python control flow and host values frozen, the step's buffers,
+    states and cache pool held by reference as the graph's constants), replayed by running the trace: what
+    a CUDA graph sees."""
+
+    def __init__(self, traced) -> None:
+        self.traced, self.replays = traced, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.traced()
+
+
+def _capture_by_tracing(self, states) -> None:
+    """:meth:`StaticDecode.capture` on the CPU: the same padding-only warm-up runs, then a trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    self.inputs.zero_()
+    for _ in range(2):
+        self.forward(states)
+    with torch.no_grad():
+        self.graph = _TracedGraph(make_fx(lambda: self.forward(states))())
+    self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
+
+
+@pytest.mark.slow  # ~40 s: a trace per step shape
+def test_steps_replayed_from_a_trace_give_greedy_tokens(pair, monkeypatch):
+    """fp64: the engine's static steps, each captured once per shape as a trace and then only replayed (the
+    inputs and draft caches copied into their buffers before each replay), give the model's greedy tokens,
+    with a draft (keeping the drafts its eager twin keeps) and without: nothing the step computes on the
+    host at capture (a length, a row count, a fresh tensor) goes stale across replays of other requests,
+    rows and lengths. (A draft-cache key mask built from host lengths passes the token check, the
+    verification corrects the draft, but keeps other drafts: checked.)"""
+    from openk3.serve.decode_graph import StaticDecode
+
+    model, draft, prompts = pair
+    monkeypatch.setattr(StaticDecode, "capture", _capture_by_tracing)
+    ps = [prompts[0], prompts[1] + prompts[2], prompts[3] * 3]  # a padding row in bucket 4
+    want = [reference(model, p, 10 + 2 * i) for i, p in enumerate(ps)]
+    plain = LLMEngine(model, EngineConfig(CacheConfig(block_size=4, num_blocks=200), SchedulerConfig(), True))
+    spec, eager = engine(model, draft, 3, static=True), engine(model, draft, 3, static=True)
+    for eng, graphs in (
+        (spec, spec.runner.speculative.graphs),
+        (plain, plain.runner.decode_graphs),
+        (eager, None),
+    ):
+        if graphs is not None:
+            graphs.capture = True  # the CPU refuses it at construction; the patched capture traces instead
+        reqs = [Request(f"t{i}", p, SamplingParams(max_tokens=10 + 2 * i)) for i, p in enumerate(ps)]
+        got = eng.generate(reqs)
+        assert [got[r.request_id] for r in reqs] == want, "plain" if eng is plain else "speculative"
+        if graphs is not None:
+            replays = [s.graph.replays for s in graphs.steps.values()]
+            assert all(n >= 1 for n in replays) and sum(replays) > len(replays)  # replayed, not re-captured
+    # the verification corrects any draft, so the draft side shows in what was kept: the same as eager
+    replayed, twin = spec.runner.speculative, eager.runner.speculative
+    assert (replayed.num_accepted, replayed.num_drafted) == (twin.num_accepted, twin.num_drafted)
+    assert 0 < twin.num_accepted < twin.num_drafted

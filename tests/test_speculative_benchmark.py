@@ -59,6 +59,41 @@ def test_gpu_command_of_the_docs_parses(bench):
     assert args.streams == [1, 64] and args.engine_ks == [1, 2, 3, 4, 5] and args.data == ".corpus"
 
 
+def test_speed_ups_of_outputs_unlike_plain_decoding_are_flagged(bench):
+    """A speculative row whose greedy outputs differ from plain decoding's (the graphed step's first H200 run:
+    0/1 and 0/64 identical streams, its speed-ups printed as if lossless) gets the note in its speed-up cell
+    and a warning line after its table naming it; rows with identical outputs get neither."""
+    args = bench.parse_args(["--target", "run", "--prompts", "2"])
+    spec = dict(decode_tokens_per_s=300.0, tokens_per_s=290.0, speedup=1.5, acceptance_rate=0.5)
+    spec.update(tokens_per_step=2.0, ms_per_step=5.0)
+    plain = dict(decode_tokens_per_s=200.0, tokens_per_s=199.0)
+    single = dict(tokens_per_forward=2.0, speedup=1.4)
+
+    def report(same_streams, same_prompts):
+        result = dict(
+            environment=dict(cpu="cpu", threads=1, torch="t", python="p"), command="c", dtype="torch.float32",
+            wall_seconds=1.0, target_val=dict(loss=1.0, tokens=1, unigram_entropy=2.0), target="run",
+            draft_data_seconds=1.0, draft_steps=1, draft_seconds_per_step=0.1, skipped=[],
+            drafts={loss: dict(alpha_by_depth=[0.5] * 5, expected_tokens_per_forward={3: 1.9},
+                               train_seconds=1.0) for loss in ("lk", "kl")},
+            engine={"4": dict(plain=plain, speculative={k: dict(spec, identical_streams=n)
+                                                        for k, n in zip((1, 3), same_streams)})},
+            single_sequence={loss: {3: dict(single, identical_prompts=n)}
+                             for loss, n in zip(("lk", "kl"), same_prompts)},
+        )  # fmt: skip
+        return bench.render(result, args).splitlines()
+
+    lines = report((4, 3), (2, 1))
+    rows = {line.split(" | ")[1]: line for line in lines if line.startswith("| 4 |")}
+    assert "OUTPUTS DIFFER" not in rows["1"] and "1.50× **OUTPUTS DIFFER (1/4)** |" in rows["3"]
+    warnings = [line for line in lines if line.startswith("**WARNING: the outputs differ")]
+    assert len(warnings) == 2 and "4 streams k = 3:" in warnings[0] and "k = 1" not in warnings[0]
+    assert "KL k = 3:" in warnings[1] and "LK" not in warnings[1]
+    single_row = next(line for line in lines if line.startswith("| 3 | 2.00 |"))
+    assert single_row == "| 3 | 2.00 | 1.40× | 2.00 | 1.40× **OUTPUTS DIFFER (1/2)** | 2/2, 1/2 |"
+    assert not any("DIFFER" in line or "WARNING" in line for line in report((4, 4), (2, 2)))
+
+
 @pytest.mark.slow  # trains a k3-tiny target and two drafts for a few steps: ~1–2 min on 2 busy cores
 def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"

@@ -169,7 +169,7 @@ def fused_recurrent_kda_decode(
         A_log: ``[H' ≥ H]`` (first H used); dt_bias: ``[H*K]`` or None; lower_bound: ``lb < 0`` or None.
         use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(Σx² + 1e-6)``, default True).
         use_beta_sigmoid_in_kernel: apply ``σ`` to ``beta`` in the kernel (default False).
-        out: optional ``[N, T, H, V]`` output buffer (v's dtype).
+        out: optional contiguous ``[N, T, H, V]`` output buffer (v's dtype).
         step_states: optional contiguous fp32 ``[N, T, H, K, V]`` that receives the state after each token
             (not for skipped sequences).
 
@@ -201,7 +201,12 @@ def fused_recurrent_kda_decode(
     ):  # fmt: skip
         raise ValueError(f"step_states must be contiguous fp32 [{N}, {T}, {H}, {K}, {V}]; got "
                          f"{step_states.dtype} {list(step_states.shape)}")  # fmt: skip
-    o = torch.empty_like(v) if out is None else out
+    if out is not None and (out.shape != v.shape or out.dtype != v.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be contiguous {v.dtype} {list(v.shape)}; got {out.dtype} {list(out.shape)}"
+                         f"{'' if out.is_contiguous() else ', strided'}")  # fmt: skip
+    # contiguous whatever v's strides: the kernel writes o as flat [tokens, H, V] (empty_like would copy a
+    # strided v's layout, e.g. the server's T-fastest conv outputs, and the rows would land out of place)
+    o = v.new_empty(v.shape) if out is None else out
     launch_decode(
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state_pool,
         slot_idx, None, o, num_seqs=N, tokens_per_seq=T, scale=K**-0.5 if scale is None else scale,
@@ -238,8 +243,8 @@ def fused_recurrent_kda_triton(
         if initial_state is not None
         else q.new_zeros(num_seqs, H, K, V, dtype=torch.float32)
     )
-    o = torch.empty_like(v)
     flat = [t.contiguous() for t in (q, k, v, g, beta)]
+    o = flat[2].new_empty(flat[2].shape)  # contiguous, as the kernel writes it
     launch_decode(
         *flat, state, None, cu_seqlens, o, num_seqs=num_seqs, tokens_per_seq=T, scale=scale,
         A_log=None if A_log is None else A_log[:H], dt_bias=dt_bias, lower_bound=lower_bound,
