@@ -11,14 +11,18 @@ Per MoE layer, on each rank of an EP group of ``R`` ranks (rank ``r`` holds expe
    width for K3's LatentMoE);
 4. **expert-major permute** of the received rows (source-major on arrival), grouped experts, the inverse
    permute, the reverse all-to-all;
-5. **combine**: each entry's output times its routing weight in fp32, summed per token (``index_add``), cast
-   back to ``z``'s dtype.
+5. **combine**: the entries back in ``(token, k)`` order, each output times its routing weight in fp32, the
+   ``k`` products of a token summed in one reduction, cast back to ``z``'s dtype.
+
+Both permutes go through the dense path's own gather (:class:`~openk3.model.moe.SortedRows`: gathers
+forward and backward, each token's ``k`` gradient rows summed in one reduction), so the arithmetic, and its
+order, is the dense block's.
 
 No token is dropped and nothing is padded; the receive buffer's size follows the routing (``Σ`` of what
 the rank's experts were chosen for), which is what the MoonEP-contract dispatcher fixes to ``S·K``.
 In fp32 the result is bitwise the dense :class:`~openk3.model.moe.RoutedExperts` on the concatenated batch:
-each expert sees its rows in the same order (source rank, then token), and each token adds its entries
-in the same (expert) order.
+each expert sees its rows in the same order (source rank, then token), and each token sums its ``k``
+products (and gradient rows) in the same ``(token, k)`` order as :func:`~openk3.model.moe.combine_sorted`.
 
 Legend: ``N`` local tokens, ``k`` experts per token, ``M = N·k`` entries, ``L`` width, ``R`` EP ranks,
 ``P`` experts per rank, ``Q`` rows received.
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from openk3.model.moe import grouped_expert_ffn
+from openk3.model.moe import SortedRows, grouped_expert_ffn
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Dispatched:
         offs_P: int32 ``[P]`` cumulative rows per local expert.
         expert_Q: local expert of each received row (int64 ``[Q]``).
         order_M: the permutation that sorted the local entries by expert.
+        rank_M: its inverse (the sorted position of each ``(token, k)`` entry).
         token_M: token of each sorted local entry.
         perm_Q: received position of each expert-major row.
         send_splits, recv_splits: rows sent to / received from each rank (host ints).
@@ -54,6 +59,7 @@ class Dispatched:
     offs_P: torch.Tensor
     expert_Q: torch.Tensor
     order_M: torch.Tensor
+    rank_M: torch.Tensor
     token_M: torch.Tensor
     perm_Q: torch.Tensor
     send_splits: list[int]
@@ -70,13 +76,16 @@ def dispatch(
     k = indices_Nk.shape[1]
     expert_M = indices_Nk.reshape(-1)
     order_M = torch.argsort(expert_M, stable=True)
+    rank_M = torch.empty_like(order_M).scatter_(
+        0, order_M, torch.arange(order_M.numel(), device=order_M.device)
+    )
     token_M = order_M // k
     counts_RP = torch.bincount(expert_M, minlength=num_experts).view(R, P)
     recv_counts_RP = torch.empty_like(counts_RP)
     dist.all_to_all_single(recv_counts_RP, counts_RP, group=group)
     send_splits = counts_RP.sum(1).tolist()  # the host sync the split sizes need
     recv_splits = recv_counts_RP.sum(1).tolist()
-    x_ML = z_NL[token_M]
+    x_ML = SortedRows.apply(z_NL, order_M, rank_M, k)
     x_QL = all_to_all_single_autograd(x_ML, recv_splits, send_splits, group)
     # arrival order: source rank, then local expert; make it expert-major (stable keeps source order)
     local_Q = torch.repeat_interleave(
@@ -89,6 +98,7 @@ def dispatch(
         offs_P,
         local_Q[perm_Q],
         order_M,
+        rank_M,
         token_M,
         perm_Q,
         send_splits,
@@ -101,9 +111,9 @@ def combine(y_QL: torch.Tensor, weights_Nk: torch.Tensor, d: Dispatched, group: 
     """Return each entry's expert output to its token: ``Σ_k w[n,k]·y`` in fp32, ``[N, L]`` in ``y``'s dtype."""
     back_QL = torch.empty_like(y_QL).index_copy(0, d.perm_Q, y_QL)  # inverse of the expert-major permute
     y_ML = all_to_all_single_autograd(back_QL, d.send_splits, d.recv_splits, group)
-    w_M = weights_Nk.reshape(-1)[d.order_M].float()
-    out_NL = torch.zeros(N, y_ML.shape[1], dtype=torch.float32, device=y_ML.device)
-    return out_NL.index_add_(0, d.token_M, y_ML.float() * w_M[:, None]).to(y_QL.dtype)
+    y_NkL = SortedRows.apply(y_ML, d.rank_M, d.order_M, 1).view(N, weights_Nk.shape[1], -1)
+    acc = torch.promote_types(y_NkL.dtype, torch.float32)
+    return (y_NkL.to(acc) * weights_Nk.to(acc).unsqueeze(-1)).sum(1).to(y_QL.dtype)
 
 
 def alltoall_experts(

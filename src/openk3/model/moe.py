@@ -64,7 +64,7 @@ def grouped_expert_ffn(config, x_ML, w1_EFL, w3_EFL, w2_ELF, offs_E, expert_M, x
     return _grouped_linear(q(glu(config, gate_MF, up_MF)), w2_ELF, offs_E, expert_M)
 
 
-class _SortedRows(torch.autograd.Function):
+class SortedRows(torch.autograd.Function):
     """``out[m] = x[order[m] // k]``: rows of ``x`` in the sorted slot order, each row of ``x`` read ``k`` times
     (dispatch: ``k`` = experts per token; combine: ``k = 1``, a plain permutation). The backward gathers the
     gradient back through the inverse permutation ``rank`` and sums each row's ``k`` copies: gathers only, no
@@ -97,8 +97,8 @@ def combine_sorted(z_NL, weights_Nk, indices_Nk, num_experts: int, expert_ffn) -
     rank_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(N * k, device=order_M.device))
     experts_E = torch.arange(num_experts, device=z_NL.device)
     offs_E = torch.searchsorted(expert_M, experts_E, right=True, out_int32=True)  # rows of experts ≤ e
-    y_ML = expert_ffn(_SortedRows.apply(z_NL, order_M, rank_M, k), offs_E, expert_M)
-    y_NkL = _SortedRows.apply(y_ML, rank_M, order_M, 1).view(N, k, -1)
+    y_ML = expert_ffn(SortedRows.apply(z_NL, order_M, rank_M, k), offs_E, expert_M)
+    y_NkL = SortedRows.apply(y_ML, rank_M, order_M, 1).view(N, k, -1)
     acc = torch.promote_types(y_NkL.dtype, torch.float32)
     return (y_NkL.to(acc) * weights_Nk.to(acc).unsqueeze(-1)).sum(1).to(z_NL.dtype)
 
