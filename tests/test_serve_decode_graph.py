@@ -158,13 +158,11 @@ class HostWaits(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("streams", [1, 5])
-def test_steady_decode_step_waits_on_the_device_once(monkeypatch, streams):
-    """A steady decode step (schedule, the static step, update) reads device values on the host exactly once:
-    the sampled tokens. The step's own forward is left out (a CUDA graph on a GPU, which cannot read any:
-    ``test_static_step_reads_nothing_on_the_host``)."""
+def watch_host_reads_outside(monkeypatch, cls) -> HostWaits:
+    """A :class:`HostWaits` whose count leaves out ``cls.forward`` (the static step's own forward: a CUDA graph
+    on a GPU, which cannot read the device on the host)."""
     waits = HostWaits()
-    real_forward = StaticDecode.forward
+    real_forward = cls.forward
 
     def unwatched(self, states):
         waits.paused = True
@@ -173,7 +171,16 @@ def test_steady_decode_step_waits_on_the_device_once(monkeypatch, streams):
         finally:
             waits.paused = False
 
-    monkeypatch.setattr(StaticDecode, "forward", unwatched)
+    monkeypatch.setattr(cls, "forward", unwatched)
+    return waits
+
+
+@pytest.mark.parametrize("streams", [1, 5])
+def test_steady_decode_step_waits_on_the_device_once(monkeypatch, streams):
+    """A steady decode step (schedule, the static step, update) reads device values on the host exactly once:
+    the sampled tokens. The step's own forward is left out (a CUDA graph on a GPU, which cannot read any:
+    ``test_static_step_reads_nothing_on_the_host``)."""
+    waits = watch_host_reads_outside(monkeypatch, StaticDecode)
     eng = engine(build(), static=True)
     reqs = [Request(f"w{i}", p, SamplingParams(max_tokens=12)) for i, p in enumerate(prompts([5] * streams))]
     for r in reqs:

@@ -237,20 +237,10 @@ def test_steady_speculative_step_waits_on_the_device_once(pair, monkeypatch):
     values on the host exactly once: the kept count and tokens. The step's own forward is left out (a CUDA
     graph on a GPU: ``test_static_step_reads_nothing_on_the_host``)."""
     from openk3.serve.speculative_graph import StaticSpeculative
-    from test_serve_decode_graph import HostWaits
+    from test_serve_decode_graph import watch_host_reads_outside
 
     model, draft, prompts = pair
-    waits = HostWaits()
-    real_forward = StaticSpeculative.forward
-
-    def unwatched(self, states):
-        waits.paused = True
-        try:
-            real_forward(self, states)
-        finally:
-            waits.paused = False
-
-    monkeypatch.setattr(StaticSpeculative, "forward", unwatched)
+    waits = watch_host_reads_outside(monkeypatch, StaticSpeculative)
     eng = engine(model, draft, 3, static=True)
     req = Request("w", prompts[0], SamplingParams(max_tokens=40))
     eng.add_request(req)

@@ -22,6 +22,19 @@ from openk3.ops.kda.l2norm import l2norm
 from openk3.ops.kda.triton.dispatch import use_triton_recurrent
 
 
+def check_step_states(step_states: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` unless ``step_states`` is ``None`` or a contiguous ``dtype`` tensor of ``shape``
+    (``[N, T, H, K, V]``: the state after each of the ``T`` tokens)."""
+    if step_states is not None and (
+        tuple(step_states.shape) != tuple(shape)
+        or step_states.dtype != dtype
+        or not step_states.is_contiguous()
+    ):
+        raise ValueError(
+            f"step_states must be contiguous {dtype} {list(shape)}; got {step_states.dtype} {list(step_states.shape)}"
+        )
+
+
 def fused_recurrent_kda_pool(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,12 +93,7 @@ def fused_recurrent_kda_pool(
         raise ValueError(f"slot_idx must be int32/int64 [{N}]; got {slot_idx.dtype} {list(slot_idx.shape)}")
     if A_log is None and (dt_bias is not None or lower_bound is not None):
         raise ValueError("dt_bias / lower_bound need A_log (the gate applied in the op)")
-    if step_states is not None and (
-        step_states.shape != (N, T, H, K, V) or step_states.dtype != state_pool.dtype
-        or not step_states.is_contiguous()
-    ):  # fmt: skip
-        raise ValueError(f"step_states must be contiguous {state_pool.dtype} [{N}, {T}, {H}, {K}, {V}]; got "
-                         f"{step_states.dtype} {list(step_states.shape)}")  # fmt: skip
+    check_step_states(step_states, (N, T, H, K, V), state_pool.dtype)
     scale = K**-0.5 if scale is None else scale
     if state_pool.dtype == torch.float32 and use_triton_recurrent(q, k, v, g, beta, initial_state=state_pool):
         from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.pool_decode import check_step_states
 from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, DecodeLaunch
 
 GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
@@ -195,12 +196,7 @@ def fused_recurrent_kda_decode(
         raise ValueError(f"slot_idx must be int32/int64 [{N}]; got {slot_idx.dtype} {list(slot_idx.shape)}")
     if A_log is None and (dt_bias is not None or lower_bound is not None):
         raise ValueError("dt_bias / lower_bound need A_log (the gate in the kernel)")
-    if step_states is not None and (
-        step_states.shape != (N, T, H, K, V) or step_states.dtype != torch.float32
-        or not step_states.is_contiguous()
-    ):  # fmt: skip
-        raise ValueError(f"step_states must be contiguous fp32 [{N}, {T}, {H}, {K}, {V}]; got "
-                         f"{step_states.dtype} {list(step_states.shape)}")  # fmt: skip
+    check_step_states(step_states, (N, T, H, K, V), torch.float32)
     if out is not None and (out.shape != v.shape or out.dtype != v.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be contiguous {v.dtype} {list(v.shape)}; got {out.dtype} {list(out.shape)}"
                          f"{'' if out.is_contiguous() else ', strided'}")  # fmt: skip
