@@ -16,9 +16,8 @@ AdamW's lr and wd; the default here) or ``s = √max(1, A/B)`` (``"original"`` o
 scale, torch's default). The lerp form is ``(1 − μ)×`` Moonlight's ``m ← μm + g; u ← g + μm``; NS₅
 normalises its input, so the two forms give the same update up to the 1e-7 eps.
 
-**Newton–Schulz** (quintic, 5 steps, (a, b, c) = (3.4445, −4.7750, 2.0315)): ``X ← X / (‖X‖_F + 1e-7)``,
-then 5× ``A = X Xᵀ; X ← aX + (bA + cA²) X`` for a wide or square ``X``; a tall one (rows > cols) takes the
-same steps on ``Xᵀ``, computed untransposed as ``A = XᵀX; X ← aX + X(bA + cA²)``. Each singular value σ of
+**Newton–Schulz** (quintic, 5 steps, (a, b, c) = (3.4445, −4.7750, 2.0315)): transpose when rows > cols
+(a view), ``X ← X / (‖X‖_F + 1e-7)``, then 5× ``A = X Xᵀ; X ← aX + (bA + cA²) X``. Each singular value σ of
 the input maps to ``p⁵(σ/‖G‖_F)`` with ``p(s) = as + bs³ + cs⁵`` (singular vectors unchanged), which lands
 in roughly (0.5, 1.5) rather than exactly 1 (Keller Jordan's docstring). Computed in ``ns_dtype``: bf16 on
 CUDA (as in every public Muon), fp32 elsewhere by default; the norm is accumulated and applied in fp32
@@ -48,7 +47,7 @@ shape (heads, experts, same-shape parameters; head blocks and experts are views)
 one batched NS per shape: per shape one ``_foreach_copy_`` casts the fp32 updates into the stacked NS
 input, then per NS step one ``bmm`` and two ``baddbmm`` (k3-1b: 13 shapes for 7,671 matrices, 195 matmuls
 per optimizer step); the update is one ``_foreach_add_`` per (group, shape) of the NS output itself (bf16
-into the fp32 parameters, summed in fp32). Per element of an fp32 Muon parameter the step moves about 54
+into the fp32 parameters, summed in fp32; a tall shape's output is the transposed view of its iterate). Per element of an fp32 Muon parameter the step moves about 54
 bytes outside the NS (momentum 12, Nesterov 12, cast 6, norm 2 + 4, decay 8, update 10). The NS of
 k3-1b's 6,624 experts ``[384, 384]`` is bound by memory more than by FLOPs: each of its 15 batched GEMMs
 reads and writes 2 GB of bf16 matrices for 0.75 TFLOP (≈ 100 FLOP/byte, under the H200's ≈ 200).
@@ -139,24 +138,26 @@ def _newton_schulz_(
 ) -> torch.Tensor:
     """:func:`newton_schulz` of a contiguous ``X_MN [..., M, N]`` in its own dtype, normalising ``X_MN`` in place.
 
-    The Frobenius norm is accumulated in fp32 and ``X ← X · (1 / (‖X‖ + eps))`` computed in fp32 (one rounding
-    to the NS dtype). A tall matrix (``M > N``) is iterated in its Gram form ``A = XᵀX [N, N]``,
-    ``X ← aX + X(bA + cA²)`` (equal to NS of ``Xᵀ``, transposed back: ``(XXᵀ)ᵏX = X(XᵀX)ᵏ``), so neither
-    the input nor the output is transposed in memory. Per step: one ``bmm`` and two ``baddbmm`` for the whole
-    batch (``addmm`` for a single matrix).
+    The Frobenius norm is accumulated in fp32 and ``X ← X / (‖X‖ + eps)`` computed in fp32 (one rounding to
+    the NS dtype). A tall matrix (``M > N``) is iterated as its transpose, a view: the batched products take
+    transposed operands as they are, and the result is returned as the transposed view of the iterate (no
+    copy). Per step: one ``bmm`` and two ``baddbmm`` for the whole batch (``addmm`` for a single matrix).
     """
     a, b, c = ns_coefficients
     shape = X_MN.shape
     M, N = shape[-2:]
     norm = torch.linalg.vector_norm(X_MN, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    X_MN.mul_(norm.add_(eps).reciprocal_())
+    X_MN.div_(norm.add_(eps))
     X = X_MN.reshape(-1, M, N) if X_MN.ndim > 2 else X_MN
     addmm = torch.baddbmm if X.ndim > 2 else torch.addmm
-    tall = M > N
+    if M > N:
+        X = X.mT
     for _ in range(ns_steps):
-        A = X.mT @ X if tall else X @ X.mT  # [min(M, N)]², the smaller Gram matrix
+        A = X @ X.mT
         B = addmm(A, A, A, beta=b, alpha=c)  # bA + cA²
-        X = addmm(X, X, B, beta=a) if tall else addmm(X, B, X, beta=a)  # aX + XB  |  aX + BX
+        X = addmm(X, B, X, beta=a)  # aX + BX
+    if M > N:
+        X = X.mT
     return X.reshape(shape)
 
 
