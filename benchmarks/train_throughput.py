@@ -14,7 +14,8 @@ after the time budget):
    device time; device time per kernel class (GEMM, KDA kernels, MoE dispatch, attention, other;
    communication is 0 on one GPU); where the step reads device data on the host
    (:class:`~openk3.train.host_syncs.HostSyncAudit`); frames compiled, graphs and graph breaks of
-   ``torch.compile``.
+   ``torch.compile``; and, from one more profiled step with shapes and stacks, the operators that launched the
+   step's cuBLAS slow-path kernels (SIMT ``magma_sgemmEx``, GEMV) and device-to-device copies.
 3. ``dense``: the dense yardstick, the same model with every MoE replaced by a dense SwiGLU MLP of the same active
    parameters (KDA/MLA, AttnRes kept), same batch and planner: its MFU and K3's ratio to it.
 4. ``compare``: ``--compare-preset`` (``k3-small``) at ``--compare-batch`` × ``--seq-len`` against transformers'
@@ -285,6 +286,53 @@ SECTIONS = ("profile", "compare", "dense", "largest")
 """Sections 2–5 of the module docstring, as ``--sections`` names them."""
 
 
+SLOW_PATH_KERNELS = {
+    "cuBLAS SIMT GEMM (magma_sgemmEx)": "magma_sgemmEx",
+    "cuBLAS GEMV": "gemv",
+    "device-to-device copy": "Memcpy DtoD",
+}
+"""Kernels the 2026-12-02 profile found in bulk where tensor-core GEMMs or fused kernels were expected."""
+
+
+def kernel_sources(step, device, top: int = 8) -> dict[str, list[dict]]:
+    """Which operator launched each :data:`SLOW_PATH_KERNELS` kernel of one more step (``torch.profiler`` with
+    shapes and Python stacks): per kind, the ``top`` (operator, input shapes, autograd node or ``forward``,
+    innermost openk3 frame) by device time, with counts and ms. Empty on the CPU (no device kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return {}
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True
+    ) as p:
+        step(lambda phase: None)
+        torch.cuda.synchronize()
+    found: dict[str, dict[tuple, list[float]]] = {kind: {} for kind in SLOW_PATH_KERNELS}
+    for e in p.events():
+        for k in e.kernels:
+            kind = next((kind for kind, key in SLOW_PATH_KERNELS.items() if key in k.name), None)
+            if kind is None:
+                continue
+            node, parent = "forward", e.cpu_parent
+            while parent is not None:
+                if parent.name.startswith("autograd::engine::evaluate_function: "):
+                    node = parent.name.removeprefix("autograd::engine::evaluate_function: ")
+                    break
+                parent = parent.cpu_parent
+            frames = [f for f in (e.stack or []) if "openk3" in f or "benchmarks" in f]
+            key = (e.name, str(e.input_shapes)[:120], node, frames[0] if frames else "")
+            entry = found[kind].setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += k.duration / 1e3
+    return {
+        kind: [
+            dict(op=op, shapes=shapes, autograd=node, where=where, count=n, ms=ms)
+            for (op, shapes, node, where), (n, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
+        ]
+        for kind, rows in found.items()
+    }
+
+
 def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
     """One step under ``torch.profiler`` (:func:`openk3.train.step_profile.profile_step`: per phase wall and
     device-busy time, kernels, launches, host syncs; the top kernels; device time per kernel class), the host
@@ -300,8 +348,15 @@ def profile_step(model, optimizer, balancer, batches, micro_batch: int) -> dict:
     )
     with HostSyncAudit(device) as audit:
         openk3_step(model, optimizer, balancer, *batches[1], micro_batch, lambda p: None)
+    try:
+        sources = kernel_sources(
+            lambda mark: openk3_step(model, optimizer, balancer, *batches[0], micro_batch, mark), device
+        )
+    except Exception as exc:  # a diagnostic: its failure must not lose the profile above
+        sources = {"error": f"{type(exc).__name__}: {exc}"}
     return {
         **prof.to_dict(),
+        "kernel_sources": sources,
         "markdown": prof.markdown(),
         "classes": kernel_classes(prof.top_kernels),
         "host_reads": audit.counts(),
@@ -592,6 +647,14 @@ def finish(results: dict, args) -> None:
         reads = prof["host_reads"]
         lines += ["", f"Host reads of device data in one step ({sum(reads.values())}, HostSyncAudit): "
                   + ("; ".join(f"{n} × {where}" for where, n in reads.items()) or "none")]  # fmt: skip
+        for kind, rows in prof.get("kernel_sources", {}).items():
+            if kind == "error":
+                lines += ["", f"Kernel sources: failed ({rows})"]
+                continue
+            lines += ["", f"Where the {kind} kernels of one step come from (operator that launched them):", "",
+                      "| operator | input shapes | autograd node | openk3 frame | kernels | ms |", "|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [f"| `{r['op']}` | {r['shapes']} | {r['autograd']} | {r['where']} | {r['count']} | {r['ms']:.2f} |"
+                      for r in rows] or ["| none | | | | 0 | 0 |"]  # fmt: skip
         dyn = prof["dynamo"]
         lines += ["", f"torch.compile so far: {dyn['frames_compiled']} frames compiled into {dyn['graphs']} "
                   f"graphs ({dyn['inductor_kernels']} Inductor kernels generated), {dyn['graph_breaks']} graph "

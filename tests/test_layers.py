@@ -27,6 +27,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import openk3
 from openk3.config import KimiK3Config
@@ -344,6 +345,32 @@ def test_attn_res_mix_fp32_and_bf16_follow_fp64():
     assert out32.dtype == torch.float32 and out16.dtype == torch.bfloat16
     assert (out32.double() - ref).abs().max().item() < 1e-5
     assert (out16.double() - ref).abs().max().item() < 5e-2
+
+
+def test_attn_res_mix_stays_fp32_under_autocast():
+    """Under bf16 autocast (CPU here, CUDA in training) the mix still follows the fp64 formula to fp32
+    rounding and runs no matrix product (autocast would run those in bf16)."""
+    D = 64
+    norm, proj = RMSNorm(D), nn.Linear(D, 1, bias=False)
+    g = gen(151)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+        proj.weight.copy_(0.5 * torch.randn(1, D, generator=g))
+    blocks = [torch.randn(2, 8, D, generator=g) * s for s in (1.0, 3.0, 0.5)]
+    partial = torch.randn(2, 8, D, generator=g)
+    ref = attn_res_mix([b.double() for b in blocks], partial.double(), norm.double(), proj.double())
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), Ops():
+        out = attn_res_mix(blocks, partial, norm, proj)
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert not {"mm", "bmm", "mv", "addmm", "baddbmm", "addmv"} & set(ops)
 
 
 # --- ShortConvolution ---------------------------------------------------------------------------------

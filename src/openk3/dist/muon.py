@@ -157,7 +157,8 @@ class ShardedKimiMuon(KimiMuon):
             for j, i in enumerate(mine):
                 start = sum(rows[i][:s])
                 back.append(full[j][start : start + rows[i][s]].reshape(-1))
-        back_buf = torch.cat(back) if back else torch.zeros(0, dtype=dtype, device=device)
+        # the outputs are in the NS dtype (bf16 on CUDA); the shards take them back in their own dtype
+        back_buf = torch.cat(back).to(dtype) if back else torch.zeros(0, dtype=dtype, device=device)
         got = torch.empty(sum(send_splits), dtype=dtype, device=device)
         dist.all_to_all_single(got, back_buf, send_splits, recv_splits, group=pg)
         got_parts = got.split([rows[i][me] * row_numel[i] for i in send])

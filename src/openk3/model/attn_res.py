@@ -43,15 +43,19 @@ def attn_res_mix(
 ) -> torch.Tensor:
     """Mix ``blocks`` (each ``[B, T, D]``) and ``partial_BTD`` with pseudo-query ``proj.weight`` ``[1, D]``.
 
-    Returns ``[B, T, D]`` in ``partial_BTD.dtype``; the scores, softmax and sum run in fp32 (fp64 stays fp64).
+    Returns ``[B, T, D]`` in ``partial_BTD.dtype``; the scores, softmax and sum run in fp32 (fp64 stays fp64),
+    under autocast too: both contractions are products and sums, which autocast leaves in fp32 (a ``@`` or
+    ``einsum`` would run in bf16 there, as a matrix-vector product and a batched product of ``N ≤ 8`` sources
+    that cuBLAS runs on its slow paths: 192 + 192 + 192 gemv/sgemm calls, 55 ms of a k3-1b training step on an
+    H200). Under ``torch.compile`` each becomes one fused reduction.
     """
     V_NBTD = torch.stack([*blocks, partial_BTD])
     compute = torch.float64 if V_NBTD.dtype == torch.float64 else torch.float32
     V_NBTD = V_NBTD.to(compute)
     query_D = norm.weight.to(compute) * proj.weight[0].to(compute)
-    score_NBT = rms_normalize(V_NBTD, norm.eps) @ query_D
+    score_NBT = (rms_normalize(V_NBTD, norm.eps) * query_D).sum(-1)
     p_NBT = torch.softmax(score_NBT, dim=0)
-    return torch.einsum("nbt,nbtd->btd", p_NBT, V_NBTD).to(partial_BTD.dtype)
+    return (p_NBT[..., None] * V_NBTD).sum(0).to(partial_BTD.dtype)
 
 
 def make_res_pair(hidden_size: int, eps: float) -> tuple[RMSNorm, nn.Linear]:
