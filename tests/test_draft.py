@@ -231,7 +231,10 @@ def test_bf16_training_follows_fp32_with_the_current_weights_in_every_forward():
         nested = losses(torch.bfloat16)
     for got in (bf16, nested):
         assert max(abs(a - b) for a, b in zip(got, fp32)) < 0.1 * descent, (got, fp32)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="inside torch.autocast"):
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(ValueError, match="inside torch.autocast"),
+    ):
         losses()
 
 
