@@ -208,6 +208,36 @@ def test_training_raises_acceptance(loss):
         assert torch.equal(v, target_before[k]), k
 
 
+def test_bf16_training_follows_fp32_with_the_current_weights_in_every_forward():
+    """With ``amp_dtype=bf16`` each step's forward runs under autocast alone (without autocast's weight-cast
+    cache), so its losses follow fp32 training step by step. The earlier pattern, the whole loop inside one
+    autocast context, kept the casts of the first step's weights in every forward (a k3-small draft stayed
+    untrained on an H200): it is refused, and an outer disabled autocast level (which also keeps the cache
+    alive) changes nothing."""
+    import copy
+
+    model = _target()
+    draft, lm = _draft(model)
+    batches = [torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def losses(amp_dtype=None):
+        return train_draft(copy.deepcopy(draft), lm, iter(batches), 6, lr=1e-2, amp_dtype=amp_dtype).losses
+
+    fp32 = losses()
+    descent = fp32[0] - fp32[-1]
+    assert descent > 0.005, fp32
+    bf16 = losses(torch.bfloat16)
+    with torch.autocast("cpu", enabled=False):
+        nested = losses(torch.bfloat16)
+    for got in (bf16, nested):
+        assert max(abs(a - b) for a, b in zip(got, fp32)) < 0.1 * descent, (got, fp32)
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(ValueError, match="inside torch.autocast"),
+    ):
+        losses()
+
+
 # ---- command line ---------------------------------------------------------------------------------------
 def _run_folder(root, vocab_model: int = 320):
     """A run folder as `openk3 train` leaves it: a checkpoint with its tokenizer and the data splits."""

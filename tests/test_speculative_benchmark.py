@@ -55,7 +55,7 @@ def test_gpu_command_of_the_docs_parses(bench):
     command = text[text.index("python benchmarks/speculative.py --train-target") :].split("\n```")[0]
     argv = command.replace("\\\n", " ").split()[2:]
     args = bench.parse_args(argv)
-    assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 150.0
+    assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 400.0
     assert args.streams == [1, 64] and args.engine_ks == [1, 2, 3, 4, 5] and args.data == ".corpus"
 
 
@@ -129,3 +129,33 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
     report = (out / "speculative_cpu.md").read_text()
     assert report.startswith("# Speculative decoding") and "--train-target k3-tiny" in report
     assert "| 2 |" in report and "trained here for 7 steps" in report
+
+
+def test_divergence_tells_a_rounding_flip_from_a_real_difference(bench):
+    """Two greedy continuations compared at their first difference by the fp32 target: the logit gap of the
+    two tokens there (an independent forward gives the same), a flip counted as rounding only when the gap
+    lies within twice the low-precision model's logit error, and never for the fp32 model itself."""
+    import copy
+
+    import torch
+
+    import openk3
+    from openk3.generate import greedy
+    from openk3.presets import k3_shaped
+
+    master = openk3.build_model(k3_shaped(4, vocab_size=64), seed=0).eval()
+    prompt = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        a = greedy(master, torch.tensor([prompt]), 6)[0].tolist()
+        logits = master(torch.tensor([prompt + a[:2]])).logits[0, -1]
+        b = a[:2] + [int(logits.argsort()[-2])] + a[3:]  # the runner-up at position 2
+        assert bench.divergence(master, master, prompt, a, list(a)) is None
+        exact = bench.divergence(master, master, prompt, a, b)
+        assert exact["position"] == 2 and not exact["rounding"] and exact["error"] == 0.0
+        assert exact["gap"] == pytest.approx(float(logits[a[2]] - logits[b[2]]), rel=1e-6)
+        low = copy.deepcopy(master).to(torch.bfloat16)
+        flip = bench.divergence(master, low, prompt, a, b)
+        error = float((low(torch.tensor([prompt + a[:2]])).logits[0, -1].float() - logits).abs().max())
+        assert flip["error"] == pytest.approx(error) and flip["rounding"] == (flip["gap"] <= 2 * error)
+        worst = a[:2] + [int(logits.argmin())] + a[3:]
+        assert not bench.divergence(master, low, prompt, a, worst)["rounding"]

@@ -246,14 +246,12 @@ def _train_draft(args: argparse.Namespace) -> int:
                 print(f"sampled {pool.shape[0]} target windows of {args.seq_len} tokens in "
                       f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
             batches = pool_batches(pool, args.batch_size, args.seed, start)
-        # on CUDA under bf16 autocast with fp32 weights and AdamW state, as `openk3 train` runs there
-        amp = torch.autocast("cuda", torch.bfloat16) if args.device == "cuda" else contextlib.nullcontext()
-        with amp:
-            result = train_draft(
-                draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10),
-                start_step=start, optimizer_state=None if state is None else state["optimizer"],
-                stop=lambda: stop.requested,
-            )  # fmt: skip
+        # on CUDA the forwards under bf16 autocast with fp32 weights and AdamW state, as `openk3 train` runs there
+        result = train_draft(
+            draft, lm, batches, args.steps, lr=args.lr, log_every=max(1, args.steps // 10),
+            start_step=start, optimizer_state=None if state is None else state["optimizer"],
+            stop=lambda: stop.requested, amp_dtype=torch.bfloat16 if args.device == "cuda" else None,
+        )  # fmt: skip
         with folder_written_whole(out) as tmp:  # the draft and its resume state appear together, or neither
             save_draft(draft, tmp)
             if result.step < args.steps:
