@@ -8,14 +8,16 @@ same sampling seeds:
   config (2);
 * ``no-clip`` — the same log-ratio unclipped (``R_max = ∞``);
 * ``wrong`` — clipped, but every rollout is scored by the teacher of the *other* domain at the next effort
-  (``(add, high)`` → ``(chain, medium)``, …, :func:`wrong_route`): each teacher is used, at the wrong key.
+  (``(add, high)`` → ``(mul, medium)``, …, :func:`wrong_route`): each teacher is used, at the wrong key.
 
-Reported: held-out greedy accuracy and mean response length (tokens) per domain and effort for each teacher
-and each student, the mean over the six rows, and the wall time. Run::
+Reported: held-out greedy accuracy and mean response length (tokens) per domain and effort for each teacher,
+the warm-started student before MOPD (``warm``: sequence-level distillation only) and each student, the mean
+over the six rows, and the wall time. Run::
 
     python benchmarks/mopd_ablation.py --md benchmarks/results/mopd_ablation.md
 
-(``--stages FILE`` keeps the warm-started student and the experts in ``FILE`` and reuses them on the next run, so
+(``--stages FILE`` keeps the warm-started student and the experts in ``FILE`` and reuses them on the next run,
+``openk3 posttrain --recipe demo --stages FILE`` writes the same file, so
 variants of the MOPD stage cost a minute; ``--quick`` for the recipe's quick sizes: every stage in seconds to minutes, too short to learn.)
 """
 
@@ -92,11 +94,12 @@ def main() -> None:
     for d in DOMAINS:
         for e in EFFORTS:
             row = {"domain": d, "effort": e, "teacher": demo.evaluate(experts[(d, e)], d, e)}
+            row["warm"] = demo.evaluate(warm, d, e)
             row.update({n: demo.evaluate(m, d, e) for n, m in students.items()})
             rows.append(row)
     wall = time.monotonic() - t0
     demo.plot()
-    names = ["teacher", *VARIANTS]
+    names = ["teacher", "warm", *VARIANTS]
     head = "| domain | effort | " + " | ".join(f"{n} acc | {n} len" for n in names) + " |"
     lines = [head, "|" + "---|" * (2 + 2 * len(names))]
     for r in rows:
@@ -121,7 +124,7 @@ def main() -> None:
             f"Config: `{json.dumps(config)}`",
             "",
             "Held-out greedy accuracy and mean response length (tokens) per domain and effort; `teacher` is the "
-            "expert of that (domain, effort); `wrong` routes every rollout to the teacher of the other domain at "
+            "expert of that (domain, effort); `warm` is the warm-started student before MOPD; `wrong` routes every rollout to the teacher of the other domain at "
             "the next effort.",
             "",
             *lines,

@@ -51,6 +51,20 @@ def test_b0_percentile_of_a_mixed_format_reference():
     assert budget_limit(b, 0.8) == 12 and budget_limit(b, 0.4) == 6  # carry format fits at 0.8, not at 0.4
 
 
+def test_floor_lengths_lower_the_floor_not_b0():
+    """A scratchpad-only reference (correct lengths 16, 17) with SFT-base samples whose shortest correct
+    length is the bare answer's (5): b0 stays the reference's 0.9-percentile (17), the floor drops to 5, so the
+    limit at τ = 0.35 is ⌊0.35·17⌋ = 5 instead of 16."""
+    lengths, correct = [16, 17, 16, 30], [True, True, True, False]
+    alone = BudgetTable(rho=0.9).estimate("x", lengths, correct)
+    assert alone == ProblemBudget(b0=17, min_correct=16) and budget_limit(alone, 0.35) == 16
+    b = BudgetTable(rho=0.9).estimate("x", lengths, correct, floor_lengths=[9, 5, 22])
+    assert b == ProblemBudget(b0=17, min_correct=5) and budget_limit(b, 0.35) == 5
+    assert BudgetTable().estimate("y", [5], [False], floor_lengths=[3]) is None  # no reference budget
+    with pytest.raises(ValueError, match="floor lengths"):
+        BudgetTable().estimate("z", [5], [True], floor_lengths=[0])
+
+
 def test_budget_edge_exactly_at_limit():
     b = ProblemBudget(b0=13, min_correct=2)
     tau = 0.7  # ⌊0.7·13⌋ = ⌊9.1⌋ = 9

@@ -217,11 +217,14 @@ def test_demo_quick_runs_end_to_end(tmp_path):
     from openk3.rl.recipe import Demo, quick_config
 
     cfg = quick_config()
-    Demo(cfg, tmp_path).run()
+    Demo(cfg, tmp_path).run(stages=tmp_path / "stages.pt")
     for name in ("sft", "rl-add-high", "rl-add-low", "rl-mul-medium", "mopd"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     text = (tmp_path / "results.md").read_text()
     assert text.count("\n| add |") == 3 and text.count("\n| mul |") == 3
+    saved = torch.load(tmp_path / "stages.pt", weights_only=False)  # what mopd_ablation.py --stages loads
+    assert sorted(saved["experts"]) == sorted((d, e) for d in DOMAINS for e in EFFORTS)
+    assert isinstance(saved["warm"], torch.nn.Module)
 
 
 def test_partial_step_trains_complete_groups_only():

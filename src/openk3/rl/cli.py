@@ -14,6 +14,12 @@ def add_posttrain_parser(sub) -> None:
         "--out", type=Path, default=Path("runs/posttrain-demo"), help="plots, table and logs go here"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of every stage (data, init, sampling)")
+    p.add_argument(
+        "--stages",
+        type=Path,
+        default=None,
+        help="also save the warm-started student and the experts here (benchmarks/mopd_ablation.py --stages)",
+    )
     p.set_defaults(func=run)
 
 
@@ -25,5 +31,5 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     config = quick_config() if args.quick else DemoConfig()
     config.seed = args.seed
-    Demo(config, args.out).run()
+    Demo(config, args.out).run(args.stages)
     return 0

@@ -3,8 +3,9 @@
 1. **SFT** a K3-shaped base on both domains (:mod:`openk3.rl.tasks`), each problem written at a random effort
    whose tag is *not* tied to the format (the base cannot follow the tag yet).
 2. **RL experts**, one per (domain, effort): the high-effort expert first, on correctness alone; its correct
-   lengths on the training problems give ``b0(x)`` (fixed from then on); the medium and low experts start from
-   it and train with the budget reward, ``τ`` annealed from 1 to the effort's value.
+   lengths on the training problems give ``b0(x)`` (fixed from then on), and the shortest correct length over
+   its samples and the SFT base's gives the floor; the medium and low experts start from the SFT base and
+   train with the budget reward at the effort's ``τ``.
 3. **Sequence-level distillation warm start** (Kim & Rush arXiv 1606.07947; the off-policy stage before
    on-policy distillation in Qwen3 arXiv 2505.09388 and Thinking Machines' "On-Policy Distillation"): each
    expert samples its training prompts, the samples its own reward scores 1 (correct, and within its
@@ -33,7 +34,7 @@ import torch
 
 import openk3
 from openk3.rl.loss import LossConfig
-from openk3.rl.rewards.budget import BudgetTable, EffortLevels, TauSchedule, budget_limit, budget_reward
+from openk3.rl.rewards.budget import BudgetTable, EffortLevels, budget_limit, budget_reward
 from openk3.rl.rewards.mopd import Teacher, TeacherRegistry, mopd_reward, teacher_logprobs
 from openk3.rl.rollout import RolloutEngine, RolloutSampling, Trajectory
 from openk3.rl.sft import sft
@@ -84,6 +85,8 @@ class DemoConfig:
     while the expert still writes every format (at 0.5 b0 is the carry format's, and τ·b0 shuts it out)."""
     budget_samples: int = 16
     """Samples per training problem from the high-effort expert for ``b0``."""
+    floor_samples: int = 32
+    """Samples per training problem from the SFT base for the floor ``min_correct``."""
     r_max: float = 2.0
     efforts: EffortLevels = field(
         default_factory=lambda: EffortLevels((("low", 0.35), ("medium", 0.8), ("high", 2.0)))
@@ -104,6 +107,8 @@ class DemoConfig:
             "mopd_steps",
             "prompts_per_step",
             "train_problems",
+            "budget_samples",
+            "floor_samples",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -282,7 +287,9 @@ class Demo:
         self.log(f"[sft] {time.monotonic() - t0:.0f} s")
         return model
 
-    def _rl(self, name: str, init, domain: str, effort: str, steps: int, tau_schedule: TauSchedule | None):
+    def _rl(self, name: str, init, domain: str, effort: str, steps: int, tau: float | None):
+        """An RL expert from ``init`` on ``domain`` under ``effort``'s tag: correctness (``tau=None``) or the
+        budget reward at ``tau``."""
         cfg = self.cfg
         model = copy.deepcopy(init).train()
         engine = self.engine(model, 1.0)
@@ -293,7 +300,6 @@ class Demo:
         hist = []
         for step in range(steps):
             problems = rng.sample(self.train[domain], min(cfg.prompts_per_step, len(self.train[domain])))
-            tau = tau_schedule(step) if tau_schedule else None
             over: list[bool] = []
             stats, _ = trainer.step(
                 [self.tok.encode(p.prompt(effort)) for p in problems],
@@ -325,29 +331,40 @@ class Demo:
         over.append(b is not None and t.num_generated > budget_limit(b, tau))
         return budget_reward(correct, t.num_generated, b, tau)
 
-    def estimate_budgets(self, expert, domain: str) -> None:
-        """b0(x) from the high-effort expert: the ρ-percentile of its correct lengths over ``budget_samples``
-        samples per training problem (temperature 1). Logs b0 against the length of each effort's format
-        and, per effort, the fraction of problems whose limit ``max(⌊τ·b0⌋, min_correct)`` admits the
-        format of that effort and excludes the next longer one."""
-        eng = self.engine(expert, 1.0)
-        n = self.cfg.budget_samples
-        problems = self.train[domain]
-        trajs = eng.generate(
+    def _samples(self, model, problems: list[Problem], n: int) -> list[list[tuple[int, str]]]:
+        """``n`` samples (temperature 1, tag ``H``) per problem: ``(length, text)`` per sample, per problem."""
+        trajs = self.engine(model, 1.0).generate(
             [
                 Trajectory(self.tok.encode(p.prompt("high")), self.cfg.max_tokens)
                 for p in problems
                 for _ in range(n)
             ]
         )
+        return [
+            [(t.num_generated, self.tok.decode(t.response_ids)) for t in trajs[i * n : (i + 1) * n]]
+            for i in range(len(problems))
+        ]
+
+    def estimate_budgets(self, expert, base, domain: str) -> None:
+        """b0(x) from the high-effort expert: the ρ-percentile of its correct lengths over ``budget_samples``
+        samples per training problem (temperature 1). The floor ``min_correct`` is the shortest correct
+        length over those and ``floor_samples`` samples of the SFT ``base``: the high expert writes the
+        scratchpad, so its own shortest correct length is the scratchpad's and ``max(⌊τ·b0⌋, min_correct)``
+        would not bite; the base writes every format. Logs b0 against the length of each effort's format,
+        the floor's format and, per effort, the fraction of problems whose limit admits the format of that
+        effort and excludes the next longer one."""
+        problems = self.train[domain]
+        ref = self._samples(expert, problems, self.cfg.budget_samples)
+        floor = self._samples(base, problems, self.cfg.floor_samples)
         rows = []
-        for i, p in enumerate(problems):
-            group = trajs[i * n : (i + 1) * n]
-            texts = [self.tok.decode(t.response_ids) for t in group]
+        for p, group, extra in zip(problems, ref, floor):
             got = self.budgets.estimate(
-                p.id, [t.num_generated for t in group], [is_correct(p, x) for x in texts]
+                p.id,
+                [n for n, _ in group],
+                [is_correct(p, x) for _, x in group],
+                [n for n, x in extra if is_correct(p, x)],
             )
-            rows.append((p, got, [written_effort(p, x) for x in texts if is_correct(p, x)]))
+            rows.append((p, got, [written_effort(p, x) for _, x in group if is_correct(p, x)]))
         have = [(p, b) for p, b, _ in rows if b is not None]
         written = [f for _, _, fs in rows for f in fs]
         summary = {
@@ -358,6 +375,10 @@ class Demo:
                 e: sum(len(solution(p, e)) + 1 for p, _ in have) / max(1, len(have)) for e in EFFORTS
             },
             "correct_formats": {f: written.count(f) / max(1, len(written)) for f in (*EFFORTS, "other")},
+            "floor_at_most": {  # fraction of problems whose floor is at most each format's length
+                e: sum(b.min_correct <= len(solution(p, e)) + 1 for p, b in have) / max(1, len(have))
+                for e in EFFORTS
+            },
             "limits": {},
         }
         for e in ("medium", "low"):
@@ -376,14 +397,17 @@ class Demo:
         self.log(f"[budget] {domain}: " + json.dumps(summary))
 
     def stage_experts(self, base) -> dict[tuple[str, str], torch.nn.Module]:
+        """Per domain: the high expert from ``base`` on correctness; the budgets (:meth:`estimate_budgets`);
+        then the medium and low experts, each from ``base`` (which writes every format) at its effort's τ.
+        Started from the high expert instead, they sample the shorter formats too rarely once the limit bites,
+        and fall to short wrong answers (``docs/LOG.md``)."""
         cfg, experts = self.cfg, {}
         for d in DOMAINS:
             high = self._rl(f"rl-{d}-high", base, d, "high", cfg.high_steps, None)
             experts[(d, "high")] = high
-            self.estimate_budgets(high, d)
+            self.estimate_budgets(high, base, d)
             for e in ("medium", "low"):
-                sched = TauSchedule(1.0, cfg.efforts.tau(e), anneal_steps=max(1, int(0.6 * cfg.effort_steps)))
-                experts[(d, e)] = self._rl(f"rl-{d}-{e}", high, d, e, cfg.effort_steps, sched)
+                experts[(d, e)] = self._rl(f"rl-{d}-{e}", base, d, e, cfg.effort_steps, cfg.efforts.tau(e))
         return experts
 
     def expert_keeps(self, t: Trajectory, effort: str) -> bool:
@@ -531,7 +555,7 @@ class Demo:
                     "accuracy",
                     "eval_length",
                     "add/acc",
-                    "chain/acc",
+                    "mul/acc",
                 )
                 if any(k in r for r in hist)
             ]
@@ -581,13 +605,25 @@ class Demo:
         (self.out / "table.json").write_text(json.dumps(rows, indent=1))
         return "\n".join(lines)
 
-    def run(self) -> str:
+    def run(self, stages: Path | None = None) -> str:
+        """Every stage, then the outputs; ``stages``: also save the warm-started student and the experts
+        there (``torch.save`` of ``{"warm", "experts"}``, what ``benchmarks/mopd_ablation.py --stages``
+        loads)."""
         t0 = time.monotonic()
         base = self.stage_sft()
         experts = self.stage_experts(base)
-        student = self.stage_mopd(self.stage_distill(base, experts), experts)
+        warm = self.stage_distill(base, experts)
+        if stages is not None:
+            torch.save({"warm": warm, "experts": experts}, stages)
+        student = self.stage_mopd(warm, experts)
+        return self.write_outputs(experts, student, time.monotonic() - t0)
+
+    def write_outputs(self, experts, student, seconds: float) -> str:
+        """The table (:meth:`table`, its evaluations count in the wall time), plots, ``results.md``,
+        ``history.json`` and ``log.txt`` in the output directory; ``seconds``: the pipeline's time so far."""
+        t0 = time.monotonic()
         table = self.table(experts, student)
-        wall = time.monotonic() - t0
+        wall = seconds + time.monotonic() - t0
         self.plot()
         cfg = asdict(self.cfg)
         cfg["efforts"] = dict(self.cfg.efforts.taus)

@@ -6,7 +6,8 @@
   A problem with no correct sample has no budget (the reward is correctness only).
 * ``τ`` — the budget multiplier, annealed linearly from ``tau_start`` to ``tau_end`` (ThinkPrune
   arXiv 2504.01296 tightens the limit round by round), never letting ``τ·b0`` drop below the shortest
-  correct length seen for ``x`` (the floor: below it no correct answer fits and accuracy collapses).
+  correct length seen for ``x`` (the floor: below it no correct answer fits and accuracy collapses; the
+  samples of other policies, e.g. the SFT base, may lower it, :meth:`BudgetTable.estimate`).
 * Reward (K2 arXiv 2507.20534 sec. 3.2.3, per-sample token budget with a penalty):
   ``r = −1`` if ``|y| > L(x)`` with ``L(x) = max(⌊τ·b0(x)⌋, min_correct(x))``, else the task reward.
   ``|y| = L(x)`` is within budget.
@@ -19,6 +20,7 @@ Lengths are in tokens (response only, stop token included when generated).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -52,21 +54,28 @@ class BudgetTable:
         if not 0 < self.rho <= 1:
             raise ValueError(f"rho must be in (0, 1], got {self.rho}")
 
-    def estimate(self, problem_id: str, lengths: list[int], correct: list[bool]) -> ProblemBudget | None:
+    def estimate(
+        self, problem_id: str, lengths: list[int], correct: list[bool], floor_lengths: Sequence[int] = ()
+    ) -> ProblemBudget | None:
         """Set ``b0`` of ``problem_id`` from reference samples (lengths and correctness, one per sample).
 
-        Returns the budget, or ``None`` when no sample was correct (no budget). Raises ``ValueError`` when
-        the problem already has a budget (it is fixed once estimated) or the lists differ in length."""
+        ``floor_lengths`` are correct lengths from other policies (e.g. the SFT base, which writes shorter
+        formats than the max-effort reference): they can lower the floor ``min_correct`` but do not enter
+        ``b0``. Returns the budget, or ``None`` when no reference sample was correct (no budget). Raises
+        ``ValueError`` when the problem already has a budget (it is fixed once estimated), the lists differ in
+        length, or a floor length is below 1."""
         if problem_id in self.budgets:
             raise ValueError(
                 f"problem {problem_id!r} already has b0={self.budgets[problem_id].b0}; it is fixed"
             )
         if len(lengths) != len(correct):
             raise ValueError(f"{len(lengths)} lengths but {len(correct)} correctness flags")
+        if any(n < 1 for n in floor_lengths):
+            raise ValueError(f"floor lengths must be >= 1 token, got {sorted(floor_lengths)[:3]}")
         good = [n for n, c in zip(lengths, correct) if c]
         if not good:
             return None
-        budget = ProblemBudget(percentile_length(good, self.rho), min(good))
+        budget = ProblemBudget(percentile_length(good, self.rho), min([*good, *floor_lengths]))
         self.budgets[problem_id] = budget
         return budget
 
