@@ -222,7 +222,9 @@ def test_every_greedy_decode_joins_one_static_run_until_it_finishes(pair):
     graphs.run_speculative = lambda chunks, k, st: runs.append((len(chunks), k)) or real_run(chunks, k, st)
     runner.paged_forward = lambda ids, *a, **kw: paged.append(len(ids)) or real_paged(ids, *a, **kw)
     lengths = [7, 10, 13, 17]
-    reqs = [Request(f"e{i}", p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    reqs = [
+        Request(f"e{i}", p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))
+    ]
     for r in reqs:
         eng.add_request(r)
     eng.step()  # the four 4-token prompts: one paged batch

@@ -65,8 +65,8 @@ def test_speed_ups_of_outputs_unlike_plain_decoding_are_flagged(bench):
     and a warning line after its table naming it; rows with identical outputs get neither."""
     args = bench.parse_args(["--target", "run", "--prompts", "2"])
     spec = dict(decode_tokens_per_s=300.0, tokens_per_s=290.0, speedup=1.5, acceptance_rate=0.5)
-    spec.update(tokens_per_step=2.0, ms_per_step=5.0)
-    plain = dict(decode_tokens_per_s=200.0, tokens_per_s=199.0)
+    spec.update(tokens_per_step=2.0, ms_per_step=5.0, decode_steps=10)
+    plain = dict(decode_tokens_per_s=200.0, tokens_per_s=199.0, decode_steps=20)
     single = dict(tokens_per_forward=2.0, speedup=1.4)
 
     def report(same_streams, same_prompts):
@@ -86,6 +86,9 @@ def test_speed_ups_of_outputs_unlike_plain_decoding_are_flagged(bench):
     lines = report((4, 3), (2, 1))
     rows = {line.split(" | ")[1]: line for line in lines if line.startswith("| 4 |")}
     assert "OUTPUTS DIFFER" not in rows["1"] and "1.50× **OUTPUTS DIFFER (1/4)** |" in rows["3"]
+    # 4 streams × (new_tokens - 1) decode tokens over 20 plain steps at 200 tok/s, 10 speculative at 300
+    ms = [1e3 * 4 * (args.new_tokens - 1) / tps / steps for tps, steps in ((200, 20), (300, 10))]
+    assert f"| 20 / 10 ({ms[0]:.1f} / {ms[1]:.1f}) |" in rows["1"]
     warnings = [line for line in lines if line.startswith("**WARNING: the outputs differ")]
     assert len(warnings) == 2 and "4 streams k = 3:" in warnings[0] and "k = 1" not in warnings[0]
     assert "KL k = 3:" in warnings[1] and "LK" not in warnings[1]
