@@ -156,9 +156,55 @@ def test_divergence_tells_a_rounding_flip_from_a_real_difference(bench):
         exact = bench.divergence(master, master, prompt, a, b)
         assert exact["position"] == 2 and not exact["rounding"] and exact["error"] == 0.0
         assert exact["gap"] == pytest.approx(float(logits[a[2]] - logits[b[2]]), rel=1e-6)
+        assert exact["fp32_best"] == "first"  # a is greedy: its token is the fp32 argmax
+        assert bench.divergence(master, master, prompt, b, a)["fp32_best"] == "second"
         low = copy.deepcopy(master).to(torch.bfloat16)
         flip = bench.divergence(master, low, prompt, a, b)
         error = float((low(torch.tensor([prompt + a[:2]])).logits[0, -1].float() - logits).abs().max())
         assert flip["error"] == pytest.approx(error) and flip["rounding"] == (flip["gap"] <= 2 * error)
         worst = a[:2] + [int(logits.argmin())] + a[3:]
         assert not bench.divergence(master, low, prompt, a, worst)["rounding"]
+        assert bench.divergence(master, low, prompt, worst, b)["fp32_best"] == "neither"
+
+
+def test_streams_equal_in_fp32_are_counted_apart(bench):
+    """The measured H200 row (64 streams, k = 1: 1 identical, 61 bf16 near-ties, 2 past the near-tie bound):
+    flagged while nothing reruns in fp32; not flagged once both engines' fp32 runs of those 2 agree."""
+    row = dict(identical_streams=1, rounding_streams=61)
+    assert bench.same_text(row, 64) == "1/64 (+61 bf16 near-ties)"
+    assert bench.differ(1, 64, 61) == " **OUTPUTS DIFFER (2/64)**"
+    row["fp32_equal_streams"] = 2
+    assert bench.same_text(row, 64) == "1/64 (+61 bf16 near-ties, +2 equal in fp32)"
+    assert bench.differ(1, 64, 61 + 2) == ""
+
+
+def test_streams_past_the_near_tie_bound_are_rerun_in_fp32(bench, monkeypatch):
+    """A bf16 engine round whose streams all count as past the near-tie bound (``divergence`` stubbed so):
+    both engines run again in fp32 (the fp32 target and draft), where the lossless speculative engine gives
+    plain decoding's tokens, so every such stream is counted equal in fp32 and the row is not flagged."""
+    import copy
+    import types
+
+    import numpy as np
+    import torch
+
+    import openk3
+    from openk3.model.draft import DraftConfig, build_draft, feature_layers
+    from openk3.presets import k3_shaped
+
+    master = openk3.build_model(k3_shaped(4, vocab_size=64), seed=0).eval()
+    cfg = master.language_model.config
+    exact = build_draft(cfg, DraftConfig(feature_layers(4), 64, cfg.hidden_size, 4), seed=1).eval()
+    model, draft = copy.deepcopy(master).to(torch.bfloat16), copy.deepcopy(exact).to(torch.bfloat16)
+    val = types.SimpleNamespace(tokens_N=np.arange(40, dtype=np.uint16) % 64, num_tokens=40)
+    args = bench.parse_args(["--target", "r", "--streams", "3", "--engine-ks", "2", "--prompt-len", "4"])
+    args.new_tokens = 5
+    stub = {"position": 0, "gap": 1.0, "error": 0.0, "rounding": False, "fp32_best": "first"}
+    monkeypatch.setattr(bench, "divergence", lambda *a: dict(stub))
+    clock = bench.Clock(None)
+    with torch.no_grad():
+        row = bench.engine_throughput(model, master, draft, exact, val, args, torch.device("cpu"), clock)
+    spec = row[3]["speculative"][2]
+    assert spec["identical_streams"] == 0 and spec["rounding_streams"] == 0
+    assert spec["fp32_equal_streams"] == 3
+    assert bench.differ(0, 3, spec["rounding_streams"] + spec["fp32_equal_streams"]) == ""

@@ -2,10 +2,10 @@
 
 Per running request it keeps an append-only ``block_table`` (MLA latent blocks, one per ``bs`` tokens), a
 ``state_slot`` (the pages of the request's own running KDA state) and a reservation: the blocks it may
-still allocate before ``max_tokens`` (plus ``lookahead_tokens``: the drafts a speculative step verifies past
-the request's last token, latents written then dropped). Admission reserves the worst case, so a running request can never
-run out of blocks and no preemption is needed (a simpler, more conservative policy than vLLM's
-recompute preemption; ``docs/references.md#token-budgets``).
+still allocate before ``max_tokens`` (plus ``lookahead_tokens``: the drafts a speculative step verifies
+past the request's last token, latents written then dropped). Admission reserves the worst case, so a
+running request can never run out of blocks and no preemption is needed (a simpler, more conservative
+policy than vLLM's recompute preemption; ``docs/references.md#token-budgets``).
 
 Reservation invariant: ``Σ reserved ≤ pool.num_free_blocks`` (free blocks include evictable cached ones,
 so "free plus evictable" is what admission compares against).
