@@ -260,7 +260,8 @@ def divergence(master, model, prompt: list[int], a: list[int], b: list[int]) -> 
     position, the fp32 target's logit gap between the two tokens there (given ``prompt`` and the common
     prefix) and the largest difference between ``model``'s logits and the fp32 target's at that position.
     ``rounding`` is true when the gap is within twice that difference (a near-tie that ``model``'s dtype
-    may flip either way); with ``model`` the fp32 target itself it is always false, since fp32 runs of the
+    may flip either way); ``fp32_best``: which token is the fp32 target's argmax there (``"first"``,
+    ``"second"`` or ``"neither"``); with ``model`` the fp32 target itself it is always false, since fp32 runs of the
     two decoders agree (the fp32 tests of the engine and of ``speculative_generate``)."""
     if a == b:
         return None
@@ -271,16 +272,24 @@ def divergence(master, model, prompt: list[int], a: list[int], b: list[int]) -> 
     exact = master(ids).logits[0, -1].float()
     error = 0.0 if model is master else float((model(ids).logits[0, -1].float() - exact).abs().max())
     gap = float((exact[a[i]] - exact[b[i]]).abs())
-    return {"position": i, "gap": gap, "error": error, "rounding": model is not master and gap <= 2 * error}
+    best = int(exact.argmax())
+    side = "first" if best == a[i] else "second" if best == b[i] else "neither"
+    return {
+        "position": i, "gap": gap, "error": error, "rounding": model is not master and gap <= 2 * error,
+        "fp32_best": side,
+    }  # fmt: skip
 
 
-def engine_throughput(model, master, draft, val, args, device, clock: Clock) -> dict:
+def engine_throughput(model, master, draft, exact_draft, val, args, device, clock: Clock) -> dict:
     """Decode tokens per second of the serving engine without the draft and with the LK draft at each k of
     ``--engine-ks`` (greedy, every request ``--new-tokens`` long, all submitted at once; prefills included).
     Each engine takes its default path: on CUDA plain decode steps and speculative steps replayed from CUDA
     graphs, in ``model``'s dtype. Streams whose output differs from plain decoding's are checked against
     the fp32 target ``master`` (:func:`divergence`): a bf16 near-tie is counted apart from a real
-    difference."""
+    difference. The near-tie test bounds the engine's rounding by the eager bf16 forward's, which the
+    engine's own kernels (graphed decode and verification steps) may exceed; so when streams differ past
+    it, both engines run once more in fp32 (``master`` and ``exact_draft``, the fp32 LK draft): a stream
+    whose fp32 outputs agree parted by bf16 arithmetic alone and is counted apart too (``fp32_equal``)."""
     from openk3.serve import Request, SamplingParams
 
     out = {}
@@ -289,6 +298,7 @@ def engine_throughput(model, master, draft, val, args, device, clock: Clock) -> 
         clock.log(f"engine, {n} streams: plain")
         _, plain, plain_outputs = engine_round(model, None, 1, prompts, "plain", args, device)
         row = {"plain": plain, "speculative": {}}
+        fp32_plain = None
         for k in args.engine_ks:
             clock.log(f"engine, {n} streams: k = {k}")
             eng, spec_row, outputs = engine_round(model, draft, k, prompts, f"k{k}-", args, device)
@@ -302,6 +312,13 @@ def engine_throughput(model, master, draft, val, args, device, clock: Clock) -> 
                 rounding_streams=sum(d is not None and d["rounding"] for d in parts),
                 divergences=[d for d in parts if d is not None],
             )
+            flagged = [i for i, d in enumerate(parts) if d is not None and not d["rounding"]]
+            if flagged and model is not master:
+                clock.log(f"engine, {n} streams, k = {k}: {len(flagged)} streams differ; fp32 runs")
+                if fp32_plain is None:
+                    fp32_plain = engine_round(master, None, 1, prompts, "fp32-plain", args, device, 1)[2]
+                fp32_spec = engine_round(master, exact_draft, k, prompts, f"fp32-k{k}-", args, device, 1)[2]
+                spec_row["fp32_equal_streams"] = sum(fp32_plain[i] == fp32_spec[i] for i in flagged)
             reqs = [
                 Request(f"timed-{i}", p, SamplingParams(max_tokens=args.new_tokens))
                 for i, p in enumerate(prompts)
@@ -316,11 +333,12 @@ def engine_throughput(model, master, draft, val, args, device, clock: Clock) -> 
     return out
 
 
-def engine_round(model, draft, k, prompts, name, args, device):
+def engine_round(model, draft, k, prompts, name, args, device, rounds: int | None = None):
     """An engine for ``prompts`` (with ``draft`` at ``k``, or none): ``(engine, row, outputs)``, the row's
     ``tokens_per_s`` over the whole round (prefills included) and ``decode_tokens_per_s`` over the steps
-    after every stream has its first token, each the best of ``--repeats`` rounds after a warm-up round
-    (which captures the graphs)."""
+    after every stream has its first token (``decode_steps`` of them: their wall time over this count is
+    the engine's ms per step, host work included), each the best of ``--repeats`` rounds after a warm-up round
+    (which captures the graphs); ``rounds``: that many rounds in all instead (for the outputs only)."""
     from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 
     n = len(prompts)
@@ -329,8 +347,8 @@ def engine_round(model, draft, k, prompts, name, args, device):
         SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, n * args.prompt_len)),
     )
     eng = LLMEngine(model, config, draft=draft, num_speculative_tokens=k)
-    best, best_decode = math.inf, math.inf
-    for r in range(args.repeats + 1):
+    best, best_decode, decode_steps = math.inf, math.inf, 0
+    for r in range(args.repeats + 1 if rounds is None else rounds):
         reqs = [
             Request(f"{name}{r}-{i}", p, SamplingParams(max_tokens=args.new_tokens))
             for i, p in enumerate(prompts)
@@ -339,20 +357,23 @@ def engine_round(model, draft, k, prompts, name, args, device):
             eng.add_request(q)
         sync()
         t0 = time.perf_counter()
-        first = None
+        first, steps = None, 0
         while eng.has_unfinished_requests():
             eng.step()
+            steps += first is not None
             if first is None and all(q.output_token_ids for q in reqs):
                 sync()
                 first = time.perf_counter()
         sync()
-        if r:
+        if r or rounds is not None:
             best = min(best, time.perf_counter() - t0)
-            best_decode = min(best_decode, time.perf_counter() - first)
+            if time.perf_counter() - first < best_decode:
+                best_decode, decode_steps = time.perf_counter() - first, steps
     row = {
         "tokens_per_s": n * args.new_tokens / best,
         "decode_tokens_per_s": n * (args.new_tokens - 1) / max(best_decode, 1e-9),
         "seconds": best,
+        "decode_steps": decode_steps,
     }
     return eng, row, [list(q.output_token_ids) for q in reqs]
 
@@ -554,7 +575,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.no_grad():
         if args.streams:
-            result["engine"] = engine_throughput(model, master, drafts["lk"], val, args, device, clock)
+            result["engine"] = engine_throughput(
+                model, master, drafts["lk"], exact["lk"], val, args, device, clock
+            )
             write(result, args, device, clock)
         result["single_sequence"] = single_sequence(
             model, master, drafts, exact, val, args, device, clock, result["skipped"]
@@ -565,18 +588,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def differ(identical: int, total: int, rounding: int = 0) -> str:
-    """``""`` when every one of ``total`` greedy outputs equals plain decoding's or parts from it at a bf16
-    near-tie (``rounding``, :func:`divergence`), else a loud note for a speed-up cell."""
+    """``""`` when every one of ``total`` greedy outputs equals plain decoding's or parts from it by bf16
+    rounding (``rounding``: near-ties of :func:`divergence` and streams whose fp32 runs agree), else a loud
+    note for a speed-up cell."""
     bad = total - identical - rounding
     return "" if bad == 0 else f" **OUTPUTS DIFFER ({bad}/{total})**"
 
 
+def step_ms(row: dict, streams: int, args) -> float:
+    """Wall ms per engine step of a row's decode window (its tokens over its tok/s, over its steps)."""
+    return 1e3 * streams * (args.new_tokens - 1) / row["decode_tokens_per_s"] / max(row["decode_steps"], 1)
+
+
 def same_text(row: dict, total: int) -> str:
-    """The engine table's identity cell: ``identical/total``, plus the bf16 near-ties."""
-    ties = row.get("rounding_streams", 0)
-    return f"{row['identical_streams']}/{total}" + (
-        f" (+{ties} bf16 near-tie{'s' * (ties > 1)})" if ties else ""
+    """The engine table's identity cell: ``identical/total``, plus the bf16 near-ties and the streams that
+    differ in bf16 only (their fp32 runs agree)."""
+    ties, fp32 = row.get("rounding_streams", 0), row.get("fp32_equal_streams", 0)
+    notes = [f"+{ties} bf16 near-tie{'s' * (ties > 1)}"] * bool(ties) + [f"+{fp32} equal in fp32"] * bool(
+        fp32
     )
+    return f"{row['identical_streams']}/{total}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def differing_rows_warning(bad: list[str], what: str) -> list[str]:
@@ -665,27 +696,37 @@ def render(result: dict, args) -> str:
             "CUDA graphs); speculative = the LK draft. Decode tok/s counts the tokens after each stream's first "
             "over the steps after the last stream got it (the speed-up compares these); all tok/s includes the "
             "prefills; tokens per step = tokens emitted per speculative step of a stream; ms per step from an "
-            "extra round with a device sync around each speculative step. Identical streams: outputs equal to "
+            "extra round with a device sync around each speculative step; engine steps: the decode window's "
+            "engine steps and its wall time per step (the step plus the host's scheduling and bookkeeping). "
+            "Identical streams: outputs equal to "
             "the plain engine's; a stream that parts from it where the fp32 target's two candidates lie within "
-            "twice the bf16 logits' error is a near-tie that rounding flips, counted apart (any other difference "
+            "twice the bf16 logits' error is a near-tie that rounding flips, counted apart, and so is one whose "
+            "outputs agree when both engines run again in fp32 (any other difference "
             "flags the row):",
             "",
             "| streams | k | plain decode tok/s | speculative decode tok/s | speed-up | plain / speculative all tok/s "
-            "| drafts accepted | tokens per step | ms per speculative step | plain ms per step | identical streams |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| drafts accepted | tokens per step | ms per speculative step | plain ms per step "
+            "| engine steps plain / speculative (ms each) | identical streams |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         bad = []
         for n, row in result["engine"].items():
             p = row["plain"]
             plain_ms = 1e3 * int(n) / p["decode_tokens_per_s"]
             for k, s in row["speculative"].items():
-                note = differ(s["identical_streams"], int(n), s.get("rounding_streams", 0))
+                note = differ(
+                    s["identical_streams"],
+                    int(n),
+                    s.get("rounding_streams", 0) + s.get("fp32_equal_streams", 0),
+                )
                 bad += [f"{n} streams k = {k}"] if note else []
                 lines.append(
                     f"| {n} | {k} | {p['decode_tokens_per_s']:.1f} | {s['decode_tokens_per_s']:.1f} | "
                     f"{s['speedup']:.2f}×{note} | {p['tokens_per_s']:.1f} / {s['tokens_per_s']:.1f} | "
                     f"{s['acceptance_rate']:.2f} | {s['tokens_per_step']:.2f} | {s['ms_per_step']:.1f} | "
-                    f"{plain_ms:.1f} | {same_text(s, int(n))} |"
+                    f"{plain_ms:.1f} | {p['decode_steps']} / {s['decode_steps']} "
+                    f"({step_ms(p, int(n), args):.1f} / {step_ms(s, int(n), args):.1f}) | "
+                    f"{same_text(s, int(n))} |"
                 )
         lines += differing_rows_warning(bad, "rows")
     single = result.get("single_sequence", {})

@@ -209,6 +209,40 @@ def test_static_step_equals_the_dynamic_path_and_plain_decoding(pair, k):
         assert r.output_token_ids == reference(model, p, 18), r.request_id
 
 
+def test_every_greedy_decode_joins_one_static_run_until_it_finishes(pair):
+    """Streams of different lengths finish at different steps: after the prefill each engine step verifies
+    every running stream in one static run of the engine's ``k`` (a chain cut near ``max_tokens`` would
+    split a step into one run per ``k`` and send each stream's last token to the paged forward), the
+    reservation covers the chain past ``max_tokens``, and the outputs are plain greedy decoding's."""
+    model, draft, prompts = pair
+    eng = engine(model, draft, 3, static=True)
+    graphs, runner = eng.runner.speculative.graphs, eng.runner
+    runs, paged = [], []
+    real_run, real_paged = graphs.run_speculative, runner.paged_forward
+    graphs.run_speculative = lambda chunks, k, st: runs.append((len(chunks), k)) or real_run(chunks, k, st)
+    runner.paged_forward = lambda ids, *a, **kw: paged.append(len(ids)) or real_paged(ids, *a, **kw)
+    lengths = [7, 10, 13, 17]
+    reqs = [
+        Request(f"e{i}", p, SamplingParams(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, lengths))
+    ]
+    for r in reqs:
+        eng.add_request(r)
+    eng.step()  # the four 4-token prompts: one paged batch
+    assert paged == [4] and runs == []
+    finished_at = []
+    while eng.has_unfinished_requests():
+        running, before = len(eng.scheduler.running), len(runs)
+        eng.step()
+        assert runs[before:] == [(running, 3)]
+        finished_at.append(running - len(eng.scheduler.running))
+    assert paged == [4]  # no decode left the static step
+    assert sum(1 for f in finished_at if f) > 1  # the streams ended at different steps
+    for r, p, n in zip(reqs, prompts, lengths):
+        assert r.output_token_ids == reference(model, p, n), r.request_id
+    assert eng.kv.max_blocks(reqs[0]) == -(-(4 + 7 - 1 + 3) // 4)  # prompt + max_tokens - 1 + k positions
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks - 1
+
+
 def test_static_step_reads_nothing_on_the_host(pair, monkeypatch):
     """What a CUDA graph captures must not read device values on the host (the eager twin is the same
     code)."""

@@ -65,8 +65,8 @@ def test_speed_ups_of_outputs_unlike_plain_decoding_are_flagged(bench):
     and a warning line after its table naming it; rows with identical outputs get neither."""
     args = bench.parse_args(["--target", "run", "--prompts", "2"])
     spec = dict(decode_tokens_per_s=300.0, tokens_per_s=290.0, speedup=1.5, acceptance_rate=0.5)
-    spec.update(tokens_per_step=2.0, ms_per_step=5.0)
-    plain = dict(decode_tokens_per_s=200.0, tokens_per_s=199.0)
+    spec.update(tokens_per_step=2.0, ms_per_step=5.0, decode_steps=10)
+    plain = dict(decode_tokens_per_s=200.0, tokens_per_s=199.0, decode_steps=20)
     single = dict(tokens_per_forward=2.0, speedup=1.4)
 
     def report(same_streams, same_prompts):
@@ -86,6 +86,9 @@ def test_speed_ups_of_outputs_unlike_plain_decoding_are_flagged(bench):
     lines = report((4, 3), (2, 1))
     rows = {line.split(" | ")[1]: line for line in lines if line.startswith("| 4 |")}
     assert "OUTPUTS DIFFER" not in rows["1"] and "1.50× **OUTPUTS DIFFER (1/4)** |" in rows["3"]
+    # 4 streams × (new_tokens - 1) decode tokens over 20 plain steps at 200 tok/s, 10 speculative at 300
+    ms = [1e3 * 4 * (args.new_tokens - 1) / tps / steps for tps, steps in ((200, 20), (300, 10))]
+    assert f"| 20 / 10 ({ms[0]:.1f} / {ms[1]:.1f}) |" in rows["1"]
     warnings = [line for line in lines if line.startswith("**WARNING: the outputs differ")]
     assert len(warnings) == 2 and "4 streams k = 3:" in warnings[0] and "k = 1" not in warnings[0]
     assert "KL k = 3:" in warnings[1] and "LK" not in warnings[1]
@@ -153,9 +156,55 @@ def test_divergence_tells_a_rounding_flip_from_a_real_difference(bench):
         exact = bench.divergence(master, master, prompt, a, b)
         assert exact["position"] == 2 and not exact["rounding"] and exact["error"] == 0.0
         assert exact["gap"] == pytest.approx(float(logits[a[2]] - logits[b[2]]), rel=1e-6)
+        assert exact["fp32_best"] == "first"  # a is greedy: its token is the fp32 argmax
+        assert bench.divergence(master, master, prompt, b, a)["fp32_best"] == "second"
         low = copy.deepcopy(master).to(torch.bfloat16)
         flip = bench.divergence(master, low, prompt, a, b)
         error = float((low(torch.tensor([prompt + a[:2]])).logits[0, -1].float() - logits).abs().max())
         assert flip["error"] == pytest.approx(error) and flip["rounding"] == (flip["gap"] <= 2 * error)
         worst = a[:2] + [int(logits.argmin())] + a[3:]
         assert not bench.divergence(master, low, prompt, a, worst)["rounding"]
+        assert bench.divergence(master, low, prompt, worst, b)["fp32_best"] == "neither"
+
+
+def test_streams_equal_in_fp32_are_counted_apart(bench):
+    """The measured H200 row (64 streams, k = 1: 1 identical, 61 bf16 near-ties, 2 past the near-tie bound):
+    flagged while nothing reruns in fp32; not flagged once both engines' fp32 runs of those 2 agree."""
+    row = dict(identical_streams=1, rounding_streams=61)
+    assert bench.same_text(row, 64) == "1/64 (+61 bf16 near-ties)"
+    assert bench.differ(1, 64, 61) == " **OUTPUTS DIFFER (2/64)**"
+    row["fp32_equal_streams"] = 2
+    assert bench.same_text(row, 64) == "1/64 (+61 bf16 near-ties, +2 equal in fp32)"
+    assert bench.differ(1, 64, 61 + 2) == ""
+
+
+def test_streams_past_the_near_tie_bound_are_rerun_in_fp32(bench, monkeypatch):
+    """A bf16 engine round whose streams all count as past the near-tie bound (``divergence`` stubbed so):
+    both engines run again in fp32 (the fp32 target and draft), where the lossless speculative engine gives
+    plain decoding's tokens, so every such stream is counted equal in fp32 and the row is not flagged."""
+    import copy
+    import types
+
+    import numpy as np
+    import torch
+
+    import openk3
+    from openk3.model.draft import DraftConfig, build_draft, feature_layers
+    from openk3.presets import k3_shaped
+
+    master = openk3.build_model(k3_shaped(4, vocab_size=64), seed=0).eval()
+    cfg = master.language_model.config
+    exact = build_draft(cfg, DraftConfig(feature_layers(4), 64, cfg.hidden_size, 4), seed=1).eval()
+    model, draft = copy.deepcopy(master).to(torch.bfloat16), copy.deepcopy(exact).to(torch.bfloat16)
+    val = types.SimpleNamespace(tokens_N=np.arange(40, dtype=np.uint16) % 64, num_tokens=40)
+    args = bench.parse_args(["--target", "r", "--streams", "3", "--engine-ks", "2", "--prompt-len", "4"])
+    args.new_tokens = 5
+    stub = {"position": 0, "gap": 1.0, "error": 0.0, "rounding": False, "fp32_best": "first"}
+    monkeypatch.setattr(bench, "divergence", lambda *a: dict(stub))
+    clock = bench.Clock(None)
+    with torch.no_grad():
+        row = bench.engine_throughput(model, master, draft, exact, val, args, torch.device("cpu"), clock)
+    spec = row[3]["speculative"][2]
+    assert spec["identical_streams"] == 0 and spec["rounding_streams"] == 0
+    assert spec["fp32_equal_streams"] == 3
+    assert bench.differ(0, 3, spec["rounding_streams"] + spec["fp32_equal_streams"]) == ""

@@ -114,7 +114,9 @@ class LLMEngine:
         # the static decode step's padding rows keep their KDA state in pages past the pool's
         scratch = tuple(range(num_blocks, num_blocks + layout.state_pages)) if static else ()
         self.storage = CacheStorage(layout, num_blocks + len(scratch), device)
-        self.kv = KVCacheManager(self.pool, self.storage, cc)
+        # a draft's chain runs its full k up to the last token: its positions past max_tokens are reserved
+        lookahead = 0 if draft is None else num_speculative_tokens
+        self.kv = KVCacheManager(self.pool, self.storage, cc, lookahead)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         graphs = spec_graphs = None
         args = (

@@ -2,9 +2,10 @@
 
 Per running request it keeps an append-only ``block_table`` (MLA latent blocks, one per ``bs`` tokens), a
 ``state_slot`` (the pages of the request's own running KDA state) and a reservation: the blocks it may
-still allocate before ``max_tokens``. Admission reserves the worst case, so a running request can never
-run out of blocks and no preemption is needed (a simpler, more conservative policy than vLLM's
-recompute preemption; ``docs/references.md#token-budgets``).
+still allocate before ``max_tokens`` (plus ``lookahead_tokens``: the drafts a speculative step verifies
+past the request's last token, latents written then dropped). Admission reserves the worst case, so a
+running request can never run out of blocks and no preemption is needed (a simpler, more conservative
+policy than vLLM's recompute preemption; ``docs/references.md#token-budgets``).
 
 Reservation invariant: ``Σ reserved ≤ pool.num_free_blocks`` (free blocks include evictable cached ones,
 so "free plus evictable" is what admission compares against).
@@ -49,8 +50,15 @@ class AdmissionPlan:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, storage: CacheStorage, config: CacheConfig) -> None:
+    def __init__(
+        self, pool: BlockPool, storage: CacheStorage, config: CacheConfig, lookahead_tokens: int = 0
+    ) -> None:
+        """``lookahead_tokens``: positions past ``max_tokens`` a request may write (an engine with a draft: its
+        default ``k``, so a speculative step near the end still verifies a full chain)."""
+        if lookahead_tokens < 0:
+            raise ValueError(f"lookahead_tokens must be ≥ 0, got {lookahead_tokens}")
         self.pool, self.storage, self.config = pool, storage, config
+        self.lookahead_tokens = lookahead_tokens
         self.block_size = config.block_size
         self.state_pages = storage.layout.state_pages
         self.block_tables: dict[str, list[int]] = {}
@@ -83,8 +91,9 @@ class KVCacheManager:
         return self.pool.num_free_blocks - sum(self.reserved.values())
 
     def max_blocks(self, request: Request) -> int:
-        """MLA blocks a request holds at most: its last sampled token is never computed."""
-        return math.ceil((request.max_num_tokens - 1) / self.block_size)
+        """MLA blocks a request holds at most: its last sampled token is never computed, the lookahead's
+        drafts may be."""
+        return math.ceil((request.max_num_tokens - 1 + self.lookahead_tokens) / self.block_size)
 
     def check_fits_pool(self, request: Request) -> None:
         """Raise ``ValueError`` when the request could not run even in an empty pool."""

@@ -22,9 +22,13 @@
   beyond ``num_computed_tokens`` and are overwritten before their block is full, so no block the prefix
   cache can hand out ever holds them.
 
-``k`` per request: ``SamplingParams.num_speculative_tokens`` (``None``: the engine's default), capped so
-that the chain never runs past ``max_tokens`` (the blocks written stay inside the admission reservation);
-``0``, requests that ask for ``logprobs`` and requests with one token left decode as usual.
+``k`` per request: ``SamplingParams.num_speculative_tokens`` (``None``: the engine's default). The chain
+may run past ``max_tokens``: admission reserves the engine's default ``k`` positions beyond it
+(:class:`~openk3.serve.kv_manager.KVCacheManager`'s ``lookahead_tokens``) and the scheduler drops the
+emitted tokens past the end, so every greedy decode of the default ``k`` joins the step's one static run up
+to its last token (a chain cut at the end would split the step into one run per ``k``, and the last token
+would take the paged forward); only a request's own larger ``k`` is cut to the reservation. ``0`` and
+requests that ask for ``logprobs`` decode as usual.
 
 Legend: ``B`` requests, ``T = k + 1`` verified tokens, ``F`` tapped features, ``L`` KDA layers.
 """
@@ -155,7 +159,8 @@ class SpeculativeDecoder:
         if st is None or st.g_11D is None:
             return 0
         k = self.k if sp.num_speculative_tokens is None else sp.num_speculative_tokens
-        return max(0, min(k, sp.max_tokens - len(r.output_token_ids) - 1))
+        left = sp.max_tokens - len(r.output_token_ids)  # ≥ 1: the chain writes positions up to left - 1 + k
+        return min(k, left - 1 + self.kv.lookahead_tokens)
 
     def decode(self, chunks, sampled: dict) -> list:
         """Run the speculative decodes of ``chunks`` (``sampled[id]`` = the list of emitted tokens); return the
