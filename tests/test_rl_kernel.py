@@ -151,7 +151,10 @@ def test_honest_kernel_at_expert_speed_scores_about_half(evaluator):
     result = evaluator.evaluate(honest)
     assert result.correct and not result.hacks
     assert 0.3 < result.reward < 0.75, result
-    assert result.t_roof < result.t_expert
+    # The roof is a copy of the same bytes, so a memory-bound kernel cannot beat it by much: a roof well
+    # above the expert's time would mean a mismeasured machine. On a CPU the two are close (a fused
+    # RMSNorm is one read and one write, like the copy), so allow a quarter for timer noise under load.
+    assert 0.05 * result.t_expert < result.t_roof < 1.25 * result.t_expert, result
 
 
 def test_wrong_kernel_scores_zero_and_speed_curve(evaluator):

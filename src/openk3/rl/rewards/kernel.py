@@ -44,7 +44,7 @@ import statistics
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -115,14 +115,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_machine(device: torch.device, copy_bytes: float, matmul_n: int = 512) -> Machine:
+def measure_machine(device: torch.device, copy_bytes: float, matmul_n: int = 512, repeats: int = 20) -> Machine:
     """Bandwidth (a copy reading and writing ``copy_bytes`` in all: the task's own working set, so the
-    cache level it fits in sets the roof) and FLOP/s (an ``n×n`` float32 matmul), best of 5."""
+    cache level it fits in sets the roof) and FLOP/s (an ``n×n`` float32 matmul), best of ``repeats``
+    after one untimed round (the destination's first touch pays its page faults). The minimum, not the
+    median: noise from other processes only ever slows a copy down."""
     src = torch.empty(max(1, int(copy_bytes // 8)), device=device).uniform_()
     dst = torch.empty_like(src)
     a = torch.randn(matmul_n, matmul_n, device=device)
+    dst.copy_(src)
+    torch.mm(a, a)
     copies, mms = [], []
-    for _ in range(5):
+    for _ in range(repeats):
         synchronize(device)
         t0 = _PERF_COUNTER()
         dst.copy_(src)
@@ -297,18 +301,22 @@ class KernelEvaluator:
         expert_err = _error(self.task.expert(*inputs), exact)
         return exact, expert_err
 
-    def time(self, fn: Callable, inputs) -> float:
-        """Median seconds of ``fn(*inputs)`` with the device synchronised around each call."""
+    def time(self, fns: Sequence[Callable], inputs) -> list[float]:
+        """Median seconds of each ``fn(*inputs)``, the device synchronised around each call. The functions
+        take turns call by call, so a burst of load from other processes slows all of them alike and their
+        ratio (which the reward is made of) holds."""
         for _ in range(self.config.warmup):
-            fn(*inputs)
-        times = []
+            for fn in fns:
+                fn(*inputs)
+        times: list[list[float]] = [[] for _ in fns]
         for _ in range(self.config.repeats):
-            synchronize(self.device)
-            t0 = _PERF_COUNTER()
-            fn(*inputs)
-            synchronize(self.device)
-            times.append(_PERF_COUNTER() - t0)
-        return statistics.median(times)
+            for fn, ts in zip(fns, times):
+                synchronize(self.device)
+                t0 = _PERF_COUNTER()
+                fn(*inputs)
+                synchronize(self.device)
+                ts.append(_PERF_COUNTER() - t0)
+        return [statistics.median(ts) for ts in times]
 
     def roofline(self, shape) -> float:
         return max(
@@ -326,8 +334,7 @@ class KernelEvaluator:
         if hacks:
             return KernelResult(0.0, "incorrect" not in hacks, sorted(set(hacks)), detail="runtime")
         inputs = self._inputs(self.task.timing_shape)
-        t = self.time(fn, inputs)
-        t_e = self.time(self.task.expert, inputs)
+        t, t_e = self.time((fn, self.task.expert), inputs)
         t_roof = self.roofline(self.task.timing_shape)
         return KernelResult(speed_reward(t, t_e, t_roof), True, [], t, t_e, t_roof)
 
