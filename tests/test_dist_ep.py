@@ -164,8 +164,9 @@ def test_ep_dispatchers_equal_dense_moe_world4():
 
 
 @pytest.mark.gpu
-def test_ep_dispatchers_equal_dense_moe_nccl():
-    reason = nccl_world_available(2)
+@pytest.mark.parametrize("world", [2, 4, 8])  # 16 experts: 8, 4 and 2 per rank
+def test_ep_dispatchers_equal_dense_moe_nccl(world):
+    reason = nccl_world_available(world)
     if reason:
         pytest.skip(reason)
-    _check(run_world(_ep_world, 2, "nccl", backend="nccl", timeout=180))
+    _check(run_world(_ep_world, world, "nccl", backend="nccl", timeout=180))

@@ -151,7 +151,7 @@ def test_fsdp_steps_equal_one_process_world4():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_fsdp_steps_equal_one_process_nccl(world):
     reason = nccl_world_available(world)
     if reason:

@@ -86,3 +86,31 @@ def launch(nproc_per_node: int, argv: list[str]) -> int:
         print(f"openk3: {e.sigval.name} received: the {nproc_per_node} ranks were stopped", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
+
+
+def run_bounded(command: list[str], timeout_s: float) -> tuple[int | None, str]:
+    """Run ``command`` (a launcher and the ranks it starts) in its own session, stdout and stderr together;
+    return ``(exit status, output)``, the status ``None`` when it ran past ``timeout_s`` seconds. On timeout,
+    on an exception or when this process gets SIGTERM (``timeout`` stopping a benchmark), the whole session
+    gets SIGKILL, so no rank is left holding a device."""
+    import signal
+    import subprocess
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -20,6 +20,9 @@ are packed into one row (a document each) and split over the group by the layout
 (:mod:`openk3.dist.context_parallel`), so a context length of the progressive schedule may be ``C`` times what
 one rank holds. The loss on a rank is the mean over its tokens (all ranks hold as many), and FSDP averages
 the gradients over ``dp_shard·cp``, so the step is the single-process one.
+
+The loop's setup (:func:`build_training`) and step (:func:`train_step`) are functions of their own, so
+``benchmarks/dist_scaling.py`` times exactly the step this loop takes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -173,6 +177,70 @@ def check_context_lengths(context_schedule, cp: int, layout: str) -> None:
         )
 
 
+@dataclass
+class DistributedTraining:
+    """What one rank trains with: the sharded model, its optimizer, the balancer over the data group
+    (``None`` without experts or with ``balance="none"``) and the CP seam (``None`` at ``cp = 1``)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    balancer: QuantileBalancer | None
+    context: ContextParallel | None
+    device: torch.device
+
+
+def build_training(
+    config,
+    model_config,
+    dims: ParallelDims,
+    device: torch.device,
+    ep_dispatcher: str = "alltoall",
+    cp_layout: str = "contiguous",
+) -> DistributedTraining:
+    """Meshes, sharded ``model_config`` (bf16 parameters on CUDA, fp32 on the CPU; QAT when ``config.qat``),
+    context parallelism, sharded optimizer and balancer with ``config``'s seed, learning rate, weight decay
+    and balancing, on the initialised world; every rank calls it."""
+    meshes = build_meshes(dims, device.type)
+    param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_sharded_model(
+        model_config, meshes, device, seed=config.seed, param_dtype=param_dtype, ep_dispatcher=ep_dispatcher
+    )
+    if config.qat:  # every routed-experts module, expert-parallel ones included
+        enable_qat(model, config.qat)
+    context = apply_context_parallel(model, meshes.cp_group, cp_layout) if dims.cp > 1 else None
+    optimizer = build_sharded_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    balancer = None
+    if config.balance != "none" and text_config_of(model_config).num_experts:
+        balancer = QuantileBalancer(model, method=config.balance, process_group=data_process_group(meshes))
+    return DistributedTraining(model, optimizer, balancer, context, device)
+
+
+def train_step(
+    run: DistributedTraining, x_BT: torch.Tensor, y_BT: torch.Tensor, grad_accum: int, grad_clip: float
+) -> tuple[float, float, dict]:
+    """One optimizer step on this rank's rows ``x_BT, y_BT [B, T]`` (int64, on any device) in ``grad_accum``
+    micro-batches; returns ``(loss, grad_norm, balancer stats)``, the loss averaged over the world (two host
+    syncs: the gradient norm and the loss). Under CP a micro-batch's rows are packed into one row (a document
+    each) and split over the group; every rank of a CP group passes the same rows."""
+    model, device, context = run.model, run.device, run.context
+    run.optimizer.zero_grad(set_to_none=True)
+    local = torch.zeros((), device=device)
+    for x_mb, y_mb in zip(x_BT.chunk(grad_accum), y_BT.chunk(grad_accum), strict=True):
+        if context is not None:  # the rows packed into one, a document each, split over the group
+            b, T = x_mb.shape
+            plan = context.begin(list(range(0, b * T + 1, T)))
+            x_mb, y_mb = plan.shard(x_mb.reshape(1, b * T)), plan.shard(y_mb.reshape(1, b * T))
+        logits = model(x_mb.to(device)).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y_mb.to(device).flatten()) / grad_accum
+        loss.backward()
+        local += loss.detach()  # each MoE block counted its routing in the forward
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip)
+    stats = run.balancer.step() if run.balancer else {}
+    run.optimizer.step()
+    dist.all_reduce(local)
+    return local.item() / dist.get_world_size(), grad_norm, stats
+
+
 def train_distributed(
     config,
     dp_shard: int = -1,
@@ -208,19 +276,9 @@ def train_distributed(
 
     on_rank_zero(prepare_on_rank_zero)  # a bad --data is raised on every rank, not left to a collective
     data = prepare_data(config.data, val_fraction=config.val_fraction, progress=False, **prepare)
-    meshes = build_meshes(dims, device.type)
-    param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_sharded_model(
-        model_config, meshes, device, seed=config.seed, param_dtype=param_dtype, ep_dispatcher=ep_dispatcher
-    )
-    if config.qat:  # every routed-experts module, expert-parallel ones included
-        enable_qat(model, config.qat)
-    context = apply_context_parallel(model, meshes.cp_group, cp_layout) if cp > 1 else None
-    optimizer = build_sharded_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
+    run = build_training(config, model_config, dims, device, ep_dispatcher, cp_layout)
+    model, optimizer, balancer, context = run.model, run.optimizer, run.balancer, run.context
     peak = [g["lr"] for g in optimizer.param_groups]
-    balancer = None
-    if config.balance != "none" and text_config_of(model_config).num_experts:
-        balancer = QuantileBalancer(model, method=config.balance, process_group=data_process_group(meshes))
     data_ranks, data_rank = world // cp, rank // cp  # the cp ranks of one group are consecutive
     if config.batch_size % data_ranks:
         raise ValueError(
@@ -251,26 +309,10 @@ def train_distributed(
                 group["lr"] = lr * factor
             x_BT, y_BT = next(batches)
             mine = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
-            optimizer.zero_grad(set_to_none=True)
-            local = torch.zeros((), device=device)
-            for x_mb, y_mb in zip(x_BT[mine].chunk(config.grad_accum), y_BT[mine].chunk(config.grad_accum)):
-                if context is not None:  # the rows packed into one, a document each, split over the group
-                    b, T = x_mb.shape
-                    plan = context.begin(list(range(0, b * T + 1, T)))
-                    x_mb, y_mb = plan.shard(x_mb.reshape(1, b * T)), plan.shard(y_mb.reshape(1, b * T))
-                logits = model(x_mb.to(device)).logits
-                loss = (
-                    F.cross_entropy(logits.float().flatten(0, 1), y_mb.to(device).flatten())
-                    / config.grad_accum
-                )
-                loss.backward()
-                local += loss.detach()  # each MoE block counted its routing in the forward
-            grad_norm = clip_grad_norm_(model.parameters(), config.grad_clip)
-            stats = balancer.step() if balancer else {}
-            optimizer.step()
+            loss_value, grad_norm, stats = train_step(
+                run, x_BT[mine], y_BT[mine], config.grad_accum, config.grad_clip
+            )
             step += 1
-            dist.all_reduce(local)
-            loss_value = local.item() / world
             elapsed = time.perf_counter() - start
             ev = {}
             if step == config.steps:  # the reported result, as the single-process trainer's
