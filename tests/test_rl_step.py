@@ -179,9 +179,9 @@ def test_demo_mopd_prompts_balance_every_domain_and_effort_under_its_tag(tmp_pat
         DemoConfig(prompts_per_step=4)
 
 
-def test_demo_warm_start_keeps_what_the_experts_reward_scores_one(tmp_path):
-    """The warm start keeps an expert's sample when it stopped and is correct, and for medium and low only
-    within ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included)."""
+def test_demo_warm_start_keeps_stopped_samples_within_the_limit(tmp_path):
+    """The warm start keeps an expert's sample when it stopped, and for medium and low only within
+    ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included); right or wrong."""
     from openk3.rl.recipe import Demo, DemoConfig
     from openk3.rl.rewards.budget import ProblemBudget
     from openk3.rl.rollout import Segment, Trajectory
@@ -200,10 +200,11 @@ def test_demo_warm_start_keeps_what_the_experts_reward_scores_one(tmp_path):
         )
 
     assert all(demo.expert_keeps(traj(x), "high") for x in (high, medium, low))
-    assert not demo.expert_keeps(traj("|1457"), "high")  # wrong
+    assert demo.expert_keeps(traj("|1457"), "high") and demo.expert_keeps(traj("|1457"), "low")  # wrong
     assert not demo.expert_keeps(traj(low, "length", stop=False), "high")  # cut off
     assert demo.expert_keeps(traj(medium), "medium") and not demo.expert_keeps(traj(high), "medium")
     assert demo.expert_keeps(traj(low), "low") and not demo.expert_keeps(traj(medium), "low")
+    assert not demo.expert_keeps(traj("c:111|1457"), "low")  # wrong and over the low limit
 
 
 def test_demo_sft_set_holds_no_rl_or_held_out_problem(tmp_path):

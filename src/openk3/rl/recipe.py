@@ -8,8 +8,8 @@
    train with the budget reward at the effort's ``τ``.
 3. **Sequence-level distillation warm start** (Kim & Rush arXiv 1606.07947; the off-policy stage before
    on-policy distillation in Qwen3 arXiv 2505.09388 and Thinking Machines' "On-Policy Distillation"): each
-   expert samples its training prompts, the samples its own reward scores 1 (correct, and within its
-   budget for medium and low) are kept with the expert's effort tag, and the student, the SFT base, is
+   expert samples its training prompts, the samples that stopped (within its budget for medium and low;
+   right or wrong) are kept with the expert's effort tag, and the student, the SFT base, is
    fine-tuned on them, balanced over (domain, effort), so that it starts MOPD following the tag.
 4. **MOPD**: the warm-started student samples every (domain, effort) equally often; each token is rewarded
    by the clipped log-ratio against the teacher of that (domain, effort).
@@ -433,10 +433,16 @@ class Demo:
 
     def expert_keeps(self, t: Trajectory, effort: str) -> bool:
         """Whether the warm start keeps the expert sample ``t`` (``meta["problem"]`` set) of ``effort``: it
-        stopped, and the expert's own final reward scores it 1: correct, and for medium and low no longer
-        than ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ (a problem without ``b0`` has no limit)."""
-        tau = None if effort == "high" else self.cfg.efforts.tau(effort)
-        return t.finish_reason == "stop" and self.outcome(t, tau, []) == 1.0
+        stopped and, for medium and low, is no longer than ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ
+        (a problem without ``b0`` has no limit). Correctness is not asked: the student is to match each
+        teacher, errors included (sequence-level distillation keeps the teacher's outputs as they are). With
+        the RL problems outside the SFT set the medium and low experts answer few of them correctly, and
+        keeping only correct samples left 19–49 of 384, on the few problems they solve: the student
+        learned those problems' short answers, not the tag (``docs/LOG.md``)."""
+        if t.finish_reason != "stop":
+            return False
+        b = None if effort == "high" else self.budgets.get(t.meta["problem"].id)
+        return b is None or t.num_generated <= budget_limit(b, self.cfg.efforts.tau(effort))
 
     def mopd_prompts(self, rng: random.Random) -> tuple[list[list[int]], list[dict]]:
         """One MOPD step's prompts and metas: every (domain, effort) ``prompts_per_step / 6`` times, each
@@ -452,8 +458,7 @@ class Demo:
     def stage_distill(self, base, experts) -> torch.nn.Module:
         """The student's warm start: ``base`` fine-tuned on the experts' own samples. Each expert samples
         ``distill_samples`` responses per training problem at its effort tag (temperature 1); a sample is
-        kept when it stopped and the expert's own final reward scores it 1 (correct; within
-        ``max(⌊τ·b0⌋, min_correct)`` for medium and low). Each (domain, effort)'s kept samples are resampled
+        kept when it stopped (within ``max(⌊τ·b0⌋, min_correct)`` for medium and low; :meth:`expert_keeps`). Each (domain, effort)'s kept samples are resampled
         to the largest count, so every tag weighs the same; then :func:`~openk3.rl.sft.sft` for
         ``distill_steps`` batches of ``sft_batch`` at ``distill_lr``. An expert with nothing to keep adds
         nothing (logged); with nothing kept at all the student is the SFT base."""
