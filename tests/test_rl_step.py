@@ -180,8 +180,8 @@ def test_demo_mopd_prompts_balance_every_domain_and_effort_under_its_tag(tmp_pat
 
 
 def test_demo_warm_start_keeps_stopped_samples_within_the_limit(tmp_path):
-    """The warm start keeps an expert's sample when it stopped, and for medium and low only within
-    ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included); right or wrong."""
+    """The warm start keeps an expert's sample when it stopped: at high effort when it is correct, at medium
+    and low when it is within ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included), right or wrong."""
     from openk3.rl.recipe import Demo, DemoConfig
     from openk3.rl.rewards.budget import ProblemBudget
     from openk3.rl.rollout import Segment, Trajectory
@@ -200,7 +200,7 @@ def test_demo_warm_start_keeps_stopped_samples_within_the_limit(tmp_path):
         )
 
     assert all(demo.expert_keeps(traj(x), "high") for x in (high, medium, low))
-    assert demo.expert_keeps(traj("|1457"), "high") and demo.expert_keeps(traj("|1457"), "low")  # wrong
+    assert not demo.expert_keeps(traj("|1457"), "high") and demo.expert_keeps(traj("|1457"), "low")  # wrong
     assert not demo.expert_keeps(traj(low, "length", stop=False), "high")  # cut off
     assert demo.expert_keeps(traj(medium), "medium") and not demo.expert_keeps(traj(high), "medium")
     assert demo.expert_keeps(traj(low), "low") and not demo.expert_keeps(traj(medium), "low")
@@ -222,8 +222,8 @@ def test_demo_sft_set_holds_no_rl_or_held_out_problem(tmp_path):
     texts = [tok.decode(prompt)[2:-1] for prompt, _ in examples]  # drop the effort and domain tags and "="
     assert not reserved & set(texts)
     assert {tok.decode(prompt)[1] for prompt, _ in examples} == {"A", "X"}
-    for (prompt, response), text in zip(examples, texts):  # each response solves its own prompt
-        a, op, b = (text.partition("+") if "+" in text else text.partition("*"))
+    for (_, response), text in zip(examples, texts):  # each response solves its own prompt
+        a, op, b = text.partition("+") if "+" in text else text.partition("*")
         answer = int(a) + int(b) if op == "+" else int(a) * int(b)
         assert response[-1] == tok.stop_id and tok.decode(response).endswith(f"|{answer}")
 
@@ -241,7 +241,9 @@ def test_demo_engine_runs_a_rollout_batch_at_once(tmp_path):
     engine = demo.engine(model, 1.0)
     active = {
         engine.submit(t): t
-        for t in [Trajectory(demo.tok.encode(p.prompt("high")), demo.cfg.max_tokens) for p in demo.train["add"] * 32]
+        for t in [
+            Trajectory(demo.tok.encode(p.prompt("high")), demo.cfg.max_tokens) for p in demo.train["add"] * 32
+        ]
     }
     done = engine.step(active)
     assert len(engine.engine.scheduler.running) + len(done) == 64

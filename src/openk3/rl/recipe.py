@@ -8,8 +8,8 @@
    train with the budget reward at the effort's ``τ``.
 3. **Sequence-level distillation warm start** (Kim & Rush arXiv 1606.07947; the off-policy stage before
    on-policy distillation in Qwen3 arXiv 2505.09388 and Thinking Machines' "On-Policy Distillation"): each
-   expert samples its training prompts, the samples that stopped (within its budget for medium and low;
-   right or wrong) are kept with the expert's effort tag, and the student, the SFT base, is
+   expert samples its training prompts, the samples that stopped (correct for high; within the budget,
+   right or wrong, for medium and low) are kept with the expert's effort tag, and the student, the SFT base, is
    fine-tuned on them, balanced over (domain, effort), so that it starts MOPD following the tag.
 4. **MOPD**: the warm-started student samples every (domain, effort) equally often; each token is rewarded
    by the clipped log-ratio against the teacher of that (domain, effort).
@@ -71,8 +71,9 @@ class DemoConfig:
     did not rise after it (``docs/LOG.md``)."""
     distill_samples: int = 8
     """Samples per training problem from each expert for the warm start (before filtering)."""
-    distill_steps: int = 150
-    """At 300 steps the warm start's held-out accuracy and lengths per tag had settled by step 150."""
+    distill_steps: int = 300
+    """With the medium and low experts' wrong samples kept (:meth:`Demo.expert_keeps`) 150 steps left the
+    student at 0.60 / 0.44 high-effort accuracy against 0.81 / 0.46 at 300 (``docs/LOG.md``)."""
     distill_lr: float = 5e-4
     mopd_steps: int = 24
     prompts_per_step: int = 6
@@ -428,20 +429,24 @@ class Demo:
                 self.estimate_budgets(high, base, d)
             for e in ("medium", "low"):
                 with self.timed(f"rl-{d}-{e}"):
-                    experts[(d, e)] = self._rl(f"rl-{d}-{e}", base, d, e, cfg.effort_steps, cfg.efforts.tau(e))
+                    experts[(d, e)] = self._rl(
+                        f"rl-{d}-{e}", base, d, e, cfg.effort_steps, cfg.efforts.tau(e)
+                    )
         return experts
 
     def expert_keeps(self, t: Trajectory, effort: str) -> bool:
         """Whether the warm start keeps the expert sample ``t`` (``meta["problem"]`` set) of ``effort``: it
-        stopped and, for medium and low, is no longer than ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ
-        (a problem without ``b0`` has no limit). Correctness is not asked: the student is to match each
-        teacher, errors included (sequence-level distillation keeps the teacher's outputs as they are). With
-        the RL problems outside the SFT set the medium and low experts answer few of them correctly, and
-        keeping only correct samples left 19–49 of 384, on the few problems they solve: the student
-        learned those problems' short answers, not the tag (``docs/LOG.md``)."""
+        stopped; a high-effort sample when it is correct, a medium or low one when it is no longer than
+        ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ (a problem without ``b0`` has no limit), right or
+        wrong. With the RL problems outside the SFT set the medium and low experts answer few of them
+        correctly, and keeping only correct samples left 19–49 of 384, on the few problems they solve: the
+        student learned those problems' short answers, not the tag; keeping wrong high-effort samples as
+        well left a student that wrote neither format (``docs/LOG.md``)."""
         if t.finish_reason != "stop":
             return False
-        b = None if effort == "high" else self.budgets.get(t.meta["problem"].id)
+        if effort == "high":
+            return is_correct(t.meta["problem"], self.tok.decode(t.response_ids))
+        b = self.budgets.get(t.meta["problem"].id)
         return b is None or t.num_generated <= budget_limit(b, self.cfg.efforts.tau(effort))
 
     def mopd_prompts(self, rng: random.Random) -> tuple[list[list[int]], list[dict]]:
@@ -458,7 +463,8 @@ class Demo:
     def stage_distill(self, base, experts) -> torch.nn.Module:
         """The student's warm start: ``base`` fine-tuned on the experts' own samples. Each expert samples
         ``distill_samples`` responses per training problem at its effort tag (temperature 1); a sample is
-        kept when it stopped (within ``max(⌊τ·b0⌋, min_correct)`` for medium and low; :meth:`expert_keeps`). Each (domain, effort)'s kept samples are resampled
+        kept when it stopped (correct for high; within ``max(⌊τ·b0⌋, min_correct)`` for medium and low;
+        :meth:`expert_keeps`). Each (domain, effort)'s kept samples are resampled
         to the largest count, so every tag weighs the same; then :func:`~openk3.rl.sft.sft` for
         ``distill_steps`` batches of ``sft_batch`` at ``distill_lr``. An expert with nothing to keep adds
         nothing (logged); with nothing kept at all the student is the SFT base."""
