@@ -3,6 +3,7 @@ drops its rollout and training continues, the engine gets the new weights; the d
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -178,9 +179,9 @@ def test_demo_mopd_prompts_balance_every_domain_and_effort_under_its_tag(tmp_pat
         DemoConfig(prompts_per_step=4)
 
 
-def test_demo_warm_start_keeps_what_the_experts_reward_scores_one(tmp_path):
-    """The warm start keeps an expert's sample when it stopped and is correct, and for medium and low only
-    within ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included)."""
+def test_demo_warm_start_keeps_stopped_samples_within_the_limit(tmp_path):
+    """The warm start keeps an expert's sample when it stopped: at high effort when it is correct, at medium
+    and low when it is within ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included), right or wrong."""
     from openk3.rl.recipe import Demo, DemoConfig
     from openk3.rl.rewards.budget import ProblemBudget
     from openk3.rl.rollout import Segment, Trajectory
@@ -199,10 +200,56 @@ def test_demo_warm_start_keeps_what_the_experts_reward_scores_one(tmp_path):
         )
 
     assert all(demo.expert_keeps(traj(x), "high") for x in (high, medium, low))
-    assert not demo.expert_keeps(traj("|1457"), "high")  # wrong
+    assert not demo.expert_keeps(traj("|1457"), "high") and demo.expert_keeps(traj("|1457"), "low")  # wrong
     assert not demo.expert_keeps(traj(low, "length", stop=False), "high")  # cut off
     assert demo.expert_keeps(traj(medium), "medium") and not demo.expert_keeps(traj(high), "medium")
     assert demo.expert_keeps(traj(low), "low") and not demo.expert_keeps(traj(medium), "low")
+    assert not demo.expert_keeps(traj("c:111|1457"), "low")  # wrong and over the low limit
+
+
+def test_demo_sft_set_holds_no_rl_or_held_out_problem(tmp_path):
+    """The SFT examples are ``sft_steps × sft_batch`` problems none of which is an RL training or held-out
+    problem, both domains present; the training and held-out sets are disjoint."""
+    from openk3.rl.recipe import Demo, DemoConfig
+
+    cfg = DemoConfig(sft_steps=50, sft_batch=16, train_problems=48, eval_problems=48)
+    demo = Demo(cfg, tmp_path)
+    tok = demo.tok
+    reserved = {p.text for ps in (*demo.train.values(), *demo.eval.values()) for p in ps}
+    assert len(reserved) == 4 * 48
+    examples = demo.sft_examples()
+    assert len(examples) == 50 * 16
+    texts = [tok.decode(prompt)[2:-1] for prompt, _ in examples]  # drop the effort and domain tags and "="
+    assert not reserved & set(texts)
+    assert {tok.decode(prompt)[1] for prompt, _ in examples} == {"A", "X"}
+    for (_, response), text in zip(examples, texts):  # each response solves its own prompt
+        a, op, b = text.partition("+") if "+" in text else text.partition("*")
+        answer = int(a) + int(b) if op == "+" else int(a) * int(b)
+        assert response[-1] == tok.stop_id and tok.decode(response).endswith(f"|{answer}")
+
+
+def test_demo_engine_runs_a_rollout_batch_at_once(tmp_path):
+    """The demo's rollout engine runs 128 requests of the depth-4 model at once (admitted over two steps:
+    64 first prefill chunks of 8 tokens fill the 512-token budget): each holds its KDA state pages besides
+    its latent blocks, and a pool of 1,024 blocks had room for 16."""
+    import openk3
+    from openk3.rl.recipe import Demo, DemoConfig
+    from openk3.rl.rollout import Trajectory
+
+    demo = Demo(DemoConfig(train_problems=4, eval_problems=1), tmp_path)
+    model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=demo.tok.vocab_size), seed=0)
+    engine = demo.engine(model, 1.0)
+    active = {
+        engine.submit(t): t
+        for t in [
+            Trajectory(demo.tok.encode(p.prompt("high")), demo.cfg.max_tokens) for p in demo.train["add"] * 32
+        ]
+    }
+    done = engine.step(active)
+    assert len(engine.engine.scheduler.running) + len(done) == 64
+    done += engine.step(active)
+    assert len(engine.engine.scheduler.running) + len(done) == 128  # some stop at their first token
+    assert not engine.engine.scheduler.waiting and not engine.pending
 
 
 def test_posttrain_cli_parses():
@@ -222,6 +269,12 @@ def test_demo_quick_runs_end_to_end(tmp_path):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     text = (tmp_path / "results.md").read_text()
     assert text.count("\n| add |") == 3 and text.count("\n| mul |") == 3
+    # the table's teacher and student columns are the last evaluations of those models: decoding again agrees
+    demo = Demo(cfg, tmp_path / "again")
+    saved = torch.load(tmp_path / "stages.pt", weights_only=False)
+    rows = {(r["domain"], r["effort"]): r for r in json.loads((tmp_path / "table.json").read_text())}
+    for (d, e), expert in saved["experts"].items():
+        assert demo.evaluate(expert, d, e) == rows[(d, e)]["teacher"]
     saved = torch.load(tmp_path / "stages.pt", weights_only=False)  # what mopd_ablation.py --stages loads
     assert sorted(saved["experts"]) == sorted((d, e) for d in DOMAINS for e in EFFORTS)
     assert isinstance(saved["warm"], torch.nn.Module)

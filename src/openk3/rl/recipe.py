@@ -8,8 +8,8 @@
    train with the budget reward at the effort's ``τ``.
 3. **Sequence-level distillation warm start** (Kim & Rush arXiv 1606.07947; the off-policy stage before
    on-policy distillation in Qwen3 arXiv 2505.09388 and Thinking Machines' "On-Policy Distillation"): each
-   expert samples its training prompts, the samples its own reward scores 1 (correct, and within its
-   budget for medium and low) are kept with the expert's effort tag, and the student, the SFT base, is
+   expert samples its training prompts, the samples that stopped (correct for high; within the budget,
+   right or wrong, for medium and low) are kept with the expert's effort tag, and the student, the SFT base, is
    fine-tuned on them, balanced over (domain, effort), so that it starts MOPD following the tag.
 4. **MOPD**: the warm-started student samples every (domain, effort) equally often; each token is rewarded
    by the clipped log-ratio against the teacher of that (domain, effort).
@@ -21,6 +21,7 @@ and effort, student against teacher (greedy decoding).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -65,10 +66,14 @@ class DemoConfig:
     sft_batch: int = 32
     sft_lr: float = 2e-3
     high_steps: int = 12
-    effort_steps: int = 24
+    effort_steps: int = 16
+    """At 24 steps the medium and low experts' held-out lengths had settled by step 16 and their accuracy
+    did not rise after it (``docs/LOG.md``)."""
     distill_samples: int = 8
     """Samples per training problem from each expert for the warm start (before filtering)."""
     distill_steps: int = 300
+    """With the medium and low experts' wrong samples kept (:meth:`Demo.expert_keeps`) 150 steps left the
+    student at 0.60 / 0.44 high-effort accuracy against 0.81 / 0.46 at 300 (``docs/LOG.md``)."""
     distill_lr: float = 5e-4
     mopd_steps: int = 24
     prompts_per_step: int = 6
@@ -168,8 +173,11 @@ def mopd_dense_reward(
 
 
 def engine_config(max_tokens: int) -> EngineConfig:
+    """The rollout engine's sizes: 128 sequences decode together. Each running request holds its KDA state
+    (55 pages of 2 KiB at depth 4) besides its latent blocks, so the pool is sized in MiB: at 1,024 blocks
+    only 16 requests fit and a batch of rollouts ran in waves of 16 (4× slower, ``docs/LOG.md``)."""
     return EngineConfig(
-        CacheConfig(block_size=8, num_blocks=1024, checkpoint_interval=1),
+        CacheConfig(block_size=8, pool_mib=48.0, checkpoint_interval=1),
         SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=128, long_prefill_token_threshold=64,
                         max_model_len=64 + max_tokens),
     )  # fmt: skip
@@ -186,7 +194,13 @@ class Demo:
         self.eval = {d: self._unique(d, config.eval_problems, rng, seen) for d in DOMAINS}
         self.budgets = BudgetTable(config.rho)
         self.history: dict[str, list[dict]] = {}
+        self.evals: dict[str, dict[tuple[str, str], dict]] = {}
+        """The last held-out evaluation (:meth:`evaluate`) of each RL stage's model by stage name, per
+        (domain, effort): the table reads the experts' and the student's from here instead of decoding
+        them again."""
         self.log_lines: list[str] = []
+        self.seconds: dict[str, float] = {}
+        """Wall time of each stage (:meth:`timed`), in run order."""
 
     @staticmethod
     def _unique(domain, n, rng, seen) -> list[Problem]:
@@ -201,6 +215,14 @@ class Demo:
     def log(self, text: str) -> None:
         print(text, flush=True)
         self.log_lines.append(text)
+
+    @contextlib.contextmanager
+    def timed(self, name: str):
+        """Time the block as stage ``name`` into :attr:`seconds` and log it."""
+        t0 = time.monotonic()
+        yield
+        self.seconds[name] = time.monotonic() - t0
+        self.log(f"[time] {name} {self.seconds[name]:.0f} s")
 
     def engine(self, model, temperature: float) -> RolloutEngine:
         return RolloutEngine(
@@ -229,37 +251,34 @@ class Demo:
         }
 
     # ---- stages ----------------------------------------------------------------------------------------
+    def sft_examples(self) -> list[tuple[list[int], list[int]]]:
+        """``sft_steps × sft_batch`` (prompt ids, response ids + stop) pairs, one per problem drawn (domains
+        uniform; a mul problem may repeat, there are only 7,200), none of them an RL training or held-out
+        problem: the experts then meet their problems for the first time in RL and must learn a method
+        rather than recall a memorised answer (with the RL problems in the SFT set the medium and low
+        experts kept memorised short answers, ``docs/LOG.md``). Each problem is written at a random effort
+        under an independently random tag: the base cannot follow the tag yet."""
+        cfg = self.cfg
+        rng = random.Random(cfg.seed + 1)
+        reserved = {p.id for ps in (*self.train.values(), *self.eval.values()) for p in ps}
+        examples = []
+        while len(examples) < cfg.sft_steps * cfg.sft_batch:
+            p = sample_problem(rng.choice(DOMAINS), rng)
+            if p.id in reserved:
+                continue
+            examples.append(
+                (
+                    self.tok.encode(p.prompt(rng.choice(EFFORTS))),
+                    self.tok.encode(solution(p, rng.choice(EFFORTS))) + [self.tok.stop_id],
+                )
+            )
+        return examples
+
     def stage_sft(self) -> torch.nn.Module:
         cfg = self.cfg
         text = openk3.presets.k3_shaped(cfg.depth, vocab_size=self.tok.vocab_size)
         model = openk3.build_model(text, seed=cfg.seed)
-        rng = random.Random(cfg.seed + 1)
-        examples = []
-        for d in DOMAINS:
-            for p in self.train[d]:
-                for tag in EFFORTS:
-                    written = rng.choice(EFFORTS)  # the tag does not decide the format yet
-                    examples.append(
-                        (
-                            self.tok.encode(p.prompt(tag)),
-                            self.tok.encode(solution(p, written)) + [self.tok.stop_id],
-                        )
-                    )
-        # more problems than the RL pool, so the base learns arithmetic, not a lookup table
-        extra = random.Random(cfg.seed + 2)
-        held = {p.id for ps in self.eval.values() for p in ps}
-        while len(examples) < 40 * len(DOMAINS) * cfg.train_problems:
-            d = extra.choice(DOMAINS)
-            p = sample_problem(d, extra)
-            if p.id in held:
-                continue
-            examples.append(
-                (
-                    self.tok.encode(p.prompt(extra.choice(EFFORTS))),
-                    self.tok.encode(solution(p, extra.choice(EFFORTS))) + [self.tok.stop_id],
-                )
-            )
-        t0 = time.monotonic()
+        examples = self.sft_examples()
         hist = []
         every = max(1, cfg.sft_steps // 6)
 
@@ -284,7 +303,6 @@ class Demo:
         )
         model.eval()
         self.history["sft"] = hist
-        self.log(f"[sft] {time.monotonic() - t0:.0f} s")
         return model
 
     def _rl(self, name: str, init, domain: str, effort: str, steps: int, tau: float | None):
@@ -311,6 +329,7 @@ class Demo:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
                 model.eval()
                 ev = self.evaluate(model, domain, effort)
+                self.evals[name] = {(domain, effort): ev}
                 row.update(accuracy=ev["accuracy"], eval_length=ev["length"], formats=ev["formats"])
                 model.train()
             hist.append(row)
@@ -403,19 +422,32 @@ class Demo:
         and fall to short wrong answers (``docs/LOG.md``)."""
         cfg, experts = self.cfg, {}
         for d in DOMAINS:
-            high = self._rl(f"rl-{d}-high", base, d, "high", cfg.high_steps, None)
+            with self.timed(f"rl-{d}-high"):
+                high = self._rl(f"rl-{d}-high", base, d, "high", cfg.high_steps, None)
             experts[(d, "high")] = high
-            self.estimate_budgets(high, base, d)
+            with self.timed(f"budget-{d}"):
+                self.estimate_budgets(high, base, d)
             for e in ("medium", "low"):
-                experts[(d, e)] = self._rl(f"rl-{d}-{e}", base, d, e, cfg.effort_steps, cfg.efforts.tau(e))
+                with self.timed(f"rl-{d}-{e}"):
+                    experts[(d, e)] = self._rl(
+                        f"rl-{d}-{e}", base, d, e, cfg.effort_steps, cfg.efforts.tau(e)
+                    )
         return experts
 
     def expert_keeps(self, t: Trajectory, effort: str) -> bool:
         """Whether the warm start keeps the expert sample ``t`` (``meta["problem"]`` set) of ``effort``: it
-        stopped, and the expert's own final reward scores it 1: correct, and for medium and low no longer
-        than ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ (a problem without ``b0`` has no limit)."""
-        tau = None if effort == "high" else self.cfg.efforts.tau(effort)
-        return t.finish_reason == "stop" and self.outcome(t, tau, []) == 1.0
+        stopped; a high-effort sample when it is correct, a medium or low one when it is no longer than
+        ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ (a problem without ``b0`` has no limit), right or
+        wrong. With the RL problems outside the SFT set the medium and low experts answer few of them
+        correctly, and keeping only correct samples left 19–49 of 384, on the few problems they solve: the
+        student learned those problems' short answers, not the tag; keeping wrong high-effort samples as
+        well left a student that wrote neither format (``docs/LOG.md``)."""
+        if t.finish_reason != "stop":
+            return False
+        if effort == "high":
+            return is_correct(t.meta["problem"], self.tok.decode(t.response_ids))
+        b = self.budgets.get(t.meta["problem"].id)
+        return b is None or t.num_generated <= budget_limit(b, self.cfg.efforts.tau(effort))
 
     def mopd_prompts(self, rng: random.Random) -> tuple[list[list[int]], list[dict]]:
         """One MOPD step's prompts and metas: every (domain, effort) ``prompts_per_step / 6`` times, each
@@ -431,8 +463,8 @@ class Demo:
     def stage_distill(self, base, experts) -> torch.nn.Module:
         """The student's warm start: ``base`` fine-tuned on the experts' own samples. Each expert samples
         ``distill_samples`` responses per training problem at its effort tag (temperature 1); a sample is
-        kept when it stopped and the expert's own final reward scores it 1 (correct; within
-        ``max(⌊τ·b0⌋, min_correct)`` for medium and low). Each (domain, effort)'s kept samples are resampled
+        kept when it stopped (correct for high; within ``max(⌊τ·b0⌋, min_correct)`` for medium and low;
+        :meth:`expert_keeps`). Each (domain, effort)'s kept samples are resampled
         to the largest count, so every tag weighs the same; then :func:`~openk3.rl.sft.sft` for
         ``distill_steps`` batches of ``sft_batch`` at ``distill_lr``. An expert with nothing to keep adds
         nothing (logged); with nothing kept at all the student is the SFT base."""
@@ -476,10 +508,8 @@ class Demo:
                 + " ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
             )
 
-        t0 = time.monotonic()
         sft(model, examples, cfg.distill_steps, cfg.sft_batch, cfg.distill_lr, cfg.seed + 5, on_eval, every)
         self.history["distill"] = hist
-        self.log(f"[distill] {time.monotonic() - t0:.0f} s")
         return model.eval()
 
     def stage_mopd(
@@ -523,6 +553,7 @@ class Demo:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.mopd_steps:
                 model.eval()
                 evs = {(d, e): self.evaluate(model, d, e) for d in DOMAINS for e in EFFORTS}
+                self.evals[name] = evs
                 row["accuracy"] = sum(v["accuracy"] for v in evs.values()) / len(evs)
                 for e in EFFORTS:  # does the length follow the tag?
                     row[f"eval_length_{e}"] = sum(evs[(d, e)]["length"] for d in DOMAINS) / len(DOMAINS)
@@ -579,10 +610,10 @@ class Demo:
             fig.savefig(self.out / f"{name}.png", dpi=80)
             plt.close(fig)
 
-    def table(self, experts, student) -> str:
+    def table(self, teachers: dict[tuple[str, str], dict], student: dict[tuple[str, str], dict]) -> str:
         """Held-out greedy accuracy, mean length and the formats written (fractions high/medium/low), teacher
-        of each (domain, effort) against the student under that effort's tag; Δ is student − teacher
-        accuracy in points."""
+        of each (domain, effort) against the student under that effort's tag, from their evaluations
+        (:meth:`evaluate` results per (domain, effort)); Δ is student − teacher accuracy in points."""
         lines = [
             "| domain | effort | teacher acc | teacher len | teacher formats h/m/l | student acc | student len "
             "| student formats h/m/l | Δ acc (points) |",
@@ -595,8 +626,7 @@ class Demo:
 
         for d in DOMAINS:
             for e in EFFORTS:
-                t = self.evaluate(experts[(d, e)], d, e)
-                s = self.evaluate(student, d, e)
+                t, s = teachers[(d, e)], student[(d, e)]
                 rows.append({"domain": d, "effort": e, "teacher": t, "student": s})
                 lines.append(
                     f"| {d} | {e} | {t['accuracy']:.2f} | {t['length']:.1f} | {formats(t)} | {s['accuracy']:.2f} "
@@ -610,27 +640,34 @@ class Demo:
         there (``torch.save`` of ``{"warm", "experts"}``, what ``benchmarks/mopd_ablation.py --stages``
         loads)."""
         t0 = time.monotonic()
-        base = self.stage_sft()
+        with self.timed("sft"):
+            base = self.stage_sft()
         experts = self.stage_experts(base)
-        warm = self.stage_distill(base, experts)
+        with self.timed("distill"):
+            warm = self.stage_distill(base, experts)
         if stages is not None:
             torch.save({"warm": warm, "experts": experts}, stages)
-        student = self.stage_mopd(warm, experts)
-        return self.write_outputs(experts, student, time.monotonic() - t0)
+        with self.timed("mopd"):
+            self.stage_mopd(warm, experts)
+        return self.write_outputs(time.monotonic() - t0)
 
-    def write_outputs(self, experts, student, seconds: float) -> str:
-        """The table (:meth:`table`, its evaluations count in the wall time), plots, ``results.md``,
-        ``history.json`` and ``log.txt`` in the output directory; ``seconds``: the pipeline's time so far."""
-        t0 = time.monotonic()
-        table = self.table(experts, student)
-        wall = seconds + time.monotonic() - t0
+    def write_outputs(self, seconds: float) -> str:
+        """The table (:meth:`table`: each expert's and the MOPD student's last evaluation, ``self.evals``),
+        plots, ``results.md``, ``history.json`` and ``log.txt`` in the output directory; ``seconds``: the
+        pipeline's wall time."""
+        teachers = {(d, e): self.evals[f"rl-{d}-{e}"][(d, e)] for d in DOMAINS for e in EFFORTS}
+        table = self.table(teachers, self.evals["mopd"])
         self.plot()
         cfg = asdict(self.cfg)
         cfg["efforts"] = dict(self.cfg.efforts.taus)
-        text = f"# openk3 posttrain --recipe demo\n\nwall time {wall:.0f} s\n\nconfig: `{json.dumps(cfg)}`\n\n{table}\n"
+        stages = ", ".join(f"{k} {v:.0f}" for k, v in self.seconds.items())
+        text = (
+            f"# openk3 posttrain --recipe demo\n\nwall time {seconds:.0f} s (stages, s: {stages})\n\n"
+            f"config: `{json.dumps(cfg)}`\n\n{table}\n"
+        )
         (self.out / "results.md").write_text(text)
         (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
         (self.out / "log.txt").write_text("\n".join(self.log_lines) + "\n")
         self.log(table)
-        self.log(f"wall time {wall:.0f} s; outputs in {self.out}")
+        self.log(f"wall time {seconds:.0f} s; outputs in {self.out}")
         return table
