@@ -1,6 +1,7 @@
 """Bad input under torch's elastic agent: one ``openk3: error:`` line from rank 0, not one per rank, no rank
-left waiting in a collective, exit status 2; ``openk3 train --nproc-per-node`` adds nothing to that line,
-while plain torchrun's own report carries the message instead of a traceback."""
+left waiting in a collective, exit status 2 (under ``openk3 train --nproc-per-node`` the launcher prints that
+line, its ranks none, whichever rank the agent saw end first), while plain torchrun's own report carries the
+message instead of a traceback."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def test_torchrun_prints_a_bad_config_value_once(tmp_path):
 
 def test_ranks_other_than_0_record_bad_input_without_printing_it(tmp_path, monkeypatch, capsys):
     """Under the agent a rank other than 0 prints neither argparse's line nor a command's error (rank 0 prints
-    the same one); the error goes to its error file, where the launcher reads it."""
+    the same one; under openk3's own launcher no rank does); the error goes to its error file, where the
+    launcher reads it."""
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("RANK", "1")
@@ -84,6 +86,12 @@ def test_ranks_other_than_0_record_bad_input_without_printing_it(tmp_path, monke
     monkeypatch.setattr(cli, "cmd_info", ctrl_c)  # Ctrl-C reaches every rank: rank 0 alone says so
     assert main(["info"]) == 130 and capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(
+        "OPENK3_LAUNCHER", "1"
+    )  # started by `openk3 train --nproc-per-node`: rank 0 is silent too
+    assert main(["train", "--nproc-per-node", "2"]) == 2 and capsys.readouterr().err == ""
+    assert main(["info"]) == 130 and capsys.readouterr().err == ""
+    monkeypatch.delenv("OPENK3_LAUNCHER")  # plain torchrun: rank 0 prints
     assert main(["info"]) == 130 and capsys.readouterr().err == "openk3: interrupted\n"
     assert main(["train", "--nproc-per-node", "2"]) == 2
     assert capsys.readouterr().err == (
@@ -99,14 +107,19 @@ def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None, time
     return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(error_file))
 
 
-def test_failure_report_adds_a_line_only_when_rank_0_printed_none(tmp_path):
+def test_failure_report_prints_the_first_bad_input_once(tmp_path):
     bad = "FileNotFoundError: input path does not exist: 'x'"
+    line = "openk3: error: input path does not exist: 'x'"  # the message without the type
     stopped_by_agent = _failure(tmp_path, 1, -15, None, 11)
-    # rank 0 stopped on bad input (and printed it); rank 1 was stopped by the agent
-    assert failure_report({0: _failure(tmp_path, 0, 2, bad, 10), 1: stopped_by_agent}) == (2, None)
-    # only rank 1 saw bad input: its message, without the type
+    # rank 0 stopped on bad input; rank 1 was stopped by the agent
+    assert failure_report({0: _failure(tmp_path, 0, 2, bad, 10), 1: stopped_by_agent}) == (2, line)
+    # rank 1 ended first on the same input, rank 0 was stopped before it got there
     only_rank_1 = {1: _failure(tmp_path, 1, 2, bad, 10), 0: _failure(tmp_path, 0, -15, None, 12)}
-    assert failure_report(only_rank_1) == (2, "openk3: error: input path does not exist: 'x'")
+    assert failure_report(only_rank_1) == (2, line)
+    # both ended on it: one line, the first rank's
+    other = "ValueError: --batch-size 3 is not divisible"
+    both = {0: _failure(tmp_path, 0, 2, other, 12), 1: _failure(tmp_path, 1, 2, bad, 10)}
+    assert failure_report(both) == (2, line)
     # a crash: which rank, how, and its message
     code, line = failure_report({1: _failure(tmp_path, 1, 1, "RuntimeError: boom", 10)})
     assert (code, line) == (1, "openk3: error: rank 1 failed (exit code 1): RuntimeError: boom")

@@ -961,9 +961,12 @@ def _failure_line(e: BaseException, command: str | None = None) -> str | None:
 
 
 def _reports_errors() -> bool:
-    """False on the ranks other than 0 of a world started by torch's elastic agent (torchrun, ``openk3 train
-    --nproc-per-node``): bad input is the same on every rank, so rank 0 alone prints it."""
-    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("RANK", "0") == "0"
+    """False on the ranks other than 0 of a world started by torch's elastic agent (torchrun): bad input is
+    the same on every rank, so rank 0 alone prints it; False on every rank that ``openk3 train
+    --nproc-per-node`` started, whose launcher prints the line (:mod:`openk3.dist.launch`)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return True
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("OPENK3_LAUNCHER") != "1"
 
 
 def _user_error(e: BaseException) -> None:

@@ -5,12 +5,13 @@ world in one line.
 torchrun ends a failed world with its own report: the agent's log lines, a traceback of its launcher and a
 ``ChildFailedError`` table, even when the failure is bad input that rank 0 has already named in one line.
 This launcher runs the same agent (:func:`torch.distributed.launcher.api.elastic_launch`, a c10d rendezvous
-on a free local port) and turns its ``ChildFailedError`` into the exit status and at most one line:
+on a free local port) and turns its ``ChildFailedError`` into the exit status and at most one line. The
+ranks it starts print no error line of their own (:data:`LAUNCHER_ENV` is set for them): under plain
+torchrun rank 0 prints bad input, but here the agent may stop rank 0 before or after it printed (whichever
+rank ends first ends the world), so only the launcher, which sees how the world ended, can print it once:
 
-- rank 0 ended with 2 (bad input; it printed ``openk3: error: …`` itself, the only rank that prints it): no
-  further line, exit status 2;
-- another rank ended first with 2: that rank's message, from the error file every rank writes
-  (``TORCHELASTIC_ERROR_FILE``, :func:`openk3.cli.main`), exit status 2;
+- a rank ended with 2 (bad input): the message of the first such rank, from the error file every rank
+  writes (``TORCHELASTIC_ERROR_FILE``, :func:`openk3.cli.main`), exit status 2;
 - any other failure: ``openk3: error: rank R failed (exit code C, SIGNAL): MESSAGE``, exit status 1 (a
   traceback, when there is one, was printed by that rank above);
 - the launcher itself interrupted (Ctrl-C, SIGTERM; the agent passes the signal on to the ranks): one line,
@@ -26,6 +27,9 @@ import uuid
 
 USER_ERROR_EXIT = 2
 """The exit status of a rank that stopped on bad input (:func:`openk3.cli.main`)."""
+LAUNCHER_ENV = "OPENK3_LAUNCHER"
+"""Set (to ``1``) for the ranks this launcher starts: they record errors in their error files and print
+none (:func:`openk3.cli.main`); the launcher prints the one line."""
 
 
 def _message(failure) -> str:
@@ -41,14 +45,13 @@ def _message(failure) -> str:
     return text
 
 
-def failure_report(failures: dict) -> tuple[int, str | None]:
+def failure_report(failures: dict) -> tuple[int, str]:
     """``(exit status, line or None)`` for the failed ranks ``failures`` (rank → ``ProcessFailure``, as in
     ``ChildFailedError.failures``); see the module docstring."""
-    if failures.get(0) is not None and failures[0].exitcode == USER_ERROR_EXIT:
-        return USER_ERROR_EXIT, None
+    bad_input = [f for f in failures.values() if f.exitcode == USER_ERROR_EXIT]
+    if bad_input:
+        return USER_ERROR_EXIT, f"openk3: error: {_message(min(bad_input, key=lambda f: f.timestamp))}"
     rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
-    if first.exitcode == USER_ERROR_EXIT:
-        return USER_ERROR_EXIT, f"openk3: error: {_message(first)}"
     signal = first.signal_name()
     how = f"exit code {first.exitcode}" + (f", {signal}" if signal and signal != "<N/A>" else "")
     return 1, f"openk3: error: rank {rank} failed ({how}): {_message(first)}"
@@ -75,16 +78,22 @@ def launch(nproc_per_node: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
     )
+    previous = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = "1"  # the ranks inherit this process's environment
     try:
         elastic_launch(config, sys.executable)("-m", "openk3", *argv)
     except ChildFailedError as e:
         code, line = failure_report(e.failures)
-        if line:
-            print(line, file=sys.stderr)
+        print(line, file=sys.stderr)
         return code
     except SignalException as e:  # Ctrl-C or SIGTERM: the agent passed it on to the ranks and stopped them
         print(f"openk3: {e.sigval.name} received: the {nproc_per_node} ranks were stopped", file=sys.stderr)
         return 128 + int(e.sigval)
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = previous
     return 0
 
 

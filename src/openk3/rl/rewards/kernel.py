@@ -115,7 +115,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_machine(device: torch.device, copy_bytes: float, matmul_n: int = 512, repeats: int = 20) -> Machine:
+def measure_machine(
+    device: torch.device, copy_bytes: float, matmul_n: int = 512, repeats: int = 20
+) -> Machine:
     """Bandwidth (a copy reading and writing ``copy_bytes`` in all: the task's own working set, so the
     cache level it fits in sets the roof) and FLOP/s (an ``n×n`` float32 matmul), best of ``repeats``
     after one untimed round (the destination's first touch pays its page faults). The minimum, not the
