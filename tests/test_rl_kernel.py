@@ -148,9 +148,11 @@ def test_runtime_detectors_without_source(evaluator):
 
 
 def test_honest_kernel_at_expert_speed_scores_about_half(evaluator):
-    result = evaluator.evaluate(honest)
-    assert result.correct and not result.hacks
-    assert 0.3 < result.reward < 0.75, result
+    # timing on a shared CPU: the median of three evaluations, so one burst of load cannot decide it
+    results = sorted((evaluator.evaluate(honest) for _ in range(3)), key=lambda r: r.reward)
+    result = results[1]
+    assert all(r.correct and not r.hacks for r in results)
+    assert 0.3 < result.reward < 0.75, results
     # The roof is a copy of the same bytes, so a memory-bound kernel cannot beat it by much: a roof well
     # above the expert's time would mean a mismeasured machine. On a CPU the two are close (a fused
     # RMSNorm is one read and one write, like the copy), so allow a quarter for timer noise under load.
