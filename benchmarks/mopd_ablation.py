@@ -10,9 +10,9 @@ same sampling seeds:
 * ``wrong`` — clipped, but every rollout is scored by the teacher of the *other* domain at the next effort
   (``(add, high)`` → ``(mul, medium)``, …, :func:`wrong_route`): each teacher is used, at the wrong key.
 
-Reported: held-out greedy accuracy and mean response length (tokens) per domain and effort for each teacher,
-the warm-started student before MOPD (``warm``: sequence-level distillation only) and each student, the mean
-over the six rows, and the wall time. Run::
+Reported: greedy accuracy and mean response length (tokens) on the table's held-out problems per domain and
+effort for each teacher, the warm-started student before MOPD (``warm``: sequence-level distillation only)
+and each student, the mean over the six rows, and the wall time. Run::
 
     python benchmarks/mopd_ablation.py --md benchmarks/results/mopd_ablation.md
 
@@ -93,9 +93,9 @@ def main() -> None:
     rows = []
     for d in DOMAINS:
         for e in EFFORTS:
-            row = {"domain": d, "effort": e, "teacher": demo.evaluate(experts[(d, e)], d, e)}
-            row["warm"] = demo.evaluate(warm, d, e)
-            row.update({n: demo.evaluate(m, d, e) for n, m in students.items()})
+            row = {"domain": d, "effort": e, "teacher": demo.evaluate(experts[(d, e)], d, e, table=True)}
+            row["warm"] = demo.evaluate(warm, d, e, table=True)
+            row.update({n: demo.evaluate(m, d, e, table=True) for n, m in students.items()})
             rows.append(row)
     wall = time.monotonic() - t0
     demo.plot()
@@ -123,7 +123,7 @@ def main() -> None:
             "",
             f"Config: `{json.dumps(config)}`",
             "",
-            "Held-out greedy accuracy and mean response length (tokens) per domain and effort; `teacher` is the "
+            f"Greedy accuracy and mean response length (tokens) per domain and effort on the {cfg.table_problems} held-out problems per domain of the demo's table; `teacher` is the "
             "expert of that (domain, effort); `warm` is the warm-started student before MOPD; `wrong` routes every rollout to the teacher of the other domain at "
             "the next effort.",
             "",

@@ -179,44 +179,68 @@ def test_demo_mopd_prompts_balance_every_domain_and_effort_under_its_tag(tmp_pat
         DemoConfig(prompts_per_step=4)
 
 
-def test_demo_warm_start_keeps_stopped_samples_within_the_limit(tmp_path):
-    """The warm start keeps an expert's sample when it stopped: at high effort when it is correct, at medium
-    and low when it is within ``max(⌊τ·b0⌋, min_correct)`` tokens (stop included), right or wrong."""
-    from openk3.rl.recipe import Demo, DemoConfig
-    from openk3.rl.rewards.budget import ProblemBudget
-    from openk3.rl.rollout import Segment, Trajectory
-    from openk3.rl.tasks import Problem
+def test_demo_warm_start_keeps_every_greedy_answer_that_stopped(tmp_path, monkeypatch):
+    """The warm start asks each expert, greedily, for the warm-start problems of its domain under its tag and
+    fine-tunes on every answer that stopped, right or wrong (cut-off ones dropped), each (domain, effort)
+    resampled to the largest count."""
+    import openk3.rl.recipe as recipe
+    from openk3.rl.rollout import Segment
 
-    demo = Demo(DemoConfig(train_problems=2, eval_problems=2), tmp_path)
-    tok = demo.tok
-    p = Problem("add", (964, 494))
-    high, medium, low = (solution(p, e) for e in EFFORTS)
-    demo.budgets.budgets[p.id] = ProblemBudget(b0=len(high) + 1, min_correct=len(low) + 1)
+    demo = recipe.Demo(recipe.DemoConfig(train_problems=2, eval_problems=2, distill_problems=6), tmp_path)
+    tok, temps = demo.tok, []
+    answers = {}  # prompt text -> (response text, finish reason) the scripted expert gives
 
-    def traj(text, reason="stop", stop=True):
-        ids = tok.encode(text) + ([tok.stop_id] if stop else [])
-        return Trajectory(
-            tok.encode(p.prompt("high")), 32, {"problem": p}, [Segment(ids, [0.0] * len(ids))], reason
-        )
+    class Scripted:
+        def __init__(self, expert):
+            self.expert = expert
 
-    assert all(demo.expert_keeps(traj(x), "high") for x in (high, medium, low))
-    assert not demo.expert_keeps(traj("|1457"), "high") and demo.expert_keeps(traj("|1457"), "low")  # wrong
-    assert not demo.expert_keeps(traj(low, "length", stop=False), "high")  # cut off
-    assert demo.expert_keeps(traj(medium), "medium") and not demo.expert_keeps(traj(high), "medium")
-    assert demo.expert_keeps(traj(low), "low") and not demo.expert_keeps(traj(medium), "low")
-    assert not demo.expert_keeps(traj("c:111|1457"), "low")  # wrong and over the low limit
+        def generate(self, trajs):
+            for i, t in enumerate(trajs):
+                prompt = tok.decode(t.prompt_ids)
+                p = next(q for q in demo.distill[self.expert[0]] if prompt[1:] == q.prompt("high")[1:])
+                text = solution(p, self.expert[1]) if i % 3 == 0 else "|7" if i % 3 == 1 else "c:1"
+                reason = "length" if i % 3 == 2 else "stop"
+                ids = tok.encode(text) + ([tok.stop_id] if reason == "stop" else [])
+                t.segments, t.finish_reason = [Segment(ids, [0.0] * len(ids))], reason
+                answers[(self.expert, prompt)] = (text, reason)
+            return trajs
+
+    def engine(model, temperature):
+        temps.append(temperature)
+        return Scripted(model)
+
+    seen = []
+    monkeypatch.setattr(demo, "engine", engine)
+    monkeypatch.setattr(recipe, "sft", lambda model, examples, *a, **k: seen.extend(examples))
+    experts = {(d, e): (d, e) for d in DOMAINS for e in EFFORTS}  # the scripted engine's "model" is its key
+    demo.stage_distill(torch.nn.Linear(1, 1), experts)  # sft is replaced: the base is only copied
+    assert temps == [0.0] * 6
+    held = {p.id for ps in (*demo.train.values(), *demo.eval.values(), *demo.table_set.values()) for p in ps}
+    assert not held & {p.id for ps in demo.distill.values() for p in ps}
+    assert len(seen) == 6 * 4  # 4 of 6 answers stop per expert (2 right, 2 wrong); each tag weighs the same
+    tags = {"H": "high", "M": "medium", "L": "low"}
+    domain = {"A": "add", "X": "mul"}
+    for prompt_ids, response_ids in seen:
+        prompt = tok.decode(prompt_ids)
+        text, reason = answers[((domain[prompt[1]], tags[prompt[0]]), prompt)]
+        assert reason == "stop" and response_ids == tok.encode(text) + [tok.stop_id]
+    assert sum(tok.decode(r) == "|7" for _, r in seen) == 6 * 2  # wrong answers are kept
 
 
 def test_demo_sft_set_holds_no_rl_or_held_out_problem(tmp_path):
-    """The SFT examples are ``sft_steps × sft_batch`` problems none of which is an RL training or held-out
-    problem, both domains present; the training and held-out sets are disjoint."""
+    """The SFT examples are ``sft_steps × sft_batch`` problems none of which is an RL training, held-out or
+    table problem, both domains present; the four problem sets are disjoint."""
     from openk3.rl.recipe import Demo, DemoConfig
 
-    cfg = DemoConfig(sft_steps=50, sft_batch=16, train_problems=48, eval_problems=48)
+    cfg = DemoConfig(sft_steps=50, sft_batch=16, train_problems=48, eval_problems=48, table_problems=40)
     demo = Demo(cfg, tmp_path)
     tok = demo.tok
-    reserved = {p.text for ps in (*demo.train.values(), *demo.eval.values()) for p in ps}
-    assert len(reserved) == 4 * 48
+    reserved = {
+        p.text for ps in (*demo.train.values(), *demo.eval.values(), *demo.table_set.values()) for p in ps
+    }
+    assert len(reserved) == 4 * 48 + 2 * 40
+    assert not reserved & {p.text for ps in demo.distill.values() for p in ps}
+    assert all(len(demo.distill[d]) == cfg.distill_problems for d in DOMAINS)
     examples = demo.sft_examples()
     assert len(examples) == 50 * 16
     texts = [tok.decode(prompt)[2:-1] for prompt, _ in examples]  # drop the effort and domain tags and "="
@@ -269,12 +293,12 @@ def test_demo_quick_runs_end_to_end(tmp_path):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
     text = (tmp_path / "results.md").read_text()
     assert text.count("\n| add |") == 3 and text.count("\n| mul |") == 3
-    # the table's teacher and student columns are the last evaluations of those models: decoding again agrees
+    # the table's teacher columns are the experts on the table's problems: decoding again agrees
     demo = Demo(cfg, tmp_path / "again")
     saved = torch.load(tmp_path / "stages.pt", weights_only=False)
     rows = {(r["domain"], r["effort"]): r for r in json.loads((tmp_path / "table.json").read_text())}
     for (d, e), expert in saved["experts"].items():
-        assert demo.evaluate(expert, d, e) == rows[(d, e)]["teacher"]
+        assert demo.evaluate(expert, d, e, table=True) == rows[(d, e)]["teacher"]
     saved = torch.load(tmp_path / "stages.pt", weights_only=False)  # what mopd_ablation.py --stages loads
     assert sorted(saved["experts"]) == sorted((d, e) for d in DOMAINS for e in EFFORTS)
     assert isinstance(saved["warm"], torch.nn.Module)

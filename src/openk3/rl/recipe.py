@@ -8,15 +8,20 @@
    train with the budget reward at the effort's ``τ``.
 3. **Sequence-level distillation warm start** (Kim & Rush arXiv 1606.07947; the off-policy stage before
    on-policy distillation in Qwen3 arXiv 2505.09388 and Thinking Machines' "On-Policy Distillation"): each
-   expert samples its training prompts, the samples that stopped (correct for high; within the budget,
-   right or wrong, for medium and low) are kept with the expert's effort tag, and the student, the SFT base, is
+   expert answers fresh problems of its domain greedily under its effort tag (its mode, the output the table
+   scores), every response that stopped is kept, right or wrong, and the student, the SFT base, is
    fine-tuned on them, balanced over (domain, effort), so that it starts MOPD following the tag.
 4. **MOPD**: the warm-started student samples every (domain, effort) equally often; each token is rewarded
    by the clipped log-ratio against the teacher of that (domain, effort).
 
 Each stage writes a plot (``<out>/<stage>.png``: reward, length, over-budget fraction and held-out accuracy
-against steps) and ``<out>/results.md`` holds the final table: held-out accuracy and mean length per domain
-and effort, student against teacher (greedy decoding).
+against steps) and ``<out>/results.md`` holds the final table: accuracy and mean length per domain and
+effort, student against teacher (greedy decoding), on a second held-out set larger than the one the stages
+evaluate on.
+
+Problem sets, disjoint and drawn in this order from the config's seed: the RL training problems, the
+held-out problems of the stages' evaluations, the table's held-out problems, the warm start's problems.
+The SFT set holds none of the first three.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ class DemoConfig:
     """Sizes of the demo (the defaults are the measured default run, ``docs/LOG.md``). Steps count optimiser
     updates; an RL step samples ``prompts_per_step × group_size`` rollouts of at most ``max_tokens`` tokens;
     ``high_steps`` per high-effort expert, ``effort_steps`` per medium/low expert; the held-out accuracy is
-    measured every ``eval_every`` steps on ``eval_problems`` problems per domain (greedy)."""
+    measured every ``eval_every`` steps on ``eval_problems`` problems per domain (greedy); the final table on
+    ``table_problems`` others."""
 
     depth: int = 4
     """K3-shaped depth (``k3_shaped``; 8 is k3-tiny)."""
@@ -69,12 +75,12 @@ class DemoConfig:
     effort_steps: int = 16
     """At 24 steps the medium and low experts' held-out lengths had settled by step 16 and their accuracy
     did not rise after it (``docs/LOG.md``)."""
-    distill_samples: int = 8
-    """Samples per training problem from each expert for the warm start (before filtering)."""
+    distill_problems: int = 384
+    """Fresh problems per domain each expert answers (greedily) for the warm start."""
     distill_steps: int = 300
-    """With the medium and low experts' wrong samples kept (:meth:`Demo.expert_keeps`) 150 steps left the
-    student at 0.60 / 0.44 high-effort accuracy against 0.81 / 0.46 at 300 (``docs/LOG.md``)."""
-    distill_lr: float = 5e-4
+    distill_lr: float = 1e-3
+    """At 5e-4 for 300 steps the student wrote the bare answer under the medium tag (mul 0.80 of the time
+    against the teacher's 0.14); 1e-3 or 600 steps made it follow the tag (``docs/LOG.md``)."""
     mopd_steps: int = 24
     prompts_per_step: int = 6
     group_size: int = 6
@@ -85,6 +91,8 @@ class DemoConfig:
     train_problems: int = 48
     eval_problems: int = 48
     eval_every: int = 8
+    table_problems: int = 240
+    """Held-out problems per domain of the final table: at 48 one draw moved a cell by up to 8 points."""
     rho: float = 0.9
     """b0's percentile of the high expert's correct lengths: high enough that b0 is its scratchpad's length
     while the expert still writes every format (at 0.5 b0 is the carry format's, and τ·b0 shuts it out)."""
@@ -105,7 +113,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         for name in (
             "sft_steps",
-            "distill_samples",
+            "distill_problems",
             "distill_steps",
             "high_steps",
             "effort_steps",
@@ -120,8 +128,8 @@ class DemoConfig:
         for name in ("sft_lr", "distill_lr", "rl_lr", "mopd_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.eval_problems < 1 or self.eval_every < 1:
-            raise ValueError("eval_problems and eval_every must be >= 1")
+        if self.eval_problems < 1 or self.eval_every < 1 or self.table_problems < 1:
+            raise ValueError("eval_problems, eval_every and table_problems must be >= 1")
         if self.prompts_per_step % (len(DOMAINS) * len(EFFORTS)):
             raise ValueError(
                 f"prompts_per_step must be a multiple of {len(DOMAINS) * len(EFFORTS)} (MOPD samples every "
@@ -134,9 +142,9 @@ class DemoConfig:
 def quick_config() -> DemoConfig:
     """A few minutes on 2 CPU cores: every stage runs, too short to learn much."""
     return DemoConfig(
-        sft_steps=40, sft_batch=16, distill_samples=2, distill_steps=4, high_steps=2, effort_steps=2,
+        sft_steps=40, sft_batch=16, distill_problems=4, distill_steps=4, high_steps=2, effort_steps=2,
         mopd_steps=3, prompts_per_step=6,
-        group_size=4, train_problems=8, eval_problems=4, eval_every=2,
+        group_size=4, train_problems=8, eval_problems=4, table_problems=4, eval_every=2,
     )  # fmt: skip
 
 
@@ -192,12 +200,10 @@ class Demo:
         self.train = {d: self._unique(d, config.train_problems, rng, set()) for d in DOMAINS}
         seen = {p.id for ps in self.train.values() for p in ps}
         self.eval = {d: self._unique(d, config.eval_problems, rng, seen) for d in DOMAINS}
+        self.table_set = {d: self._unique(d, config.table_problems, rng, seen) for d in DOMAINS}
+        self.distill = {d: self._unique(d, config.distill_problems, rng, seen) for d in DOMAINS}
         self.budgets = BudgetTable(config.rho)
         self.history: dict[str, list[dict]] = {}
-        self.evals: dict[str, dict[tuple[str, str], dict]] = {}
-        """The last held-out evaluation (:meth:`evaluate`) of each RL stage's model by stage name, per
-        (domain, effort): the table reads the experts' and the student's from here instead of decoding
-        them again."""
         self.log_lines: list[str] = []
         self.seconds: dict[str, float] = {}
         """Wall time of each stage (:meth:`timed`), in run order."""
@@ -232,11 +238,12 @@ class Demo:
         )
 
     # ---- evaluation ------------------------------------------------------------------------------------
-    def evaluate(self, model, domain: str, effort: str) -> dict[str, float]:
+    def evaluate(self, model, domain: str, effort: str, table: bool = False) -> dict[str, float]:
         """Greedy accuracy, mean length (tokens) and the fraction of responses written in each effort's format
-        (:func:`~openk3.rl.tasks.written_effort`) on the held-out problems of ``domain`` at ``effort``."""
+        (:func:`~openk3.rl.tasks.written_effort`) on the held-out problems of ``domain`` at ``effort``: the
+        stages' (``eval_problems``), or with ``table`` the final table's (``table_problems``)."""
         eng = self.engine(model, 0.0)
-        probs = self.eval[domain]
+        probs = (self.table_set if table else self.eval)[domain]
         trajs = eng.generate(
             [Trajectory(self.tok.encode(p.prompt(effort)), self.cfg.max_tokens) for p in probs]
         )
@@ -254,13 +261,15 @@ class Demo:
     def sft_examples(self) -> list[tuple[list[int], list[int]]]:
         """``sft_steps × sft_batch`` (prompt ids, response ids + stop) pairs, one per problem drawn (domains
         uniform; a mul problem may repeat, there are only 7,200), none of them an RL training or held-out
-        problem: the experts then meet their problems for the first time in RL and must learn a method
+        problem (of the stages or the table): the experts then meet their problems for the first time in RL and must learn a method
         rather than recall a memorised answer (with the RL problems in the SFT set the medium and low
         experts kept memorised short answers, ``docs/LOG.md``). Each problem is written at a random effort
         under an independently random tag: the base cannot follow the tag yet."""
         cfg = self.cfg
         rng = random.Random(cfg.seed + 1)
-        reserved = {p.id for ps in (*self.train.values(), *self.eval.values()) for p in ps}
+        reserved = {
+            p.id for ps in (*self.train.values(), *self.eval.values(), *self.table_set.values()) for p in ps
+        }
         examples = []
         while len(examples) < cfg.sft_steps * cfg.sft_batch:
             p = sample_problem(rng.choice(DOMAINS), rng)
@@ -329,7 +338,6 @@ class Demo:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == steps:
                 model.eval()
                 ev = self.evaluate(model, domain, effort)
-                self.evals[name] = {(domain, effort): ev}
                 row.update(accuracy=ev["accuracy"], eval_length=ev["length"], formats=ev["formats"])
                 model.train()
             hist.append(row)
@@ -434,21 +442,6 @@ class Demo:
                     )
         return experts
 
-    def expert_keeps(self, t: Trajectory, effort: str) -> bool:
-        """Whether the warm start keeps the expert sample ``t`` (``meta["problem"]`` set) of ``effort``: it
-        stopped; a high-effort sample when it is correct, a medium or low one when it is no longer than
-        ``max(⌊τ·b0⌋, min_correct)`` at the effort's τ (a problem without ``b0`` has no limit), right or
-        wrong. With the RL problems outside the SFT set the medium and low experts answer few of them
-        correctly, and keeping only correct samples left 19–49 of 384, on the few problems they solve: the
-        student learned those problems' short answers, not the tag; keeping wrong high-effort samples as
-        well left a student that wrote neither format (``docs/LOG.md``)."""
-        if t.finish_reason != "stop":
-            return False
-        if effort == "high":
-            return is_correct(t.meta["problem"], self.tok.decode(t.response_ids))
-        b = self.budgets.get(t.meta["problem"].id)
-        return b is None or t.num_generated <= budget_limit(b, self.cfg.efforts.tau(effort))
-
     def mopd_prompts(self, rng: random.Random) -> tuple[list[list[int]], list[dict]]:
         """One MOPD step's prompts and metas: every (domain, effort) ``prompts_per_step / 6`` times, each
         on a training problem of its domain drawn by ``rng``, under that effort's tag."""
@@ -461,30 +454,26 @@ class Demo:
         )
 
     def stage_distill(self, base, experts) -> torch.nn.Module:
-        """The student's warm start: ``base`` fine-tuned on the experts' own samples. Each expert samples
-        ``distill_samples`` responses per training problem at its effort tag (temperature 1); a sample is
-        kept when it stopped (correct for high; within ``max(⌊τ·b0⌋, min_correct)`` for medium and low;
-        :meth:`expert_keeps`). Each (domain, effort)'s kept samples are resampled
-        to the largest count, so every tag weighs the same; then :func:`~openk3.rl.sft.sft` for
-        ``distill_steps`` batches of ``sft_batch`` at ``distill_lr``. An expert with nothing to keep adds
-        nothing (logged); with nothing kept at all the student is the SFT base."""
+        """The student's warm start: ``base`` fine-tuned on the experts' greedy answers. Each expert answers
+        the ``distill_problems`` warm-start problems of its domain under its effort tag at temperature 0, and
+        every response that stopped is kept, right or wrong: the student learns each teacher's mode, which is
+        what the table compares it with. Each (domain, effort)'s kept responses are resampled to the largest
+        count, so every tag weighs the same; then :func:`~openk3.rl.sft.sft` for ``distill_steps`` batches of
+        ``sft_batch`` at ``distill_lr``. An expert with nothing to keep adds nothing (logged); with nothing
+        kept at all the student is the SFT base. The temperature-1 samples of the RL problems, filtered by
+        correctness (high) or the budget (medium, low), left mul 18–25 points below its high expert and the
+        bare answer under the medium tag (``docs/LOG.md``)."""
         cfg = self.cfg
         rng = random.Random(cfg.seed + 5)
         kept: dict[tuple[str, str], list[tuple[list[int], list[int]]]] = {}
         for (d, e), expert in experts.items():
-            trajs = self.engine(expert, 1.0).generate(
-                [
-                    Trajectory(self.tok.encode(p.prompt(e)), cfg.max_tokens, {"problem": p})
-                    for p in self.train[d]
-                    for _ in range(cfg.distill_samples)
-                ]
+            trajs = self.engine(expert, 0.0).generate(
+                [Trajectory(self.tok.encode(p.prompt(e)), cfg.max_tokens) for p in self.distill[d]]
             )
-            kept[(d, e)] = [(t.prompt_ids, t.response_ids) for t in trajs if self.expert_keeps(t, e)]
+            kept[(d, e)] = [(t.prompt_ids, t.response_ids) for t in trajs if t.finish_reason == "stop"]
         self.log(
-            "[distill] kept samples per (domain, effort): "
-            + ", ".join(
-                f"{d}-{e} {len(v)}/{len(self.train[d]) * cfg.distill_samples}" for (d, e), v in kept.items()
-            )
+            "[distill] kept answers per (domain, effort): "
+            + ", ".join(f"{d}-{e} {len(v)}/{len(self.distill[d])}" for (d, e), v in kept.items())
         )
         model = copy.deepcopy(base)
         most = max(len(v) for v in kept.values())
@@ -553,7 +542,6 @@ class Demo:
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.mopd_steps:
                 model.eval()
                 evs = {(d, e): self.evaluate(model, d, e) for d in DOMAINS for e in EFFORTS}
-                self.evals[name] = evs
                 row["accuracy"] = sum(v["accuracy"] for v in evs.values()) / len(evs)
                 for e in EFFORTS:  # does the length follow the tag?
                     row[f"eval_length_{e}"] = sum(evs[(d, e)]["length"] for d in DOMAINS) / len(DOMAINS)
@@ -648,15 +636,19 @@ class Demo:
         if stages is not None:
             torch.save({"warm": warm, "experts": experts}, stages)
         with self.timed("mopd"):
-            self.stage_mopd(warm, experts)
-        return self.write_outputs(time.monotonic() - t0)
+            student = self.stage_mopd(warm, experts)
+        return self.write_outputs(experts, student, time.monotonic() - t0)
 
-    def write_outputs(self, seconds: float) -> str:
-        """The table (:meth:`table`: each expert's and the MOPD student's last evaluation, ``self.evals``),
+    def write_outputs(self, experts, student, seconds: float) -> str:
+        """The table (:meth:`table`: each expert and the MOPD ``student`` evaluated on the table's problems),
         plots, ``results.md``, ``history.json`` and ``log.txt`` in the output directory; ``seconds``: the
-        pipeline's wall time."""
-        teachers = {(d, e): self.evals[f"rl-{d}-{e}"][(d, e)] for d in DOMAINS for e in EFFORTS}
-        table = self.table(teachers, self.evals["mopd"])
+        pipeline's wall time before the table."""
+        with self.timed("table"):
+            teachers = {
+                (d, e): self.evaluate(experts[(d, e)], d, e, table=True) for d in DOMAINS for e in EFFORTS
+            }
+            students = {(d, e): self.evaluate(student, d, e, table=True) for d in DOMAINS for e in EFFORTS}
+        table = self.table(teachers, students)
         self.plot()
         cfg = asdict(self.cfg)
         cfg["efforts"] = dict(self.cfg.efforts.taus)
