@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from openk3.rl.recipe import Demo, DemoConfig, quick_config
+from openk3.rl.recipe import Demo, DemoConfig, check_stages_path, load_stages, quick_config, stages_config
 from openk3.rl.tasks import DOMAINS, EFFORTS
 
 
@@ -63,27 +63,34 @@ def main() -> None:
         "--stages",
         type=Path,
         default=None,
-        help="torch file of the warm-started student and the experts: loaded if it exists (same config assumed), else written",
+        help="torch file of the warm-started student, the experts and their config: loaded if it exists (refused if "
+        "made with another config or seed), else written",
     )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
-    cfg = replace(quick_config() if args.quick else DemoConfig(), seed=args.seed)
-    if args.mopd_steps is not None:
-        cfg = replace(cfg, mopd_steps=args.mopd_steps)  # __post_init__ checks it
-    if args.mopd_lr is not None:
-        cfg = replace(cfg, mopd_lr=args.mopd_lr)
-    demo = Demo(cfg, args.out)
+    try:
+        cfg = replace(quick_config() if args.quick else DemoConfig(), seed=args.seed)
+        if args.mopd_steps is not None:
+            cfg = replace(cfg, mopd_steps=args.mopd_steps)  # __post_init__ checks it
+        if args.mopd_lr is not None:
+            cfg = replace(cfg, mopd_lr=args.mopd_lr)
+        if args.md is not None and not args.md.parent.is_dir():
+            raise ValueError(f"--md {args.md}: the folder {args.md.parent} does not exist")
+        demo = Demo(cfg, args.out)
+        loaded = args.stages is not None and args.stages.exists()
+        if loaded:
+            warm, experts = load_stages(args.stages, cfg)
+        elif args.stages is not None:
+            check_stages_path(args.stages)
+    except (ValueError, FileNotFoundError) as e:
+        ap.exit(2, f"mopd_ablation.py: error: {e}\n")
     t0 = time.monotonic()
-    loaded = args.stages is not None and args.stages.exists()
-    if loaded:
-        saved = torch.load(args.stages, weights_only=False)  # our own file, written below
-        warm, experts = saved["warm"], saved["experts"]
-    else:
+    if not loaded:
         base = demo.stage_sft()
         experts = demo.stage_experts(base)
         warm = demo.stage_distill(base, experts)
         if args.stages is not None:
-            torch.save({"warm": warm, "experts": experts}, args.stages)
+            torch.save({"warm": warm, "experts": experts, "config": stages_config(cfg)}, args.stages)
     t_stages = time.monotonic() - t0
     students, t_mopd = {}, {}
     for name, kw in VARIANTS.items():

@@ -77,5 +77,5 @@ def test_wrong_routing_scores_with_the_other_teacher_and_no_clip_is_unclipped(ab
 def test_demo_config_refuses_a_non_positive_mopd_lr():
     from openk3.rl.recipe import DemoConfig
 
-    with pytest.raises(ValueError, match="mopd_lr must be > 0"):
+    with pytest.raises(ValueError, match="mopd_lr must be positive"):
         DemoConfig(mopd_lr=0.0)

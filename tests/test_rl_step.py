@@ -198,8 +198,9 @@ def test_demo_warm_start_keeps_every_greedy_answer_that_stopped(tmp_path, monkey
             for i, t in enumerate(trajs):
                 prompt = tok.decode(t.prompt_ids)
                 p = next(q for q in demo.distill[self.expert[0]] if prompt[1:] == q.prompt("high")[1:])
+                cut = i % 3 == 2 or (self.expert == ("mul", "low") and i >= 3)  # mul-low: 2 stop, not 4
                 text = solution(p, self.expert[1]) if i % 3 == 0 else "|7" if i % 3 == 1 else "c:1"
-                reason = "length" if i % 3 == 2 else "stop"
+                reason = "length" if cut else "stop"
                 ids = tok.encode(text) + ([tok.stop_id] if reason == "stop" else [])
                 t.segments, t.finish_reason = [Segment(ids, [0.0] * len(ids))], reason
                 answers[(self.expert, prompt)] = (text, reason)
@@ -217,14 +218,88 @@ def test_demo_warm_start_keeps_every_greedy_answer_that_stopped(tmp_path, monkey
     assert temps == [0.0] * 6
     held = {p.id for ps in (*demo.train.values(), *demo.eval.values(), *demo.table_set.values()) for p in ps}
     assert not held & {p.id for ps in demo.distill.values() for p in ps}
-    assert len(seen) == 6 * 4  # 4 of 6 answers stop per expert (2 right, 2 wrong); each tag weighs the same
+    assert len(seen) == 6 * 4  # 4 of 6 answers stop per expert (2 right, 2 wrong), 2 for mul-low ...
+    per_tag = {}
+    for prompt_ids, _ in seen:
+        per_tag[tok.decode(prompt_ids)[:2]] = per_tag.get(tok.decode(prompt_ids)[:2], 0) + 1
+    assert per_tag == {
+        f"{t}{dom}": 4 for t in "HML" for dom in "AX"
+    }  # ... resampled: each tag weighs the same
     tags = {"H": "high", "M": "medium", "L": "low"}
     domain = {"A": "add", "X": "mul"}
     for prompt_ids, response_ids in seen:
         prompt = tok.decode(prompt_ids)
         text, reason = answers[((domain[prompt[1]], tags[prompt[0]]), prompt)]
         assert reason == "stop" and response_ids == tok.encode(text) + [tok.stop_id]
-    assert sum(tok.decode(r) == "|7" for _, r in seen) == 6 * 2  # wrong answers are kept
+    wrong = [tok.decode(p)[:2] for p, r in seen if tok.decode(r) == "|7"]  # wrong answers are kept
+    assert len([w for w in wrong if w != "LX"]) == 5 * 2 and "LX" in wrong
+
+
+def test_demo_evaluate_decodes_the_stages_or_the_table_problems(tmp_path, monkeypatch):
+    """``evaluate`` decodes, greedily, exactly the stages' held-out problems, or with ``table`` the table's,
+    under the effort's tag, and scores what comes back."""
+    import openk3.rl.recipe as recipe
+    from openk3.rl.rollout import Segment
+
+    demo = recipe.Demo(recipe.DemoConfig(train_problems=2, eval_problems=3, table_problems=5), tmp_path)
+    tok, asked = demo.tok, []
+
+    class Scripted:
+        def generate(self, trajs):
+            for t in trajs:
+                asked.append(tok.decode(t.prompt_ids))
+                p = next(
+                    q for q in (*demo.eval["mul"], *demo.table_set["mul"]) if q.prompt("medium") == asked[-1]
+                )
+                ids = tok.encode(solution(p, "medium") if len(asked) % 2 else "c:0|1") + [tok.stop_id]
+                t.segments, t.finish_reason = [Segment(ids, [0.0] * len(ids))], "stop"
+            return trajs
+
+    temps = []
+    monkeypatch.setattr(demo, "engine", lambda model, temperature: temps.append(temperature) or Scripted())
+    for table, problems in ((False, demo.eval["mul"]), (True, demo.table_set["mul"])):
+        asked.clear()
+        ev = demo.evaluate(None, "mul", "medium", table=table)
+        assert asked == [p.prompt("medium") for p in problems]
+        right = (len(problems) + 1) // 2  # the odd calls answer right
+        assert ev["accuracy"] == right / len(problems) and ev["formats"]["medium"] == 1.0
+    assert temps == [0.0, 0.0] and len(demo.table_set["mul"]) == 5
+
+
+def test_demo_stages_file_is_checked_before_work_and_on_load(tmp_path):
+    """A ``--stages`` path is refused before any stage runs when its folder is missing or a file is there; a
+    stages file is refused on load when it is not one, or was made with another config or seed."""
+    from openk3.rl.recipe import DemoConfig, check_stages_path, load_stages, stages_config
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_stages_path(tmp_path / "missing" / "s.pt")
+    (tmp_path / "there.pt").write_text("not a torch file")
+    with pytest.raises(FileExistsError, match="already exists"):
+        check_stages_path(tmp_path / "there.pt")
+    with pytest.raises(ValueError, match="not a stages file"):
+        load_stages(tmp_path / "there.pt", DemoConfig())
+    torch.save({"warm": 1}, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="no warm start"):
+        load_stages(tmp_path / "old.pt", DemoConfig())
+    torch.save({"warm": 1, "experts": {}, "config": stages_config(DemoConfig(seed=0))}, tmp_path / "s.pt")
+    assert load_stages(tmp_path / "s.pt", DemoConfig(seed=0, mopd_steps=3, mopd_lr=1e-4)) == (1, {})
+    with pytest.raises(ValueError, match="seed 0 there, 1 here"):
+        load_stages(tmp_path / "s.pt", DemoConfig(seed=1))
+
+
+def test_demo_config_refuses_sizes_it_cannot_run():
+    from openk3.rl.recipe import DemoConfig
+
+    for bad, match in (
+        (dict(distill_problems=7200), "mul has 7200"),
+        (dict(group_size=0), "group_size"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(rho=5.0), "rho"),
+        (dict(r_max=-1.0), "r_max"),
+        (dict(mopd_lr=float("inf")), "mopd_lr"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            DemoConfig(**bad)
 
 
 def test_demo_sft_set_holds_no_rl_or_held_out_problem(tmp_path):

@@ -14,10 +14,10 @@
 4. **MOPD**: the warm-started student samples every (domain, effort) equally often; each token is rewarded
    by the clipped log-ratio against the teacher of that (domain, effort).
 
-Each stage writes a plot (``<out>/<stage>.png``: reward, length, over-budget fraction and held-out accuracy
-against steps) and ``<out>/results.md`` holds the final table: accuracy and mean length per domain and
-effort, student against teacher (greedy decoding), on a second held-out set larger than the one the stages
-evaluate on.
+Each stage's history is plotted at the end (``<out>/<stage>.png``: reward, length, over-budget fraction and
+held-out accuracy against steps) and ``<out>/results.md`` holds the final table: accuracy and mean length per
+domain and effort, student against teacher (greedy decoding), on a second held-out set (``table_problems``,
+240 per domain by default, against the stages' 48).
 
 Problem sets, disjoint and drawn in this order from the config's seed: the RL training problems, the
 held-out problems of the stages' evaluations, the table's held-out problems, the warm start's problems.
@@ -30,6 +30,7 @@ import contextlib
 import copy
 import functools
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -56,6 +57,9 @@ from openk3.rl.tasks import (
     written_effort,
 )
 from openk3.serve import CacheConfig, EngineConfig, SchedulerConfig
+
+MUL_PROBLEMS = 900 * 8
+"""Distinct mul problems (three-digit number times a digit 2–9): the smaller domain bounds the problem sets."""
 
 
 @dataclass
@@ -125,9 +129,20 @@ class DemoConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sft_lr", "distill_lr", "rl_lr", "mopd_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("depth", "sft_batch", "group_size", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("sft_lr", "distill_lr", "rl_lr", "mopd_lr", "r_max"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        if not 0 < self.rho <= 1:
+            raise ValueError(f"rho is a percentile in (0, 1], got {self.rho}")
+        drawn = self.train_problems + self.eval_problems + self.table_problems + self.distill_problems
+        if drawn > MUL_PROBLEMS // 2:
+            raise ValueError(
+                f"train_problems + eval_problems + table_problems + distill_problems = {drawn} distinct problems "
+                f"per domain; mul has {MUL_PROBLEMS}, and at most half of them may be set aside"
+            )
         if self.eval_problems < 1 or self.eval_every < 1 or self.table_problems < 1:
             raise ValueError("eval_problems, eval_every and table_problems must be >= 1")
         if self.prompts_per_step % (len(DOMAINS) * len(EFFORTS)):
@@ -194,7 +209,10 @@ def engine_config(max_tokens: int) -> EngineConfig:
 class Demo:
     def __init__(self, config: DemoConfig, out_dir: Path) -> None:
         self.cfg, self.out = config, Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ValueError(f"--out {self.out}: it or a folder above it is a file, not a folder") from None
         self.tok = CharTokenizer()
         rng = random.Random(config.seed)
         self.train = {d: self._unique(d, config.train_problems, rng, set()) for d in DOMAINS}
@@ -618,7 +636,7 @@ class Demo:
                 rows.append({"domain": d, "effort": e, "teacher": t, "student": s})
                 lines.append(
                     f"| {d} | {e} | {t['accuracy']:.2f} | {t['length']:.1f} | {formats(t)} | {s['accuracy']:.2f} "
-                    f"| {s['length']:.1f} | {formats(s)} | {100 * (s['accuracy'] - t['accuracy']):+.0f} |"
+                    f"| {s['length']:.1f} | {formats(s)} | {round(100 * (s['accuracy'] - t['accuracy'])):+d} |"
                 )
         (self.out / "table.json").write_text(json.dumps(rows, indent=1))
         return "\n".join(lines)
@@ -627,6 +645,8 @@ class Demo:
         """Every stage, then the outputs; ``stages``: also save the warm-started student and the experts
         there (``torch.save`` of ``{"warm", "experts"}``, what ``benchmarks/mopd_ablation.py --stages``
         loads)."""
+        if stages is not None:
+            check_stages_path(stages)
         t0 = time.monotonic()
         with self.timed("sft"):
             base = self.stage_sft()
@@ -634,7 +654,7 @@ class Demo:
         with self.timed("distill"):
             warm = self.stage_distill(base, experts)
         if stages is not None:
-            torch.save({"warm": warm, "experts": experts}, stages)
+            torch.save({"warm": warm, "experts": experts, "config": stages_config(self.cfg)}, stages)
         with self.timed("mopd"):
             student = self.stage_mopd(warm, experts)
         return self.write_outputs(experts, student, time.monotonic() - t0)
@@ -654,7 +674,7 @@ class Demo:
         cfg["efforts"] = dict(self.cfg.efforts.taus)
         stages = ", ".join(f"{k} {v:.0f}" for k, v in self.seconds.items())
         text = (
-            f"# openk3 posttrain --recipe demo\n\nwall time {seconds:.0f} s (stages, s: {stages})\n\n"
+            f"# openk3 posttrain --recipe demo\n\nwall time {seconds:.0f} s before the table (stages, s: {stages})\n\n"
             f"config: `{json.dumps(cfg)}`\n\n{table}\n"
         )
         (self.out / "results.md").write_text(text)
@@ -663,3 +683,49 @@ class Demo:
         self.log(table)
         self.log(f"wall time {seconds:.0f} s; outputs in {self.out}")
         return table
+
+
+def stages_config(config: DemoConfig) -> dict:
+    """What a stages file records of the config that made it: every field but the MOPD stage's own (the
+    ablation varies ``mopd_steps``, ``mopd_lr`` and ``r_max`` on the same stages)."""
+    out = asdict(config)
+    out["efforts"] = dict(config.efforts.taus)
+    for name in ("mopd_steps", "mopd_lr", "r_max"):
+        out.pop(name)
+    return out
+
+
+def check_stages_path(path: Path) -> None:
+    """Refuse a ``--stages`` path before any work: its folder must exist and nothing may be there yet (the
+    file is written after the warm start, minutes in; an existing file is not overwritten)."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"--stages {path} already exists; remove it or name a new file")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"--stages {path}: the folder {path.parent} does not exist")
+
+
+def load_stages(path: Path, config: DemoConfig) -> tuple[torch.nn.Module, dict]:
+    """The warm-started student and the experts of a stages file written by :meth:`Demo.run`; raises
+    ``ValueError`` naming the problem when ``path`` is not such a file or was made with another config or
+    seed than ``config`` (the table's problems would then be ones the experts may have seen in SFT)."""
+    path = Path(path)
+    try:
+        saved = torch.load(path, weights_only=False)  # the user's own file, written by Demo.run
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"--stages {path} is not a stages file: {e}") from None
+    except Exception as e:  # pickle.UnpicklingError and the like
+        raise ValueError(f"--stages {path} is not a stages file: {type(e).__name__}: {e}") from None
+    if not isinstance(saved, dict) or not {"warm", "experts", "config"} <= saved.keys():
+        raise ValueError(
+            f"--stages {path} holds no warm start, experts and config; write one with "
+            "openk3 posttrain --recipe demo --stages FILE"
+        )
+    want = stages_config(config)
+    diff = sorted(k for k in want.keys() | saved["config"].keys() if want.get(k) != saved["config"].get(k))
+    if diff:
+        raise ValueError(
+            f"--stages {path} was made with another config: "
+            + ", ".join(f"{k} {saved['config'].get(k)!r} there, {want.get(k)!r} here" for k in diff)
+        )
+    return saved["warm"], saved["experts"]
