@@ -164,14 +164,16 @@ def profiled_step(engine: LLMEngine, device: str, activities, keep: list) -> dic
     return step_summary(prof, scheduled_tokens, device.startswith("cuda"))
 
 
-def profile_prefill(model, args, tokens, activities) -> list[dict]:
+def profile_prefill(model, args, tokens, activities, keep: list) -> list[dict]:
+    """Every step of one ``--prefill``-token prompt's prefill under the profiler (profiles appended to
+    ``keep``)."""
     engine = make_engine(model, args, args.prefill + 2, 1)
     request = Request("prefill", tokens(args.prefill), SamplingParams(max_tokens=1))
     engine.add_request(request)
     steps: list[dict] = []
     while engine.has_unfinished_requests():
         start = request.num_computed_tokens
-        steps.append(profiled_step(engine, args.device, activities, []))
+        steps.append(profiled_step(engine, args.device, activities, keep))
         steps[-1]["tokens"] = request.num_computed_tokens - start or args.prefill - start
     return steps
 
@@ -262,15 +264,19 @@ def markdown(report: dict) -> str:
         + ", ".join(f"{d['streams']} streams {d['unprofiled_ms']:.2f} ms" for d in report["decode"])
         + ".",
         "",
-        f"## Operators with the most self {'device' if 'gpu' in env else 'host'} time, all profiled decode steps",
-        "",
-        "| operator | calls | self host ms | self device ms |",
-        "|---|---:|---:|---:|",
-        *(
-            f"| `{t['name']}` | {t['calls']} | {t['self_cpu_ms']:.2f} | {t['self_device_ms']:.2f} |"
-            for t in report["top_ops"]
-        ),
     ]
+    for key, what in (("top_ops", "all profiled decode steps"), ("prefill_top_ops", "the prefill's steps")):
+        lines += [
+            "",
+            f"## Operators with the most self {'device' if 'gpu' in env else 'host'} time, {what}",
+            "",
+            "| operator | calls | self host ms | self device ms |",
+            "|---|---:|---:|---:|",
+            *(
+                f"| `{t['name'][:160]}` | {t['calls']} | {t['self_cpu_ms']:.2f} | {t['self_device_ms']:.2f} |"
+                for t in report.get(key, [])
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -290,8 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
     def tokens(n: int) -> list[int]:
         return torch.randint(1, vocab, (n,), generator=gen).tolist()
 
-    profile_prefill(model, args, tokens, activities)  # warm-up: compile and cache every prefill shape
-    prefill = profile_prefill(model, args, tokens, activities)
+    profile_prefill(model, args, tokens, activities, [])  # warm-up: compile and cache every prefill shape
+    prefill_profs: list = []
+    prefill = profile_prefill(model, args, tokens, activities, prefill_profs)
     decode, profs = [], []
     for n in args.streams:
         steps, unprofiled_ms = profile_decode(model, args, tokens, n, activities, profs)
@@ -306,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefill": prefill,
         "decode": decode,
         "top_ops": top_ops(profs, args.top, cuda),
+        "prefill_top_ops": top_ops(prefill_profs, args.top, cuda),
         "wall_s": time.perf_counter() - t_start,
     }
     text = markdown(report)

@@ -87,3 +87,20 @@ def test_profiled_decode_steps(serve_profile):
         assert s["step_ms"] == s["host_ms"] and s["wait_ms"] == 0  # no device to wait for on a CPU
         assert s["kernel_ms"] == s["kernels"] == 0 and s["launches"] == 0 and s["syncs"] is None
     assert serve_profile.median_step(steps)["tokens"] == 3
+
+
+def test_profiled_prefill_steps_and_their_operator_table(serve_profile):
+    """Each prefill step is kept for the prefill's own operator table (where a miss's TTFT goes)."""
+    args = serve_profile.parse_args(
+        ["--prefill", "40", "--long-prefill-token-threshold", "16", "--pool-mib", "16", "--top", "3"]
+    )
+    model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=512), seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    keep: list = []
+    steps = serve_profile.profile_prefill(
+        model, args, lambda n: torch.randint(1, 512, (n,), generator=gen).tolist(),
+        [torch.profiler.ProfilerActivity.CPU], keep,
+    )  # fmt: skip
+    assert [s["tokens"] for s in steps] == [16, 16, 8] and len(keep) == 3
+    ops = serve_profile.top_ops(keep, args.top, cuda=False)
+    assert len(ops) == 3 and ops[0]["self_cpu_ms"] >= ops[-1]["self_cpu_ms"] > 0
