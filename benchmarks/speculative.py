@@ -216,8 +216,26 @@ def train_target(args, clock: Clock) -> tuple[Path, dict]:
         train(dataclasses.replace(config, steps=steps), resume=True, progress=False)
     summary.update(steps=steps, tokens=steps * args.target_batch_size * args.target_seq_len)
     summary["seconds"] = clock.elapsed()
+    summary["train_loss"] = loss_curve(run / "metrics.jsonl")
     clock.log(f"target {args.train_target}: {steps} steps done")
     return run, summary
+
+
+def loss_curve(metrics: Path, points: int = 8) -> dict:
+    """The target run's training loss from its ``metrics.jsonl``: ``points`` (step, mean loss of the steps since
+    the previous point) pairs, the lowest single-step loss and the last; the report shows them beside the val
+    loss, so a weak target says whether it stopped early, plateaued or spiked."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in rows if "loss" in r and "grad_norm" in r]
+    if not losses:
+        return {}
+    edges = [round(i * len(losses) / points) for i in range(points + 1)]
+    curve = [
+        (losses[b - 1][0], statistics.fmean(v for _, v in losses[a:b]))
+        for a, b in zip(edges, edges[1:])
+        if b > a
+    ]
+    return {"curve": curve, "min": min(v for _, v in losses), "last": losses[-1][1]}
 
 
 def draft_batches(args, lm, train_set, device):
@@ -664,6 +682,14 @@ def render(result: dict, args) -> str:
             f"uncompiled; {t['seconds']:.0f} s with data preparation), {val}.",
             "",
         ]
+        if t.get("train_loss"):
+            tl = t["train_loss"]
+            lines += [
+                "Target train loss (mean per stretch of steps, up to the step shown): "
+                + ", ".join(f"{v:.2f} (step {s})" for s, v in tl["curve"])
+                + f"; lowest step {tl['min']:.2f}, last {tl['last']:.2f}.",
+                "",
+            ]
     else:
         lines += [f"Target: `{result['target']}`, {val}.", ""]
     if result["drafts"]:

@@ -116,6 +116,12 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
     result = json.loads((out / "speculative_cpu.json").read_text())
     assert result["target_training"]["steps"] == 7  # the budget leaves the planned steps
     assert (tmp_path / "w" / "k3-tiny" / "checkpoints" / "step-000007").is_dir()
+    rows = [json.loads(x) for x in (tmp_path / "w" / "k3-tiny" / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r["loss"] for r in rows if "grad_norm" in r}
+    assert sorted(steps) == list(range(1, 8))  # the timed steps and the resumed ones, each logged once
+    curve = result["target_training"]["train_loss"]
+    assert curve["curve"][-1][0] == 7 and curve["last"] == steps[7] and curve["min"] == min(steps.values())
+    assert sum(b - a for (a, _), (b, _) in zip([(0, 0), *curve["curve"]], curve["curve"])) == 7
     assert result["draft_steps"] == 2 and result["skipped"] == []
     for loss in ("lk", "kl"):
         alphas = result["drafts"][loss]["alpha_by_depth"]
@@ -131,7 +137,7 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
             assert row["decode_tokens_per_s"] > 0 and row["ms_per_step"] > 0
     report = (out / "speculative_cpu.md").read_text()
     assert report.startswith("# Speculative decoding") and "--train-target k3-tiny" in report
-    assert "| 2 |" in report and "trained here for 7 steps" in report
+    assert "| 2 |" in report and "trained here for 7 steps" in report and "Target train loss" in report
 
 
 def test_divergence_tells_a_rounding_flip_from_a_real_difference(bench):
