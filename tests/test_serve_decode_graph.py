@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import openk3
 from openk3.generate import greedy, sample_next
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
-from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of
+from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of, compile_limits
 from openk3.serve.model_runner import sample_tokens
 
 VOCAB = 512
@@ -29,15 +29,20 @@ def build(device="cpu", dtype=torch.float32):
     ).eval()
 
 
-def engine(model, static, num_blocks=400, max_num_seqs=16, caching=True) -> LLMEngine:
+def engine(model, static, num_blocks=400, max_num_seqs=16, caching=True, block_size=8, chunk=32) -> LLMEngine:
     return LLMEngine(
         model,
         EngineConfig(
             CacheConfig(
-                block_size=8, num_blocks=num_blocks, checkpoint_interval=2, enable_prefix_caching=caching
+                block_size=block_size,
+                num_blocks=num_blocks,
+                checkpoint_interval=2,
+                enable_prefix_caching=caching,
             ),
             SchedulerConfig(
-                max_num_batched_tokens=96, max_num_seqs=max_num_seqs, long_prefill_token_threshold=32
+                max_num_batched_tokens=3 * chunk,
+                max_num_seqs=max_num_seqs,
+                long_prefill_token_threshold=chunk,
             ),
             static_decode=static,
         ),
@@ -95,6 +100,109 @@ def test_static_decode_prefix_hit_equals_cold():
     assert (1, 7, 8) in eng.runner.decode_graphs.steps  # the 7-token suffix after 48 cached, one static step
     (cold,), _ = run(engine(model, static=False, caching=False), [b], 6, "c")
     assert hot == cold == reference(model, b, 6)
+
+
+class _Replay:
+    """A captured step on the CPU: each replay calls the compiled step on the states it was captured with (a
+    CUDA graph replays the kernels the compiled step launched on them)."""
+
+    def __init__(self, run, states) -> None:
+        self.run, self.states, self.replays = run, states, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.run(self.states)
+
+
+def _capture_compiled(self, states) -> None:
+    """:meth:`StaticDecode.capture` without CUDA: the same padding-only warm-up runs of the compiled step."""
+    self.inputs.zero_()
+    run = self.compiled()
+    assert run is not self.forward
+    with compile_limits():
+        run(states)
+        run(states)
+    self.graph = _Replay(run, states)
+    self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
+
+
+@pytest.mark.slow
+def test_compiled_step_gives_greedy_tokens(monkeypatch):
+    """The captured path with the compiled step (traced by dynamo as one graph through AOT autograd, run as
+    its FX graph: ``aot_eager``; Inductor's kernels are the slow test below and the GPU tests): three
+    streams (one padding row), block tables that grow (N = 1, 2, 4), then a prefix hit's 7-token suffix;
+    every request's tokens are the model's own greedy ones, null block 0 stays zero, and one compiled graph
+    serves each (B, T, N)."""
+    real_compile = torch.compile
+    compiles = []
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compiles.append(kw) or real_compile(fn, backend="aot_eager", **kw)
+    )
+    monkeypatch.setattr(StaticDecode, "capture", _capture_compiled)
+    torch._dynamo.reset()
+    model = build()
+    eng = engine(model, static=True)
+    eng.runner.decode_graphs.capture = True  # the graphed path's logic, with the CPU stand-in capture
+    shared = prompts([48], seed=1)[0]
+    ps, hit = prompts([3, 9, 17]), shared + prompts([7], seed=3)[0]
+    outs, _ = run(eng, ps, 14)
+    run(eng, [shared + prompts([5], seed=2)[0]], 1, "a")  # caches the shared 48 tokens
+    (hot,), (req,) = run(eng, [hit], 4, "b")
+    steps = eng.runner.decode_graphs.steps
+    assert req.num_cached_tokens == 48 and (1, 7, 8) in steps
+    assert {4} <= {b for b, _, _ in steps} and len({n for *_, n in steps}) >= 2
+    assert all(s.graph.replays > 0 for s in steps.values())
+    assert compiles == [dict(fullgraph=True, dynamic=False)] * len(steps)
+    for p, out in zip(ps, outs):
+        assert out == reference(model, p, 14)
+    assert hot == reference(model, hit, 4)
+    assert torch.count_nonzero(eng.storage.pages[0]) == 0
+    eng.pool.check_invariants()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_step_equals_eager_step(monkeypatch, backend):
+    """One step compiled as captured on CUDA against the eager step from the same inputs, states and pool
+    (fp32, three streams and one padding row): ``aot_eager`` (dynamo's one graph through AOT autograd, run as
+    aten ops) and ``inductor`` (its C++ kernels here, about 3 minutes of compilation on a 2-core CPU) give
+    the same tokens, and the KDA states and conv windows, the written latents and the rest of the pool within
+    fp32 rounding, not bitwise: traced fp32 experts take the gathered ``bmm`` instead of CPU ``grouped_mm``
+    (whose fake implementation takes bf16 only), and Inductor fuses the norms' and softmaxes' reductions and
+    sums them in another order; after four layers that moves values by a few ulp, far inside ``rtol = 1e-5``."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
+    model = build()
+    eng = engine(model, static=True)
+    steps = []
+    real_forward = StaticDecode.forward
+
+    def keep(self, states):
+        steps.append((self, states))
+        real_forward(self, states)
+
+    StaticDecode.forward = keep
+    try:
+        run(eng, prompts([9, 17, 4]), 3)
+    finally:
+        StaticDecode.forward = real_forward
+    step, states = [(s, st) for s, st in steps if (s.B, s.T) == (4, 1)][-1]  # three streams, one padding row
+    inputs = step.inputs.clone()
+    before = (eng.storage.pages.clone(), states.recurrent.clone(), states.conv.clone())
+
+    def run_with(fn):
+        step.inputs.copy_(inputs)
+        for t, b in zip((eng.storage.pages, states.recurrent, states.conv), before):
+            t.copy_(b)
+        fn(states)
+        return [step.next_B.clone(), eng.storage.pages.clone(), states.recurrent.clone(), states.conv.clone()]
+
+    torch._dynamo.reset()
+    want = run_with(step.forward)
+    got = run_with(step.compiled())
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(want[2], before[1])  # the step did update the states
 
 
 class HostReads(TorchDispatchMode):
@@ -257,9 +365,11 @@ def test_graphs_equal_eager_twin_and_reference_on_gpu(monkeypatch):
 @pytest.mark.gpu
 def test_graph_engine_load_on_gpu():
     """240 requests of random lengths, at most 32 running at once, bf16 with graphs: every request ends with
-    its max_tokens, and the pool ends empty."""
+    its max_tokens, and the pool ends empty. Blocks of 64 tokens and whole prompts in one chunk keep the
+    compiled step shapes few (``N`` ≤ 2, decodes of ``T = 1`` and equal-length short prompts): each new
+    ``(B, T, N)`` is one more compilation."""
     model = build("cuda", torch.bfloat16)
-    eng = engine(model, static=None, num_blocks=2000, max_num_seqs=32)
+    eng = engine(model, static=None, num_blocks=400, max_num_seqs=32, block_size=64, chunk=64)
     rng = random.Random(0)
     reqs = [
         Request(

@@ -23,15 +23,26 @@ sync:
   pageable host buffer with a non-blocking copy: CUDA stages the bytes before the call returns and waits for
   nothing, so the buffer may be rewritten for the next step at once.
 
-On CUDA the step is captured once per ``(B, T, N)`` (after two warm-up runs on a side stream, all rows padding,
-so no request's state or latent changes) and replayed; elsewhere :meth:`StaticDecode.forward`, the same
-code, runs eagerly: the twin the CPU tests compare with the model and the engine's other path.
+On CUDA the step is compiled and captured once per ``(B, T, N)`` and replayed; elsewhere
+:meth:`StaticDecode.forward` runs eagerly: the twin the CPU tests compare with the model and the engine's
+other path. Captured eagerly, one step of k3-small launches about 2,500 kernels, mostly tiny elementwise
+ops, casts, norms and copies, and the GPU waits on their launches, not on their work (``docs/LOG.md``); so
+what is captured is :meth:`StaticDecode.forward` through ``torch.compile`` (Inductor, ``fullgraph``, static
+shapes, no Inductor CUDA graphs of its own), which fuses that glue (norms, gates, SiTU, routing, the AttnRes
+mixes, casts) into a few hundred kernels around the matmuls and the KDA state-pool op (a custom op,
+``openk3::kda_pool_decode``, so the trace runs through it). The first of two warm-up runs on a side stream
+(all rows padding, so no request's state or latent changes) compiles; its wall time goes to stderr. The
+step has no graph break: no host reads, no Python branch on a tensor value, no data-dependent shape.
 
 Legend: ``n`` requests, ``B`` bucket rows, ``T`` new tokens per row, ``N`` blocks per row, ``S = N·bs`` cached tokens, ``V`` vocabulary,
 ``L`` MLA layers, ``W = C + r`` latent width.
 """
 
 from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,6 +53,10 @@ from openk3.serve.cache_storage import CacheStorage, StateBatch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Decode batch sizes with a graph of their own; a batch runs in the smallest bucket that holds it."""
+
+
+MAX_COMPILED_STEPS = 1024
+"""Compiled step shapes ``(B, T, N)`` one process may hold (:func:`compile_limits`)."""
 
 
 def bucket_of(n: int) -> int:
@@ -80,6 +95,7 @@ class StaticDecode:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.state_ptr: int | None = None
         """Address of the KDA states the graph was captured on (0 without KDA layers)."""
+        self._compiled: Callable[[StateBatch | None], None] | None = None
 
     @torch.no_grad()
     def forward(self, states: StateBatch | None) -> None:
@@ -106,7 +122,7 @@ class StaticDecode:
             kda = [KDAStateSlots(r, c, verify=verify) for r, c in zip(states.recurrent, states.conv)]
         if lo.num_mla_layers:
             past_LBSW, mask_BS = st.gather_latents_padded(
-                self.table_BN, self.lengths_B, self.N * lo.block_size
+                self.table_BN, self.lengths_B, self.table_BN.shape[1] * lo.block_size
             )
             mla = [PagedLatents(past, mask_BS) for past in past_LBSW]
         kda_iter, mla_iter = iter(kda), iter(mla)
@@ -123,7 +139,7 @@ class StaticDecode:
         bs = lo.block_size
         view = self.storage.pages.view(-1, lo.num_mla_layers, bs, lo.latent_width)
         valid_B1 = self.valid_B.bool()[:, None]
-        pos_BT = self.lengths_B[:, None] + torch.arange(self.T, device=self.lengths_B.device)
+        pos_BT = self.lengths_B[:, None] + torch.arange(self.ids_BT.shape[1], device=self.lengths_B.device)
         page_BT = torch.where(valid_B1, self.table_BN.gather(1, pos_BT // bs), 0)
         off_BT = torch.where(valid_B1, pos_BT % bs, 0)
         new_BTLW = torch.stack([c.new for c in mla], 2).to(lo.dtype)
@@ -134,20 +150,50 @@ class StaticDecode:
         """Host-side updates of a subclass's other input buffers, made after any capture and right before
         each run (none here)."""
 
+    def compiled(self) -> Callable[[StateBatch | None], None]:
+        """What :meth:`capture` records: :meth:`forward` through ``torch.compile`` (Inductor, one graph, static
+        shapes, without Inductor's own CUDA graphs: this class captures the compiled kernels itself), built on
+        first use. A subclass that replaces :meth:`forward` (the speculative step) is recorded as written."""
+        if type(self).forward is not StaticDecode.forward:
+            return self.forward
+        if self._compiled is None:
+            self._compiled = torch.compile(self.forward, fullgraph=True, dynamic=False)
+        return self._compiled
+
     def capture(self, states: StateBatch | None) -> None:
-        """Capture :meth:`forward` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
-        states), after two warm-up runs on a side stream (Triton compilation, lazy initialisation)."""
+        """Capture :meth:`compiled` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
+        states), after two warm-up runs on a side stream (compilation on the first, lazy initialisation);
+        the compile's wall time goes to stderr."""
         self.inputs.zero_()
+        run = self.compiled()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.forward(states)
+        with torch.cuda.stream(side), compile_limits():
+            start = time.perf_counter()
+            run(states)
+            torch.cuda.synchronize()
+            print(
+                f"{type(self).__name__} (B={self.B}, T={self.T}, N={self.N}): first warm-up run (with its "
+                f"compilation) {time.perf_counter() - start:.1f} s",
+                file=sys.stderr,
+            )
+            run(states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # a private memory pool: graphs never share temporaries
-            self.forward(states)
+        with torch.cuda.graph(self.graph), compile_limits():  # a private memory pool per graph
+            run(states)
         self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
+
+
+def compile_limits():
+    """``torch.compile``'s recompilation limits raised for the calls of compiled steps: every ``(B, T, N)``
+    is one more compiled graph of :meth:`StaticDecode.forward` (static shapes), past dynamo's default of 8
+    per function (at which ``fullgraph`` would raise)."""
+    names = [n for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                         "accumulated_cache_size_limit") if hasattr(torch._dynamo.config, n)]  # fmt: skip
+    return torch._dynamo.config.patch(
+        {n: max(getattr(torch._dynamo.config, n), MAX_COMPILED_STEPS) for n in names}
+    )
 
 
 class DecodeGraphs:
