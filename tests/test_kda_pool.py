@@ -147,3 +147,33 @@ def test_custom_op_opcheck(slots, with_steps):
     steps = torch.zeros(N, T, H, K, K, dtype=torch.float64) if with_steps else None
     args = (q, k, v, g_raw, beta, pool, idx, gate["A_log"], gate["dt_bias"], K**-0.5, -5.0, True, True, steps)
     torch.library.opcheck(torch.ops.openk3.kda_pool_decode.default, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and triton")
+def test_gpu_custom_op_compiles_on_cuda():
+    """The op's CUDA branch (the Triton decode kernel) inside an Inductor graph, fp32 pool, bf16 tokens (as the
+    server's compiled step calls it): the pool rows and ``step_states`` equal the eager call's bit for bit (the
+    same kernel on the same inputs), the output within bf16 rounding of it (Inductor's ``tanh`` is not
+    torch's)."""
+    N, T, H, K, S = 3, 2, 4, 64, 6
+    (q, k, v, g_raw, beta), gate = inputs(N, T, H, K, seed=7)
+    q, k, v, g_raw = (t.cuda().bfloat16() for t in (q, k, v, g_raw))
+    beta = beta.cuda().float()
+    A_log, dt_bias = gate["A_log"].cuda().float(), gate["dt_bias"].cuda().float()
+    pool = torch.randn(S, H, K, K, device="cuda") * 0.1
+    idx = torch.tensor([4, 0, 2], device="cuda")
+
+    def fn(q, k, v, g_raw, beta, pool, idx, A_log, dt_bias, steps):
+        return _decode(q * 2, k, v, g_raw, beta, pool, idx, A_log, dt_bias, steps).tanh() + 1
+
+    def run(f):
+        p, steps = pool.clone(), torch.zeros(N, T, H, K, K, device="cuda")
+        return f(q, k, v, g_raw, beta, p, idx, A_log, dt_bias, steps), p, steps
+
+    torch._dynamo.reset()
+    want = run(fn)
+    got = run(torch.compile(fn, fullgraph=True))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert not torch.equal(want[1], pool)

@@ -56,7 +56,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 MAX_COMPILED_STEPS = 1024
-"""Compiled step shapes ``(B, T, N)`` one process may hold (:func:`compile_limits`)."""
+"""Compiled step shapes ``(B, T, N)`` one process may hold (:func:`compile_settings`)."""
 
 
 def bucket_of(n: int) -> int:
@@ -153,7 +153,9 @@ class StaticDecode:
     def compiled(self) -> Callable[[StateBatch | None], None]:
         """What :meth:`capture` records: :meth:`forward` through ``torch.compile`` (Inductor, one graph, static
         shapes, without Inductor's own CUDA graphs: this class captures the compiled kernels itself), built on
-        first use. A subclass that replaces :meth:`forward` (the speculative step) is recorded as written."""
+        first use; each ``(B, T, N)`` compiles once. (Symbolic sizes, ``dynamic=True``, would let one graph
+        serve them all, but Inductor's code for them gave other tokens than the eager step: ``docs/LOG.md``.)
+        A subclass that replaces :meth:`forward` (the speculative step) is recorded as written."""
         if type(self).forward is not StaticDecode.forward:
             return self.forward
         if self._compiled is None:
@@ -168,7 +170,7 @@ class StaticDecode:
         run = self.compiled()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), compile_limits():
+        with torch.cuda.stream(side), compile_settings():
             start = time.perf_counter()
             run(states)
             torch.cuda.synchronize()
@@ -180,15 +182,15 @@ class StaticDecode:
             run(states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), compile_limits():  # a private memory pool per graph
+        with torch.cuda.graph(self.graph), compile_settings():  # a private memory pool per graph
             run(states)
         self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
 
 
-def compile_limits():
-    """``torch.compile``'s recompilation limits raised for the calls of compiled steps: every ``(B, T, N)``
-    is one more compiled graph of :meth:`StaticDecode.forward` (static shapes), past dynamo's default of 8
-    per function (at which ``fullgraph`` would raise)."""
+def compile_settings():
+    """``torch.compile`` settings for the calls of compiled steps (a context manager): dynamo's recompilation
+    limits raised past its default of 8 per function (at which ``fullgraph`` raises), since every ``(B, T, N)``
+    adds a compiled graph of :meth:`StaticDecode.forward`."""
     names = [n for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                          "accumulated_cache_size_limit") if hasattr(torch._dynamo.config, n)]  # fmt: skip
     return torch._dynamo.config.patch(
