@@ -160,19 +160,10 @@ def test_compiled_step_gives_greedy_tokens(monkeypatch):
     eng.pool.check_invariants()
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compiled_step_equals_eager_step(monkeypatch, backend):
-    """One step compiled as captured on CUDA against the eager step from the same inputs, states and pool
-    (fp32, three streams and one padding row): ``aot_eager`` (dynamo's one graph through AOT autograd, run as
-    aten ops) and ``inductor`` (its C++ kernels here, about 3 minutes of compilation on a 2-core CPU) give
-    the same tokens, and the KDA states and conv windows, the written latents and the rest of the pool within
-    fp32 rounding, not bitwise: traced fp32 experts take the gathered ``bmm`` instead of CPU ``grouped_mm``
-    (whose fake implementation takes bf16 only), and Inductor fuses the norms' and softmaxes' reductions and
-    sums them in another order; after four layers that moves values by a few ulp, far inside ``rtol = 1e-5``."""
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
-    model = build()
-    eng = engine(model, static=True)
+def _three_stream_step():
+    """An engine after three streams decoded three tokens (fp32), its last eager ``(B, T) = (4, 1)`` step (one
+    padding row) and the KDA states that step ran on, its inputs still in the buffers."""
+    eng = engine(build(), static=True)
     steps = []
     real_forward = StaticDecode.forward
 
@@ -185,7 +176,22 @@ def test_compiled_step_equals_eager_step(monkeypatch, backend):
         run(eng, prompts([9, 17, 4]), 3)
     finally:
         StaticDecode.forward = real_forward
-    step, states = [(s, st) for s, st in steps if (s.B, s.T) == (4, 1)][-1]  # three streams, one padding row
+    step, states = [(s, st) for s, st in steps if (s.B, s.T) == (4, 1)][-1]
+    return eng, step, states
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_step_equals_eager_step(monkeypatch, backend):
+    """One step compiled as captured on CUDA against the eager step from the same inputs, states and pool
+    (fp32, three streams and one padding row): ``aot_eager`` (dynamo's one graph through AOT autograd, run as
+    aten ops) and ``inductor`` (its C++ kernels here, about 3 minutes of compilation on a 2-core CPU) give
+    the same tokens, and the KDA states and conv windows, the written latents and the rest of the pool within
+    fp32 rounding, not bitwise: traced fp32 experts take the gathered ``bmm`` instead of CPU ``grouped_mm``
+    (whose fake implementation takes bf16 only), and Inductor fuses the norms' and softmaxes' reductions and
+    sums them in another order; after four layers that moves values by a few ulp, far inside ``rtol = 1e-5``."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
+    eng, step, states = _three_stream_step()
     inputs = step.inputs.clone()
     before = (eng.storage.pages.clone(), states.recurrent.clone(), states.conv.clone())
 
@@ -203,6 +209,42 @@ def test_compiled_step_equals_eager_step(monkeypatch, backend):
     for a, b in zip(got[1:], want[1:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not torch.equal(want[2], before[1])  # the step did update the states
+
+
+def test_compiled_step_only_reads_the_pool():
+    """What Inductor receives for the compiled :meth:`StaticDecode.sample`: dynamo's graph through AOT autograd
+    with the input mutations kept in the graph (the ``copy_`` epilogue into each mutated input). The mutated
+    inputs are exactly the KDA recurrent states, the conv windows and the token buffer :attr:`next_B`; the
+    block pool is only read, so no torch version's functionalisation can copy it (a write through a view of
+    the pool inside the graph becomes an ``index_put`` on a copy of the whole pool and a ``copy_`` back,
+    unless Inductor's reinplacing removes them). The eager :meth:`StaticDecode.store_latents` writes it."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    eng, step, states = _three_stream_step()
+    mutated: list[torch.Tensor] = []
+
+    def backend(gm, example_inputs):
+        lifted = [*gm.parameters(), *gm.buffers(), *example_inputs]  # the AOT graph's inputs, in order
+
+        def epilogue(aot_gm, aot_inputs):
+            placeholders = [n for n in aot_gm.graph.nodes if n.op == "placeholder"]
+            assert len(placeholders) == len(lifted)
+            for n in aot_gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+                if n.args[0].op == "placeholder":
+                    mutated.append(lifted[placeholders.index(n.args[0])])
+            return aot_gm
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=epilogue, keep_inference_input_mutations=True
+        )
+
+    torch._dynamo.reset()
+    with compile_settings():
+        torch.compile(step.sample, backend=backend, fullgraph=True, dynamic=False)(states)
+    want = [states.recurrent, states.conv, step.next_B]
+    key = lambda t: (t.data_ptr(), tuple(t.shape))  # noqa: E731
+    assert sorted(map(key, mutated)) == sorted(map(key, want))
+    assert key(eng.storage.pages) not in map(key, mutated)
 
 
 class HostReads(TorchDispatchMode):
