@@ -1,5 +1,7 @@
 """The state-pool decode entry point (:func:`openk3.ops.kda.fused_recurrent_kda_pool`) against the fp64
-reference recurrence: outputs, the pool rows it overwrites, the rows it must leave alone, and bad input."""
+reference recurrence: outputs, the pool rows it overwrites, the rows it must leave alone, and bad input; the
+custom op behind it (``openk3::kda_pool_decode``) through ``torch.compile`` without a graph break, equal to
+the eager call, and its schema and fake implementation (``torch.library.opcheck``)."""
 
 from __future__ import annotations
 
@@ -96,3 +98,82 @@ def test_pool_decode_bad_input():
         fused_recurrent_kda_pool(*tokens, torch.zeros(4, 2, 8, 8), torch.tensor([0.0, 1.0]), **gate)
     with pytest.raises(ValueError, match="need A_log"):
         fused_recurrent_kda_pool(*tokens, torch.zeros(4, 2, 8, 8), lower_bound=-5.0)
+
+
+def _decode(q, k, v, g_raw, beta, pool, idx, A_log, dt_bias, steps):
+    return fused_recurrent_kda_pool(
+        q, k, v, g_raw, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+        use_beta_sigmoid_in_kernel=True, step_states=steps,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("with_steps", [False, True])
+def test_custom_op_compiles_in_place_without_graph_break(backend, with_steps):
+    """One graph (``fullgraph``) around the op and torch glue on its inputs and output: the outputs, the pool
+    (its chosen rows overwritten, the others not) and ``step_states`` equal the eager call's bit for bit (the
+    op runs the same torch recurrence inside; the glue is elementwise)."""
+    N, T, H, K, S = 3, 2, 2, 8, 6
+    (q, k, v, g_raw, beta), gate = inputs(N, T, H, K, seed=5)
+    pool = torch.randn(S, H, K, K, dtype=torch.float64) * 0.1
+    idx = torch.tensor([4, 0, 2])
+
+    def fn(q, k, v, g_raw, beta, pool, idx, A_log, dt_bias, steps):
+        return _decode(q * 2, k, v, g_raw, beta, pool, idx, A_log, dt_bias, steps).tanh() + 1
+
+    def run(f):
+        p = pool.clone()
+        steps = torch.zeros(N, T, H, K, K, dtype=torch.float64) if with_steps else None
+        o = f(q, k, v, g_raw, beta, p, idx, gate["A_log"], gate["dt_bias"], steps)
+        return o, p, steps
+
+    torch._dynamo.reset()
+    want = run(fn)
+    got = run(torch.compile(fn, backend=backend, fullgraph=True))
+    assert not torch.equal(want[1], pool)  # the call did write the pool
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("slots", [None, [4, 0, 2]])
+@pytest.mark.parametrize("with_steps", [False, True])
+def test_custom_op_opcheck(slots, with_steps):
+    """Schema (the pool and ``step_states`` declared mutated, ``o`` aliasing nothing), the fake
+    implementation's shape, dtype and layout, and the op under AOT dispatch with dynamic shapes."""
+    N, T, H, K, S = 3, 2, 2, 8, 6
+    (q, k, v, g_raw, beta), gate = inputs(N, T, H, K, seed=6)
+    pool = torch.randn(S, H, K, K, dtype=torch.float64) * 0.1
+    idx = None if slots is None else torch.tensor(slots)
+    steps = torch.zeros(N, T, H, K, K, dtype=torch.float64) if with_steps else None
+    args = (q, k, v, g_raw, beta, pool, idx, gate["A_log"], gate["dt_bias"], K**-0.5, -5.0, True, True, steps)
+    torch.library.opcheck(torch.ops.openk3.kda_pool_decode.default, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and triton")
+def test_gpu_custom_op_compiles_on_cuda():
+    """The op's CUDA branch (the Triton decode kernel) inside an Inductor graph, fp32 pool, bf16 tokens (as the
+    server's compiled step calls it): the pool rows and ``step_states`` equal the eager call's bit for bit (the
+    same kernel on the same inputs), the output within bf16 rounding of it (Inductor's ``tanh`` is not
+    torch's)."""
+    N, T, H, K, S = 3, 2, 4, 64, 6
+    (q, k, v, g_raw, beta), gate = inputs(N, T, H, K, seed=7)
+    q, k, v, g_raw = (t.cuda().bfloat16() for t in (q, k, v, g_raw))
+    beta = beta.cuda().float()
+    A_log, dt_bias = gate["A_log"].cuda().float(), gate["dt_bias"].cuda().float()
+    pool = torch.randn(S, H, K, K, device="cuda") * 0.1
+    idx = torch.tensor([4, 0, 2], device="cuda")
+
+    def fn(q, k, v, g_raw, beta, pool, idx, A_log, dt_bias, steps):
+        return _decode(q * 2, k, v, g_raw, beta, pool, idx, A_log, dt_bias, steps).tanh() + 1
+
+    def run(f):
+        p, steps = pool.clone(), torch.zeros(N, T, H, K, K, device="cuda")
+        return f(q, k, v, g_raw, beta, p, idx, A_log, dt_bias, steps), p, steps
+
+    torch._dynamo.reset()
+    want = run(fn)
+    got = run(torch.compile(fn, fullgraph=True))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert not torch.equal(want[1], pool)

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import openk3
 from openk3.generate import greedy, sample_next
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
-from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of
+from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of, compile_settings
 from openk3.serve.model_runner import sample_tokens
 
 VOCAB = 512
@@ -29,15 +29,20 @@ def build(device="cpu", dtype=torch.float32):
     ).eval()
 
 
-def engine(model, static, num_blocks=400, max_num_seqs=16, caching=True) -> LLMEngine:
+def engine(model, static, num_blocks=400, max_num_seqs=16, caching=True, block_size=8, chunk=32) -> LLMEngine:
     return LLMEngine(
         model,
         EngineConfig(
             CacheConfig(
-                block_size=8, num_blocks=num_blocks, checkpoint_interval=2, enable_prefix_caching=caching
+                block_size=block_size,
+                num_blocks=num_blocks,
+                checkpoint_interval=2,
+                enable_prefix_caching=caching,
             ),
             SchedulerConfig(
-                max_num_batched_tokens=96, max_num_seqs=max_num_seqs, long_prefill_token_threshold=32
+                max_num_batched_tokens=3 * chunk,
+                max_num_seqs=max_num_seqs,
+                long_prefill_token_threshold=chunk,
             ),
             static_decode=static,
         ),
@@ -95,6 +100,151 @@ def test_static_decode_prefix_hit_equals_cold():
     assert (1, 7, 8) in eng.runner.decode_graphs.steps  # the 7-token suffix after 48 cached, one static step
     (cold,), _ = run(engine(model, static=False, caching=False), [b], 6, "c")
     assert hot == cold == reference(model, b, 6)
+
+
+class _Replay:
+    """A captured step on the CPU: each replay calls the compiled step on the states it was captured with (a
+    CUDA graph replays the kernels the compiled step launched on them)."""
+
+    def __init__(self, run, states) -> None:
+        self.run, self.states, self.replays = run, states, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.run(self.states)
+
+
+def _capture_compiled(self, states) -> None:
+    """:meth:`StaticDecode.capture` without CUDA: the same padding-only warm-up runs of the compiled step."""
+    self.inputs.zero_()
+    run = self.compiled()
+    assert run is not self.forward
+    with compile_settings():
+        run(states)
+        run(states)
+    self.graph = _Replay(run, states)
+    self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
+
+
+@pytest.mark.slow
+def test_compiled_step_gives_greedy_tokens(monkeypatch):
+    """The captured path with the compiled step (traced by dynamo as one graph through AOT autograd, run as
+    its FX graph: ``aot_eager``; Inductor's kernels are the test below and the GPU tests): three streams (one
+    padding row), block tables that grow (N = 1, 2, 4), then a prefix hit's 7-token suffix; every request's
+    tokens are the model's own greedy ones, null block 0 stays zero, and each step shape compiles once (a
+    graph per shape: nothing recompiles between replays' calls)."""
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", **kw))
+    monkeypatch.setattr(StaticDecode, "capture", _capture_compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    model = build()
+    eng = engine(model, static=True)
+    eng.runner.decode_graphs.capture = True  # the graphed path's logic, with the CPU stand-in capture
+    shared = prompts([48], seed=1)[0]
+    ps, hit = prompts([3, 9, 17]), shared + prompts([7], seed=3)[0]
+    outs, _ = run(eng, ps, 14)
+    run(eng, [shared + prompts([5], seed=2)[0]], 1, "a")  # caches the shared 48 tokens
+    (hot,), (req,) = run(eng, [hit], 4, "b")
+    steps = eng.runner.decode_graphs.steps
+    assert req.num_cached_tokens == 48 and (1, 7, 8) in steps
+    assert {4} <= {b for b, _, _ in steps} and len({n for *_, n in steps}) >= 2
+    assert all(s.graph.replays > 0 for s in steps.values())
+    assert len(steps) >= 6 and counters["stats"]["unique_graphs"] == len(steps)
+    for p, out in zip(ps, outs):
+        assert out == reference(model, p, 14)
+    assert hot == reference(model, hit, 4)
+    assert torch.count_nonzero(eng.storage.pages[0]) == 0
+    eng.pool.check_invariants()
+
+
+def _three_stream_step():
+    """An engine after three streams decoded three tokens (fp32), its last eager ``(B, T) = (4, 1)`` step (one
+    padding row) and the KDA states that step ran on, its inputs still in the buffers."""
+    eng = engine(build(), static=True)
+    steps = []
+    real_forward = StaticDecode.forward
+
+    def keep(self, states):
+        steps.append((self, states))
+        real_forward(self, states)
+
+    StaticDecode.forward = keep
+    try:
+        run(eng, prompts([9, 17, 4]), 3)
+    finally:
+        StaticDecode.forward = real_forward
+    step, states = [(s, st) for s, st in steps if (s.B, s.T) == (4, 1)][-1]
+    return eng, step, states
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_step_equals_eager_step(monkeypatch, backend):
+    """One step compiled as captured on CUDA against the eager step from the same inputs, states and pool
+    (fp32, three streams and one padding row): ``aot_eager`` (dynamo's one graph through AOT autograd, run as
+    aten ops) and ``inductor`` (its C++ kernels here, about 3 minutes of compilation on a 2-core CPU) give
+    the same tokens, and the KDA states and conv windows, the written latents and the rest of the pool within
+    fp32 rounding, not bitwise: traced fp32 experts take the gathered ``bmm`` instead of CPU ``grouped_mm``
+    (whose fake implementation takes bf16 only), and Inductor fuses the norms' and softmaxes' reductions and
+    sums them in another order; after four layers that moves values by a few ulp, far inside ``rtol = 1e-5``."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
+    eng, step, states = _three_stream_step()
+    inputs = step.inputs.clone()
+    before = (eng.storage.pages.clone(), states.recurrent.clone(), states.conv.clone())
+
+    def run_with(fn):
+        step.inputs.copy_(inputs)
+        for t, b in zip((eng.storage.pages, states.recurrent, states.conv), before):
+            t.copy_(b)
+        fn(states)
+        return [step.next_B.clone(), eng.storage.pages.clone(), states.recurrent.clone(), states.conv.clone()]
+
+    torch._dynamo.reset()
+    want = run_with(step.forward)
+    got = run_with(step.compiled())
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(want[2], before[1])  # the step did update the states
+
+
+def test_compiled_step_only_reads_the_pool():
+    """What Inductor receives for the compiled :meth:`StaticDecode.sample`: dynamo's graph through AOT autograd
+    with the input mutations kept in the graph (the ``copy_`` epilogue into each mutated input). The mutated
+    inputs are exactly the KDA recurrent states, the conv windows and the token buffer :attr:`next_B`; the
+    block pool is only read, so no torch version's functionalisation can copy it (a write through a view of
+    the pool inside the graph becomes an ``index_put`` on a copy of the whole pool and a ``copy_`` back,
+    unless Inductor's reinplacing removes them). The eager :meth:`StaticDecode.store_latents` writes it."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    eng, step, states = _three_stream_step()
+    mutated: list[torch.Tensor] = []
+
+    def backend(gm, example_inputs):
+        lifted = [*gm.parameters(), *gm.buffers(), *example_inputs]  # the AOT graph's inputs, in order
+
+        def epilogue(aot_gm, aot_inputs):
+            placeholders = [n for n in aot_gm.graph.nodes if n.op == "placeholder"]
+            assert len(placeholders) == len(lifted)
+            for n in aot_gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+                if n.args[0].op == "placeholder":
+                    mutated.append(lifted[placeholders.index(n.args[0])])
+            return aot_gm
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=epilogue, keep_inference_input_mutations=True
+        )
+
+    torch._dynamo.reset()
+    with compile_settings():
+        torch.compile(step.sample, backend=backend, fullgraph=True, dynamic=False)(states)
+    want = [states.recurrent, states.conv, step.next_B]
+    key = lambda t: (t.data_ptr(), tuple(t.shape))  # noqa: E731
+    assert sorted(map(key, mutated)) == sorted(map(key, want))
+    assert key(eng.storage.pages) not in map(key, mutated)
 
 
 class HostReads(TorchDispatchMode):
@@ -257,9 +407,11 @@ def test_graphs_equal_eager_twin_and_reference_on_gpu(monkeypatch):
 @pytest.mark.gpu
 def test_graph_engine_load_on_gpu():
     """240 requests of random lengths, at most 32 running at once, bf16 with graphs: every request ends with
-    its max_tokens, and the pool ends empty."""
+    its max_tokens, and the pool ends empty. Blocks of 64 tokens and whole prompts in one chunk keep the
+    compiled step shapes few (``N`` ≤ 2, decodes of ``T = 1`` and equal-length short prompts): each new
+    ``(B, T, N)`` is one more compilation."""
     model = build("cuda", torch.bfloat16)
-    eng = engine(model, static=None, num_blocks=2000, max_num_seqs=32)
+    eng = engine(model, static=None, num_blocks=400, max_num_seqs=32, block_size=64, chunk=64)
     rng = random.Random(0)
     reqs = [
         Request(

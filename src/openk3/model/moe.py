@@ -43,9 +43,11 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor, expert_M: torch.Tensor):
     """Row ``m`` of ``x_MI`` times ``w_EOI[expert_M[m]]ᵀ``; rows are sorted by expert, ``offs_E`` = cumsum."""
     w_EOI = w_EOI.to(x_MI.dtype)  # under autocast the activations are bf16 and the master weights fp32
-    if x_MI.dtype in _GROUPED_MM_DTYPES and (x_MI.device.type == "cpu" or x_MI.dtype != torch.float32):
+    eager_cpu = x_MI.device.type == "cpu" and not torch.compiler.is_compiling()
+    if x_MI.dtype in _GROUPED_MM_DTYPES and (eager_cpu or x_MI.dtype != torch.float32):
         return F.grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=offs_E)
-    # dtypes grouped_mm lacks (fp64, CUDA fp32): a gathered batched matmul, still loop-free
+    # dtypes grouped_mm lacks (fp64, CUDA fp32, and fp32 traced by torch.compile, whose fake grouped_mm
+    # takes bf16 only): a gathered batched matmul, still loop-free
     return torch.bmm(w_EOI[expert_M], x_MI.unsqueeze(-1)).squeeze(-1)
 
 

@@ -23,15 +23,31 @@ sync:
   pageable host buffer with a non-blocking copy: CUDA stages the bytes before the call returns and waits for
   nothing, so the buffer may be rewritten for the next step at once.
 
-On CUDA the step is captured once per ``(B, T, N)`` (after two warm-up runs on a side stream, all rows padding,
-so no request's state or latent changes) and replayed; elsewhere :meth:`StaticDecode.forward`, the same
-code, runs eagerly: the twin the CPU tests compare with the model and the engine's other path.
+On CUDA the step is compiled and captured once per ``(B, T, N)`` and replayed; elsewhere
+:meth:`StaticDecode.forward` runs eagerly: the twin the CPU tests compare with the model and the engine's
+other path. Captured eagerly, a step is thousands of tiny kernels (elementwise ops, casts, norms, copies)
+whose launches, not their work, set its time; so what is captured is :meth:`StaticDecode.sample` (the step up
+to the pool write) through ``torch.compile`` (Inductor, ``fullgraph``, static shapes, no Inductor CUDA graphs
+of its own), which fuses that glue (norms, gates, SiTU, routing, the AttnRes mixes, casts) into a few hundred
+kernels around the matmuls and the KDA state-pool op (a custom op, ``openk3::kda_pool_decode``, so the trace
+runs through it), then :meth:`StaticDecode.store_latents`, the one ``index_put_`` of the new latents into the
+pool, eagerly in the same graph. The compiled region only reads the pool: an in-place write through a view of
+a graph input can be functionalised into a copy of the whole pool (gigabytes) and back. It mutates only the
+KDA states (in place, through the custom op), the conv windows and :attr:`StaticDecode.next_B`. The first of
+two warm-up runs on a side stream (all rows padding, so no request's state or latent changes) compiles; its
+wall time goes to stderr. The step has no graph break: no host reads, no Python branch on a tensor value, no
+data-dependent shape.
 
 Legend: ``n`` requests, ``B`` bucket rows, ``T`` new tokens per row, ``N`` blocks per row, ``S = N·bs`` cached tokens, ``V`` vocabulary,
 ``L`` MLA layers, ``W = C + r`` latent width.
 """
 
 from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -42,6 +58,20 @@ from openk3.serve.cache_storage import CacheStorage, StateBatch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Decode batch sizes with a graph of their own; a batch runs in the smallest bucket that holds it."""
+
+
+class LatentRows(NamedTuple):
+    """The new MLA latents of one step and where they go in the block pool (:meth:`StaticDecode.latent_rows`):
+    row ``(b, t)`` goes to page ``page_BT[b, t]``, offset ``off_BT[b, t]`` of every MLA layer."""
+
+    page_BT: torch.Tensor
+    off_BT: torch.Tensor
+    value_BTLW: torch.Tensor
+    """``[B, T, L, W]`` in the pool's dtype."""
+
+
+MAX_COMPILED_STEPS = 1024
+"""Compiled step shapes ``(B, T, N)`` one process may hold (:func:`compile_settings`)."""
 
 
 def bucket_of(n: int) -> int:
@@ -80,17 +110,26 @@ class StaticDecode:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.state_ptr: int | None = None
         """Address of the KDA states the graph was captured on (0 without KDA layers)."""
+        self._sample: Callable[[StateBatch | None], LatentRows | None] | None = None
+        """:meth:`sample` compiled (:meth:`compiled`), built on first use."""
 
     @torch.no_grad()
     def forward(self, states: StateBatch | None) -> None:
-        """The step: reads the input buffers and ``states`` (updated in place), writes the new latents to
-        the pool and the greedy tokens to :attr:`next_B`."""
+        """The step: reads the input buffers and ``states`` (updated in place), writes the greedy tokens to
+        :attr:`next_B` and the new latents to the pool (:meth:`sample`, then :meth:`store_latents`)."""
+        self.store_latents(self.sample(states))
+
+    @torch.no_grad()
+    def sample(self, states: StateBatch | None) -> LatentRows | None:
+        """The step up to the pool write (what is compiled on CUDA): runs the model, writes the greedy tokens
+        to :attr:`next_B` and returns the new latents' rows for :meth:`store_latents` (``None`` without MLA
+        layers). The block pool is only read here."""
         h_BTD, mla, _ = self.run_model(states)
         logits_BV = self.lm.lm_head(h_BTD[:, -1])
         if self.sample_vocab_size is not None:
             logits_BV = logits_BV[:, : self.sample_vocab_size]
         self.next_B.copy_(logits_BV.argmax(-1))
-        self.write_latents(mla)
+        return self.latent_rows(mla)
 
     def run_model(
         self, states: StateBatch | None, verify: bool = False
@@ -106,7 +145,7 @@ class StaticDecode:
             kda = [KDAStateSlots(r, c, verify=verify) for r, c in zip(states.recurrent, states.conv)]
         if lo.num_mla_layers:
             past_LBSW, mask_BS = st.gather_latents_padded(
-                self.table_BN, self.lengths_B, self.N * lo.block_size
+                self.table_BN, self.lengths_B, self.table_BN.shape[1] * lo.block_size
             )
             mla = [PagedLatents(past, mask_BS) for past in past_LBSW]
         kda_iter, mla_iter = iter(kda), iter(mla)
@@ -114,40 +153,89 @@ class StaticDecode:
         h_BTD = self.lm.model(self.ids_BT, KimiCache(caches), check_inputs=False, two_phase_attn_res=True)
         return h_BTD, mla, kda
 
-    def write_latents(self, mla: list[PagedLatents]) -> None:
-        """Write the ``T`` new latents of every valid row to its blocks (padding rows write back what null
-        block 0 holds)."""
+    def latent_rows(self, mla: list[PagedLatents]) -> LatentRows | None:
+        """Where and what the step writes into the pool, without writing: the ``T`` new latents of every
+        row at ``table[p // bs]``, offset ``p % bs``; a padding row gets page 0, offset 0 and the value null
+        block 0 holds there, so its write changes nothing (``None`` without MLA layers)."""
         if not mla:
-            return
+            return None
         lo = self.storage.layout
         bs = lo.block_size
         view = self.storage.pages.view(-1, lo.num_mla_layers, bs, lo.latent_width)
         valid_B1 = self.valid_B.bool()[:, None]
-        pos_BT = self.lengths_B[:, None] + torch.arange(self.T, device=self.lengths_B.device)
+        pos_BT = self.lengths_B[:, None] + torch.arange(self.ids_BT.shape[1], device=self.lengths_B.device)
         page_BT = torch.where(valid_B1, self.table_BN.gather(1, pos_BT // bs), 0)
         off_BT = torch.where(valid_B1, pos_BT % bs, 0)
         new_BTLW = torch.stack([c.new for c in mla], 2).to(lo.dtype)
         old_BTLW = view[page_BT, :, off_BT]
-        view[page_BT, :, off_BT] = torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW)
+        return LatentRows(page_BT, off_BT, torch.where(valid_B1[..., None, None], new_BTLW, old_BTLW))
+
+    def store_latents(self, rows: LatentRows | None) -> None:
+        """Write :meth:`latent_rows`' values into the pool: one ``index_put_`` on a view of it, always run
+        eagerly (on CUDA inside the same CUDA graph as the compiled :meth:`sample`): compiled, an in-place
+        write through a view of a graph input may be functionalised into an ``index_put`` on a copy of the
+        whole pool and a ``copy_`` back, which Inductor's reinplacing removes only in some torch versions."""
+        if rows is None:
+            return
+        lo = self.storage.layout
+        view = self.storage.pages.view(-1, lo.num_mla_layers, lo.block_size, lo.latent_width)
+        view[rows.page_BT, :, rows.off_BT] = rows.value_BTLW
 
     def before_run(self) -> None:
         """Host-side updates of a subclass's other input buffers, made after any capture and right before
         each run (none here)."""
 
+    def compiled(self) -> Callable[[StateBatch | None], None]:
+        """What :meth:`capture` records: :meth:`sample` through ``torch.compile`` (Inductor, one graph, static
+        shapes, without Inductor's own CUDA graphs: this class captures the compiled kernels itself), built on
+        first use, then :meth:`store_latents` eagerly; each ``(B, T, N)`` compiles once. (Symbolic sizes,
+        ``dynamic=True``, would let one graph serve them all, but Inductor's code for them gave other tokens
+        than the eager step: ``docs/LOG.md``.) A subclass that replaces :meth:`forward` (the speculative step)
+        is recorded as written, eagerly."""
+        if type(self).forward is not StaticDecode.forward:
+            return self.forward
+        if self._sample is None:
+            self._sample = torch.compile(self.sample, fullgraph=True, dynamic=False)
+        return self._compiled_step
+
+    def _compiled_step(self, states: StateBatch | None) -> None:
+        """:meth:`forward` with the compiled :meth:`sample` (see :meth:`compiled`)."""
+        self.store_latents(self._sample(states))
+
     def capture(self, states: StateBatch | None) -> None:
-        """Capture :meth:`forward` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
-        states), after two warm-up runs on a side stream (Triton compilation, lazy initialisation)."""
+        """Capture :meth:`compiled` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
+        states), after two warm-up runs on a side stream (compilation on the first, lazy initialisation);
+        the compile's wall time goes to stderr."""
         self.inputs.zero_()
+        run = self.compiled()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.forward(states)
+        with torch.cuda.stream(side), compile_settings():
+            start = time.perf_counter()
+            run(states)
+            torch.cuda.synchronize()
+            print(
+                f"{type(self).__name__} (B={self.B}, T={self.T}, N={self.N}): first warm-up run (with its "
+                f"compilation) {time.perf_counter() - start:.1f} s",
+                file=sys.stderr,
+            )
+            run(states)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # a private memory pool: graphs never share temporaries
-            self.forward(states)
+        with torch.cuda.graph(self.graph), compile_settings():  # a private memory pool per graph
+            run(states)
         self.state_ptr = states.recurrent.data_ptr() if states is not None else 0
+
+
+def compile_settings():
+    """``torch.compile`` settings for the calls of compiled steps (a context manager): dynamo's recompilation
+    limits raised past its default of 8 per function (at which ``fullgraph`` raises), since every ``(B, T, N)``
+    adds a compiled graph of :meth:`StaticDecode.forward`."""
+    names = [n for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                         "accumulated_cache_size_limit") if hasattr(torch._dynamo.config, n)]  # fmt: skip
+    return torch._dynamo.config.patch(
+        {n: max(getattr(torch._dynamo.config, n), MAX_COMPILED_STEPS) for n in names}
+    )
 
 
 class DecodeGraphs:

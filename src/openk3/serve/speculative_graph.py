@@ -125,7 +125,7 @@ class StaticSpeculative(StaticDecode):
         # 4. rollback to the state after the last kept token (n + 1 tokens: y and n drafts)
         for slots in kda:
             slots.rollback(n_B + 1)
-        self.write_latents(mla)
+        self.store_latents(self.latent_rows(mla))
         # 5. the draft reads the kept positions' features (and computes, then drops, the others)
         causal_TT = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         mask_BTS = torch.cat([keys_BS[:, None, :].expand(B, T, S), causal_TT.expand(B, T, T)], -1)

@@ -9,6 +9,11 @@ on the rows: ``S ← Diag(e^g) S`` as one ``mul_``, ``S ← S + β k (v − Sᵀ
 tested against), with no state-sized temporary. Neither path synchronises with the host, so a CUDA graph can
 capture it.
 
+Both run inside one torch custom op, ``openk3::kda_pool_decode`` (:func:`kda_pool_decode`: it declares the pool
+and ``step_states`` mutated and has a fake implementation giving ``o``'s shape), so ``torch.compile`` traces a
+model through the call as one node without a graph break, and Inductor writes the pool in place (no copy of
+the states). The argument checks stay outside, in :func:`fused_recurrent_kda_pool`, on static shapes.
+
 Legend: ``N`` sequences, ``T`` tokens per sequence, ``H`` heads, ``K`` key dim, ``V`` value dim, ``S`` pool
 rows.
 """
@@ -20,6 +25,8 @@ import torch
 from openk3.ops.kda.gate import kda_gate
 from openk3.ops.kda.l2norm import l2norm
 from openk3.ops.kda.triton.dispatch import use_triton_recurrent
+
+Tensor = torch.Tensor
 
 
 def check_step_states(step_states: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -95,6 +102,23 @@ def fused_recurrent_kda_pool(
         raise ValueError("dt_bias / lower_bound need A_log (the gate applied in the op)")
     check_step_states(step_states, (N, T, H, K, V), state_pool.dtype)
     scale = K**-0.5 if scale is None else scale
+    return torch.ops.openk3.kda_pool_decode(
+        q, k, v, g, beta, state_pool, slot_idx, A_log, dt_bias, scale, lower_bound,
+        use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, step_states,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("openk3::kda_pool_decode", mutates_args=("state_pool", "step_states"))
+def kda_pool_decode(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, slot_idx: Tensor | None,
+    A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
+    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, step_states: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """The op behind :func:`fused_recurrent_kda_pool` (arguments checked there, ``scale`` resolved): the
+    Triton kernel where :func:`~openk3.ops.kda.triton.dispatch.use_triton_recurrent` says so (imported only
+    then), else the torch recurrence. Overwrites the pool rows (and ``step_states``) in place; returns a new
+    contiguous ``o``. No autograd formula: a decode op."""
+    N, T = q.shape[:2]
     if state_pool.dtype == torch.float32 and use_triton_recurrent(q, k, v, g, beta, initial_state=state_pool):
         from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
 
@@ -120,6 +144,12 @@ def fused_recurrent_kda_pool(
     if slot_idx is not None:
         state_pool[slot_idx] = S_NHKV
     return torch.stack(o, 1).to(v.dtype)
+
+
+@kda_pool_decode.register_fake
+def _(q, k, v, g, beta, state_pool, slot_idx, A_log, dt_bias, scale, lower_bound, l2norm_qk, sigmoid_beta,
+      step_states):  # fmt: skip
+    return v.new_empty(v.shape)
 
 
 def _step_(
