@@ -174,6 +174,7 @@ def profile_prefill(model, args, tokens, activities, keep: list) -> list[dict]:
     while engine.has_unfinished_requests():
         start = request.num_computed_tokens
         steps.append(profiled_step(engine, args.device, activities, keep))
+        steps[-1]["top_ops"] = step_top_ops(keep[-1], args.device.startswith("cuda"))
         steps[-1]["tokens"] = request.num_computed_tokens - start or args.prefill - start
     return steps
 
@@ -199,6 +200,14 @@ def profile_decode(model, args, tokens, n: int, activities, keep: list) -> tuple
         sync(args.device)
         walls.append(time.perf_counter() - t0)
     return steps, statistics.median(walls) * 1e3
+
+
+def step_top_ops(prof, cuda: bool, n: int = 4) -> list[tuple[str, float]]:
+    """The ``n`` operators (host-side calls, not kernels) with the most self time of one profiled step, as
+    ``(name, ms)``: device time on CUDA, host time on a CPU; what sets one prefill step apart from another."""
+    key = "self_device_ms" if cuda else "self_cpu_ms"
+    ops = [t for t in top_ops([prof], 10**6, cuda) if t["self_cpu_ms"] > 0]
+    return [(t["name"], t[key]) for t in ops[:n]]
 
 
 def median_step(steps: list[dict]) -> dict:
@@ -253,6 +262,12 @@ def markdown(report: dict) -> str:
         head,
         rule,
         *(row(str(i), s) for i, s in enumerate(report["prefill"])),
+        "",
+        "Operators with the most self time in each prefill step (ms): "
+        + "; ".join(
+            f"{i}: " + ", ".join(f"`{name[:60]}` {ms:.1f}" for name, ms in s.get("top_ops", []))
+            for i, s in enumerate(report["prefill"])
+        ),
         "",
         f"## Decode, median of {a['steps']} steps per batch size ({PROMPT}-token prompts)",
         "",

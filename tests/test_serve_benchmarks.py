@@ -102,5 +102,10 @@ def test_profiled_prefill_steps_and_their_operator_table(serve_profile):
         [torch.profiler.ProfilerActivity.CPU], keep,
     )  # fmt: skip
     assert [s["tokens"] for s in steps] == [16, 16, 8] and len(keep) == 3
+    for s, prof in zip(steps, keep):  # each step's own leaders, host ops only, largest first
+        top = s["top_ops"]
+        assert len(top) == 4 and all(n.startswith("aten::") or "::" in n for n, _ in top)
+        assert [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True) and top[-1][1] > 0
+        assert top[0][0] == serve_profile.top_ops([prof], 1, cuda=False)[0]["name"]
     ops = serve_profile.top_ops(keep, args.top, cuda=False)
     assert len(ops) == 3 and ops[0]["self_cpu_ms"] >= ops[-1]["self_cpu_ms"] > 0
