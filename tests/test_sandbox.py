@@ -631,3 +631,35 @@ def test_cli_serve_rejects_a_bad_flag_before_any_work(capsys, tmp_path):
     assert main(["sandbox", "serve", "--memory-mib", "64", "--api-key", "k"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["openk3: error: MachineSpec.memory_mib must be >= 128 (the guest runs python3), got 64"]
+
+
+@pytest.mark.parametrize(
+    "console", ["", "sysrq: Trigger a crash\nKernel panic - not syncing: sysrq triggered crash\n"]
+)
+def test_a_silent_guest_is_crashed_when_its_console_shows_a_panic_else_hung(tmp_path, console):
+    """The health probe tells a panicking guest (its VMM still printing the panic, slow under TCG) from a hung
+    one by the console, without QEMU: a sleeping process stands in for the VMM, and the agent port is closed."""
+    import subprocess
+
+    from openk3.sandbox.manager import _Live
+    from openk3.sandbox.qemu import QemuVm
+    from openk3.sandbox.record import SandboxRecord
+
+    manager = _stand_in_manager(tmp_path)
+    work = tmp_path / "vm"
+    work.mkdir()
+    (work / "serial.log").write_text("Linux version 6.1\n" + console)
+    with socket.socket() as s:  # a port nothing listens on: /health is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["sleep", "60"])
+    vm = QemuVm(work, proc.pid, proc, port, work / "disk.qcow2", RamBacking(work / "ram", False))
+    record = SandboxRecord("sb1", "o", "base", "base", "running", time.time(), time.time() + 60)
+    manager._live["sb1"] = _Live(record, vm)
+    reason = manager.check("sb1")
+    assert proc.poll() is not None  # the stand-in VMM was killed and reaped either way
+    if console:
+        assert reason == "guest crashed: Kernel panic - not syncing: sysrq triggered crash"
+    else:
+        assert reason.startswith("guest hung: its agent did not answer /health")
+    assert "sb1" not in manager._live and manager.failures["sb1"] == reason

@@ -432,8 +432,10 @@ class SandboxManager:
 
     def check(self, sandbox_id: str) -> str | None:
         """Probe a running sandbox: a VMM that exited (guest panic, killed process) or an agent that does not
-        answer /health within ``health_timeout_s`` (hung guest) fails it, freeing its resources. Returns the
-        failure reason or None."""
+        answer /health within ``health_timeout_s`` fails it, freeing its resources. A guest that stops
+        answering is *crashed* when its VMM exited during the probe or its console shows a kernel panic (under
+        TCG on a loaded host printing the panic can outlast the probe), else *hung*. Returns the failure
+        reason or None."""
         with self._lock:
             live = self._live.get(sandbox_id)
         if live is None:
@@ -443,10 +445,15 @@ class SandboxManager:
                 return None
             self._check_alive(live)
             if not live.gone and not agent_client.healthy(live.vm.agent_port, self.config.health_timeout_s):
-                self._fail(
-                    live,
-                    f"guest hung: its agent did not answer /health within {self.config.health_timeout_s} s",
-                )
+                self._check_alive(live)  # the VMM may have exited while the probe waited
+                panic = None if live.gone else live.vm.panic_line()
+                if panic:
+                    self._fail(live, f"guest crashed: {panic}")
+                elif not live.gone:
+                    self._fail(
+                        live,
+                        f"guest hung: its agent did not answer /health within {self.config.health_timeout_s} s",
+                    )
         return self.failures.get(sandbox_id)
 
     def reap(self, now: float | None = None, probe: bool = False) -> dict[str, str]:

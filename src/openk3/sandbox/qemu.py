@@ -110,6 +110,13 @@ class QemuVm(Vm):
         return (f"VMM exited with status {code}; qemu: {_tail(self.workdir / 'qemu.log')}; "
                 f"console: {_tail(self.workdir / 'serial.log')}")  # fmt: skip
 
+    def panic_line(self) -> str | None:
+        try:
+            text = (self.workdir / "serial.log").read_text(errors="replace")
+        except OSError:
+            return None
+        return next((line.strip() for line in text.splitlines() if "Kernel panic" in line), None)
+
     def _wait_exit(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while self.alive() and time.monotonic() < deadline:

@@ -123,6 +123,11 @@ class Vm(abc.ABC):
     def exit_reason(self) -> str:
         """Why the VMM process ended (exit status and the last lines it or the guest console wrote)."""
 
+    @abc.abstractmethod
+    def panic_line(self) -> str | None:
+        """The guest console's first ``Kernel panic`` line, or None: a guest that stops answering while this
+        is set is crashing (its VMM exits once the panic is printed), not hung."""
+
 
 class Vmm(abc.ABC):
     """Starts guests."""
