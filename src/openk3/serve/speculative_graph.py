@@ -13,9 +13,9 @@ device, the same padding rows) for ``B`` rows of one ``k``:
    ``d_j`` over the past and the chain so far.
 2. **Verification.** The drafts are written after the last emitted token ``y`` into the ids buffer and the
    target runs once over ``[y, d_1 … d_k]`` on the paged caches, every KDA layer keeping the state after
-   each token (:class:`~openk3.model.cache.KDAStateSlots` with ``verify``) and returning the draft's
-   features ``[B, k + 1, F]`` (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`: no
-   hooks, which ``torch.compile`` cannot trace being registered).
+   each token (:class:`~openk3.model.cache.KDAStateSlots` with ``verify``); the forward also returns the
+   draft's features ``[B, k + 1, F]`` (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`,
+   without hooks, whose registration ``torch.compile`` cannot trace).
 3. **Acceptance on the device.** ``a_j`` = the target's argmax at position ``j``; ``n`` = the length of the
    prefix where ``d_{j+1} = a_j``; the emitted tokens are ``d_1 … d_n, a_n`` (the target's greedy tokens).
 4. **Rollback on the device.** Each KDA state and conv window is set to the one after token ``n`` of the
@@ -31,8 +31,8 @@ Steps 1–5 are :meth:`StaticSpeculative.sample`, which returns the verified lat
 :meth:`~openk3.serve.decode_graph.StaticDecode.forward`'s: ``sample``, then the one write into the pool
 (``store_latents``). On CUDA it is compiled and captured as the plain step is: ``sample`` through
 ``torch.compile`` (one graph, static shapes), the pool write eager in the same CUDA graph. The compiled part
-writes the KDA states, the ids buffer and the step's own buffers (each the tensor itself, not a view of a
-larger one) and only reads the pool.
+writes the KDA states and conv windows, the ids buffer (a view of the small packed inputs) and the step's
+draft and output buffers, and only reads the pool.
 
 The host then reads :attr:`~StaticSpeculative.out_BT1` (``n`` and the emitted tokens of every real row: the
 step's one device→host copy) and appends the first ``n + 1`` new latents to each request's draft cache. A
