@@ -119,12 +119,17 @@ def test_draft_names_are_an_mtp_layer():
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)  # shared with the target
 
 
-def test_capture_features_reads_layer_outputs():
-    """Kimi-Linear wiring: tap i is the residual stream after layer i (an independent manual forward)."""
+def _kimi_linear():
+    """A 6-layer Kimi-Linear model (plain residual adds, no AttnRes), fp32."""
     cfg = KimiLinearConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=6, num_attention_heads=2,
                            intermediate_size=96, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16,
                            qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
-    lm = openk3.build_model(cfg, seed=0).eval()
+    return openk3.build_model(cfg, seed=0).eval()
+
+
+def test_capture_features_reads_layer_outputs():
+    """Kimi-Linear wiring: tap i is the residual stream after layer i (an independent manual forward)."""
+    lm = _kimi_linear()
     ids = torch.randint(0, VOCAB, (2, 7))
     layers = feature_layers(6)
     with torch.no_grad(), capture_features(lm, layers) as taps:
@@ -137,6 +142,31 @@ def test_capture_features_reads_layer_outputs():
             outs.append(h)
     assert len(taps) == 1
     torch.testing.assert_close(taps[0], torch.cat([outs[i] for i in layers], -1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k3", [True, False], ids=["attn-res", "residual"])
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_forward_with_features_equals_the_hooks(k3, two_phase):
+    """The hook-free taps the compiled speculative step reads (``forward_with_features``) are
+    :func:`capture_features`' (the next layers' ``input_layernorm`` inputs: the AttnRes mix in K3, the
+    residual stream in Kimi-Linear), in the given order, a repeated layer included; the hidden states are
+    :meth:`forward`'s."""
+    if k3:
+        lm = _target(8).language_model
+    else:
+        lm = _kimi_linear()
+    layers = (4, 1, 4, 0)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), capture_features(lm, layers) as taps:
+        want = lm.model(ids, two_phase_attn_res=two_phase)
+    with torch.no_grad():
+        h, f = lm.model.forward_with_features(ids, layers, two_phase_attn_res=two_phase)
+        assert lm.model.forward_with_features(ids, ())[1] is None
+    assert len(taps) == 1
+    torch.testing.assert_close(f, taps[0], rtol=0, atol=0)
+    torch.testing.assert_close(h, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="feature layers"):
+        lm.model.forward_with_features(ids, (len(lm.model.layers) - 1,))
 
 
 def test_ttt_unroll_equals_the_inference_chain():

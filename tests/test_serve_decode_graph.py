@@ -211,16 +211,13 @@ def test_compiled_step_equals_eager_step(monkeypatch, backend):
     assert not torch.equal(want[2], before[1])  # the step did update the states
 
 
-def test_compiled_step_only_reads_the_pool():
-    """What Inductor receives for the compiled :meth:`StaticDecode.sample`: dynamo's graph through AOT autograd
-    with the input mutations kept in the graph (the ``copy_`` epilogue into each mutated input). The mutated
-    inputs are exactly the KDA recurrent states, the conv windows and the token buffer :attr:`next_B`; the
-    block pool is only read, so no torch version's functionalisation can copy it (a write through a view of
-    the pool inside the graph becomes an ``index_put`` on a copy of the whole pool and a ``copy_`` back,
-    unless Inductor's reinplacing removes them). The eager :meth:`StaticDecode.store_latents` writes it."""
+def compiled_input_mutations(fn, *args) -> list[torch.Tensor]:
+    """Compile ``fn`` as a step is compiled (one graph, static shapes) through AOT autograd with the input
+    mutations kept in the graph, call it on ``args`` and return the inputs its graph writes: the targets of
+    the ``copy_`` epilogue into mutated inputs, what Inductor receives (a write through a view of an input
+    shows as a ``copy_`` into the whole input)."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    eng, step, states = _three_stream_step()
     mutated: list[torch.Tensor] = []
 
     def backend(gm, example_inputs):
@@ -240,11 +237,27 @@ def test_compiled_step_only_reads_the_pool():
 
     torch._dynamo.reset()
     with compile_settings():
-        torch.compile(step.sample, backend=backend, fullgraph=True, dynamic=False)(states)
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    return mutated
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """A tensor's address and shape (a view of a buffer differs from the buffer)."""
+    return t.data_ptr(), tuple(t.shape)
+
+
+def test_compiled_step_only_reads_the_pool():
+    """What Inductor receives for the compiled :meth:`StaticDecode.sample`: dynamo's graph through AOT autograd
+    with the input mutations kept in the graph (the ``copy_`` epilogue into each mutated input). The mutated
+    inputs are exactly the KDA recurrent states, the conv windows and the token buffer :attr:`next_B`; the
+    block pool is only read, so no torch version's functionalisation can copy it (a write through a view of
+    the pool inside the graph becomes an ``index_put`` on a copy of the whole pool and a ``copy_`` back,
+    unless Inductor's reinplacing removes them). The eager :meth:`StaticDecode.store_latents` writes it."""
+    eng, step, states = _three_stream_step()
+    mutated = compiled_input_mutations(step.sample, states)
     want = [states.recurrent, states.conv, step.next_B]
-    key = lambda t: (t.data_ptr(), tuple(t.shape))  # noqa: E731
-    assert sorted(map(key, mutated)) == sorted(map(key, want))
-    assert key(eng.storage.pages) not in map(key, mutated)
+    assert sorted(map(tensor_key, mutated)) == sorted(map(tensor_key, want))
+    assert tensor_key(eng.storage.pages) not in map(tensor_key, mutated)
 
 
 class HostReads(TorchDispatchMode):

@@ -289,6 +289,120 @@ def test_steady_speculative_step_waits_on_the_device_once(pair, monkeypatch):
     assert per_step == [["tolist"]] * 4
 
 
+def _three_stream_step(pair):
+    """fp64, k = 3: an engine's last static step of three streams (bucket 4, one padding row), the KDA states
+    it ran on and the tensors it reads and writes (the pool, the states, its buffers), as they were before
+    that run."""
+    from openk3.serve.speculative_graph import StaticSpeculative
+
+    model, draft, prompts = pair
+    eng = engine(model, draft, 3, static=True)
+    runs = []
+    real_forward = StaticSpeculative.forward
+
+    def keep(self, states):
+        if self.B == 4:
+            runs.append((self, states, [t.clone() for t in _step_tensors(eng, self, states)]))
+        real_forward(self, states)
+
+    ps = [prompts[0], prompts[1] + prompts[2], prompts[3] * 3]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StaticSpeculative, "forward", keep)
+        eng.generate([Request(f"c{i}", p, SamplingParams(max_tokens=10)) for i, p in enumerate(ps)])
+    return eng, *runs[-1]
+
+
+def _step_tensors(eng, step, states):
+    """What a speculative step reads or writes: the pool, the KDA states and conv windows, the packed inputs,
+    the draft buffers, the outputs."""
+    return [eng.storage.pages, states.recurrent, states.conv, step.inputs, step.past_BSW, step.g_BD,
+            step.new_BTW, step.out_BT1]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_step_equals_the_eager_step(pair, monkeypatch, backend):
+    """The speculative step compiled as captured on CUDA (:meth:`~StaticDecode.compiled`: its ``sample``
+    through ``torch.compile``, then the pool write) against the eager step from the same inputs, states,
+    pool and draft buffers (fp64, three streams and one padding row): ``aot_eager`` (dynamo's one graph
+    through AOT autograd) and ``inductor`` (its C++ kernels) give the same kept counts and tokens, and the
+    KDA states, conv windows, pool and draft buffers within rounding (fused reductions sum in another
+    order)."""
+    from openk3.serve.decode_graph import compile_settings
+
+    eng, step, states, before = _three_stream_step(pair)
+    tensors = _step_tensors(eng, step, states)
+
+    def run_with(fn):
+        for t, b in zip(tensors, before):
+            t.copy_(b)
+        fn(states)
+        return [t.clone() for t in tensors]
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
+    torch._dynamo.reset()
+    want = run_with(step.forward)
+    run = step.compiled()
+    assert run is not step.forward
+    with compile_settings():
+        got = run_with(run)
+    assert torch.equal(got[-1], want[-1])  # kept counts and emitted tokens
+    assert 0 < want[-1][:3, 0].sum() < 3 * step.k  # drafts kept and rejected
+    for a, b in zip(got[:-1], want[:-1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    for i in (0, 1, 2, 4, 5):  # the step wrote the pool, the states and the draft buffers
+        assert not torch.equal(want[i], before[i]), i
+
+
+def test_compiled_step_only_reads_the_pool(pair):
+    """What Inductor receives for the compiled speculative ``sample`` (``test_serve_decode_graph``'s test of
+    the same name): the block pool is only read (the eager ``store_latents`` after it writes it); the
+    mutated inputs are the token ids (the drafts written after the last token: a view of the small packed
+    inputs), the KDA states and conv windows (rolled back), the draft buffers and the step's outputs."""
+    from test_serve_decode_graph import compiled_input_mutations, tensor_key
+
+    eng, step, states, _ = _three_stream_step(pair)
+    mutated = compiled_input_mutations(step.sample, states)
+    want = [step.ids_BT, states.recurrent, states.conv, step.past_BSW, step.g_BD, step.new_BTW, step.out_BT1]
+    assert sorted(map(tensor_key, mutated)) == sorted(map(tensor_key, want))
+    assert tensor_key(eng.storage.pages) not in map(tensor_key, mutated)
+
+
+@pytest.mark.slow
+def test_compiled_steps_give_greedy_tokens(pair, monkeypatch):
+    """The captured path with the compiled speculative step (``aot_eager``; each capture's warm-up runs as on
+    CUDA, each replay a call of the compiled step): three streams of different lengths (a padding row, block
+    tables that grow, rows that finish) give the model's greedy tokens with drafts kept and rejected, as
+    many as the eager step keeps, and each step shape compiles once (nothing recompiles between replays)."""
+    from torch._dynamo.utils import counters
+
+    from openk3.serve.decode_graph import StaticDecode
+    from test_serve_decode_graph import _capture_compiled
+
+    model, draft, prompts = pair
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", **kw))
+    monkeypatch.setattr(StaticDecode, "capture", _capture_compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    ps = [prompts[0], prompts[1] + prompts[2], prompts[3] * 3]
+    compiled, eager = engine(model, draft, 3, static=True), engine(model, draft, 3, static=True)
+    compiled.runner.speculative.graphs.capture = True  # the CPU stand-in capture
+    for eng in (compiled, eager):
+        reqs = [Request(f"t{i}", p, SamplingParams(max_tokens=10 + 2 * i)) for i, p in enumerate(ps)]
+        got = eng.generate(reqs)
+        assert [got[r.request_id] for r in reqs] == [
+            reference(model, p, 10 + 2 * i) for i, p in enumerate(ps)
+        ]
+    steps = compiled.runner.speculative.graphs.steps
+    replays = [s.graph.replays for s in steps.values()]
+    assert all(n >= 1 for n in replays) and sum(replays) > len(replays)
+    assert counters["stats"]["unique_graphs"] == len(steps)
+    spec, twin = compiled.runner.speculative, eager.runner.speculative
+    assert (spec.num_accepted, spec.num_drafted) == (twin.num_accepted, twin.num_drafted)
+    assert 0 < spec.num_accepted < spec.num_drafted
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_gpu_graphed_step_equals_the_eager_step_and_plain_decoding(pair, k):

@@ -11,8 +11,10 @@ One draft step at position ``t`` reads a feature ``h_t`` and the next token ``x_
 
 The taps ``a, b, c`` are the outputs of target layers :func:`feature_layers` (EAGLE-3's ``[1, L/2 − 1,
 L − 4]``), read as the inputs of the next layers' ``input_layernorm`` (the residual stream in Kimi-Linear,
-the AttnRes mix in K3) by :func:`capture_features`. The draft layer attends over its own cache of earlier
-positions (an :class:`~openk3.model.cache.MLACache`, rolled back by cutting it).
+the AttnRes mix in K3) by :func:`capture_features` (forward hooks), or returned by
+:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features` (no hooks: the compiled serving step).
+The draft layer attends over its own cache of earlier positions (an :class:`~openk3.model.cache.MLACache`,
+rolled back by cutting it).
 
 Parameters are named as an MTP layer of the target, ``model.layers.{L}.*`` (``L`` = the target's
 ``num_hidden_layers``, DeepSeek-V3's layout: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``) plus

@@ -100,26 +100,70 @@ class KimiLinearModel(nn.Module):
         pseudo-queries of one block set scored in one pass) instead of one mix at a time.
         ``inputs_embeds`` ``[B, T, D]`` replaces the embedding lookup of ``input_ids`` (which still give the
         shape and are checked): text embeddings with media placed in them."""
+        h_BTD, _ = self.forward_with_features(
+            input_ids, (), cache, cu_seqlens, check_inputs, two_phase_attn_res, inputs_embeds
+        )
+        return h_BTD
+
+    def forward_with_features(
+        self,
+        input_ids: torch.Tensor,
+        feature_layers: tuple[int, ...],
+        cache: KimiCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        check_inputs: bool = True,
+        two_phase_attn_res: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` (same arguments) that also returns a draft's features ``[B, T, F]``: the outputs of
+        ``feature_layers`` as the next layers' ``input_layernorm`` reads them (the residual stream, or the
+        AttnRes mix in K3), concatenated in that order: what :func:`~openk3.model.draft.capture_features`
+        takes with forward hooks, here without any (``torch.compile`` traces no hook registration). ``None``
+        for no layers. Raises ``ValueError`` for a layer without a next layer."""
         if check_inputs:
             self.check_inputs(input_ids, cache, cu_seqlens)
+        if any(not 0 <= i < len(self.layers) - 1 for i in feature_layers):
+            raise ValueError(f"feature layers {feature_layers} must lie in [0, {len(self.layers) - 2}]")
+        tapped = {i + 1 for i in feature_layers}  # the layers whose input_layernorm input is taken
+        found: dict[int, torch.Tensor] = {}  # by the tapped layer's index
         h_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
         if self.config.uses_attn_res:
             blocks: list[torch.Tensor] = []
             partial = h_BTD
             mix = TwoPhaseAttnRes(self.attn_res_sites) if two_phase_attn_res else attn_res_mix
-            for layer, c in zip(self.layers, layer_caches):
+            if tapped:
+                mix = _recording(mix, {id(self.layers[j].self_attention_res_proj): j for j in tapped}, found)
+            for layer, c in zip(self.layers, layer_caches):  # layer 0 opens a block: every later one mixes
                 closed = partial if layer.opens_block else None
                 partial = layer.forward_attn_res(blocks, partial, c, cu_seqlens, mix)
                 if closed is not None:
                     blocks.append(closed)
             h_BTD = mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
         else:
-            for layer, c in zip(self.layers, layer_caches):
+            for j, (layer, c) in enumerate(zip(self.layers, layer_caches)):
+                if j in tapped:
+                    found[j] = h_BTD
                 h_BTD = layer.forward_residual(h_BTD, c, cu_seqlens)
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
-        return self.norm(h_BTD)
+        features = torch.cat([found[i + 1] for i in feature_layers], -1) if feature_layers else None
+        return self.norm(h_BTD), features
+
+
+def _recording(mix, layer_of: dict[int, int], found: dict[int, torch.Tensor]):
+    """``mix`` that also keeps, in ``found[j]``, the output of every mix whose ``proj`` is layer ``j``'s
+    ``self_attention_res_proj`` (``layer_of``: by the projection's ``id``): layer ``j``'s
+    ``input_layernorm`` input."""
+
+    def recorded(blocks, partial_BTD, norm, proj):
+        out = mix(blocks, partial_BTD, norm, proj)
+        j = layer_of.get(id(proj))
+        if j is not None:
+            found[j] = out
+        return out
+
+    return recorded
 
 
 class KimiLinearForCausalLM(nn.Module):

@@ -36,7 +36,8 @@ a graph input can be functionalised into a copy of the whole pool (gigabytes) an
 KDA states (in place, through the custom op), the conv windows and :attr:`StaticDecode.next_B`. The first of
 two warm-up runs on a side stream (all rows padding, so no request's state or latent changes) compiles; its
 wall time goes to stderr. The step has no graph break: no host reads, no Python branch on a tensor value, no
-data-dependent shape.
+data-dependent shape. A subclass changes the step through :meth:`StaticDecode.sample` and is compiled the same
+way (the speculative step, :mod:`openk3.serve.speculative_graph`).
 
 Legend: ``n`` requests, ``B`` bucket rows, ``T`` new tokens per row, ``N`` blocks per row, ``S = N·bs`` cached tokens, ``V`` vocabulary,
 ``L`` MLA layers, ``W = C + r`` latent width.
@@ -124,7 +125,7 @@ class StaticDecode:
         """The step up to the pool write (what is compiled on CUDA): runs the model, writes the greedy tokens
         to :attr:`next_B` and returns the new latents' rows for :meth:`store_latents` (``None`` without MLA
         layers). The block pool is only read here."""
-        h_BTD, mla, _ = self.run_model(states)
+        h_BTD, _, mla, _ = self.run_model(states)
         logits_BV = self.lm.lm_head(h_BTD[:, -1])
         if self.sample_vocab_size is not None:
             logits_BV = logits_BV[:, : self.sample_vocab_size]
@@ -132,11 +133,12 @@ class StaticDecode:
         return self.latent_rows(mla)
 
     def run_model(
-        self, states: StateBatch | None, verify: bool = False
-    ) -> tuple[torch.Tensor, list[PagedLatents], list[KDAStateSlots]]:
-        """The model over :attr:`ids_BT` on the paged caches: ``(h_BTD, MLA caches holding the new latents,
-        KDA caches)``; with ``verify`` the KDA caches keep the state after every token (their ``rollback``
-        then picks one)."""
+        self, states: StateBatch | None, verify: bool = False, feature_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[PagedLatents], list[KDAStateSlots]]:
+        """The model over :attr:`ids_BT` on the paged caches: ``(h_BTD, the features of feature_layers
+        f_BTF or None, MLA caches holding the new latents, KDA caches)``
+        (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`); with ``verify`` the KDA caches
+        keep the state after every token (their ``rollback`` then picks one)."""
         st = self.storage
         lo = st.layout
         kda: list[KDAStateSlots] = []
@@ -150,8 +152,10 @@ class StaticDecode:
             mla = [PagedLatents(past, mask_BS) for past in past_LBSW]
         kda_iter, mla_iter = iter(kda), iter(mla)
         caches = [next(kda_iter) if kind == "kda" else next(mla_iter) for kind in self.kinds]
-        h_BTD = self.lm.model(self.ids_BT, KimiCache(caches), check_inputs=False, two_phase_attn_res=True)
-        return h_BTD, mla, kda
+        h_BTD, f_BTF = self.lm.model.forward_with_features(
+            self.ids_BT, feature_layers, KimiCache(caches), check_inputs=False, two_phase_attn_res=True
+        )
+        return h_BTD, f_BTF, mla, kda
 
     def latent_rows(self, mla: list[PagedLatents]) -> LatentRows | None:
         """Where and what the step writes into the pool, without writing: the ``T`` new latents of every
@@ -190,10 +194,8 @@ class StaticDecode:
         shapes, without Inductor's own CUDA graphs: this class captures the compiled kernels itself), built on
         first use, then :meth:`store_latents` eagerly; each ``(B, T, N)`` compiles once. (Symbolic sizes,
         ``dynamic=True``, would let one graph serve them all, but Inductor's code for them gave other tokens
-        than the eager step: ``docs/LOG.md``.) A subclass that replaces :meth:`forward` (the speculative step)
-        is recorded as written, eagerly."""
-        if type(self).forward is not StaticDecode.forward:
-            return self.forward
+        than the eager step: ``docs/LOG.md``.) A subclass changes the step by overriding :meth:`sample` (the
+        speculative step)."""
         if self._sample is None:
             self._sample = torch.compile(self.sample, fullgraph=True, dynamic=False)
         return self._compiled_step
@@ -230,7 +232,7 @@ class StaticDecode:
 def compile_settings():
     """``torch.compile`` settings for the calls of compiled steps (a context manager): dynamo's recompilation
     limits raised past its default of 8 per function (at which ``fullgraph`` raises), since every ``(B, T, N)``
-    adds a compiled graph of :meth:`StaticDecode.forward`."""
+    adds a compiled graph of :meth:`StaticDecode.sample`."""
     names = [n for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                          "accumulated_cache_size_limit") if hasattr(torch._dynamo.config, n)]  # fmt: skip
     return torch._dynamo.config.patch(

@@ -13,17 +13,26 @@ device, the same padding rows) for ``B`` rows of one ``k``:
    ``d_j`` over the past and the chain so far.
 2. **Verification.** The drafts are written after the last emitted token ``y`` into the ids buffer and the
    target runs once over ``[y, d_1 … d_k]`` on the paged caches, every KDA layer keeping the state after
-   each token (:class:`~openk3.model.cache.KDAStateSlots` with ``verify``); forward pre-hooks on the tapped
-   layers take the draft's features ``[B, k + 1, F]``.
+   each token (:class:`~openk3.model.cache.KDAStateSlots` with ``verify``); the forward also returns the
+   draft's features ``[B, k + 1, F]`` (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`,
+   without hooks, whose registration ``torch.compile`` cannot trace).
 3. **Acceptance on the device.** ``a_j`` = the target's argmax at position ``j``; ``n`` = the length of the
    prefix where ``d_{j+1} = a_j``; the emitted tokens are ``d_1 … d_n, a_n`` (the target's greedy tokens).
 4. **Rollback on the device.** Each KDA state and conv window is set to the one after token ``n`` of the
-   chunk (``n + 1`` tokens kept, no recompute); the ``k + 1`` latents are written to the blocks: those past
-   the kept ones lie beyond ``num_computed_tokens`` and are overwritten before their block is full.
+   chunk (``n + 1`` tokens kept, no recompute); the ``k + 1`` latents go to the blocks (written last, after
+   step 5, which reads no block): those past the kept ones lie beyond ``num_computed_tokens`` and are
+   overwritten before their block is full.
 5. **Draft update.** The draft reads the features of positions ``0 … k`` with the emitted tokens after them
    (``d_{j+1}`` for ``j < n``, ``a_n`` at ``n``; later positions are computed and dropped: causal attention
    keeps them out of the kept ones), its output at ``n`` goes to :attr:`~StaticSpeculative.g_BD` and its
    new latents to :attr:`~StaticSpeculative.new_BTW` and into the draft cache buffer after each row's cache.
+
+Steps 1–5 are :meth:`StaticSpeculative.sample`, which returns the verified latents' rows; the step is then
+:meth:`~openk3.serve.decode_graph.StaticDecode.forward`'s: ``sample``, then the one write into the pool
+(``store_latents``). On CUDA it is compiled and captured as the plain step is: ``sample`` through
+``torch.compile`` (one graph, static shapes), the pool write eager in the same CUDA graph. The compiled part
+writes the KDA states and conv windows, the ids buffer (a view of the small packed inputs) and the step's
+draft and output buffers, and only reads the pool.
 
 The host then reads :attr:`~StaticSpeculative.out_BT1` (``n`` and the emitted tokens of every real row: the
 step's one device→host copy) and appends the first ``n + 1`` new latents to each request's draft cache. A
@@ -42,10 +51,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.model.draft import EagleDraft, capture_features
+from openk3.model.draft import EagleDraft
 from openk3.model.mla import ABSORB_MAX_TOKENS
 from openk3.serve.cache_storage import CacheStorage, StateBatch
-from openk3.serve.decode_graph import DecodeGraphs, StaticDecode, bucket_of
+from openk3.serve.decode_graph import DecodeGraphs, LatentRows, StaticDecode, bucket_of
 
 
 class StaticSpeculative(StaticDecode):
@@ -87,10 +96,12 @@ class StaticSpeculative(StaticDecode):
         ``(state, L)`` (``None``: unknown), so a request that stays in its row is not copied in again."""
 
     @torch.no_grad()
-    def forward(self, states: StateBatch | None) -> None:
-        """The step: reads the input buffers, ``states`` (updated in place) and the draft buffers; writes the
-        latents to the pool, :attr:`out_BT1`, :attr:`new_BTW` and the draft buffers :attr:`g_BD`,
-        :attr:`past_BSW`."""
+    def sample(self, states: StateBatch | None) -> LatentRows | None:
+        """The step up to the pool write (:meth:`~StaticDecode.forward` then writes the latents it returns):
+        reads the input buffers, ``states`` (updated in place) and the draft buffers; writes
+        :attr:`out_BT1`, :attr:`new_BTW` and the draft buffers :attr:`g_BD`, :attr:`past_BSW`, and returns
+        the verified tokens' latents' rows. The block pool is only read here, and written after it: the
+        draft update reads its own :attr:`past_BSW`, not the pool."""
         B, k, T, C = self.B, self.k, self.T, self.C
         draft, embed, head = self.draft, self.lm.model.embed_tokens, self.lm.lm_head
         dev = self.ids_BT.device
@@ -112,8 +123,7 @@ class StaticSpeculative(StaticDecode):
         drafts_BK = torch.stack(drafts, 1)
         self.ids_BT[:, 1:].copy_(drafts_BK)
         # 2. verification, with the draft's features
-        with capture_features(self.lm, draft.draft_config.feature_layers) as taps:
-            h_BTD, mla, kda = self.run_model(states, verify=True)
+        h_BTD, f_BTF, mla, kda = self.run_model(states, True, draft.draft_config.feature_layers)
         best_BT = self._argmax(head(h_BTD))
         # 3. greedy acceptance
         n_B = (drafts_BK == best_BT[:, :k]).long().cumprod(1).sum(1)
@@ -125,12 +135,12 @@ class StaticSpeculative(StaticDecode):
         # 4. rollback to the state after the last kept token (n + 1 tokens: y and n drafts)
         for slots in kda:
             slots.rollback(n_B + 1)
-        self.store_latents(self.latent_rows(mla))
+        rows = self.latent_rows(mla)
         # 5. the draft reads the kept positions' features (and computes, then drops, the others)
         causal_TT = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         mask_BTS = torch.cat([keys_BS[:, None, :].expand(B, T, S), causal_TT.expand(B, T, T)], -1)
         g_BTD, (c_BTC, kpe_BTr) = draft(
-            draft.fuse(taps[0]), emitted_BT, embed, mask_TS=mask_BTS[:, None], past=(lat_BSC, kpe_BSr)
+            draft.fuse(f_BTF), emitted_BT, embed, mask_TS=mask_BTS[:, None], past=(lat_BSC, kpe_BSr)
         )
         b_B = torch.arange(B, device=dev)
         self.g_BD.copy_(g_BTD[b_B, n_B])
@@ -139,6 +149,7 @@ class StaticSpeculative(StaticDecode):
         # positions past the kept ones lie beyond the next step's draft_len
         self.past_BSW[b_B[:, None], self.draft_len_B[:, None] + j_T] = self.new_BTW
         self.out_BT1.copy_(torch.cat([n_B[:, None], emitted_BT], 1))
+        return rows
 
     def capture(self, states: StateBatch | None) -> None:
         super().capture(states)
