@@ -176,14 +176,13 @@ def test_ttt_unroll_equals_the_inference_chain():
     draft, lm = _draft(model, dtype=torch.float64)
     T, steps = 9, 3
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), capture_features(lm, draft.draft_config.feature_layers) as taps:
-        lm(ids)
     with torch.no_grad():
-        unrolled = ttt_unroll(draft, lm, taps[0], ids, steps)
+        _, taps = lm.model.forward_with_features(ids, draft.draft_config.feature_layers)
+        unrolled = ttt_unroll(draft, lm, taps, ids, steps)
         embed = lm.model.embed_tokens
         for i in (0, 3, 5):
             cache = draft.new_cache()
-            g, _ = draft(draft.fuse(taps[0][:, : i + 1]), ids[:, 1 : i + 2], embed, cache=cache)
+            g, _ = draft(draft.fuse(taps[:, : i + 1]), ids[:, 1 : i + 2], embed, cache=cache)
             g = g[:, -1:]
             torch.testing.assert_close(
                 draft.logits(g, lm.lm_head)[0, 0], unrolled[0][0, i], rtol=1e-10, atol=1e-10
