@@ -9,10 +9,10 @@ import torch
 
 import openk3
 from openk3.config import KimiLinearConfig
+from openk3.model.attn_res import attn_res_mix
 from openk3.model.draft import (
     DraftConfig,
     build_draft,
-    capture_features,
     feature_layers,
     load_draft,
     save_draft,
@@ -127,44 +127,49 @@ def _kimi_linear():
     return openk3.build_model(cfg, seed=0).eval()
 
 
-def test_capture_features_reads_layer_outputs():
-    """Kimi-Linear wiring: tap i is the residual stream after layer i (an independent manual forward)."""
-    lm = _kimi_linear()
-    ids = torch.randint(0, VOCAB, (2, 7))
-    layers = feature_layers(6)
-    with torch.no_grad(), capture_features(lm, layers) as taps:
-        lm(ids)
-    with torch.no_grad():
-        h = lm.model.embed_tokens(ids)
-        outs = []
-        for layer in lm.model.layers:
+def _layer_inputs(lm, ids):
+    """A forward run layer by layer here: ``(what each layer's input_layernorm reads, by layer index; the
+    final hidden states)``. Kimi-Linear: the residual stream before the layer. K3 (Block AttnRes): the mix of the
+    closed blocks and the partial sum by the layer's ``self_attention_res`` pair (the partial sum itself
+    before the first block closes), one mix at a time."""
+    m = lm.model
+    h = m.embed_tokens(ids)
+    inputs = {}
+    if not m.config.uses_attn_res:
+        for j, layer in enumerate(m.layers):
+            inputs[j] = h
             h = layer.forward_residual(h)
-            outs.append(h)
-    assert len(taps) == 1
-    torch.testing.assert_close(taps[0], torch.cat([outs[i] for i in layers], -1), rtol=0, atol=0)
+        return inputs, m.norm(h)
+    blocks, partial = [], h
+    for j, layer in enumerate(m.layers):
+        res_norm, res_proj = layer.self_attention_res_norm, layer.self_attention_res_proj
+        inputs[j] = attn_res_mix(blocks, partial, res_norm, res_proj) if blocks else partial
+        closed = partial if layer.opens_block else None
+        partial = layer.forward_attn_res(blocks, partial)
+        if closed is not None:
+            blocks.append(closed)
+    return inputs, m.norm(attn_res_mix(blocks, partial, m.output_attn_res_norm, m.output_attn_res_proj))
 
 
-@pytest.mark.parametrize("k3", [True, False], ids=["attn-res", "residual"])
-@pytest.mark.parametrize("two_phase", [False, True])
-def test_forward_with_features_equals_the_hooks(k3, two_phase):
-    """The hook-free taps the compiled speculative step reads (``forward_with_features``) are
-    :func:`capture_features`' (the next layers' ``input_layernorm`` inputs: the AttnRes mix in K3, the
-    residual stream in Kimi-Linear), in the given order, a repeated layer included; the hidden states are
-    :meth:`forward`'s."""
-    if k3:
-        lm = _target(8).language_model
-    else:
-        lm = _kimi_linear()
+@pytest.mark.parametrize("wiring, two_phase", [("residual", False), ("attn-res", False), ("attn-res", True)])
+def test_forward_with_features_taps_the_next_layers_inputs(wiring, two_phase):
+    """The draft's features (``forward_with_features``) are the next layers' ``input_layernorm`` inputs of a
+    forward run by hand (:func:`_layer_inputs`: the residual stream in Kimi-Linear, the AttnRes mix in K3),
+    in the given order, a repeated layer included; its hidden states are :meth:`forward`'s. The two-phase
+    AttnRes mix scores a block set's pseudo-queries in one pass, so it equals the one-at-a-time mix up to
+    rounding (fp64 here)."""
+    lm = _target(8, dtype=torch.float64).language_model if wiring == "attn-res" else _kimi_linear()
     layers = (4, 1, 4, 0)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), capture_features(lm, layers) as taps:
-        want = lm.model(ids, two_phase_attn_res=two_phase)
     with torch.no_grad():
+        inputs, h_by_hand = _layer_inputs(lm, ids)
+        want_h = lm.model(ids, two_phase_attn_res=two_phase)
         h, f = lm.model.forward_with_features(ids, layers, two_phase_attn_res=two_phase)
         assert lm.model.forward_with_features(ids, ())[1] is None
-    assert len(taps) == 1
-    torch.testing.assert_close(f, taps[0], rtol=0, atol=0)
-    torch.testing.assert_close(h, want, rtol=0, atol=0)
+    torch.testing.assert_close(h_by_hand, lm.model(ids), rtol=0, atol=0)  # the hand run is the forward
+    tol = 1e-12 if two_phase else 0.0
+    torch.testing.assert_close(f, torch.cat([inputs[i + 1] for i in layers], -1), rtol=tol, atol=tol)
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
     with pytest.raises(ValueError, match="feature layers"):
         lm.model.forward_with_features(ids, (len(lm.model.layers) - 1,))
 
@@ -176,14 +181,13 @@ def test_ttt_unroll_equals_the_inference_chain():
     draft, lm = _draft(model, dtype=torch.float64)
     T, steps = 9, 3
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), capture_features(lm, draft.draft_config.feature_layers) as taps:
-        lm(ids)
     with torch.no_grad():
-        unrolled = ttt_unroll(draft, lm, taps[0], ids, steps)
+        _, taps = lm.model.forward_with_features(ids, draft.draft_config.feature_layers)
+        unrolled = ttt_unroll(draft, lm, taps, ids, steps)
         embed = lm.model.embed_tokens
         for i in (0, 3, 5):
             cache = draft.new_cache()
-            g, _ = draft(draft.fuse(taps[0][:, : i + 1]), ids[:, 1 : i + 2], embed, cache=cache)
+            g, _ = draft(draft.fuse(taps[:, : i + 1]), ids[:, 1 : i + 2], embed, cache=cache)
             g = g[:, -1:]
             torch.testing.assert_close(
                 draft.logits(g, lm.lm_head)[0, 0], unrolled[0][0, i], rtol=1e-10, atol=1e-10

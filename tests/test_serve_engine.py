@@ -118,12 +118,13 @@ def test_paged_forward_equals_model_forward(model, T, lengths):
     kv = eng.kv
     for r in reqs:
         kv.allocate_slots(r, T)
-    logits = eng.runner.paged_forward(
+    logits, features = eng.runner.paged_forward(
         new,
         [r.num_computed_tokens for r in reqs],
         [kv.block_tables[r.request_id] for r in reqs],
         [kv.state_slots[r.request_id] for r in reqs],
     )
+    assert features is None  # no feature layers asked for
     assert len(ps) == 1 or len(reqs[0].output_token_ids) > 1  # the short prompt was already decoding
     for r, ids, row in zip(reqs, new, logits):
         want = model(torch.tensor([r.all_token_ids[:-1] + ids])).logits[0, -1]

@@ -14,7 +14,8 @@ target's argmax, then emits the argmax (:func:`accept_greedy`): the output is th
 
 The target's caches roll back to the last kept token without recomputing anything
 (:meth:`~openk3.model.cache.KimiCache.rollback`: a kept KDA state per verified token, MLA latents cut); the
-draft's cache drops its chain and reads the verified tokens' target features.
+draft's cache drops its chain and reads the verified tokens' target features (which the verification's
+:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features` returns with its hidden states).
 
 Legend: ``k`` drafted tokens, ``V`` vocabulary, ``P`` prompt tokens, ``F`` tapped features.
 """
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from openk3.generate import PREFILL_CHUNK, check_sampling, sampling_probs
-from openk3.model.draft import EagleDraft, capture_features
+from openk3.model.draft import EagleDraft
 
 MAX_SPECULATIVE_TOKENS = 16
 """Most drafted tokens per step (the verify forward stays on the decode path of the target's layers)."""
@@ -157,10 +158,11 @@ def speculative_stream(
     choose = TokenChooser(temperature, top_p, vocab_size, generator)
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long)
     cache, dcache = lm.new_cache(), draft.new_cache()
-    with capture_features(lm, taps_at) as taps:
-        for piece in input_ids.split(prefill_chunk, dim=1):
-            logits_1V = lm(piece, cache).logits[:, -1]
-    y = choose.verify(logits_1V, [], [])[1]
+    taps = []  # the prompt's features [1, P, F], one piece per prefill chunk
+    for piece in input_ids.split(prefill_chunk, dim=1):
+        h_1TD, f_1TF = lm.model.forward_with_features(piece, taps_at, cache)
+        taps.append(f_1TF)
+    y = choose.verify(head(h_1TD)[:, -1], [], [])[1]
     yield torch.tensor([[y]], device=input_ids.device)
     produced = 1
     if y in stop.tolist():
@@ -184,13 +186,12 @@ def speculative_stream(
             qs.append(q)
         start = cache.seq_len
         cache.begin_verify()
-        with capture_features(lm, taps_at) as taps:
-            logits_KV = lm(_ids([y, *drafts], input_ids), cache).logits[0]
-        n, y = choose.verify(logits_KV, drafts, qs)
+        h_1TD, f_1TF = lm.model.forward_with_features(_ids([y, *drafts], input_ids), taps_at, cache)
+        n, y = choose.verify(head(h_1TD)[0], drafts, qs)
         cache.rollback(n + 1)
         dcache.truncate(start)
         g_1TD, _ = draft(
-            draft.fuse(taps[0][:, : n + 1]), _ids([*drafts[:n], y], input_ids), embed, cache=dcache
+            draft.fuse(f_1TF[:, : n + 1]), _ids([*drafts[:n], y], input_ids), embed, cache=dcache
         )
         g_11D = g_1TD[:, -1:]
         stats.steps += 1

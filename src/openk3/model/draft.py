@@ -11,8 +11,9 @@ One draft step at position ``t`` reads a feature ``h_t`` and the next token ``x_
 
 The taps ``a, b, c`` are the outputs of target layers :func:`feature_layers` (EAGLE-3's ``[1, L/2 − 1,
 L − 4]``), read as the inputs of the next layers' ``input_layernorm`` (the residual stream in Kimi-Linear,
-the AttnRes mix in K3) by :func:`capture_features` (forward hooks), or returned by
-:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features` (no hooks: the compiled serving step).
+the AttnRes mix in K3), returned with the hidden states by
+:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features` on every path (training,
+:mod:`openk3.speculative`, the server's eager and compiled steps).
 The draft layer attends over its own cache of earlier positions (an :class:`~openk3.model.cache.MLACache`,
 rolled back by cutting it).
 
@@ -28,7 +29,6 @@ Legend: ``B`` batch, ``T`` positions, ``D`` width, ``V`` vocabulary, ``F = 3·D`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -187,31 +187,6 @@ def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
     i = torch.arange(T, device=device)
     parts = [i[:, None] >= i[None, :]] + [i[:, None] == i[None, :]] * step
     return torch.cat(parts, 1)
-
-
-@contextlib.contextmanager
-def capture_features(lm: nn.Module, layers: tuple[int, ...]):
-    """Collect the outputs of target ``layers`` during forwards inside the block: yields a list that receives,
-    per forward, the concatenated taps ``[B, T, F]``. ``lm`` is the causal LM (``.model.layers``)."""
-    found: dict[int, torch.Tensor] = {}
-    out: list[torch.Tensor] = []
-    wanted = sorted(set(layers))
-
-    def hook(i):
-        def pre(_module, args):
-            found[i] = args[0]
-            if len(found) == len(wanted):
-                out.append(torch.cat([found[j] for j in layers], -1))
-                found.clear()
-
-        return pre
-
-    handles = [lm.model.layers[i + 1].input_layernorm.register_forward_pre_hook(hook(i)) for i in wanted]
-    try:
-        yield out
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def build_draft(

@@ -115,11 +115,12 @@ class KimiLinearModel(nn.Module):
         two_phase_attn_res: bool = False,
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`forward` (same arguments) that also returns a draft's features ``[B, T, F]``: the outputs of
-        ``feature_layers`` as the next layers' ``input_layernorm`` reads them (the residual stream, or the
-        AttnRes mix in K3), concatenated in that order: what :func:`~openk3.model.draft.capture_features`
-        takes with forward hooks, here without any (``torch.compile`` traces no hook registration). ``None``
-        for no layers. Raises ``ValueError`` for a layer without a next layer."""
+        """:meth:`forward` (same arguments) that also returns a draft's features ``[B, T, F]``
+        (:mod:`openk3.model.draft`): the outputs of ``feature_layers`` as the next layers' ``input_layernorm``
+        reads them (the residual stream, or the AttnRes mix in K3), concatenated in that order, a repeated
+        layer repeated; ``None`` for no layers. Every draft path takes its features here: they are recorded in
+        the forward itself, without module hooks, so ``torch.compile`` traces it in one graph. Raises
+        ``ValueError`` for a layer without a next layer."""
         if check_inputs:
             self.check_inputs(input_ids, cache, cu_seqlens)
         if any(not 0 <= i < len(self.layers) - 1 for i in feature_layers):

@@ -1,8 +1,8 @@
 """Batched forward over the paged cache: ``B`` requests with ``T`` new tokens each on top of their cached
 prefixes (one-token decodes, or prefill chunks that continue a cached prefix).
 
-It is the model's own forward (:meth:`~openk3.model.modeling.KimiLinearModel.forward`) given the server's
-caches, so a change to a layer is made once:
+It is the model's own forward (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`) given
+the server's caches, so a change to a layer is made once:
 
 * **MLA**: each MLA layer gets a :class:`~openk3.model.cache.PagedLatents`: the requests' cached latents
   gathered from their block tables (one ``index_select``), padded to the longest, and a key mask; the layer
@@ -16,8 +16,8 @@ caches, so a change to a layer is made once:
 
 Equal to the model's forward with a cache up to float rounding (tested).
 
-Legend: ``B`` requests, ``T`` new tokens per request, ``V`` vocabulary, ``L`` MLA layers, ``C`` kv_lora_rank,
-``r`` qk_rope_head_dim.
+Legend: ``B`` requests, ``T`` new tokens per request, ``V`` vocabulary, ``F`` a draft's tapped features,
+``L`` MLA layers, ``C`` kv_lora_rank, ``r`` qk_rope_head_dim.
 """
 
 from __future__ import annotations
@@ -31,16 +31,19 @@ from openk3.serve.transfer import to_device
 
 
 class PagedForward:
-    """``__call__`` runs ``T`` new tokens for each of ``B`` requests and returns the last position's logits
-    ``[B, V]``, reading and writing the requests' caches in the pool.
+    """``__call__`` runs ``T`` new tokens for each of ``B`` requests and returns ``(logits, features)``: the
+    last position's logits ``[B, V]`` and the draft's features ``[B, T, F]`` of ``feature_layers`` (``None``
+    for none), reading and writing the requests' caches in the pool.
 
     Args of the call: ``token_ids`` (``B`` lists of ``T`` ints), ``positions`` (each request's
     ``num_computed_tokens``: the cached length, where the first new token's latent is written),
     ``block_tables`` (covering the new tokens), ``state_slots``; optional ``inputs_embeds`` ``[B, T, D]``
     in place of the token embeddings (a chunk holding an image's placeholder tokens); for a speculative
-    verification (:mod:`openk3.serve.speculative`) ``all_positions`` (logits of every new token
-    ``[B, T, V]``) and ``steps_out``, a list that receives the KDA layers' caches, each keeping its states
-    before and after every token (:meth:`~openk3.model.cache.KDAStateSlots.rollback`).
+    draft (:mod:`openk3.serve.speculative`) ``feature_layers``, the target layers whose outputs it reads
+    (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`), and for a verification
+    ``all_positions`` (logits of every new token ``[B, T, V]``) and ``steps_out``, a list that receives the
+    KDA layers' caches, each keeping its states before and after every token
+    (:meth:`~openk3.model.cache.KDAStateSlots.rollback`).
     """
 
     def __init__(self, lm: nn.Module, storage: CacheStorage) -> None:
@@ -56,9 +59,10 @@ class PagedForward:
         block_tables: list[list[int]],
         state_slots: list[tuple[int, ...]],
         inputs_embeds: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
         all_positions: bool = False,
         steps_out: list | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         st, bs = self.storage, self.storage.layout.block_size
         T = len(token_ids[0])
         if any(len(t) != T for t in token_ids):
@@ -70,8 +74,9 @@ class PagedForward:
                 c.verify = True
             steps_out.extend(kda)
         ids_BT = to_device(token_ids, self.device)
-        h_BTD = self.lm.model(
+        h_BTD, f_BTF = self.lm.model.forward_with_features(
             ids_BT,
+            feature_layers,
             KimiCache(caches),
             check_inputs=False,
             two_phase_attn_res=True,
@@ -83,7 +88,7 @@ class PagedForward:
             pages = [t[p // bs] for t, start in zip(block_tables, positions) for p in range(start, start + T)]
             offsets = [p % bs for start in positions for p in range(start, start + T)]
             st.write_latents(pages, offsets, torch.stack(latents).flatten(1, 2))
-        return logits_BV
+        return logits_BV, f_BTF
 
     def caches(
         self, block_tables: list[list[int]], positions: list[int], state_slots: list[tuple[int, ...]]

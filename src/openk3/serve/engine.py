@@ -128,7 +128,7 @@ class LLMEngine:
         )
         if static and draft is None:
             graphs = DecodeGraphs(lm, *args)
-        elif static:  # the static speculative step; plain chunks take the paged forward (the draft's hooks)
+        elif static:  # the static speculative step; plain chunks take the paged forward (it returns features)
             spec_graphs = SpeculativeGraphs(lm, draft, *args)
         self.runner = ModelRunner(model, self.storage, sample_vocab_size, graphs)
         if draft is not None:

@@ -16,14 +16,15 @@ images are encoded once per request, at its first such chunk.
 
 With a draft (:mod:`openk3.serve.speculative`), the speculative decodes of a step are taken out first and
 verified (greedy ones through the static step of :mod:`openk3.serve.speculative_graph` when the engine has
-one, the others through the paged forward); the other chunks run as above, on the paged forward (the draft
-reads their features through hooks).
+one, the others through the paged forward); the other chunks run as above, on the paged forward and the
+packed forward, each of which returns the draft's features with its logits.
 
 Sampling reuses :func:`openk3.generate.sample_next` per request (temperature 0 = argmax; ``seed`` gives the
 request its own generator, on the model's device); a batch's tokens, greedy or drawn, come back in one
 device→host copy.
 
-Legend: ``B`` requests, ``N`` packed requests, ``T`` chunk tokens, ``V`` vocabulary.
+Legend: ``B`` requests, ``N`` packed requests, ``T`` chunk tokens, ``V`` vocabulary, ``F`` a draft's tapped
+features.
 """
 
 from __future__ import annotations
@@ -77,26 +78,27 @@ class ModelRunner:
         tokens for a speculative decode). See :meth:`_execute`."""
         sampled: dict[str, int] = {}  # a list of tokens for a speculative decode
         spec = self.speculative
-        if spec is None:
-            return self._execute(out.chunks, sampled)
-        chunks = spec.decode(out.chunks, sampled)
-        with spec.capturing():
-            return self._execute(chunks, sampled)
+        chunks = out.chunks if spec is None else spec.decode(out.chunks, sampled)
+        return self._execute(chunks, sampled)
 
     def _execute(self, chunks: list[ScheduledChunk], sampled: dict[str, int]) -> dict[str, int]:
         """Run ``chunks``; add request id → sampled token to ``sampled`` for chunks that sample and return it.
 
         Chunks of equal length run as one :class:`PagedForward` batch; first chunks (``start == 0``) whose
-        length no other chunk shares are packed into one reference forward instead."""
+        length no other chunk shares are packed into one reference forward instead. With a draft, each forward
+        also returns the draft's features, which the draft then reads
+        (:meth:`~openk3.serve.speculative.SpeculativeDecoder.forwarded`)."""
         spec = self.speculative
+        taps_at = () if spec is None else spec.feature_layers
         by_length: dict[int, list[ScheduledChunk]] = {}
         for chunk in chunks:
             by_length.setdefault(chunk.num_tokens, []).append(chunk)
         fresh = [g[0] for g in by_length.values() if len(g) == 1 and g[0].start == 0]
         if fresh:
-            self._sample(fresh, self.prefill_packed(fresh), sampled)
+            logits_NV, taps_1TF = self.prefill_packed(fresh, taps_at)
+            self._sample(fresh, logits_NV, sampled)
             if spec is not None:
-                spec.forwarded(fresh, sampled)
+                spec.forwarded(fresh, taps_1TF, sampled)
         for chunks in by_length.values():
             if len(chunks) == 1 and chunks[0].start == 0:
                 continue
@@ -105,16 +107,17 @@ class ModelRunner:
                 tokens = self.decode_graphs.run(chunks)
                 sampled.update({c.request.request_id: t for c, t in zip(chunks, tokens) if c.samples})
                 continue
-            logits_BV = self.paged_forward(
+            logits_BV, taps_BTF = self.paged_forward(
                 [c.token_ids for c in chunks],
                 [c.start for c in chunks],
                 [c.block_table for c in chunks],
                 [c.state_slot for c in chunks],
                 embeds,
+                taps_at,
             )
             self._sample(chunks, logits_BV, sampled)
             if spec is not None:
-                spec.forwarded(chunks, sampled)
+                spec.forwarded(chunks, taps_BTF, sampled)
         return sampled
 
     def _sample(self, chunks: list[ScheduledChunk], logits_BV: torch.Tensor, sampled: dict[str, int]) -> None:
@@ -130,9 +133,12 @@ class ModelRunner:
         sampled.update({r.request_id: t for r, t in zip(requests, tokens)})
         record_logprobs(requests, logits_BV, tokens)
 
-    def prefill_packed(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def prefill_packed(
+        self, chunks: list[ScheduledChunk], feature_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """First chunks (nothing cached yet) of ``N`` requests packed into one forward with ``cu_seqlens``
-        (documents never see each other); returns each one's last-position logits ``[N, V]``."""
+        (documents never see each other); returns each one's last-position logits ``[N, V]`` and the
+        draft's features of ``feature_layers`` at every packed position ``[1, ΣT, F]`` (``None`` for none)."""
         st, bs = self.storage, self.storage.layout.block_size
         lengths = [c.num_tokens for c in chunks]
         cu_seqlens = to_device([0, *itertools.accumulate(lengths)], self.device)
@@ -142,7 +148,9 @@ class ModelRunner:
         embeds = None if embeds is None else embeds.reshape(1, -1, embeds.shape[-1])
         # ids were checked when the requests were added; one document needs no cu_seqlens (plain causal)
         packed = cu_seqlens if len(chunks) > 1 else None
-        h_BTD = self.lm.model(ids, KimiCache(layers), packed, check_inputs=False, inputs_embeds=embeds)
+        h_BTD, f_1TF = self.lm.model.forward_with_features(
+            ids, feature_layers, KimiCache(layers), packed, check_inputs=False, inputs_embeds=embeds
+        )
         logits_NV = self.lm.lm_head(h_BTD[0, cu_seqlens[1:] - 1])
         kda = [c for c in layers if isinstance(c, KDACache)]
         if kda:
@@ -153,7 +161,7 @@ class ModelRunner:
             pages = [c.block_table[p // bs] for c in chunks for p in range(c.num_tokens)]
             offsets = [p % bs for c in chunks for p in range(c.num_tokens)]
             st.write_latents(pages, offsets, new_LTd)
-        return logits_NV
+        return logits_NV, f_1TF
 
     def chunk_embeds(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """Token embeddings ``[B, T, D]`` of the chunks with their requests' images placed at the media

@@ -2,9 +2,10 @@
 
 :class:`SpeculativeDecoder` sits beside the :class:`~openk3.serve.model_runner.ModelRunner`:
 
-* **Features.** During a runner step (:meth:`capturing`), forward pre-hooks on the target's tapped layers
-  collect the draft's input features from every forward the runner makes (packed first chunks, paged chunks, verifications); after each forward the
-  runner hands over the chunks it ran (:meth:`forwarded`), and each request's draft cache (an
+* **Features.** Every forward the runner makes (packed first chunks, paged chunks, verifications) asks the
+  model for the draft's input features (:attr:`SpeculativeDecoder.feature_layers`, through
+  :meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`); after each forward the runner
+  hands over the chunks it ran with their features (:meth:`forwarded`), and each request's draft cache (an
   :class:`~openk3.model.cache.MLACache` of its own) reads ``(feature_t, token_{t+1})`` for those positions.
   A prefix-cache hit skips the draft's context over the cached part (speed only; the output is unchanged).
 * **Decodes.** A running request with a token to decode (and ``k ≥ 1`` for it) is taken out of the normal
@@ -17,8 +18,8 @@
   requests' :class:`~openk3.model.cache.KDAStateSlots`), each row is accepted by the rule of
   :mod:`openk3.speculative` with the request's own sampling settings and generator, and its KDA state and
   conv window are set to those after its last kept token (:meth:`~openk3.model.cache.KDAStateSlots.rollback`,
-  in place). The engine's plain decode graphs are not built with a draft (their step runs no hooks, and
-  the draft reads every forward's features). MLA latents written for rejected drafts lie
+  in place). The engine's plain decode graphs are not built with a draft (their step returns no
+  features, and the draft reads every forward's). MLA latents written for rejected drafts lie
   beyond ``num_computed_tokens`` and are overwritten before their block is full, so no block the prefix
   cache can hand out ever holds them.
 
@@ -35,14 +36,13 @@ Legend: ``B`` requests, ``T = k + 1`` verified tokens, ``F`` tapped features, ``
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from openk3.model.cache import MLACache
-from openk3.model.draft import EagleDraft, capture_features
+from openk3.model.draft import EagleDraft
 from openk3.serve.model_runner import request_generator
 from openk3.serve.request import Request
 from openk3.serve.speculative_graph import SpeculativeGraphs
@@ -80,15 +80,8 @@ class SpeculativeDecoder:
         self.num_verified = 0
         """Rows verified so far, one per request per speculative step (each emits ``1 +`` its accepted
         drafts)."""
-        self._taps: list[torch.Tensor] = []
-
-    @contextlib.contextmanager
-    def capturing(self):
-        """Collect the tapped target features of the forwards inside the block (one runner step)."""
-        self._taps.clear()
-        with capture_features(self.lm, self.draft.draft_config.feature_layers) as taps:
-            self._taps = taps
-            yield
+        self.feature_layers = draft.draft_config.feature_layers
+        """The target layers whose outputs every forward of the runner returns for the draft."""
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -137,9 +130,10 @@ class SpeculativeDecoder:
             st.cache.append(c_BTC[b : b + 1, : len(i)], k_pe_BTr[b : b + 1, : len(i)])
             st.g_11D = g_BTD[b : b + 1, len(i) - 1 : len(i)]
 
-    def forwarded(self, chunks, sampled: dict) -> None:
-        """The runner ran ``chunks`` in one forward (packed first chunks or one paged batch) and sampled."""
-        taps = self._taps.pop(0)  # [B, T, F] of a paged batch, or [1, ΣT, F] of a packed row
+    def forwarded(self, chunks, taps: torch.Tensor, sampled: dict) -> None:
+        """The runner ran ``chunks`` in one forward (packed first chunks or one paged batch) and sampled;
+        ``taps`` are that forward's features: ``[B, T, F]`` of a paged batch, or ``[1, ΣT, F]`` of a packed
+        row."""
         rows = list(taps) if taps.shape[0] == len(chunks) else taps[0].split([c.num_tokens for c in chunks])
         next_ids = []
         for c in chunks:
@@ -231,16 +225,15 @@ class SpeculativeDecoder:
             self.kv.allocate_slots(c.request, k + 1)
         rows = self._chains(chunks, k, choosers)
         steps: list = []
-        with self.capturing():
-            logits_BTV = self.runner.paged_forward(
-                [[*c.token_ids, *drafts] for c, (drafts, _) in zip(chunks, rows)],
-                [c.start for c in chunks],
-                [c.block_table for c in chunks],
-                [c.state_slot for c in chunks],
-                all_positions=True,
-                steps_out=steps,
-            )
-        taps_BTF = self._taps.pop(0)
+        logits_BTV, taps_BTF = self.runner.paged_forward(
+            [[*c.token_ids, *drafts] for c, (drafts, _) in zip(chunks, rows)],
+            [c.start for c in chunks],
+            [c.block_table for c in chunks],
+            [c.state_slot for c in chunks],
+            feature_layers=self.feature_layers,
+            all_positions=True,
+            steps_out=steps,
+        )
         kept, emitted = [], []
         for b, (c, (drafts, qs), choose) in enumerate(zip(chunks, rows, choosers)):
             n, nxt = choose.verify(logits_BTV[b], drafts, qs)

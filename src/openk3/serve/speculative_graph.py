@@ -15,7 +15,7 @@ device, the same padding rows) for ``B`` rows of one ``k``:
    target runs once over ``[y, d_1 … d_k]`` on the paged caches, every KDA layer keeping the state after
    each token (:class:`~openk3.model.cache.KDAStateSlots` with ``verify``); the forward also returns the
    draft's features ``[B, k + 1, F]`` (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`,
-   without hooks, whose registration ``torch.compile`` cannot trace).
+   as on every path).
 3. **Acceptance on the device.** ``a_j`` = the target's argmax at position ``j``; ``n`` = the length of the
    prefix where ``d_{j+1} = a_j``; the emitted tokens are ``d_1 … d_n, a_n`` (the target's greedy tokens).
 4. **Rollback on the device.** Each KDA state and conv window is set to the one after token ``n`` of the

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from openk3.model.draft import EagleDraft, capture_features, ttt_mask
+from openk3.model.draft import EagleDraft, ttt_mask
 from openk3.train.draft_loss import DRAFT_LOSSES, acceptance_rate
 
 TTT_STEP_WEIGHT = 0.8
@@ -29,10 +29,11 @@ TTT_STEP_WEIGHT = 0.8
 
 
 def target_pass(lm: nn.Module, draft: EagleDraft, ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen target on a window: ``(logits [B, T, V], taps [B, T, F])`` without gradient."""
-    with torch.no_grad(), capture_features(lm, draft.draft_config.feature_layers) as taps:
-        logits_BTV = lm(ids_BT).logits
-    return logits_BTV, taps[0]
+    """The frozen target on a window: ``(logits [B, T, V], taps [B, T, F])`` without gradient (the taps from
+    :meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`)."""
+    with torch.no_grad():
+        h_BTD, taps_BTF = lm.model.forward_with_features(ids_BT, draft.draft_config.feature_layers)
+        return lm.lm_head(h_BTD), taps_BTF
 
 
 def ttt_unroll(
