@@ -45,6 +45,9 @@ DEFAULT_EVAL_SEQ_LEN = 256
 """``openk3 eval``'s window length when ``--seq-len`` is not given and the checkpoint is outside a run."""
 DEFAULT_EVAL_BATCH_SIZE = 16
 """``openk3 eval``'s windows per batch when ``--batch-size`` is not given and the checkpoint is outside a run."""
+DEFAULT_SPECULATIVE_TOKENS = 3
+"""``openk3 generate --draft``'s drafted tokens per target forward when ``--speculative-tokens`` is not given
+(the flag has no argparse default, so that without ``--draft`` it can be refused)."""
 
 
 def _length_list(text: str) -> list[int]:
@@ -406,6 +409,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # the sampling flags were checked by their argparse types; the prompt and its length are checked before
     # the (slow) model load
+    if args.speculative_tokens is not None and not args.draft:
+        raise ValueError("--speculative-tokens needs --draft (the draft folder that proposes the tokens)")
     prompt = _read_prompt(args)
     if not prompt and not args.image:
         raise ValueError("the prompt is empty (give --prompt, or --image for a prompt of an image alone)")
@@ -428,7 +433,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.draft:
         from openk3.model.draft import load_draft
 
-        draft = (load_draft(args.draft, model), args.speculative_tokens)
+        draft = (load_draft(args.draft, model), args.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples} ---")
@@ -856,8 +861,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
     gen.add_argument(
-        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg, default=3,
-        help="drafted tokens per target forward with --draft (at most 16)",
+        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg,
+        help=f"drafted tokens per target forward with --draft (at most 16; default {DEFAULT_SPECULATIVE_TOKENS})",
     )  # fmt: skip
     gen.set_defaults(func=cmd_generate)
 
