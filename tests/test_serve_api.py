@@ -740,6 +740,22 @@ def test_cli_port_is_validated(capsys):
     assert parser.parse_args(["serve", "--ckpt", "x", "--port", "65535"]).port == 65535
 
 
+def test_serving_doc_states_the_default_max_model_len():
+    """``docs/serving.md`` gives ``--max-model-len``'s default, the one the flag and the config have."""
+    import argparse
+    from pathlib import Path
+
+    from openk3.serve.cli import add_serve_parser
+    from openk3.serve.config import SchedulerConfig
+
+    default = SchedulerConfig().max_model_len
+    parser = argparse.ArgumentParser(prog="openk3")
+    add_serve_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve", "--ckpt", "x"]).max_model_len == default
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text().split())
+    assert f"at most `--max-model-len` tokens (default {default:,}" in doc
+
+
 def test_shutdown_ends_open_streams_at_once(ckpt, monkeypatch):
     """Exiting the server (Ctrl-C) aborts in-flight requests instead of waiting for their ``max_tokens``:
     with a 0.05 s engine step a 200-token stream would last 10 s, the exit takes well under 3 s."""
