@@ -740,6 +740,16 @@ def test_cli_port_is_validated(capsys):
     assert parser.parse_args(["serve", "--ckpt", "x", "--port", "65535"]).port == 65535
 
 
+def test_cli_refuses_speculative_tokens_without_a_draft(tmp_path, capsys):
+    """As ``openk3 generate`` does, and as a request's ``num_speculative_tokens`` is refused: not ignored."""
+    from openk3.cli import main
+
+    assert main(["serve", "--ckpt", str(tmp_path / "no-ckpt"), "--speculative-tokens", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "openk3: error: --speculative-tokens needs --draft (the draft folder that proposes the tokens)\n"
+    )
+
+
 def test_serving_doc_states_the_default_max_model_len():
     """``docs/serving.md`` gives ``--max-model-len``'s default, the one the flag and the config have."""
     import argparse

@@ -45,9 +45,6 @@ DEFAULT_EVAL_SEQ_LEN = 256
 """``openk3 eval``'s window length when ``--seq-len`` is not given and the checkpoint is outside a run."""
 DEFAULT_EVAL_BATCH_SIZE = 16
 """``openk3 eval``'s windows per batch when ``--batch-size`` is not given and the checkpoint is outside a run."""
-DEFAULT_SPECULATIVE_TOKENS = 3
-"""``openk3 generate --draft``'s drafted tokens per target forward when ``--speculative-tokens`` is not given
-(the flag has no argparse default, so that without ``--draft`` it can be refused)."""
 
 
 def _length_list(text: str) -> list[int]:
@@ -406,11 +403,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.config import text_config_of
     from openk3.data import Tokenizer
     from openk3.serve.chat_template import ChatTemplate
+    from openk3.serve.cli import speculative_tokens_of
 
     # the sampling flags were checked by their argparse types; the prompt and its length are checked before
     # the (slow) model load
-    if args.speculative_tokens is not None and not args.draft:
-        raise ValueError("--speculative-tokens needs --draft (the draft folder that proposes the tokens)")
+    num_speculative_tokens = speculative_tokens_of(args)
     prompt = _read_prompt(args)
     if not prompt and not args.image:
         raise ValueError("the prompt is empty (give --prompt, or --image for a prompt of an image alone)")
@@ -433,7 +430,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.draft:
         from openk3.model.draft import load_draft
 
-        draft = (load_draft(args.draft, model), args.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+        draft = (load_draft(args.draft, model), num_speculative_tokens)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples} ---")
@@ -857,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: a random one)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
-    from openk3.serve.cli import speculative_tokens_arg
+    from openk3.serve.cli import DEFAULT_SPECULATIVE_TOKENS, speculative_tokens_arg
 
     gen.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
     gen.add_argument(
