@@ -52,9 +52,11 @@ import time
 from pathlib import Path
 
 import torch
+from kda import directory_argument
 
 import openk3
 from openk3.accounting import count_parameters
+from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.generate import greedy
 from openk3.presets import PRESETS
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
@@ -93,7 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
     )
-    p.add_argument("--out", type=Path, help="a .md file for the report, or a folder for .md and .json")
+    p.add_argument(
+        "--out", type=directory_argument, help="a .md file for the report, or a folder for .md and .json"
+    )
     args = p.parse_args(argv)
     if args.decode_tokens is None:
         args.decode_tokens = args.new_tokens
@@ -109,6 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_num_batched_tokens = args.long_prefill_token_threshold + max(args.streams) if cuda else 512
     counts = ("prefix", "new_tokens", "decode_tokens", "prompt", "repeats", "block_size")
     check_engine_args(p, args, (*counts, "max_num_batched_tokens", "long_prefill_token_threshold"))
+    if args.out is not None:  # checked now: the report is first written after the first preset's run
+        report_file = args.out.suffix == ".md"
+        if report_file and args.out.is_dir():
+            p.error(f"--out {args.out} is a folder: a --out ending in .md names the report file")
+        folder = args.out.parent if report_file else args.out
+        if problem := out_dir_problem(folder, f"--out {args.out}: its folder" if report_file else "--out"):
+            p.error(problem)
     return args
 
 
@@ -508,6 +519,7 @@ def write_report(report: dict, args, env: dict, t_start: float) -> str:
     text = markdown(report)
     if args.out is not None:
         if args.out.suffix == ".md":
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
         else:
             args.out.mkdir(parents=True, exist_ok=True)

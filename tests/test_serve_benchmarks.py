@@ -51,14 +51,22 @@ def test_serve_refuses_bad_arguments(serve_bench, capsys):
     assert stop.value.code == 2 and "--prefix must be at least 1" in capsys.readouterr().err
 
 
-def test_serve_refuses_a_zero_chunk_and_a_missing_gpu(serve_bench, capsys, monkeypatch):
-    """0 is not read as the default chunk (the engine's ``SchedulerConfig`` refuses it too)."""
+def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_bench, capsys, monkeypatch):
+    """0 is not read as the default chunk (the engine's ``SchedulerConfig`` refuses it too); ``--out`` (a
+    folder, or a ``.md`` file whose folder is made) is checked before the first preset runs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for args, says in [
         (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be at least 1, got 0"),
         (["--device", "cuda"], "--device cuda: no CUDA device is available"),
         (["--preset", "k3-tiny", "nope"], "argument --preset: invalid choice: 'nope'"),
+        (["--out", "/proc/q"], "--out /proc/q: /proc is not writable"),
+        (["--out", "/proc/r.md"], "--out /proc/r.md: its folder /proc: /proc is not writable"),
+        (["--out", str(ROOT / "docs")], None),  # a folder: accepted
+        (["--out", str(ROOT / "README.md" / "r.md")], "README.md exists and is not a directory"),
     ]:
+        if says is None:
+            assert serve_bench.parse_args(args).out == ROOT / "docs"
+            continue
         with pytest.raises(SystemExit) as stop:
             serve_bench.parse_args(args)
         err = capsys.readouterr().err
