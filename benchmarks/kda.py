@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.ops.kda import chunk_kda
 from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, KDAOptions, LaunchConfig
 
@@ -71,23 +72,6 @@ FIXED_SHAPE_NUMBERS = {str(i) for i, shape in enumerate(CHUNK_SHAPES, 1) if shap
 """Numbers of the fixed-length chunk shapes (no packed documents): where the sweep and breakdown can run."""
 SECTIONS = ("decode", "chunk", "breakdown", "sweep")
 DECODE_SHAPES = [("decode B1 H96 D128", 1, 96, 128), ("decode B64 H96 D128", 64, 96, 128)]
-
-
-def out_dir_problem(path: Path, flag: str = "--out") -> str | None:
-    """Why ``path`` cannot become the directory given by ``flag`` (it, or the nearest part of it that exists,
-    is not a directory or not writable; or the OS refuses the name), or None. Checked before any GPU work,
-    since the results are only saved after the first section."""
-    try:
-        for part in (path, *path.parents):
-            if part.exists():
-                if not part.is_dir():
-                    return f"{flag} {path}: {part} exists and is not a directory"
-                if not os.access(part, os.W_OK | os.X_OK):
-                    return f"{flag} {path}: {part} is not writable"
-                return None
-    except OSError as err:
-        return f"{flag} {path}: {err.strerror}"
-    return None
 
 
 def directory_argument(text: str) -> Path:
@@ -157,6 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.options = KDAOptions(keep_residuals=args.keep_residuals, fp32_gated_keys=args.fp32_gated_keys)
     if not 1 <= args.iters <= 1000:
         parser.error(f"--iters must be in [1, 1000]; got {args.iters}")
+    # before any GPU work: the results are saved only after the first section
     if args.out is not None and (problem := out_dir_problem(args.out)):
         parser.error(problem)
     if args.autotune_cache is not None and (

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -51,10 +52,13 @@ import time
 from pathlib import Path
 
 import torch
+from kda import directory_argument
 
 import openk3
 from openk3.accounting import count_parameters
+from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.generate import greedy
+from openk3.presets import PRESETS
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 
 SUFFIX = 16
@@ -64,7 +68,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", nargs="+", default=["k3-tiny"], help="one or more presets, measured in turn")
+    p.add_argument(
+        "--preset", nargs="+", default=["k3-tiny"], choices=sorted(PRESETS), help="presets, measured in turn"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="weights; default bfloat16 on CUDA, else float32")
     p.add_argument("--prefix", type=int, default=4096, help="shared prefix tokens for the TTFT test")
@@ -76,7 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="rounds per measurement (the best is reported)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default 512 on CPU, see above")
-    p.add_argument("--long-prefill-token-threshold", type=int, help="prefill chunk; default 256 on CPU, 8192")
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="prefill chunk, >= 1; default 256 on CPU, 8192 on CUDA",
+    )
     p.add_argument("--peer", action="store_true", help="also time transformers kimi_linear generate")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth of the limit, bytes/s")
     p.add_argument("--peak", type=float, default=790e12, help="matmul peak of the limit, FLOP/s")
@@ -85,22 +95,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
     )
-    p.add_argument("--out", type=Path, help="a .md file for the report, or a folder for .md and .json")
+    p.add_argument(
+        "--out", type=directory_argument, help="a .md file for the report, or a folder for .md and .json"
+    )
     args = p.parse_args(argv)
-    args.decode_tokens = args.decode_tokens or args.new_tokens
+    if args.decode_tokens is None:
+        args.decode_tokens = args.new_tokens
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    args.pool_mib = args.pool_mib or (8192.0 if cuda else 256.0)
-    args.long_prefill_token_threshold = args.long_prefill_token_threshold or (8192 if cuda else 256)
-    args.max_num_batched_tokens = args.max_num_batched_tokens or (
-        args.long_prefill_token_threshold + max(args.streams) if cuda else 512
-    )
-    for name in ("prefix", "new_tokens", "decode_tokens", "prompt", "repeats", "block_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.pool_mib is None:
+        args.pool_mib = 8192.0 if cuda else 256.0
+    if args.long_prefill_token_threshold is None:
+        args.long_prefill_token_threshold = 8192 if cuda else 256
     if min(args.streams) < 1:
         p.error("every --streams value must be at least 1")
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = args.long_prefill_token_threshold + max(args.streams) if cuda else 512
+    counts = ("prefix", "new_tokens", "decode_tokens", "prompt", "repeats", "block_size")
+    check_engine_args(p, args, (*counts, "max_num_batched_tokens", "long_prefill_token_threshold"))
+    if args.out is not None:  # checked now: the report is first written after the first preset's run
+        report_file = args.out.suffix == ".md"
+        if report_file and args.out.is_dir():
+            p.error(f"--out {args.out} is a folder: a --out ending in .md names the report file")
+        folder = args.out.parent if report_file else args.out
+        if problem := out_dir_problem(folder, f"--out {args.out}: its folder" if report_file else "--out"):
+            p.error(problem)
     return args
+
+
+def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace, counts: tuple[str, ...]) -> None:
+    """Refuse with ``p.error`` (one line, exit status 2), before a model is built: an argument named in
+    ``counts`` below 1 (``--long-prefill-token-threshold 0`` included: the engine's ``SchedulerConfig`` refuses
+    0, so it is not read as the default), a ``--pool-mib`` that is not a number > 0, a ``--device`` other than
+    ``cpu``, ``cuda`` or ``cuda:N``, and a CUDA device that torch does not see."""
+    for name in counts:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not (math.isfinite(args.pool_mib) and args.pool_mib > 0):
+        p.error(f"--pool-mib must be a number of MiB > 0, got {args.pool_mib:g}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: give cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device {args.device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
 
 
 def checkpoint_interval(args) -> int:
@@ -477,6 +519,7 @@ def write_report(report: dict, args, env: dict, t_start: float) -> str:
     text = markdown(report)
     if args.out is not None:
         if args.out.suffix == ".md":
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
         else:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ step costs), and the operators with the most self time over all profiled decode 
         --out OUT_DIR        # GPU: 8192-token chunks (a first chunk, then one continuing a cached prefix)
     python benchmarks/serve_profile.py --prefill 512 --streams 1 8 --out /tmp/p   # CPU, k3-tiny
 
-``--out`` is a folder; it receives ``serve_profile_<device>.md`` and ``.json``.
+``--out`` is a folder; it receives ``serve_profile_<device>.md`` and ``.json``. Every argument, ``--out``
+included, is checked before a model is built (a bad one: one line and exit status 2).
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ import time
 from pathlib import Path
 
 import torch
-from serve import DTYPES, device_tag, environment, sync
+from kda import directory_argument
+from serve import DTYPES, check_engine_args, checkpoint_interval, device_tag, environment, sync
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import openk3
+from openk3.checkpoint.out_folder import out_dir_problem
+from openk3.presets import PRESETS
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 
 PROMPT = 32
@@ -67,46 +71,86 @@ STEP = "openk3.engine_step"
 """The ``record_function`` range around the profiled ``engine.step()``."""
 
 
+def prefill_model_len(args: argparse.Namespace) -> int:
+    """``max_model_len`` of the prefill profile's engine: the ``--prefill`` prompt and its one token."""
+    return args.prefill + 2
+
+
+def decode_model_len(args: argparse.Namespace) -> int:
+    """``max_model_len`` of a decode profile's engine: a prompt and every warm-up, profiled and timed step."""
+    return PROMPT + WARM_DECODE_STEPS + 2 * args.steps + 3
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check ``argv`` (default ``sys.argv[1:]``); a bad argument exits with argparse's status 2 and
+    one line, before a model is built."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="k3-tiny")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS))
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="weights; default bfloat16 on CUDA, else float32")
-    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill profile")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=512,
+        help="prompt tokens of the prefill profile (at most max_position_embeddings - 2)",
+    )
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch size")
     p.add_argument("--block-size", type=int, help="default 512 on CUDA, else 16")
     p.add_argument(
         "--max-num-batched-tokens", type=int, help="default 8192 + the largest batch on CUDA, else 512"
     )
-    p.add_argument("--long-prefill-token-threshold", type=int, help="default 8192 on CUDA, else 256")
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        help="prompt tokens per prefill chunk, >= 1 (0 is refused, as by the engine's SchedulerConfig); "
+        "default 8192 on CUDA, else 256",
+    )
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
     p.add_argument("--top", type=int, default=15, help="operators listed in the report")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
         "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
     )
-    p.add_argument("--out", type=Path, help="a folder for serve_profile_<device>.md and .json")
+    p.add_argument("--out", type=directory_argument, help="a folder for serve_profile_<device>.md and .json")
     args = p.parse_args(argv)
-    if args.prefill < 1 or args.steps < 1 or min(args.streams) < 1:
-        p.error("--prefill, --steps and every --streams value must be at least 1")
+    if min(args.streams) < 1:
+        p.error("every --streams value must be at least 1")
     cuda = args.device.startswith("cuda")
-    args.block_size = args.block_size or (512 if cuda else 16)
-    args.long_prefill_token_threshold = args.long_prefill_token_threshold or (8192 if cuda else 256)
-    args.max_num_batched_tokens = args.max_num_batched_tokens or (8192 + max(args.streams) if cuda else 512)
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    args.pool_mib = args.pool_mib or (8192.0 if cuda else 256.0)
+    defaults = {
+        "block_size": 512 if cuda else 16,
+        "long_prefill_token_threshold": 8192 if cuda else 256,
+        "max_num_batched_tokens": 8192 + max(args.streams) if cuda else 512,
+        "dtype": "bfloat16" if cuda else "float32",
+        "pool_mib": 8192.0 if cuda else 256.0,
+    }
+    for name, value in defaults.items():  # only when not given: a given 0 is checked, not replaced
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    counts = ("prefill", "steps", "top", "block_size", "max_num_batched_tokens")
+    check_engine_args(p, args, (*counts, "long_prefill_token_threshold"))
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    limit = openk3.config.text_config_of(openk3.get_preset(args.preset)).max_position_embeddings
+    if prefill_model_len(args) > limit:
+        p.error(
+            f"--prefill {args.prefill} is too long for {args.preset} (max_position_embeddings {limit}, the "
+            f"prompt and its token need --prefill + 2): give at most {limit - 2}"
+        )
+    if decode_model_len(args) > limit:
+        p.error(f"--steps {args.steps}: the decode streams would outgrow {args.preset}'s {limit} positions")
+    if args.out is not None and (problem := out_dir_problem(args.out)):
+        p.error(problem)
     return args
 
 
 def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
     cache = CacheConfig(
-        block_size=args.block_size,
-        pool_mib=args.pool_mib,
-        checkpoint_interval=max(1, args.long_prefill_token_threshold // args.block_size),
+        block_size=args.block_size, pool_mib=args.pool_mib, checkpoint_interval=checkpoint_interval(args)
     )
+    # the budget must exceed max_num_seqs: a full decode batch leaves room for a prefill
     sched = SchedulerConfig(
-        max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs),
+        max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs + 1),
         max_num_seqs=num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=max_model_len,
@@ -167,7 +211,7 @@ def profiled_step(engine: LLMEngine, device: str, activities, keep: list) -> dic
 def profile_prefill(model, args, tokens, activities, keep: list) -> list[dict]:
     """Every step of one ``--prefill``-token prompt's prefill under the profiler (profiles appended to
     ``keep``)."""
-    engine = make_engine(model, args, args.prefill + 2, 1)
+    engine = make_engine(model, args, prefill_model_len(args), 1)
     request = Request("prefill", tokens(args.prefill), SamplingParams(max_tokens=1))
     engine.add_request(request)
     steps: list[dict] = []
@@ -182,7 +226,7 @@ def profile_prefill(model, args, tokens, activities, keep: list) -> list[dict]:
 def profile_decode(model, args, tokens, n: int, activities, keep: list) -> tuple[list[dict], float]:
     """``--steps`` profiled decode steps of ``n`` streams, then the median wall time in ms of ``--steps`` more
     run without the profiler."""
-    engine = make_engine(model, args, PROMPT + WARM_DECODE_STEPS + 2 * args.steps + 3, n)
+    engine = make_engine(model, args, decode_model_len(args), n)
     max_tokens = WARM_DECODE_STEPS + 2 * args.steps + 2
     reqs = [Request(f"s{i}", tokens(PROMPT), SamplingParams(max_tokens=max_tokens)) for i in range(n)]
     for r in reqs:

@@ -69,6 +69,16 @@ def test_generate_rejects_bad_sampling_before_loading(tmp_path, capsys, flag, va
     )
 
 
+def test_generate_refuses_speculative_tokens_without_a_draft(tmp_path, capsys):
+    """The flag would be ignored (the server refuses the same request with a 400): one line names both flags,
+    before the checkpoint is looked for."""
+    args = ["generate", "--ckpt", str(tmp_path / "no-ckpt"), "--prompt", "x", "--speculative-tokens", "3"]
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        "openk3: error: --speculative-tokens needs --draft (the draft folder that proposes the tokens)\n"
+    )
+
+
 @pytest.mark.parametrize("kwargs", [{"temperature": math.inf}, {"temperature": math.nan}, {"top_p": 0.0}])
 def test_generate_library_rejects_bad_sampling(kwargs):
     ids = torch.zeros(1, 1, dtype=torch.long)

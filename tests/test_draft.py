@@ -326,6 +326,8 @@ def test_train_draft_and_eval_draft_commands(tmp_path, capsys):
     plain = capsys.readouterr().out
     assert main([*gen, "--draft", str(run / "draft-lk"), "--speculative-tokens", "4"]) == 0
     assert capsys.readouterr().out == plain  # greedy: the same text
+    assert main([*gen, "--draft", str(run / "draft-lk")]) == 0  # DEFAULT_SPECULATIVE_TOKENS
+    assert capsys.readouterr().out == plain
     # a draft for another target: one line, exit code 2
     (tmp_path / "o").mkdir()
     other = _run_folder(tmp_path / "o", vocab_model=384)

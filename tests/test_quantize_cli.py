@@ -117,3 +117,22 @@ def test_an_interrupted_quantize_leaves_no_folder(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(io, "save_file", interrupted)
     assert main(["quantize", "--ckpt", str(src), "--out", str(tmp_path / "packed")]) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_quantize_refuses_an_out_where_no_folder_can_be_made(tmp_path, capsys, monkeypatch):
+    """``--out /proc/q`` (nothing can be made in ``/proc``, not even by root) or a path through a file: one line
+    names ``--out``'s path, not the temporary folder the write would have used, before the model loads."""
+    import openk3.checkpoint
+
+    src = tmp_path / "src"
+    openk3.save_pretrained(openk3.build_model(k3_shaped(4, vocab_size=VOCAB), seed=0), src, tokenizer=None)
+    monkeypatch.setattr(openk3.checkpoint, "from_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+    for out, says in [
+        ("/proc/q", "/proc is not writable"),
+        (str(src / "config.json" / "q"), f"{src / 'config.json'} exists and is not a directory"),
+    ]:
+        assert main(["quantize", "--ckpt", str(src), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"openk3: error: --out {out}: {says}") and err.count("\n") == 1, err
+        assert ".tmp-" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -252,7 +252,6 @@ BAD = [
     ("/v1/completions", b"[1, 2]", "invalid_json"),
     ("/v1/completions", json.dumps({"prompt": "hi"}).encode(), "model"),
     ("/v1/completions", json.dumps({"model": MODEL}).encode(), "prompt"),
-    ("/v1/completions", json.dumps({"model": "gpt-nope", "prompt": "hi"}).encode(), "model"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": [5] * (MAX_MODEL_LEN + 1)}).encode(), "prompt"),
     (
@@ -296,13 +295,30 @@ BAD = [
     ),
     (
         "/v1/chat/completions",
-        json.dumps({"model": MODEL, "messages": [{"role": "user"}], "n": 9}).encode(),
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9}).encode(),
         "n",
     ),
     (
         "/v1/chat/completions",
         json.dumps({"model": MODEL, "messages": [{"content": "x"}]}).encode(),
         "messages.0.role",
+    ),
+    *(  # null content: OpenAI allows it only for an assistant turn that calls tools, which this server has not
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": MODEL, "messages": [*before, {"role": role, "content": None}]}).encode(),
+            f"messages.{len(before)}.content",
+        )
+        for role, before in [
+            ("user", []),
+            ("system", []),
+            ("assistant", [{"role": "user", "content": "hi"}]),
+        ]
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "user"}]}).encode(),
+        "messages.0.content",
     ),
 ]
 
@@ -690,12 +706,23 @@ def test_no_op_values_of_unsupported_fields_are_accepted(client):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
-def test_unknown_model_is_400_model_not_found_naming_the_served_model(server):
-    status, data = _post_json(server, "/v1/completions", {"model": "gpt-nope", "prompt": "hi"})
-    assert status == 400  # issue #5: unknown model → 400 (OpenAI itself answers 404)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_model_is_404_model_not_found_naming_the_served_model(server, path):
+    """OpenAI's answer to a model it does not serve: 404 and ``code: "model_not_found"``."""
+    body = {"model": "gpt-nope", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    status, data = _post_json(server, path, body)
+    assert status == 404, data
     err = data["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert "'gpt-nope'" in err["message"] and repr(MODEL) in err["message"]
+
+
+def test_null_content_names_the_field(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": None}]}
+    status, data = _post_json(server, "/v1/chat/completions", body)
+    assert status == 400 and data["error"]["code"] == "invalid_value", data
+    assert data["error"]["message"].startswith("messages.0.content: content must be a string or a list"), data
 
 
 def test_cli_port_is_validated(capsys):
@@ -711,6 +738,32 @@ def test_cli_port_is_validated(capsys):
         assert e.value.code == 2 and "invalid port" in capsys.readouterr().err
     assert parser.parse_args(["serve", "--ckpt", "x", "--port", "0"]).port == 0
     assert parser.parse_args(["serve", "--ckpt", "x", "--port", "65535"]).port == 65535
+
+
+def test_cli_refuses_speculative_tokens_without_a_draft(tmp_path, capsys):
+    """As ``openk3 generate`` does, and as a request's ``num_speculative_tokens`` is refused: not ignored."""
+    from openk3.cli import main
+
+    assert main(["serve", "--ckpt", str(tmp_path / "no-ckpt"), "--speculative-tokens", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "openk3: error: --speculative-tokens needs --draft (the draft folder that proposes the tokens)\n"
+    )
+
+
+def test_serving_doc_states_the_default_max_model_len():
+    """``docs/serving.md`` gives ``--max-model-len``'s default, the one the flag and the config have."""
+    import argparse
+    from pathlib import Path
+
+    from openk3.serve.cli import add_serve_parser
+    from openk3.serve.config import SchedulerConfig
+
+    default = SchedulerConfig().max_model_len
+    parser = argparse.ArgumentParser(prog="openk3")
+    add_serve_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve", "--ckpt", "x"]).max_model_len == default
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text().split())
+    assert f"at most `--max-model-len` tokens (default {default:,}" in doc
 
 
 def test_shutdown_ends_open_streams_at_once(ckpt, monkeypatch):

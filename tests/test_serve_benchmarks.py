@@ -29,7 +29,9 @@ def serve_bench(monkeypatch):
     return importlib.import_module("serve")
 
 
-def test_serve_limits_of_k3_small(serve_bench):
+def test_serve_limits_of_k3_small(serve_bench, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA defaults, on any machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = serve_bench.parse_args(["--device", "cuda", "--preset", "k3-small", "--prefix", "32768"])
     assert args.dtype == "bfloat16" and args.long_prefill_token_threshold == 8192
     assert serve_bench.checkpoint_interval(args) == 8192 // 16  # checkpoints never cut a chunk
@@ -49,10 +51,73 @@ def test_serve_refuses_bad_arguments(serve_bench, capsys):
     assert stop.value.code == 2 and "--prefix must be at least 1" in capsys.readouterr().err
 
 
-def test_bad_arguments_are_refused(serve_profile, capsys):
+def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_bench, capsys, monkeypatch):
+    """0 is not read as the default chunk (the engine's ``SchedulerConfig`` refuses it too); ``--out`` (a
+    folder, or a ``.md`` file whose folder is made) is checked before the first preset runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args, says in [
+        (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be at least 1, got 0"),
+        (["--device", "cuda"], "--device cuda: no CUDA device is available"),
+        (["--preset", "k3-tiny", "nope"], "argument --preset: invalid choice: 'nope'"),
+        (["--out", "/proc/q"], "--out /proc/q: /proc is not writable"),
+        (["--out", "/proc/r.md"], "--out /proc/r.md: its folder /proc: /proc is not writable"),
+        (["--out", str(ROOT / "docs")], None),  # a folder: accepted
+        (["--out", str(ROOT / "README.md" / "r.md")], "README.md exists and is not a directory"),
+    ]:
+        if says is None:
+            assert serve_bench.parse_args(args).out == ROOT / "docs"
+            continue
+        with pytest.raises(SystemExit) as stop:
+            serve_bench.parse_args(args)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--streams", "0"], "every --streams value must be at least 1"),
+        (["--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+        (["--device", "cuda"], "--device cuda: no CUDA device is available"),
+        (["--device", "tpu"], "--device tpu: give cpu, cuda or cuda:N"),
+        (
+            ["--long-prefill-token-threshold", "-8"],
+            "--long-prefill-token-threshold must be at least 1, got -8",
+        ),
+        (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be at least 1, got 0"),
+        (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+        (["--pool-mib", "0"], "--pool-mib must be a number of MiB > 0, got 0"),
+        (["--prefill", "65535"], "--prefill 65535 is too long for k3-tiny (max_position_embeddings 65536"),
+        (["--steps", "40000"], "--steps 40000: the decode streams would outgrow k3-tiny's 65536 positions"),
+        (["--out", "/proc/q"], "--out /proc/q: /proc is not writable"),
+        (["--out", str(ROOT / "pyproject.toml")], "pyproject.toml exists and is not a directory"),
+        (["--out", ""], "give a directory name"),
+    ],
+)
+def test_bad_arguments_are_refused(serve_profile, capsys, monkeypatch, args, says):
+    """One line and exit status 2 from argparse, never a traceback, whether or not a GPU is present."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
-        serve_profile.parse_args(["--streams", "0"])
-    assert stop.value.code == 2 and "every --streams value must be at least 1" in capsys.readouterr().err
+        serve_profile.parse_args(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and says in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_an_unwritable_out_is_refused_before_the_profile(serve_profile, capsys, monkeypatch):
+    monkeypatch.setattr(openk3, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(SystemExit) as stop:
+        serve_profile.main(["--prefill", "16", "--streams", "1", "--out", "/proc/q"])
+    assert stop.value.code == 2 and "--out /proc/q: /proc is not writable" in capsys.readouterr().err
+
+
+def test_given_sizes_are_kept_and_defaults_fill_the_rest(serve_profile):
+    """A given chunk is kept, the others take their CPU defaults; 600 streams get a step budget above 600
+    (the engine's config refuses a budget that a full decode batch uses up)."""
+    args = serve_profile.parse_args(["--long-prefill-token-threshold", "64", "--streams", "1", "600"])
+    assert (args.long_prefill_token_threshold, args.block_size, args.max_num_batched_tokens) == (64, 16, 512)
+    model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=512), seed=0).eval()
+    engine = serve_profile.make_engine(model, args, serve_profile.decode_model_len(args), 600)
+    assert engine.scheduler.config.max_num_batched_tokens == 601
 
 
 def test_profiled_decode_steps(serve_profile):

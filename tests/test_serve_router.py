@@ -129,8 +129,10 @@ def test_all_workers_down_is_503_with_retry_after():
         assert r.json()["error"]["code"] == "no_worker_available"
         assert httpx.get(srv.base_url + "/health").status_code == 503
         assert "openk3:router_unavailable_total 1.0" in httpx.get(srv.base_url + "/metrics").text
-        bad = httpx.post(srv.base_url + "/v1/completions", content=b"{nope", timeout=10)
-        assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+        for raw in (b"{nope", b"[1, 2]"):  # answered by the router, with the server's code
+            bad = httpx.post(srv.base_url + "/v1/completions", content=raw, timeout=10)
+            err = bad.json()["error"]
+            assert bad.status_code == 400 and "JSON" in err["message"] and err["code"] == "invalid_json", err
 
 
 COMPLETION = {
@@ -192,6 +194,24 @@ def test_a_worker_answering_garbage_is_taken_out_and_the_request_served_elsewher
         good = r.headers["x-openk3-worker"]
         assert f'openk3:router_cached_tokens_total{{worker="{good}"}} 8.0' in metrics
         assert f'openk3:router_prefix_cache_hit_rate{{worker="{good}"}} 0.8' in metrics
+
+
+def test_a_worker_404_for_an_unknown_model_reaches_the_client_and_keeps_the_worker():
+    """The server's 404 ``model_not_found`` is the client's mistake: passed through, no retry elsewhere."""
+    error = {"error": {"message": "The model 'x' does not exist", "type": "invalid_request_error"}}
+    error["error"].update(param="model", code="model_not_found")
+    asked = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        asked.append(request.url.port)
+        return httpx.Response(404, json=error)
+
+    with BackgroundServer(build_router_app(RouterConfig(workers=W), httpx.MockTransport(handle))) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions", json={"model": "x", "prompt": "hi"}, timeout=10)
+        assert r.status_code == 404 and r.json() == error and len(asked) == 1
+        assert all(w["up"] for w in httpx.get(srv.base_url + "/workers").json()["workers"])
 
 
 def test_workers_can_be_added_and_removed_at_run_time():

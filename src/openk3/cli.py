@@ -403,9 +403,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.config import text_config_of
     from openk3.data import Tokenizer
     from openk3.serve.chat_template import ChatTemplate
+    from openk3.serve.cli import speculative_tokens_of
 
     # the sampling flags were checked by their argparse types; the prompt and its length are checked before
     # the (slow) model load
+    num_speculative_tokens = speculative_tokens_of(args)
     prompt = _read_prompt(args)
     if not prompt and not args.image:
         raise ValueError("the prompt is empty (give --prompt, or --image for a prompt of an image alone)")
@@ -428,7 +430,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.draft:
         from openk3.model.draft import load_draft
 
-        draft = (load_draft(args.draft, model), args.speculative_tokens)
+        draft = (load_draft(args.draft, model), num_speculative_tokens)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples} ---")
@@ -852,12 +854,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: a random one)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
-    from openk3.serve.cli import speculative_tokens_arg
+    from openk3.serve.cli import DEFAULT_SPECULATIVE_TOKENS, speculative_tokens_arg
 
     gen.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
     gen.add_argument(
-        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg, default=3,
-        help="drafted tokens per target forward with --draft (at most 16)",
+        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg,
+        help=f"drafted tokens per target forward with --draft (at most 16; default {DEFAULT_SPECULATIVE_TOKENS})",
     )  # fmt: skip
     gen.set_defaults(func=cmd_generate)
 

@@ -1,9 +1,11 @@
 """The output folder of a command that writes a model or a draft (``openk3 quantize --out``,
-``openk3 train-draft --out``): refused when it already holds something, written whole or not at all.
+``openk3 train-draft --out``): refused when it already holds something or cannot be made, written whole or not
+at all.
 
 :func:`check_new_folder` runs before any slow work and raises ``FileExistsError`` naming the path and what
 it holds (a checkpoint, a training run, a draft, other files), so a command never writes over a run's
-``final`` export, a checkpoint or a folder of one's own. :func:`folder_written_whole` is the write itself:
+``final`` export, a checkpoint or a folder of one's own; and ``ValueError`` naming the path when no folder can
+be made there (:func:`out_dir_problem`, which the benchmarks' ``--out`` checks use too). :func:`folder_written_whole` is the write itself:
 the command fills a temporary sibling folder (``.tmp-NAME-XXXX`` beside ``NAME``) and it is renamed into
 place only when everything is written, so an interrupted write (Ctrl-C, a crash, a full disk) leaves the
 folder absent (or, when replacing, as it was) and removes the temporary one.
@@ -30,20 +32,42 @@ def _what_it_holds(path: Path) -> str:
     return f"files ({shown})"
 
 
+def out_dir_problem(path: str | os.PathLike, flag: str = "--out") -> str | None:
+    """Why no folder can be made (or written into) at ``path``, given by the option ``flag``, or ``None``:
+    ``"--out P: Q exists and is not a directory"``, ``"--out P: Q is not writable (reason)"`` for the nearest
+    part ``Q`` of ``P`` that exists, or the OS's reason for refusing the name (``File name too long``).
+    ``Q`` is probed by making and removing an empty folder in it: ``os.access`` tells root that ``/proc`` is
+    writable. Nothing is left behind, and nothing raises."""
+    path = Path(path)
+    try:
+        for part in (path, *path.parents):
+            if part.exists():
+                if not part.is_dir():
+                    return f"{flag} {path}: {part} exists and is not a directory"
+                try:
+                    os.rmdir(tempfile.mkdtemp(prefix=".openk3-probe-", dir=part))
+                except OSError as err:
+                    return f"{flag} {path}: {part} is not writable ({err.strerror or err})"
+                return None
+    except OSError as err:
+        return f"{flag} {path}: {err.strerror or err}"
+    return None
+
+
 def check_new_folder(path: str | os.PathLike, flag: str = "--out") -> None:
     """Raise ``FileExistsError`` unless ``path`` is absent or an empty folder: ``"--out P already exists and
-    holds a checkpoint (config.json); refusing to overwrite it: choose a new folder (or delete P first)"``.
-    ``flag`` names the option that gave ``path``."""
+    holds a checkpoint (config.json); refusing to overwrite it: choose a new folder (or delete P first)"``;
+    then ``ValueError`` with :func:`out_dir_problem`'s line when no folder can be made at ``path``. ``flag``
+    names the option that gave ``path``."""
     path = Path(path)
-    if not path.exists() and not path.is_symlink():
-        return
-    if path.is_dir() and not any(path.iterdir()):
-        return
-    held = _what_it_holds(path) if path.is_dir() else "a file"
-    raise FileExistsError(
-        f"{flag} {path} already exists and holds {held}; refusing to overwrite it: choose a new folder "
-        f"(or delete {path} first)"
-    )
+    if (path.exists() or path.is_symlink()) and not (path.is_dir() and not any(path.iterdir())):
+        held = _what_it_holds(path) if path.is_dir() else "a file"
+        raise FileExistsError(
+            f"{flag} {path} already exists and holds {held}; refusing to overwrite it: choose a new folder "
+            f"(or delete {path} first)"
+        )
+    if problem := out_dir_problem(path, flag):
+        raise ValueError(problem)
 
 
 @contextlib.contextmanager

@@ -44,7 +44,8 @@ def check_out_folder(ckpt: Path, out: str | os.PathLike) -> None:
     run's ``checkpoints`` folder (one holding ``latest``, or beside the run's ``train_config.json`` /
     ``metrics.jsonl``): packing would replace a run's dense experts in place, text and vision runs alike.
     Raise ``FileExistsError`` when ``out`` holds anything else (a run's ``final`` export, another checkpoint,
-    files): :func:`openk3.checkpoint.out_folder.check_new_folder`."""
+    files), and ``ValueError`` naming ``out`` when no folder can be made there (``/proc/q``, a path through a
+    file): :func:`openk3.checkpoint.out_folder.check_new_folder`."""
     from openk3.checkpoint.out_folder import check_new_folder
 
     target = Path(os.path.realpath(out))

@@ -2,14 +2,13 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus text format). Malformed JSON, a body that is not an object and every
-validation failure answer 400 with ``{"error": {message, type, param, code}}``; unknown routes 404 and
-unexpected exceptions 500 in the same shape.
+validation failure answer 400 with ``{"error": {message, type, param, code}}``; a model this server does not
+serve (``code: "model_not_found"``) and unknown routes 404, unexpected exceptions 500 in the same shape.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 
@@ -21,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.serve.metrics import CONTENT_TYPE
 from openk3.serve.openai_serving import OpenAIServing
-from openk3.serve.protocol import APIError
+from openk3.serve.protocol import APIError, json_object
 
 logger = logging.getLogger("openk3.serve")
 
@@ -33,16 +32,7 @@ def _error(status: int, message: str, type: str, param=None, code=None, headers=
 
 
 async def _json_body(http: HTTPRequest) -> dict:
-    raw = await http.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(
-            400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
-        ) from e
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
-    return body
+    return json_object(await http.body())
 
 
 def build_app(serving: OpenAIServing) -> FastAPI:

@@ -72,7 +72,24 @@ def speculative_tokens_arg(text: str) -> int:
     return value
 
 
+DEFAULT_SPECULATIVE_TOKENS = 3
+"""Drafted tokens per step with ``--draft`` when ``--speculative-tokens`` is not given (``openk3 serve`` and
+``openk3 generate``; the flag has no argparse default, so that without ``--draft`` it can be refused)."""
+
+
+def speculative_tokens_of(args: argparse.Namespace) -> int:
+    """``--speculative-tokens`` of ``openk3 serve`` / ``openk3 generate``, or :data:`DEFAULT_SPECULATIVE_TOKENS`
+    when not given; raises ``ValueError`` naming both flags when it is given without ``--draft`` (it would be
+    ignored)."""
+    if args.speculative_tokens is None:
+        return DEFAULT_SPECULATIVE_TOKENS
+    if not args.draft:
+        raise ValueError("--speculative-tokens needs --draft (the draft folder that proposes the tokens)")
+    return args.speculative_tokens
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    num_speculative_tokens = speculative_tokens_of(args)
     check_server_modules()
     import torch
 
@@ -105,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=dtype,
         draft=args.draft,
-        num_speculative_tokens=args.speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens,
         allowed_local_media_path=args.allowed_local_media_path,
     )
     return 0
@@ -130,8 +147,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--draft", help="speculative decoding with this draft folder (openk3 train-draft)")
     p.add_argument(
-        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg, default=3,
-        help="drafted tokens per step with --draft (a request's num_speculative_tokens overrides it)",
+        "--speculative-tokens", dest="speculative_tokens", type=speculative_tokens_arg,
+        help=f"drafted tokens per step with --draft, at most 16 (default {DEFAULT_SPECULATIVE_TOKENS}; a "
+        "request's num_speculative_tokens overrides it)",
     )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default float32)")
     p.add_argument(

@@ -160,8 +160,8 @@ class OpenAIServing:
     # ---- validation and submission ---------------------------------------------------------------------
     def _check_common(self, req) -> None:
         if req.model != self.config.model_name:
-            raise APIError(
-                400,
+            raise APIError(  # OpenAI's status and code for a model it does not serve
+                404,
                 f"The model {req.model!r} does not exist; this server serves {self.config.model_name!r}",
                 param="model",
                 code="model_not_found",

@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies (pydantic) and the error object (``docs/references.md#openai-api``).
 
-Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 429 (queue
-full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement
+Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 404 (a model
+the server does not serve), 429 (queue full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement
 (``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` other than ``n``,
 ``response_format`` other than text, tools) are refused with 400 naming the field when they ask for
 something other than the no-op default, rather than silently ignored; unknown extra fields are ignored, as
@@ -12,6 +12,7 @@ valid Unicode (JSON can carry a lone surrogate such as ``"\\ud800"``, which no t
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -43,6 +44,20 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def json_object(raw: bytes) -> dict:
+    """A request body parsed as a JSON object; raises the 400 :class:`APIError` with ``code: "invalid_json"``
+    for malformed JSON and for JSON that is not an object (the server and the router answer alike)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(
+            400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
+        ) from e
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object", code="invalid_json")
+    return body
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -242,7 +257,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart]
+    """Required for every role: ``null`` (OpenAI's assistant turn that only calls tools) is refused, since
+    this server has no tool calls."""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _not_null(cls, v):
+        if v is None:
+            raise ValueError(
+                "content must be a string or a list of content parts, not null (this server has no tool "
+                "calls, so every message needs content)"
+            )
+        return v
 
     @field_validator("content")
     @classmethod
@@ -253,7 +280,7 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content if isinstance(p, TextPart))
-        return self.content or ""
+        return self.content
 
     @property
     def image_urls(self) -> list[str]:

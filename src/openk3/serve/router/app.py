@@ -20,6 +20,9 @@ Faults, before the first byte reaches the client (after it, a stream that breaks
   client gets the last refusal as it was;
 * no worker up: 503 with ``Retry-After`` (seconds to the next probe) and an OpenAI error object.
 
+A body that is not a JSON object is answered here, 400 with ``code: "invalid_json"`` as a worker answers it;
+a worker's other 4xx (a bad field: 400, a model it does not serve: 404) reaches the client as it was.
+
 A client that disconnects cancels the worker request: the router closes its connection to the worker,
 which aborts the request and frees its blocks.
 """
@@ -40,7 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.serve.metrics import CONTENT_TYPE
-from openk3.serve.protocol import APIError
+from openk3.serve.protocol import APIError, json_object
 from openk3.serve.router.config import RouterConfig, normalize_worker_url
 from openk3.serve.router.policy import Decision, RoutingPolicy, WorkerState
 from openk3.serve.router.prefix_index import prompt_blocks
@@ -146,14 +149,7 @@ class Router:
     async def forward(self, path: str, http: HTTPRequest) -> Response:
         """Route one completions or chat request (see the module docstring)."""
         raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(
-                400, f"We could not parse the JSON body of your request: {e}", "invalid_request_error"
-            )
-        if not isinstance(body, dict):
-            return _error(400, "The request body must be a JSON object", "invalid_request_error")
+        body = json_object(raw)  # a 400 with code invalid_json, as the server's own
         session = http.headers.get("x-session-id") or (
             body["user"] if isinstance(body.get("user"), str) else None
         )
