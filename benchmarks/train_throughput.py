@@ -239,7 +239,9 @@ def planned_row(name: str, config, args, device, budget: int, compile: bool) -> 
     """Plan, build, compile and time ``config`` at the global batch; returns the row and (model, optimizer,
     balancer, batches, micro-batch) for the profile."""
     text = text_config_of(config)
-    plan = plan_memory(config, args.batch_size, args.seq_len, budget, device.type, name=name)
+    plan = plan_memory(
+        config, args.batch_size, args.seq_len, budget, device.type, name=name, compiled=compile
+    )
     counts = closed_form_counts(text)
     model = openk3.build_model(config, device=device, seed=0)
     wrap_decoder_layers(model, plan.checkpointing, compile)

@@ -122,5 +122,5 @@ def plan(config, dims: ParallelDims, tokens_per_gpu: int) -> Budget:
 
 def _activations(config, tokens: int, checkpointing: str) -> int:
     """Bytes of one micro-batch's activations and loss on a GPU (bf16 autocast) at ``tokens`` tokens."""
-    est = estimate_memory(config, 1, tokens, checkpointing, "cuda", params=0)
+    est = estimate_memory(config, 1, tokens, checkpointing, "cuda", params=(0, 0))
     return est.activations + est.head

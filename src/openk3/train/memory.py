@@ -2,7 +2,8 @@
 
 The estimate, in bytes, for bf16 autocast with fp32 master weights (CUDA) or fp32 (CPU)::
 
-    fixed       = params · (4 weights + 4 grads + 8 optimizer + 2 bf16 casts on CUDA) + workspace
+    fixed       = params · (4 weights + 4 grads + 2 bf16 casts on CUDA) + optimizer + workspace
+    optimizer   = 4 · Muon params (momentum)  +  8 · AdamW params (two moments)
     activations = micro_batch · seq_len · Σ_layers a_layer(mode)     (bytes per token of each layer)
     head        = min(tokens, CHUNK_TOKENS) · V · 12  +  tokens · D · 8          (chunked LM-head loss)
 
@@ -16,7 +17,11 @@ per token, and the shared expert's. It is an estimate with a 25% margin, not a m
 Checkpointing per decoder layer (:mod:`openk3.train.checkpointing`): ``full`` keeps each layer's input
 (``D`` fp32 per token) and recomputes one layer at a time in the backward (one layer's activations on top);
 ``selective`` keeps the matmul and KDA outputs (:data:`SELECTIVE_FRACTION` of a layer's bytes) and
-recomputes norms, activations and elementwise work.
+recomputes norms, activations and elementwise work. A compiled layer (``compiled``, the default on CUDA)
+without checkpointing keeps about that same share: Inductor's partitioner saves the matmul and kernel outputs
+for the backward and recomputes the pointwise work that its fused kernels produced from them, so its
+``none`` is counted as :data:`SELECTIVE_FRACTION` of the eager bytes (on an H200, ``k3-1b`` at 4 and 8 ×
+2048 tokens, this estimate is about 10% above ``torch.cuda.max_memory_allocated``).
 
 Legend: ``D`` width, ``V`` vocabulary, ``P = H·K`` KDA width, ``E`` experts, ``k`` experts per token,
 ``F`` expert width, ``L`` expert input width.
@@ -96,27 +101,40 @@ class MemoryEstimate:
         )
 
 
-def count_params(config) -> int:
-    """Parameters of the model of ``config`` (a meta-device build)."""
+def optimizer_params(config) -> tuple[int, int]:
+    """``(Muon parameters, AdamW parameters)`` of the model of ``config`` as :func:`~openk3.train.optim.
+    build_optimizer` splits them (a meta-device build): Muon keeps one momentum per weight, AdamW two."""
     from openk3.model import build_model
+    from openk3.train.optim import partition_parameters
 
-    return sum(p.numel() for p in build_model(config, device="meta").parameters())
+    model = build_model(config, device="meta")
+    sizes = dict((n, p.numel()) for n, p in model.named_parameters())
+    adamw = sum(sizes[r.name] for r in partition_parameters(model) if r.kind == "adamw")
+    return sum(sizes.values()) - adamw, adamw
 
 
 def estimate_memory(
-    config, micro_batch: int, seq_len: int, checkpointing: str, device: str, params: int | None = None
+    config,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: str,
+    device: str,
+    params: tuple[int, int] | None = None,
+    compiled: bool = False,
 ) -> MemoryEstimate:
     """:class:`MemoryEstimate` of one step at ``micro_batch × seq_len`` tokens per forward on ``device``
-    (``"cuda"``: bf16 autocast; ``"cpu"``: fp32). ``checkpointing`` is one of :data:`MODES`."""
+    (``"cuda"``: bf16 autocast; ``"cpu"``: fp32). ``checkpointing`` is one of :data:`MODES`; ``params`` is
+    :func:`optimizer_params`' ``(Muon, AdamW)`` counts (computed when ``None``); ``compiled``: the decoder
+    layers run through ``torch.compile`` (see the module docstring)."""
     if checkpointing not in MODES:
         raise ValueError(f"checkpointing={checkpointing!r}: use one of {', '.join(MODES)}")
     text = text_config_of(config)
-    params = count_params(config) if params is None else params
+    muon, adamw = optimizer_params(config) if params is None else params
     cuda = device == "cuda"
     act = 2 if cuda else 4
     per_layer = [layer_bytes_per_token(text, i, act) for i in range(text.num_hidden_layers)]
     if checkpointing == "none":
-        per_token = sum(per_layer)
+        per_token = (SELECTIVE_FRACTION if compiled else 1) * sum(per_layer)
     elif checkpointing == "selective":
         per_token = SELECTIVE_FRACTION * sum(per_layer) + max(per_layer)
     else:
@@ -124,8 +142,8 @@ def estimate_memory(
     tokens = micro_batch * seq_len
     D, V = text.hidden_size, text.vocab_size
     return MemoryEstimate(
-        params=params,
-        state=params * (4 + 4 + 8 + (2 if cuda else 0)),
+        params=muon + adamw,
+        state=(muon + adamw) * (4 + 4 + (2 if cuda else 0)) + 4 * muon + 8 * adamw,
         activations=int(MARGIN * per_token * tokens) + tokens * 4 * D,  # + the embedding output
         head=min(tokens, CHUNK_TOKENS) * V * 12 + tokens * D * 8,
         workspace=WORKSPACE if cuda else 0,
@@ -156,9 +174,10 @@ def plan_memory(
     micro_batch: int | None = None,
     checkpointing: str = "auto",
     name: str = "the model",
+    compiled: bool = False,
 ) -> MemoryPlan:
     """The micro-batch (a divisor of ``global_batch``) and checkpointing mode whose estimate fits ``budget``
-    bytes.
+    bytes (``compiled``: the decoder layers run through ``torch.compile``).
 
     ``micro_batch=None`` picks the largest that fits; ``checkpointing="auto"`` takes the first of
     :data:`MODES` whose largest fitting micro-batch holds at least :data:`MIN_MICRO_TOKENS` tokens (or the
@@ -174,10 +193,10 @@ def plan_memory(
             f"{', '.join(map(str, _divisors(global_batch)))}"
         )
     modes = MODES if checkpointing == "auto" else (checkpointing,)
-    params = count_params(config)
+    params = optimizer_params(config)
 
     def est(mb: int, mode: str) -> MemoryEstimate:
-        return estimate_memory(config, mb, seq_len, mode, device, params)
+        return estimate_memory(config, mb, seq_len, mode, device, params, compiled)
 
     def best(mode: str) -> int | None:
         fits = [d for d in _divisors(global_batch) if est(d, mode).total <= budget]

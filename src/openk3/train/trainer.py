@@ -496,9 +496,10 @@ def check_memory(model_config, config: TrainConfig) -> MemoryPlan:
     mode = config.activation_checkpointing
     mode = "none" if mode == "auto" and not cuda else mode
     budget = int(0.9 * total) if total is not None else 2**62
+    compiled = config.compile if config.compile is not None else cuda
     return plan_memory(
         model_config, config.batch_size * config.grad_accum, seq_len, budget, config.device, micro, mode,
-        name=config.preset,
+        name=config.preset, compiled=compiled,
     )  # fmt: skip
 
 
