@@ -191,7 +191,7 @@ def test_compiled_step_equals_eager_step(monkeypatch, backend):
     (fp32, three streams and one padding row), at its own ``N`` and at ``2N`` (the same rows, their tables
     padded with null block 0), which run the one graph compiled for the first (``N`` symbolic):
     ``aot_eager`` (dynamo's graph through AOT autograd, run as aten ops) and ``inductor`` (its C++ kernels
-    here, 30–60 s of compilation on a 2-core CPU) give the same tokens, and the KDA states and conv windows,
+    here, about a minute of compilation on a 2-core CPU) give the same tokens, and the KDA states and conv windows,
     the written latents and the rest of the pool within fp32 rounding, not bitwise: traced fp32 experts take
     the gathered ``bmm`` instead of CPU ``grouped_mm`` (whose fake implementation takes bf16 only), and
     Inductor fuses the norms' and softmaxes' reductions and sums them in another order; after four layers
