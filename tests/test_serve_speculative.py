@@ -323,35 +323,77 @@ def _step_tensors(eng, step, states):
 def test_compiled_step_equals_the_eager_step(pair, monkeypatch, backend):
     """The speculative step compiled as captured on CUDA (:meth:`~StaticDecode.compiled`: its ``sample``
     through ``torch.compile``, then the pool write) against the eager step from the same inputs, states,
-    pool and draft buffers (fp64, three streams and one padding row): ``aot_eager`` (dynamo's one graph
+    pool and draft buffers (fp64, three streams and one padding row), at its own ``N`` and at ``2N`` (the
+    same rows: tables padded with null block 0, the draft cache's positions past its ``S = N·bs`` zero),
+    which runs the one graph compiled for the first (``N`` and ``S`` symbolic): ``aot_eager`` (dynamo's graph
     through AOT autograd) and ``inductor`` (its C++ kernels) give the same kept counts and tokens, and the
     KDA states, conv windows, pool and draft buffers within rounding (fused reductions sum in another
     order)."""
+    from torch._dynamo.utils import counters
+
     from openk3.serve.decode_graph import compile_settings
 
     eng, step, states, before = _three_stream_step(pair)
-    tensors = _step_tensors(eng, step, states)
+    wide = eng.runner.speculative.graphs.step_for(step.B, step.T, 2 * step.N)
+    S = step.past_BSW.shape[1]
 
-    def run_with(fn):
-        for t, b in zip(tensors, before):
+    def run_with(s, fn):
+        for t, b in zip(_step_tensors(eng, step, states), before):
             t.copy_(b)
+        if s is wide:  # the same rows in the wider step's buffers
+            s.table_BN.copy_(torch.cat([step.table_BN, torch.zeros_like(step.table_BN)], 1))
+            s.past_BSW.zero_()
+            s.past_BSW[:, :S] = step.past_BSW
+            s.g_BD.copy_(step.g_BD)
         fn(states)
-        return [t.clone() for t in tensors]
+        out = [t.clone() for t in _step_tensors(eng, s, states)]
+        out[3], out[4] = s.ids_BT.clone(), out[4][:, :S]  # the inputs the step writes; the cache's first S
+        return out
 
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend, **kw))
     torch._dynamo.reset()
-    want = run_with(step.forward)
-    run = step.compiled()
-    assert run is not step.forward
-    with compile_settings():
-        got = run_with(run)
-    assert torch.equal(got[-1], want[-1])  # kept counts and emitted tokens
+    counters.clear()
+    want = run_with(step, step.forward)
     assert 0 < want[-1][:3, 0].sum() < 3 * step.k  # drafts kept and rejected
-    for a, b in zip(got[:-1], want[:-1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
     for i in (0, 1, 2, 4, 5):  # the step wrote the pool, the states and the draft buffers
         assert not torch.equal(want[i], before[i]), i
+    with compile_settings():
+        for s in (step, wide):
+            run = s.compiled()
+            assert run is not s.forward
+            got = run_with(s, run)
+            assert torch.equal(got[-1], want[-1]), s.N  # kept counts and emitted tokens
+            assert torch.equal(got[3], want[3]), s.N  # the drafts written after the last token
+            for a, b in zip(got[:-1], want[:-1]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_steps_of_one_batch_shape_share_one_compiled_graph(pair, monkeypatch):
+    """Dynamo's graphs of the speculative step counted (a counting backend, no compilation): the steps of one
+    ``(B, k + 1)`` share one graph for every ``N`` (the block table's width and the draft cache's length
+    symbolic); another ``B`` traces its own."""
+    from torch._dynamo.testing import CompileCounter
+
+    from openk3.serve.decode_graph import compile_settings
+
+    model, draft, _ = pair
+    counter = CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, **kw))
+    eng = engine(model, draft, 3, static=True)
+    graphs = eng.runner.speculative.graphs
+    torch._dynamo.reset()
+    counts = {}
+    for B, T, N in [(4, 4, 2), (4, 4, 4), (4, 4, 8), (2, 4, 4), (2, 4, 16)]:
+        step = graphs.step_for(B, T, N)
+        step.inputs.zero_()  # all rows padding, empty draft caches
+        states = eng.storage.gather_states([graphs.scratch_slot] * B)
+        with compile_settings():
+            step.compiled()(states)
+        counts[(B, T, N)] = counter.frame_count
+    assert list(counts.values()) == [1, 1, 1, 2, 2], counts
 
 
 def test_compiled_step_only_reads_the_pool(pair):
@@ -373,7 +415,8 @@ def test_compiled_steps_give_greedy_tokens(pair, monkeypatch):
     """The captured path with the compiled speculative step (``aot_eager``; each capture's warm-up runs as on
     CUDA, each replay a call of the compiled step): three streams of different lengths (a padding row, block
     tables that grow, rows that finish) give the model's greedy tokens with drafts kept and rejected, as
-    many as the eager step keeps, and each step shape compiles once (nothing recompiles between replays)."""
+    many as the eager step keeps, and each ``(B, k + 1)`` compiles once (its steps of every ``N`` share the
+    graph; nothing recompiles between replays)."""
     from torch._dynamo.utils import counters
 
     from openk3.serve.decode_graph import StaticDecode
@@ -397,7 +440,8 @@ def test_compiled_steps_give_greedy_tokens(pair, monkeypatch):
     steps = compiled.runner.speculative.graphs.steps
     replays = [s.graph.replays for s in steps.values()]
     assert all(n >= 1 for n in replays) and sum(replays) > len(replays)
-    assert counters["stats"]["unique_graphs"] == len(steps)
+    shapes = {(b, t) for b, t, _ in steps}
+    assert len(shapes) < len(steps) and counters["stats"]["unique_graphs"] == len(shapes)
     spec, twin = compiled.runner.speculative, eager.runner.speculative
     assert (spec.num_accepted, spec.num_drafted) == (twin.num_accepted, twin.num_drafted)
     assert 0 < spec.num_accepted < spec.num_drafted

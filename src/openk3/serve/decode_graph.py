@@ -4,10 +4,12 @@ of short chunks of ``T ≤ 16`` tokens each: a prefix hit's suffix) runs as one 
 replay, greedy tokens chosen on the device and read back once per step.
 
 A step of ``n`` requests with ``T`` tokens each is padded to a **bucket** ``B`` (a power of two ≥ ``n``) and
-its cached lengths to ``N`` blocks (a power of two covering the longest request); each ``(B, T, N)`` gets its
-own :class:`StaticDecode`: fixed input buffers (token ids, cached lengths, block tables, a valid flag), and
-one forward of the model on paged caches built from them inside the step, with no host data and no host
-sync:
+its cached lengths to ``N`` blocks (a power of two covering the longest request, at least 2); each
+``(B, T, N)`` gets its own :class:`StaticDecode`: fixed input buffers (token ids, cached lengths, a valid
+flag, block tables), and one forward of the model on paged caches built from them inside the step, with no
+host data and no host sync. The steps of one ``(B, T)`` share one packed int64 input buffer
+(:func:`packed_inputs`), its tables sized for the longest request and placed last, so a step's inputs are
+views at offsets that depend on ``B`` and ``T`` only:
 
 * KDA: the states of the ``B`` slots are checked out into the storage's workspace
   (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_states`), whose address is fixed for a given ``B``
@@ -23,21 +25,23 @@ sync:
   pageable host buffer with a non-blocking copy: CUDA stages the bytes before the call returns and waits for
   nothing, so the buffer may be rewritten for the next step at once.
 
-On CUDA the step is compiled and captured once per ``(B, T, N)`` and replayed; elsewhere
+On CUDA the step is compiled once per ``(B, T)``, captured once per ``(B, T, N)`` and replayed; elsewhere
 :meth:`StaticDecode.forward` runs eagerly: the twin the CPU tests compare with the model and the engine's
 other path. Captured eagerly, a step is thousands of tiny kernels (elementwise ops, casts, norms, copies)
 whose launches, not their work, set its time; so what is captured is :meth:`StaticDecode.sample` (the step up
-to the pool write) through ``torch.compile`` (Inductor, ``fullgraph``, static shapes, no Inductor CUDA graphs
-of its own), which fuses that glue (norms, gates, SiTU, routing, the AttnRes mixes, casts) into a few hundred
-kernels around the matmuls and the KDA state-pool op (a custom op, ``openk3::kda_pool_decode``, so the trace
-runs through it), then :meth:`StaticDecode.store_latents`, the one ``index_put_`` of the new latents into the
-pool, eagerly in the same graph. The compiled region only reads the pool: an in-place write through a view of
-a graph input can be functionalised into a copy of the whole pool (gigabytes) and back. It mutates only the
-KDA states (in place, through the custom op), the conv windows and :attr:`StaticDecode.next_B`. The first of
-two warm-up runs on a side stream (all rows padding, so no request's state or latent changes) compiles; its
-wall time goes to stderr. The step has no graph break: no host reads, no Python branch on a tensor value, no
-data-dependent shape. A subclass changes the step through :meth:`StaticDecode.sample` and is compiled the same
-way (the speculative step, :mod:`openk3.serve.speculative_graph`).
+to the pool write) through ``torch.compile`` (Inductor, ``fullgraph``, no Inductor CUDA graphs of its own;
+every size static but ``N``: :meth:`StaticDecode.compiled`), which fuses that glue (norms, gates, SiTU,
+routing, the AttnRes mixes, casts) into a few hundred kernels around the matmuls and the KDA state-pool op (a
+custom op, ``openk3::kda_pool_decode``, so the trace runs through it), then
+:meth:`StaticDecode.store_latents`, the one ``index_put_`` of the new latents into the pool, eagerly in the
+same graph. The compiled region only reads the pool: an in-place write through a view of a graph input can be
+functionalised into a copy of the whole pool (gigabytes) and back. It mutates only the KDA states (in place,
+through the custom op), the conv windows and :attr:`StaticDecode.next_B`. The first of two warm-up runs on a
+side stream (all rows padding, so no request's state or latent changes) compiles, when no other ``N`` of the
+same ``(B, T)`` did; its wall time goes to stderr. The step has no graph break: no host reads, no Python
+branch on a tensor value, no data-dependent shape. A subclass changes the step through
+:meth:`StaticDecode.sample` and is compiled the same way (the speculative step,
+:mod:`openk3.serve.speculative_graph`).
 
 Legend: ``n`` requests, ``B`` bucket rows, ``T`` new tokens per row, ``N`` blocks per row, ``S = N·bs`` cached tokens, ``V`` vocabulary,
 ``L`` MLA layers, ``W = C + r`` latent width.
@@ -71,13 +75,23 @@ class LatentRows(NamedTuple):
     """``[B, T, L, W]`` in the pool's dtype."""
 
 
+MIN_BLOCKS = 2
+"""The fewest blocks per row a step reads (``N``): dynamo specialises a size of 1, so a one-block table
+would compile a graph of its own; a second block (null block 0, masked) costs a few more latents read."""
+
 MAX_COMPILED_STEPS = 1024
-"""Compiled step shapes ``(B, T, N)`` one process may hold (:func:`compile_settings`)."""
+"""Compiled step shapes ``(B, T)`` one process may hold (:func:`compile_settings`)."""
 
 
 def bucket_of(n: int) -> int:
     """The smallest power of two ≥ ``n`` (``n ≥ 1``)."""
     return 1 << (n - 1).bit_length()
+
+
+def packed_inputs(B: int, T: int, extra_inputs: int, max_blocks: int, device: torch.device) -> torch.Tensor:
+    """The packed int64 input buffer shared by the steps of one ``(B, T)`` (:attr:`StaticDecode.inputs`):
+    ``B·(T + 2 + extra_inputs + max_blocks)`` zeros, the block tables of every ``N ≤ max_blocks`` last."""
+    return torch.zeros(B * (T + 2 + extra_inputs + max_blocks), dtype=torch.int64, device=device)
 
 
 class StaticDecode:
@@ -88,26 +102,36 @@ class StaticDecode:
         self,
         lm: nn.Module,
         storage: CacheStorage,
+        inputs: torch.Tensor,
         B: int,
         T: int,
         N: int,
         sample_vocab_size: int | None,
         extra_inputs: int = 0,
     ) -> None:
-        """``extra_inputs``: int64 inputs per row after the block table (:attr:`extra_BE`), for a subclass."""
+        """``inputs``: the packed int64 input buffer of every step of this ``(B, T)`` (:func:`packed_inputs`),
+        at least ``B·(T + 2 + extra_inputs + N)`` long; ``extra_inputs``: int64 inputs per row before the
+        block tables (:attr:`extra_BE`), for a subclass. Raises ``ValueError`` when ``inputs`` is too short.
+        The table's width ``N`` is marked symbolic for ``torch.compile`` (:meth:`compiled`)."""
+        E = extra_inputs
+        if inputs.numel() < B * (T + 2 + E + N):
+            raise ValueError(
+                f"the packed inputs hold {inputs.numel()} values; B={B}, T={T}, N={N} and {E} extra inputs "
+                f"need {B * (T + 2 + E + N)}"
+            )
         self.lm, self.storage, self.B, self.T, self.N = lm, storage, B, T, N
         self.sample_vocab_size = sample_vocab_size
         self.kinds = lm.config.layer_types
-        dev = storage.pages.device
-        self.inputs = torch.zeros(B * (T + 2 + N + extra_inputs), dtype=torch.int64, device=dev)
-        """Packed int64 inputs: ids ``[B, T]``, cached lengths ``[B]``, valid ``[B]`` (0/1), tables ``[B, N]``,
-        then ``[B, extra_inputs]``."""
-        self.ids_BT = self.inputs[: B * T].view(B, T)
-        self.lengths_B = self.inputs[B * T : B * (T + 1)]
-        self.valid_B = self.inputs[B * (T + 1) : B * (T + 2)]
-        self.table_BN = self.inputs[B * (T + 2) : B * (T + 2 + N)].view(B, N)
-        self.extra_BE = self.inputs[B * (T + 2 + N) :].view(B, extra_inputs)
-        self.next_B = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.inputs = inputs
+        """Packed int64 inputs: ids ``[B, T]``, cached lengths ``[B]``, valid ``[B]`` (0/1),
+        ``[B, extra_inputs]``, then the block tables ``[B, N]`` (the rest of the buffer unused)."""
+        self.ids_BT = inputs[: B * T].view(B, T)
+        self.lengths_B = inputs[B * T : B * (T + 1)]
+        self.valid_B = inputs[B * (T + 1) : B * (T + 2)]
+        self.extra_BE = inputs[B * (T + 2) : B * (T + 2 + E)].view(B, E)
+        self.table_BN = inputs[B * (T + 2 + E) : B * (T + 2 + E + N)].view(B, N)
+        torch._dynamo.mark_dynamic(self.table_BN, 1)  # one compiled graph for every N (compiled())
+        self.next_B = torch.zeros(B, dtype=torch.int64, device=inputs.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.state_ptr: int | None = None
         """Address of the KDA states the graph was captured on (0 without KDA layers)."""
@@ -190,12 +214,18 @@ class StaticDecode:
         each run (none here)."""
 
     def compiled(self) -> Callable[[StateBatch | None], None]:
-        """What :meth:`capture` records: :meth:`sample` through ``torch.compile`` (Inductor, one graph, static
-        shapes, without Inductor's own CUDA graphs: this class captures the compiled kernels itself), built on
-        first use, then :meth:`store_latents` eagerly; each ``(B, T, N)`` compiles once. (Symbolic sizes,
-        ``dynamic=True``, would let one graph serve them all, but Inductor's code for them gave other tokens
-        than the eager step: ``docs/LOG.md``.) A subclass changes the step by overriding :meth:`sample` (the
-        speculative step)."""
+        """What :meth:`capture` records: :meth:`sample` through ``torch.compile`` (Inductor, one graph,
+        without Inductor's own CUDA graphs: this class captures the compiled kernels itself), built on first
+        use, then :meth:`store_latents` eagerly. Every size is static but the block table's width ``N``
+        (marked symbolic on :attr:`table_BN`; a subclass marks its own buffers of ``N``), and
+        ``dynamic=False`` keeps dynamo's automatic dynamic shapes off, so a second ``B`` or ``T`` compiles a
+        graph of its own rather than turning them symbolic: with every size symbolic (``dynamic=True``)
+        Inductor's code gave other tokens than the eager step, with ``N`` alone the eager step's
+        (``docs/LOG.md``). Dynamo keeps its graphs on :meth:`sample`'s code, guarded on the shapes and Python
+        values the step reads, so the steps of one ``(B, T)`` (their packed inputs one buffer, the offsets of
+        its views fixed) share one graph for every ``N ≥ 2`` (a size of 1 would be specialised:
+        :data:`MIN_BLOCKS`): one compilation per ``(B, T)``, while each ``(B, T, N)`` is captured in a CUDA
+        graph of its own. A subclass changes the step by overriding :meth:`sample` (the speculative step)."""
         if self._sample is None:
             self._sample = torch.compile(self.sample, fullgraph=True, dynamic=False)
         return self._compiled_step
@@ -206,8 +236,9 @@ class StaticDecode:
 
     def capture(self, states: StateBatch | None) -> None:
         """Capture :meth:`compiled` in a CUDA graph (all rows padding: ``valid`` 0, lengths 0, the scratch
-        states), after two warm-up runs on a side stream (compilation on the first, lazy initialisation);
-        the compile's wall time goes to stderr."""
+        states), after two warm-up runs on a side stream (on the first the compilation, unless another ``N``
+        of this ``(B, T)`` compiled the graph, and lazy initialisation); the first's wall time goes to
+        stderr."""
         self.inputs.zero_()
         run = self.compiled()
         side = torch.cuda.Stream()
@@ -217,7 +248,7 @@ class StaticDecode:
             run(states)
             torch.cuda.synchronize()
             print(
-                f"{type(self).__name__} (B={self.B}, T={self.T}, N={self.N}): first warm-up run (with its "
+                f"{type(self).__name__} (B={self.B}, T={self.T}, N={self.N}): first warm-up run (with any "
                 f"compilation) {time.perf_counter() - start:.1f} s",
                 file=sys.stderr,
             )
@@ -231,7 +262,7 @@ class StaticDecode:
 
 def compile_settings():
     """``torch.compile`` settings for the calls of compiled steps (a context manager): dynamo's recompilation
-    limits raised past its default of 8 per function (at which ``fullgraph`` raises), since every ``(B, T, N)``
+    limits raised past its default of 8 per function (at which ``fullgraph`` raises), since every ``(B, T)``
     adds a compiled graph of :meth:`StaticDecode.sample`."""
     names = [n for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                          "accumulated_cache_size_limit") if hasattr(torch._dynamo.config, n)]  # fmt: skip
@@ -246,7 +277,10 @@ class DecodeGraphs:
     ``capture`` (CUDA only), else eager.
 
     ``scratch_slot``: state pages outside the block pool for padding rows (``()`` without KDA layers).
-    ``max_batch``: the most decodes of one step (the scheduler's ``max_num_seqs``)."""
+    ``max_batch``: the most decodes of one step (the scheduler's ``max_num_seqs``). ``max_blocks``: the most
+    blocks one request's table holds
+    (:meth:`~openk3.serve.kv_manager.KVCacheManager.max_table_blocks`), which sizes the tables of the packed
+    inputs (``bucket_of(max_blocks)`` columns)."""
 
     def __init__(
         self,
@@ -254,6 +288,7 @@ class DecodeGraphs:
         storage: CacheStorage,
         scratch_slot: tuple[int, ...],
         max_batch: int,
+        max_blocks: int,
         sample_vocab_size: int | None,
         capture: bool,
     ) -> None:
@@ -265,7 +300,10 @@ class DecodeGraphs:
         self.sample_vocab_size, self.capture = sample_vocab_size, capture
         self.has_kda = "kda" in lm.config.layer_types
         self.max_bucket = bucket_of(max_batch)
+        self.max_blocks = bucket_of(max(max_blocks, MIN_BLOCKS))
         self.steps: dict[tuple[int, int, int], StaticDecode] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        """The packed input buffer of each ``(B, T)`` (:func:`packed_inputs`), shared by its steps."""
         self._stage(self.max_bucket * 4)
         if self.has_kda:  # size the workspace for the largest bucket now, so its address never changes
             storage.gather_states([scratch_slot] * self.max_bucket)
@@ -296,21 +334,37 @@ class DecodeGraphs:
         """Run the chunks (``ScheduledChunk``s of ``T`` tokens each); returns the greedy token after each, or
         ``[]`` (nothing read back) when none of them samples."""
         n, T = len(chunks), chunks[0].num_tokens
-        B, N = bucket_of(n), self.blocks_for(chunks, T)
-        step = self.steps.get((B, T, N))
-        if step is None:
-            step = self.steps[(B, T, N)] = StaticDecode(
-                self.lm, self.storage, B, T, N, self.sample_vocab_size
-            )
+        step = self.step_for(bucket_of(n), T, self.blocks_for(chunks, T))
         self.launch(step, chunks, [t for c in chunks for t in c.token_ids])
         if not any(c.samples for c in chunks):
             return []
         return step.next_B[:n].tolist()  # the step's one host wait: one device→host copy of n tokens
 
+    def step_for(self, B: int, T: int, N: int) -> StaticDecode:
+        """The step of ``(B, T, N)`` in :attr:`steps`, built on first use (:meth:`new_step`)."""
+        step = self.steps.get((B, T, N))
+        if step is None:
+            step = self.steps[(B, T, N)] = self.new_step(B, T, N)
+        return step
+
+    def new_step(self, B: int, T: int, N: int) -> StaticDecode:
+        """A step of ``(B, T, N)`` on the packed inputs of ``(B, T)``."""
+        return StaticDecode(self.lm, self.storage, self.packed_inputs(B, T), B, T, N, self.sample_vocab_size)
+
+    def packed_inputs(self, B: int, T: int, extra_inputs: int = 0) -> torch.Tensor:
+        """The packed input buffer of the steps of ``(B, T)`` (:func:`packed_inputs`), built on first use."""
+        buf = self.inputs.get((B, T))
+        if buf is None:
+            buf = self.inputs[(B, T)] = packed_inputs(
+                B, T, extra_inputs, self.max_blocks, self.storage.pages.device
+            )
+        return buf
+
     def blocks_for(self, chunks, T: int) -> int:
-        """``N``: blocks per row covering ``T`` new tokens of every chunk (a power of two)."""
+        """``N``: blocks per row covering ``T`` new tokens of every chunk (a power of two, at least
+        :data:`MIN_BLOCKS`)."""
         bs = self.storage.layout.block_size
-        return bucket_of(max((c.start + T - 1) // bs + 1 for c in chunks))
+        return bucket_of(max(MIN_BLOCKS, *((c.start + T - 1) // bs + 1 for c in chunks)))
 
     def launch(self, step: StaticDecode, chunks, ids: list[int], extra: list[int] = ()) -> None:
         """Run ``step`` for ``chunks``: check their KDA states out (padding rows: the scratch slot), capture
@@ -330,13 +384,13 @@ class DecodeGraphs:
             list(ids) + [0] * (pad * T)
             + [c.start for c in chunks] + [0] * pad
             + [1] * n + [0] * pad
-            + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)
             + list(extra) + [0] * (pad * E)
+            + [b for c in chunks for b in (c.block_table + [0] * N)[:N]] + [0] * (pad * N)
         )  # fmt: skip
         if self.host_inputs.numel() < len(values):
             self._stage(len(values))
         self.host_inputs_np[: len(values)] = values  # no tensor built per step
-        step.inputs.copy_(self.host_inputs[: len(values)], non_blocking=True)
+        step.inputs[: len(values)].copy_(self.host_inputs[: len(values)], non_blocking=True)
         step.before_run()
         if step.graph is not None:
             step.graph.replay()

@@ -123,6 +123,7 @@ class LLMEngine:
             self.storage,
             scratch,
             self.config.scheduler.max_num_seqs,
+            self.kv.max_table_blocks(self.config.scheduler.max_model_len),
             sample_vocab_size,
             device.type == "cuda",
         )

@@ -91,9 +91,18 @@ class KVCacheManager:
         return self.pool.num_free_blocks - sum(self.reserved.values())
 
     def max_blocks(self, request: Request) -> int:
-        """MLA blocks a request holds at most: its last sampled token is never computed, the lookahead's
-        drafts may be."""
-        return math.ceil((request.max_num_tokens - 1 + self.lookahead_tokens) / self.block_size)
+        """MLA blocks a request holds at most (:meth:`blocks_for_tokens` of its prompt + ``max_tokens``)."""
+        return self.blocks_for_tokens(request.max_num_tokens)
+
+    def blocks_for_tokens(self, max_num_tokens: int) -> int:
+        """MLA blocks a request of ``max_num_tokens`` (prompt + ``max_tokens``) holds at most: its last
+        sampled token is never computed, the lookahead's drafts may be."""
+        return math.ceil((max_num_tokens - 1 + self.lookahead_tokens) / self.block_size)
+
+    def max_table_blocks(self, max_model_len: int) -> int:
+        """MLA blocks any request's table holds at most: a request of ``max_model_len`` tokens' or, when
+        fewer, what :meth:`check_fits_pool` lets one request hold."""
+        return min(self.blocks_for_tokens(max_model_len), self.pool.num_blocks - 1 - self.state_pages)
 
     def check_fits_pool(self, request: Request) -> None:
         """Raise ``ValueError`` when the request could not run even in an empty pool."""

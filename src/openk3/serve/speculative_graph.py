@@ -30,9 +30,10 @@ device, the same padding rows) for ``B`` rows of one ``k``:
 Steps 1–5 are :meth:`StaticSpeculative.sample`, which returns the verified latents' rows; the step is then
 :meth:`~openk3.serve.decode_graph.StaticDecode.forward`'s: ``sample``, then the one write into the pool
 (``store_latents``). On CUDA it is compiled and captured as the plain step is: ``sample`` through
-``torch.compile`` (one graph, static shapes), the pool write eager in the same CUDA graph. The compiled part
-writes the KDA states and conv windows, the ids buffer (a view of the small packed inputs) and the step's
-draft and output buffers, and only reads the pool.
+``torch.compile`` (one graph per ``(B, k + 1)``: the block tables' width and the draft cache's length ``S``
+symbolic, so the steps of every ``N`` share it), the pool write eager in the same CUDA graph. The compiled
+part writes the KDA states and conv windows, the ids buffer (a view of the small packed inputs) and the
+step's draft and output buffers, and only reads the pool.
 
 The host then reads :attr:`~StaticSpeculative.out_BT1` (``n`` and the emitted tokens of every real row: the
 step's one device→host copy) and appends the first ``n + 1`` new latents to each request's draft cache. A
@@ -66,12 +67,13 @@ class StaticSpeculative(StaticDecode):
         lm: nn.Module,
         draft: EagleDraft,
         storage: CacheStorage,
+        inputs: torch.Tensor,
         B: int,
         k: int,
         N: int,
         sample_vocab_size: int | None,
     ) -> None:
-        super().__init__(lm, storage, B, k + 1, N, sample_vocab_size, extra_inputs=1)
+        super().__init__(lm, storage, inputs, B, k + 1, N, sample_vocab_size, extra_inputs=1)
         self.draft, self.k = draft, k
         self.draft_len_B = self.extra_BE[:, 0]
         attn = draft.layer.self_attn
@@ -80,6 +82,7 @@ class StaticSpeculative(StaticDecode):
         S, T, W, D = N * storage.layout.block_size, k + 1, attn.kv_lora_rank + attn.rope, weight.shape[0]
         self.past_BSW = weight.new_zeros(B, S, W)
         """The draft's cached latents (``kv_a_layernorm(c)`` then ``k_pe``), the first ``draft_len`` real."""
+        torch._dynamo.mark_dynamic(self.past_BSW, 1)  # S = N·bs: one compiled graph for every N
         self.g_BD = weight.new_zeros(B, D)
         """The draft's last output per row: read as the chain's first feature, then overwritten with the
         draft's output at the last kept position (the next step's)."""
@@ -188,11 +191,25 @@ class SpeculativeGraphs(DecodeGraphs):
         storage: CacheStorage,
         scratch_slot: tuple[int, ...],
         max_batch: int,
+        max_blocks: int,
         sample_vocab_size: int | None,
         capture: bool,
     ) -> None:
-        super().__init__(lm, storage, scratch_slot, max_batch, sample_vocab_size, capture)
+        super().__init__(lm, storage, scratch_slot, max_batch, max_blocks, sample_vocab_size, capture)
         self.draft = draft
+
+    def new_step(self, B: int, T: int, N: int) -> StaticSpeculative:
+        """A speculative step of ``(B, k + 1 = T, N)`` on the packed inputs of ``(B, T)``."""
+        return StaticSpeculative(
+            self.lm,
+            self.draft,
+            self.storage,
+            self.packed_inputs(B, T, 1),
+            B,
+            T - 1,
+            N,
+            self.sample_vocab_size,
+        )
 
     def supports_speculative(self, chunks, k: int) -> bool:
         """Whether one-token decodes ``chunks`` can draft and verify ``k`` tokens here: greedy, at most the
@@ -207,13 +224,8 @@ class SpeculativeGraphs(DecodeGraphs):
         """One speculative step for one-token decodes ``chunks`` (their blocks allocated for ``k + 1``
         tokens) with draft states ``states`` (``cache``: an :class:`~openk3.model.cache.MLACache`, ``g_11D``:
         the last output), updated here. Returns each chunk's emitted tokens (kept drafts + one)."""
-        n, B = len(chunks), bucket_of(len(chunks))
-        N = self.blocks_for(chunks, k + 1)
-        step = self.steps.get((B, k + 1, N))
-        if step is None:
-            step = self.steps[(B, k + 1, N)] = StaticSpeculative(
-                self.lm, self.draft, self.storage, B, k, N, self.sample_vocab_size
-            )
+        n = len(chunks)
+        step = self.step_for(bucket_of(n), k + 1, self.blocks_for(chunks, k + 1))
         lengths = [0 if st.cache.latent is None else st.cache.latent.shape[1] for st in states]
         ids = [t for c in chunks for t in c.token_ids + [0] * k]
         step.rows = states
