@@ -1,6 +1,7 @@
 """The routed experts' sync-free path (sort by expert, permutation dispatch, grouped GEMM, permutation combine)
 against the readable per-expert loop ``experts_loop_reference``: forward and every gradient in fp64, and the
-path traced by ``torch.compile`` as one graph (what the compiled decoder layers run on CUDA)."""
+path traced by ``torch.compile`` as one graph (what the compiled decoder layers run on CUDA); the gathered
+path of a few tokens (the compiled decode step) against the same loop, and when each path is taken."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from openk3.config import KimiK3Config
-from openk3.model.moe import RoutedExperts, experts_loop_reference
+from openk3.model.moe import RoutedExperts, experts_loop_reference, gathered_experts
 from openk3.presets import k3_shaped
 from openk3.train.host_syncs import HostSyncAudit
 
@@ -97,3 +98,62 @@ def _loop_nonzero_line() -> int:
 
     lines, start = inspect.getsourcelines(experts_loop_reference)
     return start + next(i for i, line in enumerate(lines) if "nonzero" in line)
+
+
+def test_gathered_path_equals_the_loop_fp64():
+    """8 tokens × 3 slots = 24 ≤ 32 experts (the decode case), experts repeated across tokens."""
+    experts, z, w, idx = experts_and_inputs(F64, N=8)
+    assert torch.bincount(idx.flatten()).max() >= 3
+    want = experts_loop_reference(experts, z, w, idx)
+    got = gathered_experts(experts.config, z, w, idx, experts.w1, experts.w3, experts.w2)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-13
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_path_matches_fp64_in_low_precision(dtype):
+    experts, z, w, idx = experts_and_inputs(F64, N=8)
+    want = experts_loop_reference(experts, z, w, idx)
+    low = experts_and_inputs(dtype, N=8)[0]
+    got = gathered_experts(low.config, z.to(dtype), w.float(), idx, low.w1, low.w3, low.w2)
+    assert got.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 3e-2
+    assert ((got.to(F64) - want).norm() / want.norm()).item() < tol
+
+
+def _traced_ops(experts, z, w, idx, grad: bool) -> set[str]:
+    """The functions in dynamo's graph of ``experts(z, w, idx)`` (run as traced), with or without grad."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda e, *a: e(*a), backend=backend, fullgraph=True)
+    with torch.set_grad_enabled(grad):
+        compiled(experts, z, w, idx)
+    return {getattr(n.target, "__name__", str(n.target)) for g in graphs for n in g.graph.nodes}
+
+
+def test_compiled_few_tokens_without_grad_take_the_gathered_path():
+    """Traced without gradient and with ``N·k ≤ E`` the experts are read per slot (no sort, no grouped GEMM
+    or its gathered fallback); with gradient (training) or more slots than experts, the sorted path."""
+    experts, z, w, idx = experts_and_inputs(torch.float32, N=8)
+    few = _traced_ops(experts, z, w, idx, grad=False)
+    assert "sort" not in few and "grouped_mm" not in few and "bmm" not in few, few
+    assert "sort" in _traced_ops(experts, z, w, idx, grad=True)
+    experts, z, w, idx = experts_and_inputs(torch.float32, N=11)  # 33 slots > 32 experts
+    assert "sort" in _traced_ops(experts, z, w, idx, grad=False)
+
+
+@pytest.mark.slow
+def test_inductor_gathered_path_equals_the_loop():
+    """Inductor's kernels for the gathered path (the gathers read inside the reductions) against the loop, fp32
+    (a C++ compile of about half a minute on a 2-core CPU)."""
+    experts, z, w, idx = experts_and_inputs(torch.float32, N=8)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda e, *a: e(*a), fullgraph=True)
+    with torch.no_grad():
+        got = compiled(experts, z, w, idx)
+        want = experts_loop_reference(experts.double(), z.double(), w.double(), idx)
+    assert ((got.double() - want).norm() / want.norm()).item() < 2e-6

@@ -14,6 +14,13 @@ Expert compute is batched: token-slots are sorted by expert and run through a gr
 sync; dispatch and combine are permutations (gathers forward and backward, no atomic scatter-add).
 :func:`experts_loop_reference` is the readable loop kept as the test oracle.
 
+A few tokens (decode: token-slots ``N·k`` no more than the experts ``E``, no gradient, under
+``torch.compile``) take :func:`gathered_experts` instead: each slot reads its own expert's rows, which
+Inductor fuses into two reduction kernels (gate/up with the GLU; down with the weighted sum over the ``k``
+slots) where the sorted path launches a dozen (sort, inverse permutation, offsets, two gathers, three grouped
+GEMMs with their set-up kernels, the combine). With ``N·k ≤ E`` no more expert weights are read than the
+grouped GEMM reads.
+
 Quantised experts (``docs/quantization.md``): with ``RoutedExperts.qat`` set (``openk3 train --qat mxfp4``) the
 GEMMs see MXFP4 fake-quantised weights and MXFP8 fake-quantised inputs, with straight-through gradients;
 :class:`openk3.quant.experts.MXFP4RoutedExperts` keeps the weights packed and dequantises them per forward.
@@ -115,6 +122,24 @@ def combine_experts(config, z_NL, weights_Nk, indices_Nk, w1_EFL, w3_EFL, w2_ELF
     return combine_sorted(z_NL, weights_Nk, indices_Nk, w1_EFL.shape[0], expert_ffn)
 
 
+def gathered_experts(config, z_NL, weights_Nk, indices_Nk, w1_EFL, w3_EFL, w2_ELF) -> torch.Tensor:
+    """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])``, shape ``[N, L]`` in ``z_NL.dtype``, written as
+    reductions over the gathered weights rather than sorted slots and grouped GEMMs::
+
+        gate[n,k,f] = Σ_l w1[i_nk, f, l] · z[n, l]          (up likewise with w3)
+        y[n, l]     = Σ_{k,f} w2[i_nk, l, f] · (weights[n,k] · glu(gate, up)[n,k,f])
+
+    Sums in fp32 (fp64 for fp64), the GLU's inputs rounded to ``z_NL.dtype`` as a GEMM's outputs are. Eager,
+    ``w[indices]`` copies the chosen experts' weights; under ``torch.compile`` Inductor reads them in place
+    inside the reductions, so this is the small-batch path of :meth:`RoutedExperts.forward` there only."""
+    acc = torch.promote_types(z_NL.dtype, torch.float32)
+    x_N11L = z_NL.to(acc)[:, None, None, :]
+    gate_NkF = (w1_EFL[indices_Nk].to(acc) * x_N11L).sum(-1).to(z_NL.dtype)
+    up_NkF = (w3_EFL[indices_Nk].to(acc) * x_N11L).sum(-1).to(z_NL.dtype)
+    h_NkF = glu(config, gate_NkF, up_NkF).to(acc) * weights_Nk.to(acc)[..., None]
+    return (w2_ELF[indices_Nk].to(acc) * h_NkF[:, :, None, :]).sum((1, 3)).to(z_NL.dtype)
+
+
 class RoutedExperts(nn.Module):
     """``E`` SiTU/SwiGLU experts stored stacked: ``w1, w3 [E, F, L]`` and ``w2 [E, L, F]``.
 
@@ -131,8 +156,13 @@ class RoutedExperts(nn.Module):
         self.qat = False
 
     def forward(self, z_NL: torch.Tensor, weights_Nk: torch.Tensor, indices_Nk: torch.Tensor) -> torch.Tensor:
-        """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])``, shape ``[N, L]``, in ``z_NL.dtype``."""
+        """``Σ_k weights[n,k] · Expert_{indices[n,k]}(z[n])``, shape ``[N, L]``, in ``z_NL.dtype``: through
+        :func:`gathered_experts` for a few tokens without gradient under ``torch.compile`` (``N·k ≤ E``: the
+        decode step), else sorted slots and grouped GEMMs (:func:`combine_experts`)."""
         w = (self.w1, self.w3, self.w2)
+        few = indices_Nk.numel() <= self.w1.shape[0] and not torch.is_grad_enabled()
+        if few and not self.qat and torch.compiler.is_compiling():
+            return gathered_experts(self.config, z_NL, weights_Nk, indices_Nk, *w)
         if self.qat:
             return combine_experts(self.config, z_NL, weights_Nk, indices_Nk, *map(mxfp4_ste, w), mxfp8_ste)
         return combine_experts(self.config, z_NL, weights_Nk, indices_Nk, *w)
