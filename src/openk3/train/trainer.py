@@ -137,6 +137,7 @@ class TrainConfig:
     (``none`` on CPU, the memory planner's choice on CUDA)."""
     compile: bool | None = None
     """``torch.compile`` each decoder layer; ``None``: on for CUDA, off on CPU."""
+
     context_schedule: list[tuple[int, int]] = field(default_factory=lambda: [(0, 64), (60, 128)])
     """Progressive context: ``(start_step, seq_len)`` pairs."""
     lr: float = 3e-3
@@ -178,6 +179,11 @@ class TrainConfig:
     qat: str | None = None
     """Quantization-aware training of the routed experts: ``mxfp4`` (MXFP4 weights, MXFP8 inputs, straight-through
     gradients; :mod:`openk3.quant.qat`) or ``None``."""
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoder layers run through ``torch.compile`` (:attr:`compile` resolved by device)."""
+        return self.compile if self.compile is not None else self.device == "cuda"
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field and the bad value (ints must be ints, floats finite)."""
@@ -496,10 +502,9 @@ def check_memory(model_config, config: TrainConfig) -> MemoryPlan:
     mode = config.activation_checkpointing
     mode = "none" if mode == "auto" and not cuda else mode
     budget = int(0.9 * total) if total is not None else 2**62
-    compiled = config.compile if config.compile is not None else cuda
     return plan_memory(
         model_config, config.batch_size * config.grad_accum, seq_len, budget, config.device, micro, mode,
-        name=config.preset, compiled=compiled,
+        name=config.preset, compiled=config.compiled,
     )  # fmt: skip
 
 
@@ -652,14 +657,13 @@ class Trainer:
         self.model = build_model(self.model_config, device=self.device, seed=config.seed)
         if config.qat:
             enable_qat(self.model, config.qat)
-        compile = config.compile if config.compile is not None else self.device.type == "cuda"
-        wrap_decoder_layers(self.model, self.plan.checkpointing, compile)
+        wrap_decoder_layers(self.model, self.plan.checkpointing, config.compiled)
         if progress:
             p = self.plan
             print(
                 f"micro-batches of {p.micro_batch} × {max(t for _, t in config.context_schedule)} tokens, "
                 f"{p.grad_accum} per step, activation checkpointing {p.checkpointing}"
-                f"{', compiled layers' if compile else ''}; estimated peak {p.estimate.describe()}",
+                f"{', compiled layers' if config.compiled else ''}; estimated peak {p.estimate.describe()}",
                 flush=True,
             )
         top = max(int(self.train_set.tokens_N.max()), int(self.val_set.tokens_N.max()))
