@@ -19,7 +19,8 @@ CUDA-graph launches issued by the host), ``syncs`` (host waits on the device: ``
 counted on a CPU, where the latter only reads memory — CPU ``grouped_mm`` calls it per expert), ``d2h_copies``
 (``Memcpy DtoH`` on the device), ``ops`` (``aten::`` calls). The report gives the median step of each setting,
 the median wall time of ``--steps`` further decode steps run without the profiler (``unprofiled_ms``: what a
-step costs), and the operators with the most self time over all profiled decode steps.
+step costs), the decode step's kernels by family (:data:`KERNEL_FAMILIES`: GEMMs, Inductor's Triton kernels,
+sort/top-k, ...; on a GPU), and the operators with the most self time over all profiled decode steps.
 
     python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 16384 --streams 1 64 \\
         --out OUT_DIR        # GPU: 8192-token chunks (a first chunk, then one continuing a cached prefix)
@@ -69,6 +70,22 @@ SYNC_CALLS = (
 )
 STEP = "openk3.engine_step"
 """The ``record_function`` range around the profiled ``engine.step()``."""
+KERNEL_FAMILIES = (
+    ("grouped-GEMM set-up", ("prepare_grouped_gemm",)),
+    ("GEMM / GEMV", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas")),
+    ("sort / top-k", ("sort", "topk", "TopK")),
+    ("KDA op", ("kda", "recurrence")),
+    ("attention", ("fmha", "attention", "flash")),
+    ("Inductor (Triton)", ("triton_",)),
+    ("copy / fill", ("copy", "Memcpy", "Memset", "fill")),
+)
+"""Kernel families of the decode breakdown: the first family one of whose substrings (case-insensitive) a
+kernel's name holds; ``other (ATen)`` for the rest."""
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((f for f, keys in KERNEL_FAMILIES if any(k.lower() in low for k in keys)), "other (ATen)")
 
 
 def prefill_model_len(args: argparse.Namespace) -> int:
@@ -165,9 +182,13 @@ def step_summary(prof, tokens: int, cuda: bool) -> dict:
     step = next(e for e in events if e.name == STEP and e.device_type == DeviceType.CPU)
     lo, hi = step.time_range.start, step.time_range.end
     kernel_us, kernels, launches, d2h, ops, waits = 0.0, 0, 0, 0, 0, []
+    families: dict[str, list[float]] = {}  # family -> [kernels, µs]
     for e in events:
         if e.device_type == DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
+            fam = families.setdefault(kernel_family(e.name), [0, 0.0])
+            fam[0] += 1
+            fam[1] += e.time_range.elapsed_us()
             d2h += "Memcpy DtoH" in e.name
             kernels += not e.name.startswith(("Memcpy", "Memset"))
         elif lo <= e.time_range.start and e.time_range.end <= hi:
@@ -193,6 +214,7 @@ def step_summary(prof, tokens: int, cuda: bool) -> dict:
         "syncs": syncs if cuda else None,
         "d2h_copies": d2h,
         "ops": ops,
+        "families": families,
     }
 
 
@@ -255,7 +277,11 @@ def step_top_ops(prof, cuda: bool, n: int = 4) -> list[tuple[str, float]]:
 
 
 def median_step(steps: list[dict]) -> dict:
-    return {k: None if steps[0][k] is None else statistics.median(s[k] for s in steps) for k in steps[0]}
+    """The median of each number over ``steps``; ``families`` taken from the step of median kernel time."""
+    numbers = [k for k in steps[0] if k != "families"]
+    med = {k: None if steps[0][k] is None else statistics.median(s[k] for s in steps) for k in numbers}
+    med["families"] = sorted(steps, key=lambda s: s["kernel_ms"])[len(steps) // 2]["families"]
+    return med
 
 
 def top_ops(profs: list, n: int, cuda: bool) -> list[dict]:
@@ -324,6 +350,27 @@ def markdown(report: dict) -> str:
         + ".",
         "",
     ]
+    names = sorted({f for d in report["decode"] for f in d["median"]["families"]})
+    lines += (
+        []
+        if not names
+        else [
+            "",
+            "## Decode kernels by family (the profiled step of median kernel time: kernels, kernel µs)",
+            "",
+            "| family | " + " | ".join(f"{d['streams']} streams" for d in report["decode"]) + " |",
+            "|---|" + "---:|" * len(report["decode"]),
+            *(
+                f"| {f} | "
+                + " | ".join(
+                    "{:.0f}, {:.0f} µs".format(*d["median"]["families"].get(f, (0, 0.0)))
+                    for d in report["decode"]
+                )
+                + " |"
+                for f in names
+            ),
+        ]
+    )
     for key, what in (("top_ops", "all profiled decode steps"), ("prefill_top_ops", "the prefill's steps")):
         lines += [
             "",
