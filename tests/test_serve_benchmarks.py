@@ -59,8 +59,11 @@ def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_be
         (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be at least 1, got 0"),
         (["--device", "cuda"], "--device cuda: no CUDA device is available"),
         (["--preset", "k3-tiny", "nope"], "argument --preset: invalid choice: 'nope'"),
-        (["--out", "/proc/q"], "--out /proc/q: /proc is not writable"),
-        (["--out", "/proc/r.md"], "--out /proc/r.md: its folder /proc: /proc is not writable"),
+        (["--out", "/proc/q"], "--out /proc/q: cannot create /proc/q (No such file or directory)"),
+        (
+            ["--out", "/proc/r.md"],
+            "--out /proc/r.md: its folder /proc: /proc is not writable (creating a folder in it fails: No such",
+        ),
         (["--out", str(ROOT / "docs")], None),  # a folder: accepted
         (["--out", str(ROOT / "README.md" / "r.md")], "README.md exists and is not a directory"),
     ]:
@@ -89,7 +92,7 @@ def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_be
         (["--pool-mib", "0"], "--pool-mib must be a number of MiB > 0, got 0"),
         (["--prefill", "65535"], "--prefill 65535 is too long for k3-tiny (max_position_embeddings 65536"),
         (["--steps", "40000"], "--steps 40000: the decode streams would outgrow k3-tiny's 65536 positions"),
-        (["--out", "/proc/q"], "--out /proc/q: /proc is not writable"),
+        (["--out", "/proc/q"], "--out /proc/q: cannot create /proc/q (No such file or directory)"),
         (["--out", str(ROOT / "pyproject.toml")], "pyproject.toml exists and is not a directory"),
         (["--out", ""], "give a directory name"),
     ],
@@ -107,7 +110,7 @@ def test_an_unwritable_out_is_refused_before_the_profile(serve_profile, capsys, 
     monkeypatch.setattr(openk3, "build_model", lambda *a, **k: pytest.fail("built a model"))
     with pytest.raises(SystemExit) as stop:
         serve_profile.main(["--prefill", "16", "--streams", "1", "--out", "/proc/q"])
-    assert stop.value.code == 2 and "--out /proc/q: /proc is not writable" in capsys.readouterr().err
+    assert stop.value.code == 2 and "--out /proc/q: cannot create /proc/q" in capsys.readouterr().err
 
 
 def test_given_sizes_are_kept_and_defaults_fill_the_rest(serve_profile):
