@@ -18,7 +18,7 @@ token (every request produces exactly its ``max_tokens``).
   timed rounds. The plain loop runs :func:`openk3.generate.greedy` (the model's own caches) on the same kind
   of request, one after another; its rate does not depend on ``N``.
 * Limits (lower bounds of the time, so upper bounds of the rates; ``--bandwidth`` 4.3 TB/s and ``--peak``
-  790 TFLOP/s, the H200's): a decode step reads the weights an active token needs (all but the routed
+  790 TFLOP/s, the H200's, on any device unless given; the report names the limits it used): a decode step reads the weights an active token needs (all but the routed
   experts, plus the experts ``N`` streams touch, ``E·(1 − (1 − k/E)^N)`` per MoE layer under uniform routing),
   reads and writes each stream's KDA states and reads its cached latents, at ``--bandwidth``; a prefill of
   ``T`` tokens does ``2·(active − lm_head)·T`` matmul FLOPs, ``T²·H·(qk + v)`` per MLA layer (causal) and
@@ -67,6 +67,10 @@ SUFFIX = 16
 WARM_TOKENS = 4
 """New tokens of each warm-up request (fewer when the measured requests have fewer)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+H200_BANDWIDTH = 4.3e12
+"""Bytes/s a decode step can reach on an H200, ``--bandwidth``'s default (``docs/references.md``)."""
+H200_PEAK = 790e12
+"""bf16 matmul FLOP/s measured on an H200, ``--peak``'s default (``docs/references.md``)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,9 +96,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--peer", action="store_true", help="also time transformers kimi_linear generate")
     p.add_argument(
-        "--bandwidth", type=float, default=4.3e12, help="memory bandwidth of the limit, bytes/s > 0"
+        "--bandwidth",
+        type=float,
+        default=H200_BANDWIDTH,
+        help="memory bandwidth of the limit, bytes/s > 0; default an H200's, on any device",
     )
-    p.add_argument("--peak", type=float, default=790e12, help="matmul peak of the limit, FLOP/s > 0")
+    p.add_argument(
+        "--peak",
+        type=float,
+        default=H200_PEAK,
+        help="matmul peak of the limit, FLOP/s > 0; default an H200's, on any device",
+    )
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
     p.add_argument("--threads", type=int, help="torch CPU threads, >= 1; default torch's")
     p.add_argument(
@@ -463,7 +475,7 @@ def preset_markdown(r: dict, a: dict) -> list[str]:
 
     lines += [
         "",
-        f"## {r['preset']}: against the physical limit" + (" and transformers `generate`" if peer else ""),
+        f"## {r['preset']}: against {limits_name(a)}" + (" and transformers `generate`" if peer else ""),
         "",
         "| work | openk3 | limit | openk3 / limit | transformers kimi_linear |",
         "|---|---:|---:|---:|---:|",
@@ -492,6 +504,30 @@ def preset_markdown(r: dict, a: dict) -> list[str]:
     return lines + [""]
 
 
+def h200_limits(a: dict) -> bool:
+    """Whether the run's limits are the H200's (the defaults of ``--bandwidth`` and ``--peak``)."""
+    return (a["bandwidth"], a["peak"]) == (H200_BANDWIDTH, H200_PEAK)
+
+
+def limits_name(a: dict) -> str:
+    return "an H200's limits" if h200_limits(a) else "the limits of --bandwidth and --peak"
+
+
+def limits_source(a: dict, env: dict) -> str:
+    """The limits' rates and whose they are; on any machine but an H200, that its ratios compare with one."""
+    rates = f"{a['bandwidth'] / 1e12:.3g} TB/s and {a['peak'] / 1e12:.3g} TFLOP/s"
+    if not h200_limits(a):
+        return f"{rates}, given by --bandwidth and --peak"
+    tag = device_tag(env)
+    if tag == "h200":
+        return f"{rates}, an H200's (the defaults of --bandwidth and --peak)"
+    here = "CPU" if tag == "cpu" else "GPU"
+    return (
+        f"{rates}, an H200's (the defaults of --bandwidth and --peak), not this {here}'s: each openk3 / limit "
+        "ratio compares this run with an H200"
+    )
+
+
 def markdown(report: dict) -> str:
     a, env = report["args"], report["env"]
     machine = (
@@ -509,8 +545,8 @@ def markdown(report: dict) -> str:
         f"block_size {a['block_size']}, KDA checkpoint every {report['checkpoint_interval']} blocks, "
         f"prefill chunks ≤ {a['long_prefill_token_threshold']} tokens, step budget "
         f"≥ {a['max_num_batched_tokens']} tokens, greedy, random weights (seed 0), "
-        f"{'decode in CUDA graphs' if a['device'].startswith('cuda') and not a['eager'] else 'paged eager decode'}. Limits at "
-        f"{a['bandwidth'] / 1e12:.1f} TB/s and {a['peak'] / 1e12:.0f} TFLOP/s (see the script's docstring). "
+        f"{'decode in CUDA graphs' if a['device'].startswith('cuda') and not a['eager'] else 'paged eager decode'}. Limits: "
+        f"{limits_source(a, env)} (see the script's docstring). "
         f"Wall time of the whole run: {report['wall_s']:.0f} s.",
         "",
     ]

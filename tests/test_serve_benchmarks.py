@@ -49,6 +49,33 @@ def test_serve_limits_of_k3_small(serve_bench, monkeypatch):
     assert lim["decode_tok_s"][64] > 10 * lim["decode_tok_s"][1]  # 64 streams share the weights
 
 
+def test_serve_report_names_the_limits_it_compares_with(serve_bench, monkeypatch, tmp_path):
+    """The default limits are an H200's on any device, and the report says so (on the CPU: not this CPU's);
+    given ones are named as given."""
+
+    def measured(name, args):  # the report of a run, without running it
+        text = openk3.config.text_config_of(openk3.get_preset(name))
+        row = {"streams": 1, "engine_tok_s": 30.0, "decode_tok_s": 40.0, "plain_tok_s": 30.0, "speedup": 1.0}
+        miss, hit = ({"cached_tokens": c, "ttft_s": t, "total_s": 2 * t} for c, t in [(0, 0.1), (16, 0.05)])
+        limits = serve_bench.limits(text, args)
+        return {"preset": name, "ttft": {"miss": miss, "hit": hit}, "throughput": [row], "limits": limits}
+
+    monkeypatch.setattr(serve_bench, "run_preset", measured)
+    out = tmp_path / "r.md"
+    serve_bench.main(["--streams", "1", "--out", str(out)])
+    report = out.read_text()
+    assert (
+        "Limits: 4.3 TB/s and 790 TFLOP/s, an H200's (the defaults of --bandwidth and --peak), not this CPU's: "
+        "each openk3 / limit ratio compares this run with an H200" in report
+    )
+    assert "## k3-tiny: against an H200's limits" in report
+    serve_bench.main(["--streams", "1", "--bandwidth", "1e11", "--peak", "2e12", "--out", str(out)])
+    report = out.read_text()
+    assert (
+        "Limits: 0.1 TB/s and 2 TFLOP/s, given by --bandwidth and --peak" in report and "H200" not in report
+    )
+
+
 def test_serve_takes_the_longest_requests_the_preset_fits(serve_bench):
     """At the bound, each engine's ``max_model_len`` is ``max_position_embeddings`` (which the engine takes);
     the warm-up's requests are no longer than the measured ones."""
