@@ -24,7 +24,12 @@ if [ "$resume" = 0 ] && [ -f "$run/checkpoints/latest" ]; then
   echo "  start fresh: rm -r $run (or pass --out runs/NEW); continue an interrupted run, or extend a finished one"
   echo "  with a larger --steps: add --resume"
 else
-  openk3 train "$@"
+  # a Ctrl-C's resume line names this script, which also samples, not openk3 train
+  resume_command="bash scripts/quickstart.sh --resume"
+  if [ "$run" != runs/k3-tiny ]; then
+    resume_command="bash scripts/quickstart.sh --out $(printf %q "$run") --resume"
+  fi
+  openk3 train --resume-command "$resume_command" "$@"
 fi
 echo "--- sample: openk3 generate --ckpt $run ---"
 openk3 generate --ckpt "$run" --prompt "KING HENRY:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0

@@ -48,8 +48,9 @@ def _quickstart(repo: Path, *args: str, omp_wait_policy: str | None = "PASSIVE")
 
 
 def test_quickstart_trains_then_on_a_second_run_only_samples(repo):
+    """Training is told the Quickstart's own resume command (which also samples), for the line a Ctrl-C prints."""
     _, calls = _quickstart(repo)
-    assert calls[0] == "openk3 train"
+    assert calls[0] == "openk3 train --resume-command bash scripts/quickstart.sh --resume"
     assert calls[1].startswith("openk3 generate --ckpt runs/k3-tiny ")
     (repo / "runs" / "k3-tiny" / "checkpoints").mkdir(parents=True)
     (repo / "runs" / "k3-tiny" / "checkpoints" / "latest").write_text("step-000200\n")
@@ -58,12 +59,17 @@ def test_quickstart_trains_then_on_a_second_run_only_samples(repo):
     assert "runs/k3-tiny already holds a trained run: skipping training, sampling from it." in out
     assert "start fresh: rm -r runs/k3-tiny (or pass --out runs/NEW)" in out
     _, calls = _quickstart(repo, "--resume", "--steps", "300")  # an explicit resume still trains
-    assert calls[0] == "openk3 train --resume --steps 300"
-    _, calls = _quickstart(repo, "--out", "runs/other", "--steps", "20")  # another folder: trained, sampled
+    assert (
+        calls[0] == "openk3 train --resume-command bash scripts/quickstart.sh --resume --resume --steps 300"
+    )
+    _, calls = _quickstart(
+        repo, "--out", "runs/my other", "--steps", "20"
+    )  # another folder: trained, sampled
+    resume = r"bash scripts/quickstart.sh --out runs/my\ other --resume"  # a shell word, quoted
     assert calls == [
-        "openk3 train --out runs/other --steps 20",
+        f"openk3 train --resume-command {resume} --out runs/my other --steps 20",
         calls[1],
-    ] and calls[1].startswith("openk3 generate --ckpt runs/other ")
+    ] and calls[1].startswith("openk3 generate --ckpt runs/my other ")
 
 
 @pytest.mark.parametrize("load_at_launch", ["quiet", "busy"])
