@@ -18,7 +18,7 @@ token (every request produces exactly its ``max_tokens``).
   timed rounds. The plain loop runs :func:`openk3.generate.greedy` (the model's own caches) on the same kind
   of request, one after another; its rate does not depend on ``N``.
 * Limits (lower bounds of the time, so upper bounds of the rates; ``--bandwidth`` 4.3 TB/s and ``--peak``
-  790 TFLOP/s, the H200's): a decode step reads the weights an active token needs (all but the routed
+  790 TFLOP/s, the H200's, on any device unless given; the report names the limits it used): a decode step reads the weights an active token needs (all but the routed
   experts, plus the experts ``N`` streams touch, ``E·(1 − (1 − k/E)^N)`` per MoE layer under uniform routing),
   reads and writes each stream's KDA states and reads its cached latents, at ``--bandwidth``; a prefill of
   ``T`` tokens does ``2·(active − lm_head)·T`` matmul FLOPs, ``T²·H·(qk + v)`` per MLA layer (causal) and
@@ -35,7 +35,8 @@ token (every request produces exactly its ``max_tokens``).
 On CUDA, prefill chunks default to 8192 tokens (``--long-prefill-token-threshold``) with a KDA checkpoint every
 8192 tokens, the step budget to 8192 + the largest ``N``. Prints a Markdown report. ``--out`` is a ``.md``
 file (the report) or a folder, which receives ``serve_<device>.md`` and ``serve_<device>.json`` (device:
-``cpu`` or the GPU's short name, e.g. ``h200``).
+``cpu`` or the GPU's short name, e.g. ``h200``). Every argument, ``--out`` included, is checked before a model
+is built (a bad one: one line and exit status 2).
 """
 
 from __future__ import annotations
@@ -63,7 +64,13 @@ from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, Sampling
 
 SUFFIX = 16
 """Distinct tokens after the shared prefix of each TTFT request."""
+WARM_TOKENS = 4
+"""New tokens of each warm-up request (fewer when the measured requests have fewer)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+H200_BANDWIDTH = 4.3e12
+"""Bytes/s a decode step can reach on an H200, ``--bandwidth``'s default (``docs/references.md``)."""
+H200_PEAK = 790e12
+"""bf16 matmul FLOP/s measured on an H200, ``--peak``'s default (``docs/references.md``)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, help="new tokens per stream in the throughput test")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per stream in the throughput test")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--plain-requests", type=int, default=1, help="requests per timed plain-loop run")
+    p.add_argument("--plain-requests", type=int, default=1, help="requests per timed plain-loop run, >= 1")
     p.add_argument("--repeats", type=int, default=2, help="rounds per measurement (the best is reported)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default 512 on CPU, see above")
@@ -88,10 +95,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prefill chunk, >= 1; default 256 on CPU, 8192 on CUDA",
     )
     p.add_argument("--peer", action="store_true", help="also time transformers kimi_linear generate")
-    p.add_argument("--bandwidth", type=float, default=4.3e12, help="memory bandwidth of the limit, bytes/s")
-    p.add_argument("--peak", type=float, default=790e12, help="matmul peak of the limit, FLOP/s")
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=H200_BANDWIDTH,
+        help="memory bandwidth of the limit, bytes/s > 0; default an H200's, on any device",
+    )
+    p.add_argument(
+        "--peak",
+        type=float,
+        default=H200_PEAK,
+        help="matmul peak of the limit, FLOP/s > 0; default an H200's, on any device",
+    )
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, help="torch CPU threads, >= 1; default torch's")
     p.add_argument(
         "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
     )
@@ -111,8 +128,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("every --streams value must be at least 1")
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = args.long_prefill_token_threshold + max(args.streams) if cuda else 512
-    counts = ("prefix", "new_tokens", "decode_tokens", "prompt", "repeats", "block_size")
-    check_engine_args(p, args, (*counts, "max_num_batched_tokens", "long_prefill_token_threshold"))
+    counts = ("prefix", "new_tokens", "decode_tokens", "prompt", "repeats", "plain_requests", "block_size")
+    check_engine_args(
+        p,
+        args,
+        (*counts, "max_num_batched_tokens", "long_prefill_token_threshold"),
+        {"pool_mib": "MiB", "bandwidth": "bytes/s", "peak": "FLOP/s"},
+    )
+    for preset in args.preset:
+        ttft = {"--prefix": args.prefix, "--new-tokens": args.new_tokens}
+        check_positions(p, preset, ttft, ttft_model_len(args) - sum(ttft.values()))
+        streams = {"--prompt": args.prompt, "--decode-tokens": args.decode_tokens}
+        check_positions(p, preset, streams, throughput_model_len(args) - sum(streams.values()))
     if args.out is not None:  # checked now: the report is first written after the first preset's run
         report_file = args.out.suffix == ".md"
         if report_file and args.out.is_dir():
@@ -123,16 +150,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace, counts: tuple[str, ...]) -> None:
+def check_engine_args(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    counts: tuple[str, ...],
+    amounts: dict[str, str] | None = None,
+) -> None:
     """Refuse with ``p.error`` (one line, exit status 2), before a model is built: an argument named in
     ``counts`` below 1 (``--long-prefill-token-threshold 0`` included: the engine's ``SchedulerConfig`` refuses
-    0, so it is not read as the default), a ``--pool-mib`` that is not a number > 0, a ``--device`` other than
-    ``cpu``, ``cuda`` or ``cuda:N``, and a CUDA device that torch does not see."""
+    0, so it is not read as the default), one named in ``amounts`` (argument → unit; default ``--pool-mib``
+    in MiB) that is not a finite number > 0, a given ``--threads`` below 1, a ``--device`` other than ``cpu``,
+    ``cuda`` or ``cuda:N``, and a CUDA device that torch does not see."""
     for name in counts:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not (math.isfinite(args.pool_mib) and args.pool_mib > 0):
-        p.error(f"--pool-mib must be a number of MiB > 0, got {args.pool_mib:g}")
+    for name, unit in (amounts or {"pool_mib": "MiB"}).items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"--{name.replace('_', '-')} must be a number of {unit} > 0, got {value:g}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -143,6 +180,30 @@ def check_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace, coun
         p.error(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is False)")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         p.error(f"--device {args.device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_positions(p: argparse.ArgumentParser, preset: str, lengths: dict[str, int], more: int) -> None:
+    """Refuse with ``p.error`` (one line, exit status 2) when ``lengths`` (argument → tokens) plus ``more``
+    positions exceed ``preset``'s ``max_position_embeddings``, the longest ``max_model_len`` its engine
+    takes; the line gives the largest sum of those arguments that fits."""
+    limit = openk3.config.text_config_of(openk3.get_preset(preset)).max_position_embeddings
+    if sum(lengths.values()) + more > limit:
+        given = ", ".join(f"{flag} {n}" for flag, n in lengths.items())
+        names = " + ".join(lengths)
+        p.error(
+            f"{given}: too long for {preset}, whose max_position_embeddings {limit} must hold "
+            f"{names} + {more}: give {names} at most {limit - more}"
+        )
+
+
+def ttft_model_len(args: argparse.Namespace) -> int:
+    """``max_model_len`` of the TTFT engine: the prefix, the suffix, the new tokens and one more."""
+    return args.prefix + SUFFIX + args.new_tokens + 1
+
+
+def throughput_model_len(args: argparse.Namespace) -> int:
+    """``max_model_len`` of a throughput engine: a prompt, its new tokens and one more."""
+    return args.prompt + args.decode_tokens + 1
 
 
 def checkpoint_interval(args) -> int:
@@ -225,14 +286,17 @@ def time_to_first_token(engine: LLMEngine, request: Request, device: str) -> tup
 
 def warm_up(model, args, tokens) -> None:
     """Run each code path once at small sizes: a prefix miss (packed first chunk, continuing chunks) and
-    hit, a batch of streams (chunks of equal length, batched decode), and the plain loop."""
+    hit, a batch of streams (chunks of equal length, batched decode), and the plain loop. No request is longer
+    than a measured one of its kind (``ttft_model_len``, ``throughput_model_len``)."""
     prefix = tokens(min(args.prefix, 2 * args.block_size + args.long_prefill_token_threshold))
-    engine = make_engine(model, args, len(prefix) + SUFFIX + 5, 4)
+    new = min(WARM_TOKENS, args.new_tokens)
+    engine = make_engine(model, args, len(prefix) + SUFFIX + new + 1, 4)
     for name in ("miss", "hit"):
-        engine.generate([Request(f"w-{name}", prefix + tokens(SUFFIX), SamplingParams(max_tokens=4))])
-    streams = [Request(f"w{i}", tokens(args.prompt), SamplingParams(max_tokens=4)) for i in range(4)]
-    make_engine(model, args, args.prompt + 5, 4).generate(streams)
-    greedy(model, torch.tensor([tokens(args.prompt)], device=args.device), 4)
+        engine.generate([Request(f"w-{name}", prefix + tokens(SUFFIX), SamplingParams(max_tokens=new))])
+    new = min(WARM_TOKENS, args.decode_tokens)
+    streams = [Request(f"w{i}", tokens(args.prompt), SamplingParams(max_tokens=new)) for i in range(4)]
+    make_engine(model, args, args.prompt + new + 1, 4).generate(streams)
+    greedy(model, torch.tensor([tokens(args.prompt)], device=args.device), new)
     sync(args.device)
 
 
@@ -241,7 +305,7 @@ def measure_ttft(model, args, tokens) -> dict:
     miss stays a miss, and later rounds replay the CUDA graphs the first captured)."""
     params = SamplingParams(max_tokens=args.new_tokens)
     best: dict[str, dict] = {}
-    engine = make_engine(model, args, args.prefix + SUFFIX + args.new_tokens + 1, 1)
+    engine = make_engine(model, args, ttft_model_len(args), 1)
     for round_ in range(args.repeats):
         prefix = tokens(args.prefix)
         for name in ("miss", "hit"):
@@ -257,7 +321,7 @@ def measure_throughput(model, args, tokens, n: int) -> dict:
     """Engine with ``n`` streams (one engine: an untimed round, then ``--repeats`` timed) and the plain loop,
     alternating; best rate of each, tokens/s."""
     params = SamplingParams(max_tokens=args.decode_tokens)
-    engine = make_engine(model, args, args.prompt + args.decode_tokens + 1, n)
+    engine = make_engine(model, args, throughput_model_len(args), n)
     engine.generate([Request(f"w{i}", tokens(args.prompt), params) for i in range(n)])  # capture, compile
     rate, decode, plain = 0.0, 0.0, 0.0
     for round_ in range(args.repeats):
@@ -411,7 +475,7 @@ def preset_markdown(r: dict, a: dict) -> list[str]:
 
     lines += [
         "",
-        f"## {r['preset']}: against the physical limit" + (" and transformers `generate`" if peer else ""),
+        f"## {r['preset']}: against {limits_name(a)}" + (" and transformers `generate`" if peer else ""),
         "",
         "| work | openk3 | limit | openk3 / limit | transformers kimi_linear |",
         "|---|---:|---:|---:|---:|",
@@ -440,6 +504,30 @@ def preset_markdown(r: dict, a: dict) -> list[str]:
     return lines + [""]
 
 
+def h200_limits(a: dict) -> bool:
+    """Whether the run's limits are the H200's (the defaults of ``--bandwidth`` and ``--peak``)."""
+    return (a["bandwidth"], a["peak"]) == (H200_BANDWIDTH, H200_PEAK)
+
+
+def limits_name(a: dict) -> str:
+    return "an H200's limits" if h200_limits(a) else "the limits of --bandwidth and --peak"
+
+
+def limits_source(a: dict, env: dict) -> str:
+    """The limits' rates and whose they are; on any machine but an H200, that its ratios compare with one."""
+    rates = f"{a['bandwidth'] / 1e12:.3g} TB/s and {a['peak'] / 1e12:.3g} TFLOP/s"
+    if not h200_limits(a):
+        return f"{rates}, given by --bandwidth and --peak"
+    tag = device_tag(env)
+    if tag == "h200":
+        return f"{rates}, an H200's (the defaults of --bandwidth and --peak)"
+    here = "CPU" if tag == "cpu" else "GPU"
+    return (
+        f"{rates}, an H200's (the defaults of --bandwidth and --peak), not this {here}'s: each openk3 / limit "
+        "ratio compares this run with an H200"
+    )
+
+
 def markdown(report: dict) -> str:
     a, env = report["args"], report["env"]
     machine = (
@@ -457,8 +545,8 @@ def markdown(report: dict) -> str:
         f"block_size {a['block_size']}, KDA checkpoint every {report['checkpoint_interval']} blocks, "
         f"prefill chunks ≤ {a['long_prefill_token_threshold']} tokens, step budget "
         f"≥ {a['max_num_batched_tokens']} tokens, greedy, random weights (seed 0), "
-        f"{'decode in CUDA graphs' if a['device'].startswith('cuda') and not a['eager'] else 'paged eager decode'}. Limits at "
-        f"{a['bandwidth'] / 1e12:.1f} TB/s and {a['peak'] / 1e12:.0f} TFLOP/s (see the script's docstring). "
+        f"{'decode in CUDA graphs' if a['device'].startswith('cuda') and not a['eager'] else 'paged eager decode'}. Limits: "
+        f"{limits_source(a, env)} (see the script's docstring). "
         f"Wall time of the whole run: {report['wall_s']:.0f} s.",
         "",
     ]
@@ -532,7 +620,7 @@ def write_report(report: dict, args, env: dict, t_start: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     env = environment(args)
     report = {

@@ -41,7 +41,15 @@ from pathlib import Path
 
 import torch
 from kda import directory_argument
-from serve import DTYPES, check_engine_args, checkpoint_interval, device_tag, environment, sync
+from serve import (
+    DTYPES,
+    check_engine_args,
+    check_positions,
+    checkpoint_interval,
+    device_tag,
+    environment,
+    sync,
+)
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -125,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
     p.add_argument("--top", type=int, default=15, help="operators listed in the report")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, help="torch CPU threads, >= 1; default torch's")
     p.add_argument(
         "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
     )
@@ -146,14 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     counts = ("prefill", "steps", "top", "block_size", "max_num_batched_tokens")
     check_engine_args(p, args, (*counts, "long_prefill_token_threshold"))
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be at least 1, got {args.threads}")
+    check_positions(p, args.preset, {"--prefill": args.prefill}, prefill_model_len(args) - args.prefill)
     limit = openk3.config.text_config_of(openk3.get_preset(args.preset)).max_position_embeddings
-    if prefill_model_len(args) > limit:
-        p.error(
-            f"--prefill {args.prefill} is too long for {args.preset} (max_position_embeddings {limit}, the "
-            f"prompt and its token need --prefill + 2): give at most {limit - 2}"
-        )
     if decode_model_len(args) > limit:
         p.error(f"--steps {args.steps}: the decode streams would outgrow {args.preset}'s {limit} positions")
     if args.out is not None and (problem := out_dir_problem(args.out)):
@@ -389,7 +391,7 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     env = environment(args)
     cuda = args.device.startswith("cuda")

@@ -4,11 +4,10 @@
 # (start fresh with `rm -r RUN` or another --out; continue an interrupted run with --resume).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# torch's OpenMP threads spin while they wait: fastest on idle cores, about 2x slower when another job keeps a
-# core busy, where sleeping threads win (benchmarks/results/cpu_threads.md). Sleep when the machine is busy.
-if [ -z "${OMP_WAIT_POLICY:-}" ] && awk '{ exit !($1 >= 1.0) }' /proc/loadavg 2>/dev/null; then
-  export OMP_WAIT_POLICY=PASSIVE
-fi
+# torch's OpenMP threads spin while they wait: a little faster on idle cores, far slower once another job
+# competes (benchmarks/results/cpu_threads.md; a trial saw 94 s a step where sleeping threads took 4-8 s,
+# docs/LOG.md 2026-12-03). Other jobs may start after launch, so the threads always sleep unless you set it.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 bash scripts/install.sh
 run=runs/k3-tiny
 resume=0
@@ -25,7 +24,12 @@ if [ "$resume" = 0 ] && [ -f "$run/checkpoints/latest" ]; then
   echo "  start fresh: rm -r $run (or pass --out runs/NEW); continue an interrupted run, or extend a finished one"
   echo "  with a larger --steps: add --resume"
 else
-  openk3 train "$@"
+  # a Ctrl-C's resume line names this script, which also samples, not openk3 train
+  resume_command="bash scripts/quickstart.sh --resume"
+  if [ "$run" != runs/k3-tiny ]; then
+    resume_command="bash scripts/quickstart.sh --out $(printf %q "$run") --resume"
+  fi
+  openk3 train --resume-command "$resume_command" "$@"
 fi
 echo "--- sample: openk3 generate --ckpt $run ---"
 openk3 generate --ckpt "$run" --prompt "KING HENRY:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0

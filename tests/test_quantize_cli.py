@@ -8,6 +8,7 @@ import hashlib
 import pytest
 
 import openk3
+from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.cli import main
 from openk3.presets import dense_baseline, k3_shaped
 from openk3.quant.scheme import expert_scheme
@@ -128,7 +129,7 @@ def test_quantize_refuses_an_out_where_no_folder_can_be_made(tmp_path, capsys, m
     openk3.save_pretrained(openk3.build_model(k3_shaped(4, vocab_size=VOCAB), seed=0), src, tokenizer=None)
     monkeypatch.setattr(openk3.checkpoint, "from_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
     for out, says in [
-        ("/proc/q", "/proc is not writable"),
+        ("/proc/q", "cannot create /proc/q (No such file or directory)"),
         (str(src / "config.json" / "q"), f"{src / 'config.json'} exists and is not a directory"),
     ]:
         assert main(["quantize", "--ckpt", str(src), "--out", out]) == 2
@@ -136,3 +137,23 @@ def test_quantize_refuses_an_out_where_no_folder_can_be_made(tmp_path, capsys, m
         assert err.startswith(f"openk3: error: --out {out}: {says}") and err.count("\n") == 1, err
         assert ".tmp-" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_out_dir_problem_names_the_path_that_cannot_be_made_and_its_own_reason(tmp_path):
+    """The reason is the OS's for the named path: the first missing part is made (and removed) itself, and an
+    existing folder is probed by making a folder in it; a creatable path leaves nothing behind."""
+    assert out_dir_problem("/proc/q") == "--out /proc/q: cannot create /proc/q (No such file or directory)"
+    assert (
+        out_dir_problem("/proc/x/y", "--dir")
+        == "--dir /proc/x/y: cannot create /proc/x (No such file or directory)"
+    )
+    assert out_dir_problem("/proc") == (
+        "--out /proc: /proc is not writable (creating a folder in it fails: No such file or directory)"
+    )
+    (tmp_path / "f").write_text("")
+    assert (
+        out_dir_problem(tmp_path / "f" / "q")
+        == f"--out {tmp_path / 'f' / 'q'}: {tmp_path / 'f'} exists and is not a directory"
+    )
+    assert out_dir_problem(tmp_path / "a" / "b") is None and out_dir_problem(tmp_path) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]

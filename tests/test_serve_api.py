@@ -276,7 +276,6 @@ BAD = [
         "temperature",
     ),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "top_p": 0}).encode(), "top_p"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [VOCAB + 5]}).encode(), "prompt"),
     (
         "/v1/completions",
         json.dumps({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}).encode(),
@@ -286,11 +285,6 @@ BAD = [
     (
         "/v1/completions",
         json.dumps({"model": MODEL, "prompt": "hi", "num_speculative_tokens": 17}).encode(),
-        "num_speculative_tokens",
-    ),
-    (  # this server has no draft
-        "/v1/completions",
-        json.dumps({"model": MODEL, "prompt": "hi", "num_speculative_tokens": 2}).encode(),
         "num_speculative_tokens",
     ),
     (
@@ -676,6 +670,12 @@ BAD_VALUES = [
     ("/v1/completions", {"n": "2"}, "n", "valid integer"),
     ("/v1/completions", {"seed": "3"}, "seed", "valid integer"),
     ("/v1/chat/completions", {"max_completion_tokens": 4.5}, "max_completion_tokens", "valid integer"),
+    ("/v1/completions", {"prompt": [VOCAB + 5]}, "prompt", f"token id {VOCAB + 5} is outside the vocabulary"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, -1]]}, "prompt", "token id -1 is outside the vocabulary"),
+    *(  # this server has no draft
+        (path, {"num_speculative_tokens": 2}, "num_speculative_tokens", "needs a server started with --draft")
+        for path in ("/v1/completions", "/v1/chat/completions")
+    ),
 ]
 
 

@@ -1,7 +1,7 @@
-"""The serving benchmarks on the CPU: ``benchmarks/serve_profile.py``'s argument checks, and that a profiled
-decode step is one engine step that gives every stream exactly one token; ``benchmarks/serve.py``'s limits
-against the numbers of the issue that set the targets (k3-small: 70,082,496 active parameters, ~140 MB read
-per token in bf16)."""
+"""The serving benchmarks on the CPU: the argument checks of ``benchmarks/serve.py`` and
+``benchmarks/serve_profile.py``; that a profiled decode step is one engine step that gives every stream
+exactly one token; ``serve.py``'s limits against the numbers of the issue that set the targets (k3-small:
+70,082,496 active parameters, ~140 MB read per token in bf16)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def bench_script(monkeypatch, name: str):
+    """The module of ``benchmarks/<name>.py``."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
 @pytest.fixture
 def serve_profile(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("serve_profile")
+    return bench_script(monkeypatch, "serve_profile")
 
 
 @pytest.fixture
 def serve_bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("serve")
+    return bench_script(monkeypatch, "serve")
 
 
 def test_serve_limits_of_k3_small(serve_bench, monkeypatch):
@@ -45,10 +49,40 @@ def test_serve_limits_of_k3_small(serve_bench, monkeypatch):
     assert lim["decode_tok_s"][64] > 10 * lim["decode_tok_s"][1]  # 64 streams share the weights
 
 
-def test_serve_refuses_bad_arguments(serve_bench, capsys):
-    with pytest.raises(SystemExit) as stop:
-        serve_bench.parse_args(["--prefix", "0"])
-    assert stop.value.code == 2 and "--prefix must be at least 1" in capsys.readouterr().err
+def test_serve_report_names_the_limits_it_compares_with(serve_bench, monkeypatch, tmp_path):
+    """The default limits are an H200's on any device, and the report says so (on the CPU: not this CPU's);
+    given ones are named as given."""
+
+    def measured(name, args):  # the report of a run, without running it
+        text = openk3.config.text_config_of(openk3.get_preset(name))
+        row = {"streams": 1, "engine_tok_s": 30.0, "decode_tok_s": 40.0, "plain_tok_s": 30.0, "speedup": 1.0}
+        miss, hit = ({"cached_tokens": c, "ttft_s": t, "total_s": 2 * t} for c, t in [(0, 0.1), (16, 0.05)])
+        limits = serve_bench.limits(text, args)
+        return {"preset": name, "ttft": {"miss": miss, "hit": hit}, "throughput": [row], "limits": limits}
+
+    monkeypatch.setattr(serve_bench, "run_preset", measured)
+    out = tmp_path / "r.md"
+    serve_bench.main(["--streams", "1", "--out", str(out)])
+    report = out.read_text()
+    assert (
+        "Limits: 4.3 TB/s and 790 TFLOP/s, an H200's (the defaults of --bandwidth and --peak), not this CPU's: "
+        "each openk3 / limit ratio compares this run with an H200" in report
+    )
+    assert "## k3-tiny: against an H200's limits" in report
+    serve_bench.main(["--streams", "1", "--bandwidth", "1e11", "--peak", "2e12", "--out", str(out)])
+    report = out.read_text()
+    assert (
+        "Limits: 0.1 TB/s and 2 TFLOP/s, given by --bandwidth and --peak" in report and "H200" not in report
+    )
+
+
+def test_serve_takes_the_longest_requests_the_preset_fits(serve_bench):
+    """At the bound, each engine's ``max_model_len`` is ``max_position_embeddings`` (which the engine takes);
+    the warm-up's requests are no longer than the measured ones."""
+    args = serve_bench.parse_args(
+        ["--prefix", "65455", "--prompt", "65532", "--decode-tokens", "3", "--threads", "1"]
+    )
+    assert serve_bench.ttft_model_len(args) == serve_bench.throughput_model_len(args) == 65536
 
 
 def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_bench, capsys, monkeypatch):
@@ -59,8 +93,12 @@ def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_be
         (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be at least 1, got 0"),
         (["--device", "cuda"], "--device cuda: no CUDA device is available"),
         (["--preset", "k3-tiny", "nope"], "argument --preset: invalid choice: 'nope'"),
-        (["--out", "/proc/q"], "--out /proc/q: /proc is not writable"),
-        (["--out", "/proc/r.md"], "--out /proc/r.md: its folder /proc: /proc is not writable"),
+        (["--out", "/proc/q"], "--out /proc/q: cannot create /proc/q (No such file or directory)"),
+        (
+            ["--out", "/proc/r.md"],
+            "--out /proc/r.md: its folder /proc: /proc is not writable (creating a folder in it fails: "
+            "No such file or directory)",
+        ),
         (["--out", str(ROOT / "docs")], None),  # a folder: accepted
         (["--out", str(ROOT / "README.md" / "r.md")], "README.md exists and is not a directory"),
     ]:
@@ -73,9 +111,8 @@ def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_be
         assert stop.value.code == 2 and says in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize(
-    ("args", "says"),
-    [
+BAD_ARGUMENTS = {
+    "serve_profile": [
         (["--streams", "0"], "every --streams value must be at least 1"),
         (["--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
         (["--device", "cuda"], "--device cuda: no CUDA device is available"),
@@ -84,21 +121,59 @@ def test_serve_refuses_a_zero_chunk_a_missing_gpu_and_an_unwritable_out(serve_be
             ["--long-prefill-token-threshold", "-8"],
             "--long-prefill-token-threshold must be at least 1, got -8",
         ),
-        (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be at least 1, got 0"),
+        (
+            ["--long-prefill-token-threshold", "0"],
+            "--long-prefill-token-threshold must be at least 1, got 0",
+        ),
         (["--block-size", "0"], "--block-size must be at least 1, got 0"),
         (["--pool-mib", "0"], "--pool-mib must be a number of MiB > 0, got 0"),
-        (["--prefill", "65535"], "--prefill 65535 is too long for k3-tiny (max_position_embeddings 65536"),
-        (["--steps", "40000"], "--steps 40000: the decode streams would outgrow k3-tiny's 65536 positions"),
-        (["--out", "/proc/q"], "--out /proc/q: /proc is not writable"),
+        (
+            ["--prefill", "65535"],
+            "--prefill 65535: too long for k3-tiny, whose max_position_embeddings 65536 must hold "
+            "--prefill + 2: give --prefill at most 65534",
+        ),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (
+            ["--steps", "40000"],
+            "--steps 40000: the decode streams would outgrow k3-tiny's 65536 positions",
+        ),
+        (["--out", "/proc/q"], "--out /proc/q: cannot create /proc/q (No such file or directory)"),
         (["--out", str(ROOT / "pyproject.toml")], "pyproject.toml exists and is not a directory"),
         (["--out", ""], "give a directory name"),
     ],
+    "serve": [
+        (["--prefix", "0"], "--prefix must be at least 1, got 0"),
+        (["--plain-requests", "0"], "--plain-requests must be at least 1, got 0"),
+        (["--bandwidth", "0"], "--bandwidth must be a number of bytes/s > 0, got 0"),
+        (["--bandwidth", "nan"], "--bandwidth must be a number of bytes/s > 0, got nan"),
+        (["--peak", "-1"], "--peak must be a number of FLOP/s > 0, got -1"),
+        (["--threads", "-1"], "--threads must be at least 1, got -1"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (  # k3-tiny: 65,536 positions; a TTFT request: prefix, 16 suffix tokens, its new tokens, one more
+            ["--prefix", "65456"],
+            "--prefix 65456, --new-tokens 64: too long for k3-tiny, whose max_position_embeddings 65536 "
+            "must hold --prefix + --new-tokens + 17: give --prefix + --new-tokens at most 65519",
+        ),
+        (
+            ["--preset", "k3-tiny", "k3-small", "--prompt", "65536", "--decode-tokens", "8"],
+            "--prompt 65536, --decode-tokens 8: too long for k3-tiny, whose max_position_embeddings "
+            "65536 must hold --prompt + --decode-tokens + 1: give --prompt + --decode-tokens at most 65535",
+        ),
+    ],
+}
+"""Per script, arguments and the line that refuses them."""
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [(script, args, says) for script, rows in BAD_ARGUMENTS.items() for args, says in rows],
 )
-def test_bad_arguments_are_refused(serve_profile, capsys, monkeypatch, args, says):
-    """One line and exit status 2 from argparse, never a traceback, whether or not a GPU is present."""
+def test_bad_arguments_are_refused(capsys, monkeypatch, script, args, says):
+    """One line and exit status 2 from argparse before any work, never a traceback, whether or not a GPU is
+    present; ``serve.py`` and ``serve_profile.py`` share the checks."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
-        serve_profile.parse_args(args)
+        bench_script(monkeypatch, script).parse_args(args)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and says in err.splitlines()[-1] and "Traceback" not in err, err
 
@@ -107,7 +182,7 @@ def test_an_unwritable_out_is_refused_before_the_profile(serve_profile, capsys, 
     monkeypatch.setattr(openk3, "build_model", lambda *a, **k: pytest.fail("built a model"))
     with pytest.raises(SystemExit) as stop:
         serve_profile.main(["--prefill", "16", "--streams", "1", "--out", "/proc/q"])
-    assert stop.value.code == 2 and "--out /proc/q: /proc is not writable" in capsys.readouterr().err
+    assert stop.value.code == 2 and "--out /proc/q: cannot create /proc/q" in capsys.readouterr().err
 
 
 def test_given_sizes_are_kept_and_defaults_fill_the_rest(serve_profile):

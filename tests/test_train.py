@@ -334,23 +334,30 @@ def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsy
     assert _snapshot(run) == before  # no data rebuild, no train_config.json, no metrics truncation
 
 
+def _signals_after_each_step(monkeypatch, *signals) -> None:
+    """Make every training step send ``signals`` to this process, in order, once it has run."""
+    import os
+
+    one_step = Trainer.train_step
+
+    def step_then_signals(self):
+        row = one_step(self)
+        for sig in signals:
+            os.kill(os.getpid(), sig)
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signals)
+
+
 def test_sigterm_saves_like_ctrl_c(run1, tmp_path, capsys, monkeypatch):
     """SIGTERM (``timeout``, a job scheduler) finishes the step, saves its checkpoint, says how to resume and
     exits 130, as a first Ctrl-C does; both handlers are put back afterwards."""
-    import os
     import shutil
     import signal
 
     run = tmp_path / "run"
     shutil.copytree(run1[0], run)
-    one_step = Trainer.train_step
-
-    def step_then_sigterm(self):
-        row = one_step(self)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return row
-
-    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    _signals_after_each_step(monkeypatch, signal.SIGTERM)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-sample"]) == 130  # as Ctrl-C
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
@@ -361,21 +368,13 @@ def test_sigterm_saves_like_ctrl_c(run1, tmp_path, capsys, monkeypatch):
 
 
 def test_extending_a_run_then_a_double_ctrl_c(run1, tmp_path, capsys, monkeypatch):
-    import os
     import shutil
     import signal
 
     run = tmp_path / "run"
     shutil.copytree(run1[0], run)
-    one_step = Trainer.train_step
-
-    def step_then_two_ctrl_c(self):
-        row = one_step(self)
-        os.kill(os.getpid(), signal.SIGINT)  # the first: finish this step and save
-        os.kill(os.getpid(), signal.SIGINT)  # the second: stop at once
-        return row
-
-    monkeypatch.setattr(Trainer, "train_step", step_then_two_ctrl_c)
+    # the first Ctrl-C: finish this step and save; the second: stop at once
+    _signals_after_each_step(monkeypatch, signal.SIGINT, signal.SIGINT)
     handler = signal.getsignal(signal.SIGINT)
     try:
         code = main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-sample"])
@@ -394,6 +393,27 @@ def test_extending_a_run_then_a_double_ctrl_c(run1, tmp_path, capsys, monkeypatc
         f"latest checkpoint is step 1 ({ckpt}); continue with: openk3 train --out {run} --resume"
     )
     assert latest_checkpoint(run) == ckpt
+
+
+def test_the_resume_lines_give_the_resume_command(run1, tmp_path, capsys, monkeypatch):
+    """``--resume-command`` (``scripts/quickstart.sh`` passes its own, which also samples) replaces ``openk3 train
+    --out OUT --resume`` in the line after a stop and in a second Ctrl-C's message."""
+    import shutil
+    import signal
+
+    run = tmp_path / "run"
+    shutil.copytree(run1[0], run)
+    command = "bash scripts/quickstart.sh --resume"
+    args = ["train", "--out", str(run), "--resume", "--resume-command", command, "--no-sample"]
+    _signals_after_each_step(monkeypatch, signal.SIGTERM)
+    assert main([*args, "--steps", "3"]) == 130
+    assert f"stopped at step 2; continue with: {command}\n" in capsys.readouterr().out
+    _signals_after_each_step(monkeypatch, signal.SIGINT, signal.SIGINT)
+    assert main([*args, "--steps", "4"]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "openk3: training aborted by a second Ctrl-C at step 3; the checkpoint was NOT saved, the run's latest "
+        f"checkpoint is step 2 ({run / 'checkpoints' / 'step-000002'}); continue with: {command}"
+    )
 
 
 def test_divergence_stops_before_the_update_and_keeps_the_last_checkpoint(corpus, tmp_path, capsys):

@@ -174,7 +174,7 @@ def _train(args: argparse.Namespace) -> int:
     from openk3.train.run_lock import check_run_free
     from openk3.train.schedule import parse_context_schedule
     from openk3.train.state import latest_checkpoint, load_trainer_state
-    from openk3.train.trainer import TrainConfig, train
+    from openk3.train.trainer import TrainConfig, resume_command, train
 
     given = {
         k: v
@@ -233,7 +233,7 @@ def _train(args: argparse.Namespace) -> int:
         config = TrainConfig.from_dict({**saved, **given})
     else:
         config = TrainConfig(**given)
-    summary = train(config, resume=args.resume)
+    summary = train(config, resume=args.resume, resume_with=args.resume_command)
     print(f"checkpoint: {summary['checkpoint']}")
     if "val_loss" in summary:
         print(
@@ -247,7 +247,9 @@ def _train(args: argparse.Namespace) -> int:
             f"{summary['val_subset_tokens']:,} val tokens (the run is not finished)"
         )
     if summary["interrupted"]:
-        print(f"stopped at step {summary['step']}; continue with: openk3 train --out {config.out} --resume")
+        print(
+            f"stopped at step {summary['step']}; continue with: {resume_command(config.out, args.resume_command)}"
+        )
         return 130 if not config.stop_at_step else 0
     if config.sample_prompt:
         _print_sample(args, config, summary["checkpoint"])
@@ -737,6 +739,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its latest checkpoint"
+    )
+    tr.add_argument(
+        "--resume-command",
+        metavar="CMD",
+        help="the command that the lines after a Ctrl-C give for continuing the run (default: openk3 train "
+        "--out OUT --resume; scripts/quickstart.sh passes its own, which also samples)",
     )
     tr.add_argument(
         "--sample-prompt",

@@ -5,10 +5,11 @@ at all.
 :func:`check_new_folder` runs before any slow work and raises ``FileExistsError`` naming the path and what
 it holds (a checkpoint, a training run, a draft, other files), so a command never writes over a run's
 ``final`` export, a checkpoint or a folder of one's own; and ``ValueError`` naming the path when no folder can
-be made there (:func:`out_dir_problem`, which the benchmarks' ``--out`` checks use too). :func:`folder_written_whole` is the write itself:
-the command fills a temporary sibling folder (``.tmp-NAME-XXXX`` beside ``NAME``) and it is renamed into
-place only when everything is written, so an interrupted write (Ctrl-C, a crash, a full disk) leaves the
-folder absent (or, when replacing, as it was) and removes the temporary one.
+be made there (:func:`out_dir_problem`, which the benchmarks' ``--out`` checks use too).
+:func:`folder_written_whole` is the write itself: the command fills a temporary sibling folder
+(``.tmp-NAME-XXXX`` beside ``NAME``) and it is renamed into place only when everything is written, so an
+interrupted write (Ctrl-C, a crash, a full disk) leaves the folder absent (or, when replacing, as it was) and
+removes the temporary one.
 """
 
 from __future__ import annotations
@@ -34,21 +35,34 @@ def _what_it_holds(path: Path) -> str:
 
 def out_dir_problem(path: str | os.PathLike, flag: str = "--out") -> str | None:
     """Why no folder can be made (or written into) at ``path``, given by the option ``flag``, or ``None``:
-    ``"--out P: Q exists and is not a directory"``, ``"--out P: Q is not writable (reason)"`` for the nearest
-    part ``Q`` of ``P`` that exists, or the OS's reason for refusing the name (``File name too long``).
-    ``Q`` is probed by making and removing an empty folder in it: ``os.access`` tells root that ``/proc`` is
-    writable. Nothing is left behind, and nothing raises."""
+    ``"--out P: Q exists and is not a directory"`` for a part ``Q`` of ``P`` that is a file; when ``P`` is
+    missing, ``"--out P: cannot create M (reason)"`` for its first missing part ``M`` (the child of the
+    nearest existing folder), probed by making and removing ``M`` itself, so the reason is the OS's for that
+    path (``/proc/q``: No such file or directory); when ``P`` is a folder, ``"--out P: P is not writable
+    (creating a folder in it fails: reason)"``, probed by making and removing an empty folder in it
+    (``os.access`` tells root that ``/proc`` is writable); or the OS's reason for refusing the name (``File
+    name too long``). Nothing is left behind, and nothing raises."""
     path = Path(path)
+    missing = None  # the part below the one being looked at, when that part is missing
     try:
         for part in (path, *path.parents):
-            if part.exists():
-                if not part.is_dir():
-                    return f"{flag} {path}: {part} exists and is not a directory"
-                try:
+            if not part.exists():
+                missing = part
+                continue
+            if not part.is_dir():
+                return f"{flag} {path}: {part} exists and is not a directory"
+            try:
+                if missing is None:
                     os.rmdir(tempfile.mkdtemp(prefix=".openk3-probe-", dir=part))
-                except OSError as err:
-                    return f"{flag} {path}: {part} is not writable ({err.strerror or err})"
-                return None
+                else:
+                    os.mkdir(missing)
+                    os.rmdir(missing)
+            except OSError as err:
+                why = err.strerror or err
+                if missing is None:
+                    return f"{flag} {path}: {part} is not writable (creating a folder in it fails: {why})"
+                return f"{flag} {path}: cannot create {missing} ({why})"
+            return None
     except OSError as err:
         return f"{flag} {path}: {err.strerror or err}"
     return None

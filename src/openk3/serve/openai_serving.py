@@ -198,7 +198,10 @@ class OpenAIServing:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(
-                    400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
+                    400,
+                    f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                    param="prompt",
+                    code="invalid_value",
                 )
         return prompts
 
@@ -210,6 +213,7 @@ class OpenAIServing:
                 400,
                 "num_speculative_tokens needs a server started with --draft",
                 param="num_speculative_tokens",
+                code="invalid_value",
             )
         base = uuid.uuid4().hex
         choices = []

@@ -547,6 +547,13 @@ def _os_reason(e: BaseException) -> str:
     )
 
 
+def resume_command(out: str | os.PathLike, given: str | None = None) -> str:
+    """The command that the stop and abort lines give for continuing the run in ``out``: ``given`` (``openk3
+    train --resume-command``; ``scripts/quickstart.sh`` passes its own, which also samples) or ``openk3 train
+    --out OUT --resume``."""
+    return given or f"openk3 train --out {out} --resume"
+
+
 def blowup_loss(vocab_size: int) -> float:
     """Training loss (nats/token) above which a run has diverged: ``2·ln(V) + 5``, far above ``ln V``, the loss
     of a uniform guess that an untrained model starts near (23.0 for ``V = 8192``)."""
@@ -554,7 +561,14 @@ def blowup_loss(vocab_size: int) -> float:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, resume: bool = False, progress: bool = True) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        resume: bool = False,
+        progress: bool = True,
+        resume_with: str | None = None,
+    ) -> None:
+        """``resume_with``: the command a second Ctrl-C's message gives (:func:`resume_command`)."""
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
         # the run records absolute input paths (also after a resume), so it resumes from any folder
@@ -566,6 +580,7 @@ class Trainer:
             else os.path.abspath(os.path.expanduser(config.tokenizer)),
         )
         self.config = config
+        self.resume_with = resume_with
         self.run_dir = Path(config.out)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ValueError(f"--out {self.run_dir} is a file, not a run folder: choose another --out")
@@ -722,7 +737,7 @@ class Trainer:
         if self.saved is None:
             return f"{head}; no checkpoint was saved (the run has none yet)"
         step, ckpt = self.saved
-        resume = f"continue with: openk3 train --out {self.config.out} --resume"
+        resume = f"continue with: {resume_command(self.config.out, self.resume_with)}"
         if step == self.step:
             return f"{head}; its checkpoint was saved ({ckpt}); {resume}"
         return f"{head}; the checkpoint was NOT saved, the run's latest checkpoint is step {step} ({ckpt}); {resume}"
@@ -899,8 +914,12 @@ class Trainer:
                 break
 
 
-def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
+def train(
+    config: TrainConfig, resume: bool = False, progress: bool = True, resume_with: str | None = None
+) -> dict:
     """Run (or resume) training; returns a summary: ``checkpoint``, ``step``, ``interrupted``,
     ``val_unigram_entropy`` and the last evaluation's keys: ``val_loss``/``val_ppl``/``val_tokens`` of the
-    final evaluation (``final_eval_batches``) when the run finished, else the last ``val_*_subset`` ones."""
-    return Trainer(config, resume=resume, progress=progress).fit()
+    final evaluation (``final_eval_batches``) when the run finished, else the last ``val_*_subset`` ones.
+    ``resume_with``: the command that continues the run, for a second Ctrl-C's message
+    (:func:`resume_command`)."""
+    return Trainer(config, resume=resume, progress=progress, resume_with=resume_with).fit()
