@@ -10,6 +10,7 @@ import torch
 
 from openk3.config import KimiK3Config
 from openk3.model.moe import RoutedExperts, experts_loop_reference, gathered_experts
+from openk3.model.router import MoEGate
 from openk3.presets import k3_shaped
 from openk3.train.host_syncs import HostSyncAudit
 
@@ -157,3 +158,36 @@ def test_inductor_gathered_path_equals_the_loop():
         got = compiled(experts, z, w, idx)
         want = experts_loop_reference(experts.double(), z.double(), w.double(), idx)
     assert ((got.double() - want).norm() / want.norm()).item() < 2e-6
+
+
+@pytest.mark.parametrize("N", [8, 20], ids=["few-slots", "more-slots-than-experts"])
+def test_traced_router_equals_the_eager_router(N):
+    """Traced without gradient with ``N·k ≤ E`` the router's logits are products and sums and its top-k a
+    sort; the experts, weights and cutoffs are the eager router's (fp64 scores: no near-ties), and the traced
+    graph has no ``topk`` there (it keeps it with more slots than experts)."""
+    cfg = experts_and_inputs(F64)[0].config
+    gate = MoEGate(cfg, 40).to(F64)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g, dtype=F64))
+        gate.e_score_correction_bias.copy_(0.1 * torch.randn(cfg.num_experts, generator=g))
+    x = torch.randn(N, 40, generator=g, dtype=F64)
+    ops: list[str] = []
+
+    def backend(gm, inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = gate(x)
+        got = torch.compile(gate, backend=backend, fullgraph=True)(x)
+    assert torch.equal(got.indices_Nk, want.indices_Nk)
+    for a, b in (
+        (got.weights_Nk, want.weights_Nk),
+        (got.cutoff_N, want.cutoff_N),
+        (got.scores_NE, want.scores_NE),
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    few = N * cfg.num_experts_per_token <= cfg.num_experts
+    assert any("topk" in op for op in ops) != few and any("sort" in op for op in ops) == few, ops

@@ -62,7 +62,9 @@ def run(eng, ps, n, tag="r"):
     return [out[r.request_id] for r in reqs], reqs
 
 
-def test_two_phase_attn_res_equals_one_phase():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "traced"])
+def test_two_phase_attn_res_equals_one_phase(compiled):
+    """Eager (phase 1 as einsums) and traced by ``torch.compile`` (products and sums; aot_eager) alike."""
     torch.manual_seed(0)
     D = 16
     sites = []
@@ -75,10 +77,11 @@ def test_two_phase_attn_res_equals_one_phase():
         s.index = sum(1 for t in sites[:i] if t.num_blocks == s.num_blocks)
     blocks = [torch.randn(3, 1, D, dtype=torch.float64) for _ in range(3)]
     res = TwoPhaseAttnRes(sites)
+    mix = torch.compile(res, backend="aot_eager", fullgraph=True) if compiled else res
     for s in sites:
         partial = torch.randn(3, 1, D, dtype=torch.float64)
         torch.testing.assert_close(
-            res(blocks[: s.num_blocks], partial, s.norm, s.proj),
+            mix(blocks[: s.num_blocks], partial, s.norm, s.proj),
             attn_res_mix(blocks[: s.num_blocks], partial, s.norm, s.proj),
             rtol=1e-12,
             atol=1e-12,

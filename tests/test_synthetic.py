@@ -119,7 +119,8 @@ def _per_token_loop(layer: KimiDeltaAttention, x_BTD: torch.Tensor, delta_rule: 
                     S = S - bt * torch.outer(kt, kt @ S)
                 S = S + bt * torch.outer(kt, vt)
                 out[b, t, h] = S.T @ q[b, t, h]
-    return layer._output(x_BTD, out)
+    G = layer.g_proj(x_BTD) if layer.full_rank_gate else layer.g_b_proj(layer.g_a_proj(x_BTD))
+    return layer.o_proj(layer.o_norm(out, G.view(B, T, H, K)).reshape(B, T, H * K))
 
 
 @pytest.mark.parametrize("mixer,delta_rule", [("gdn", True), ("decay", False)])

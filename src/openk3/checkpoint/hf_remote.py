@@ -38,6 +38,7 @@ MODEL_SOURCES = (
     "model/varlen.py",
     "model/short_conv.py",
     "model/cache.py",
+    "model/packing.py",
     "model/kda.py",
     "model/mla.py",
     "model/mlp.py",

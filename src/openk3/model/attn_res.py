@@ -22,7 +22,9 @@ partial the weight ``p = e^{z_p} / (e^{ℓ_b} + e^{z_p}) = σ(z_p − ℓ_b)`` a
 
     h = μ_b + σ(z_p − ℓ_b) · (v_p − μ_b)          # one lerp
 
-Equal to :func:`attn_res_mix` up to rounding; the server's forward uses it.
+Equal to :func:`attn_res_mix` up to rounding; the server's forward uses it. The contractions are products and
+sums (fused reductions under ``torch.compile``, where an ``einsum``/``addmv`` of a decode step's few rows ran
+as slow fp32 cuBLAS GEMMs and GEMVs); phase 1 eagerly stays an ``einsum``.
 
 Legend: ``B`` batch, ``T`` tokens, ``D`` width, ``N`` sources (or completed blocks), ``Q`` mixes that read
 one block set.
@@ -119,8 +121,13 @@ class TwoPhaseAttnRes:
         gain_QD = torch.stack([s.norm.weight for s in group]).to(compute)
         q_QD = gain_QD * torch.stack([s.proj.weight[0] for s in group]).to(compute)
         v_NBTD = torch.stack(blocks).to(compute)
-        z_QNBT = torch.einsum("qd,nbtd->qnbt", q_QD, rms_normalize(v_NBTD, group[0].norm.eps))
-        mix_QBTD = torch.einsum("qnbt,nbtd->qbtd", torch.softmax(z_QNBT, 1), v_NBTD)
+        x_NBTD = rms_normalize(v_NBTD, group[0].norm.eps)
+        if torch.compiler.is_compiling():  # products and sums, each one fused reduction (see attn_res_mix)
+            z_QNBT = (q_QD[:, None, None, None, :] * x_NBTD).sum(-1)
+            mix_QBTD = (torch.softmax(z_QNBT, 1)[..., None] * v_NBTD).sum(1)
+        else:  # eagerly the products would hold Q·N·B·T·D numbers (a prefill chunk: gigabytes)
+            z_QNBT = torch.einsum("qd,nbtd->qnbt", q_QD, x_NBTD)
+            mix_QBTD = torch.einsum("qnbt,nbtd->qbtd", torch.softmax(z_QNBT, 1), v_NBTD)
         return q_QD, -torch.logsumexp(z_QNBT, 1), mix_QBTD
 
     def __call__(
@@ -135,7 +142,6 @@ class TwoPhaseAttnRes:
         q_QD, neg_lse_QBT, mix_QBTD = self.stats[site.num_blocks]
         j = site.index
         v_BTD = partial_BTD.to(compute)
-        D = v_BTD.shape[-1]
-        z_M = torch.addmv(neg_lse_QBT[j].flatten(), rms_normalize(v_BTD, site.norm.eps).view(-1, D), q_QD[j])
-        p_BT1 = torch.sigmoid(z_M).view(*v_BTD.shape[:-1], 1)  # σ(z_p − ℓ_b), M = B·T
+        z_BT = neg_lse_QBT[j] + (rms_normalize(v_BTD, site.norm.eps) * q_QD[j]).sum(-1)
+        p_BT1 = torch.sigmoid(z_BT)[..., None]  # σ(z_p − ℓ_b)
         return torch.lerp(mix_QBTD[j], v_BTD, p_BT1).to(partial_BTD.dtype)

@@ -39,6 +39,7 @@ from torch import nn
 
 from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import GatedRMSNorm
+from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
 from openk3.model.short_conv import ShortConvolution, short_conv_step_
 from openk3.ops.decay_only import parallel_decay_only
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool, kda_gate, l2norm
@@ -79,6 +80,30 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, config.rms_norm_eps)
         self.o_proj = nn.Linear(P, D, bias=False)
         self.full_rank_gate = la.use_full_rank_gate
+        self.packed: PackedProjection | None = None
+        """The six input projections as one GEMM (:meth:`pack_projections`, the server's decode step)."""
+
+    def pack_projections(self) -> None:
+        """Pack ``q, k, v, f_a, b`` and the output gate's input projection (``g_proj`` or ``g_a_proj``) into
+        one matrix (:func:`~openk3.model.packing.pack_linears`); :meth:`input_projections` then runs one GEMM
+        in forwards without gradient."""
+        self.packed = pack_linears(self._input_linears())
+
+    def input_projections(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, f_a x, b x, gate input)`` of the normed input, before the convolutions: one GEMM when
+        packed and without gradient, else six."""
+        packed = packed_or_none(self.packed)
+        if packed is not None:
+            return packed(x_BTD)
+        return tuple(lin(x_BTD) for lin in self._input_linears())
+
+    def _input_linears(self) -> list[nn.Linear]:
+        gate = self.g_proj if self.full_rank_gate else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
+
+    def output_gate(self, gate_in_BTX: torch.Tensor) -> torch.Tensor:
+        """``G [B, T, P]`` from the gate's input projection (``g_proj x``, or ``g_a_proj x`` through ``g_b_proj``)."""
+        return gate_in_BTX if self.full_rank_gate else self.g_b_proj(gate_in_BTX)
 
     def forward(
         self,
@@ -109,7 +134,7 @@ class KimiDeltaAttention(nn.Module):
             o_BTHK = parallel_decay_only(
                 q_BTHK, k_BTHK, v_BTP.view(B, T, H, K), g_BTH, beta_logits_BTH.sigmoid()
             )
-            return self._output(x_BTD, o_BTHK)
+            return self._output(self.output_gate(self._input_linears()[-1](x_BTD)), o_BTHK)
         dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
         q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, H, K) for t in (q_BTP, k_BTP, v_BTP))
         g_raw_BTHK = g_raw_BTHG.expand(B, T, H, K)
@@ -119,7 +144,7 @@ class KimiDeltaAttention(nn.Module):
         )
         if keep:
             cache.conv_states, cache.recurrent_state = conv_states, state
-        return self._output(x_BTD, o_BTHK)
+        return self._output(self.output_gate(self._input_linears()[-1](x_BTD)), o_BTHK)
 
     def short_convolutions(
         self, x_BTD: torch.Tensor, cache: KDACache | None, cu_seqlens: torch.Tensor | None
@@ -187,9 +212,8 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         weight_3PW = torch.stack([c.weight[:, 0, :] for c in convs]).to(x_BTD.dtype)
-        proj_B3PT = torch.stack([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], 2).permute(
-            0, 2, 3, 1
-        )
+        q_BTP, k_BTP, v_BTP, f_a_BTK, b_BTH, gate_in = self.input_projections(x_BTD)
+        proj_B3PT = torch.stack([q_BTP, k_BTP, v_BTP], 2).permute(0, 2, 3, 1)
         if slots.verify:  # the conv window after token t: the last W − 1 inputs up to it
             W1 = slots.conv.shape[-1]
             xp_B3PS = torch.cat([slots.conv.to(proj_B3PT.dtype), proj_B3PT], -1)
@@ -198,9 +222,9 @@ class KimiDeltaAttention(nn.Module):
             rec_steps = slots.recurrent.new_empty(B, T, *slots.recurrent.shape[1:])
         qkv_BT3P = short_conv_step_(proj_B3PT, slots.conv, weight_3PW).permute(0, 3, 1, 2)
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3P[:, :, i].reshape(B, T, H, K) for i in range(3))
-        g_raw_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1).expand(B, T, H, K)
+        g_raw_BTHK = self.f_b_proj(f_a_BTK).view(B, T, H, -1).expand(B, T, H, K)
         dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
-        beta_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        beta_BTH = b_BTH.to(torch.promote_types(x_BTD.dtype, torch.float32))
         o_BTHK = fused_recurrent_kda_pool(
             q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_BTH, slots.recurrent, A_log=self.A_log[:H],
             dt_bias=dt_bias, lower_bound=self.lower_bound, use_beta_sigmoid_in_kernel=True,
@@ -208,11 +232,10 @@ class KimiDeltaAttention(nn.Module):
         )  # fmt: skip
         if slots.verify:
             slots.steps = (rec0, rec_steps, conv_steps)
-        return self._output(x_BTD, o_BTHK)
+        return self._output(self.output_gate(gate_in), o_BTHK)
 
-    def _output(self, x_BTD: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:
-        """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` ``[B, T, D]`` for the op's output ``o_BTHK``."""
+    def _output(self, gate_BTP: torch.Tensor, o_BTHK: torch.Tensor) -> torch.Tensor:
+        """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` ``[B, T, D]`` for the op's output ``o_BTHK`` and ``G = gate_BTP``."""
         B, T, H, K = o_BTHK.shape
-        gate_BTP = self.g_proj(x_BTD) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
-        o_BTHK = self.o_norm(o_BTHK.to(x_BTD.dtype), gate_BTP.view(B, T, H, K))
+        o_BTHK = self.o_norm(o_BTHK.to(gate_BTP.dtype), gate_BTP.view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))

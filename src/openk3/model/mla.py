@@ -27,6 +27,7 @@ from torch import nn
 
 from openk3.model.cache import MLACache, PagedLatents
 from openk3.model.norm import RMSNorm
+from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
 from openk3.model.varlen import document_ids
 
 ABSORB_MAX_TOKENS = 16
@@ -75,11 +76,34 @@ class MultiheadLatentAttention(nn.Module):
         self.q_lora = config.q_lora_rank is not None
         self.attn_impl = "auto"
         """``"naive"``, ``"absorb"`` or ``"auto"`` (absorbed when decoding a few tokens over a cache)."""
+        self.packed: PackedProjection | None = None
+        """The input projections as one GEMM (:meth:`pack_projections`, the server's forwards)."""
 
-    def query(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q_nope [B, T, H, n], q_pe [B, T, H, r])`` from the normed input (also used by the server)."""
+    def _input_linears(self) -> list[nn.Linear]:
+        q = self.q_a_proj if self.q_lora else self.q_proj
+        return [q, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
+
+    def pack_projections(self) -> None:
+        """Pack the query's first projection, ``kv_a_proj_with_mqa`` and ``g_proj`` into one matrix
+        (:func:`~openk3.model.packing.pack_linears`), read by forwards without gradient."""
+        self.packed = pack_linears(self._input_linears())
+
+    def input_projections(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(q_a x | q x, kv_a_proj_with_mqa x[, g_proj x])``: one GEMM when packed and without gradient."""
+        packed = packed_or_none(self.packed)
+        if packed is not None:
+            return packed(x_BTD)
+        return tuple(lin(x_BTD) for lin in self._input_linears())
+
+    def query(
+        self, x_BTD: torch.Tensor, q_in: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_nope [B, T, H, n], q_pe [B, T, H, r])`` from the normed input (also used by the draft);
+        ``q_in``: its first projection (``q_a_proj x`` or ``q_proj x``) when already computed."""
         B, T, _ = x_BTD.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
+        if q_in is None:
+            q_in = self._input_linears()[0](x_BTD)
+        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora else q_in
         q_BTHd = q.view(B, T, self.num_heads, self.nope + self.rope)
         return q_BTHd[..., : self.nope], q_BTHd[..., self.nope :]
 
@@ -92,8 +116,8 @@ class MultiheadLatentAttention(nn.Module):
         """Args: ``x_BTD`` normed input; ``cache`` (appended in place); ``cu_seqlens`` int64 ``[N+1]`` (B = 1,
         no cache). Returns ``[B, T, D]``."""
         B, T, _ = x_BTD.shape
-        q_nope, q_pe = self.query(x_BTD)
-        ckv_BTd = self.kv_a_proj_with_mqa(x_BTD)
+        q_in, ckv_BTd, *gate = self.input_projections(x_BTD)
+        q_nope, q_pe = self.query(x_BTD, q_in)
         c_BTC = self.kv_a_layernorm(ckv_BTd[..., : self.kv_lora_rank])
         k_pe_BTr = ckv_BTd[..., self.kv_lora_rank :]
         c_BTC, k_pe_BTr, mask_TS = self.attended_latents(c_BTC, k_pe_BTr, cache, cu_seqlens)
@@ -108,8 +132,8 @@ class MultiheadLatentAttention(nn.Module):
         attend = self.absorbed_attention if absorb else self.naive_attention
         o_BTHv = attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS)
         o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
-        if self.g_proj is not None:
-            o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
+        if gate:
+            o_BTP = o_BTP * torch.sigmoid(gate[0])
         return self.o_proj(o_BTP)
 
     def attended_latents(self, c_BTC, k_pe_BTr, cache: MLACache | PagedLatents | None, cu_seqlens):

@@ -40,7 +40,8 @@ from torch import nn
 from openk3.model.activations import glu
 from openk3.model.mlp import MLP
 from openk3.model.norm import RMSNorm
-from openk3.model.router import MoEGate, RouterOutput
+from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
+from openk3.model.router import MoEGate, RouterOutput, few_token_slots
 from openk3.model.routing_stats import COUNT_DTYPE, RoutingStats, accumulate_histogram_, histogram_range
 from openk3.quant.mxfp4 import mxfp4_ste, mxfp8_ste
 
@@ -160,8 +161,7 @@ class RoutedExperts(nn.Module):
         :func:`gathered_experts` for a few tokens without gradient under ``torch.compile`` (``N·k ≤ E``: the
         decode step), else sorted slots and grouped GEMMs (:func:`combine_experts`)."""
         w = (self.w1, self.w3, self.w2)
-        few = indices_Nk.numel() <= self.w1.shape[0] and not torch.is_grad_enabled()
-        if few and not self.qat and torch.compiler.is_compiling():
+        if few_token_slots(indices_Nk.numel(), self.w1.shape[0]) and not self.qat:
             return gathered_experts(self.config, z_NL, weights_Nk, indices_Nk, *w)
         if self.qat:
             return combine_experts(self.config, z_NL, weights_Nk, indices_Nk, *map(mxfp4_ste, w), mxfp8_ste)
@@ -212,6 +212,20 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer("routing_margin_range", None, persistent=False)  # fp64 [2]: lo, bin width
         self.register_buffer("routing_range_set", None, persistent=False)  # bool []: routing_range_fixed
         self.routing_range_fixed = False
+        self.packed: PackedProjection | None = None
+        """The latent down projection and the shared experts' gate and up as one GEMM (:meth:`pack_projections`)."""
+
+    def pack_projections(self) -> None:
+        """Pack ``routed_expert_down_proj`` with the shared experts' ``gate_proj`` and ``up_proj`` (they read
+        the same input) into one matrix, read by forwards without gradient; the shared experts get the view of
+        their rows as their own pack. Nothing to do without a latent path or shared experts (the router runs
+        in fp32 and stays apart)."""
+        shared = self.shared_experts
+        if not self.is_latent or shared is None:
+            return
+        self.packed = pack_linears([self.routed_expert_down_proj, shared.gate_proj, shared.up_proj])
+        L = self.packed.sizes[0]
+        shared.packed = PackedProjection.of(self.packed.weight[L:], (shared.gate_proj, shared.up_proj))
 
     # ------------------------------------------------------------------------------------ routing statistics
     def track_routing(self, bins: int) -> None:
@@ -293,12 +307,18 @@ class SparseMoeBlock(nn.Module):
         routing = self.gate(x_ND)
         if self.training and self.routing_counts_E is not None:
             self.count_routing(routing)
-        z_NL = self.routed_expert_down_proj(x_ND) if self.is_latent else x_ND
+        packed = packed_or_none(self.packed)
+        if packed is not None:  # one GEMM for the latent input and the shared experts' gate and up
+            z_NL, gate_NF, up_NF = packed(x_ND)
+            shared_ND = self.shared_experts.down(gate_NF, up_NF)
+        else:
+            z_NL = self.routed_expert_down_proj(x_ND) if self.is_latent else x_ND
+            shared_ND = self.shared_experts(x_ND) if self.shared_experts is not None else None
         e_NL = self.experts(z_NL, routing.weights_Nk, routing.indices_Nk)
         if self.is_latent:
             if self.routed_expert_norm is not None:
                 e_NL = self.routed_expert_norm(e_NL)
             e_NL = self.routed_expert_up_proj(e_NL)
-        if self.shared_experts is not None:
-            e_NL = e_NL + self.shared_experts(x_ND)
+        if shared_ND is not None:
+            e_NL = e_NL + shared_ND
         return e_NL.reshape(x_BTD.shape)

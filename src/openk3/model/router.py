@@ -22,6 +22,14 @@ import torch
 from torch import nn
 
 
+def few_token_slots(num_slots: int, num_experts: int) -> bool:
+    """Whether a routing of ``num_slots = N·k`` token-slots is a decode step's: traced by ``torch.compile``,
+    without gradient, no more slots than experts. Such a step is a chain of kernels whose launches, not their
+    bytes, set its time; there the router and the experts take forms Inductor fuses into fewer kernels (the
+    router's logits as products and sums, its top-k as a sort; :func:`~openk3.model.moe.gathered_experts`)."""
+    return num_slots <= num_experts and not torch.is_grad_enabled() and torch.compiler.is_compiling()
+
+
 @dataclass
 class RouterOutput:
     """What one routing call decided, and what balancing needs.
@@ -62,11 +70,18 @@ class MoEGate(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> RouterOutput:
         compute = torch.float64 if x_ND.dtype == torch.float64 else torch.float32
-        logits_NE = x_ND.to(compute) @ self.weight.to(compute).t()
+        k, E = self.top_k, self.num_experts
+        few = few_token_slots(x_ND.shape[0] * k, E)
+        if few:  # one fused reduction with the casts and the sigmoid
+            logits_NE = (x_ND.to(compute)[:, None, :] * self.weight.to(compute)).sum(-1)
+        else:
+            logits_NE = x_ND.to(compute) @ self.weight.to(compute).t()
         s_NE = torch.sigmoid(logits_NE) if self.activation == "sigmoid" else torch.softmax(logits_NE, -1)
         biased_NE = s_NE + self.e_score_correction_bias.to(compute)
-        k, E = self.top_k, self.num_experts
-        top_vals, top_idx = torch.topk(biased_NE, min(k + 1, E), dim=-1, sorted=True)
+        if few:  # Inductor sorts a short row in one Triton kernel; top-k is two or three library kernels
+            top_vals, top_idx = (t[:, : min(k + 1, E)] for t in torch.sort(biased_NE, -1, descending=True))
+        else:
+            top_vals, top_idx = torch.topk(biased_NE, min(k + 1, E), dim=-1, sorted=True)
         idx_Nk = top_idx[:, :k]
         cutoff_N = top_vals[:, k] if k < E else torch.full_like(top_vals[:, 0], float("-inf"))
         w_Nk = s_NE.gather(-1, idx_Nk)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from openk3.model.packing import pack_for_inference
 from openk3.serve.block_pool import BlockPool
 from openk3.serve.cache_storage import CacheStorage, PageLayout
 from openk3.serve.config import EngineConfig
@@ -90,7 +91,7 @@ class LLMEngine:
         ``num_speculative_tokens`` drafted tokens per step by default (:mod:`openk3.serve.speculative`)."""
         self.config = config or EngineConfig()
         self.model = model.eval()
-        lm = language_model(model)
+        lm = pack_for_inference(language_model(model))  # one GEMM per layer input (model/packing.py)
         self.vocab_size = lm.config.vocab_size
         if self.config.scheduler.max_model_len > lm.config.max_position_embeddings:
             raise ValueError(

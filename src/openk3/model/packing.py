@@ -1,0 +1,98 @@
+"""Packed projections for inference: the linears of a layer that read one input, run as one GEMM.
+
+A decode step of a small batch is bound by kernel launches, not by bytes: each ``nn.Linear`` is a GEMM (a
+GEMV at one token) of a few microseconds however small its weight. A KDA layer reads its normed input six
+times (``q``, ``k``, ``v``, ``f_a``, ``b``, ``g_a``), an MLA layer three times, a MoE block three (the latent
+down projection and the shared experts' gate and up). :func:`pack_linears` re-homes such weights as row
+views of one ``[ΣO, I]`` matrix, so the layer can run ``F.linear(x, packed)`` once and split the result::
+
+    [y_1 | … | y_n] = x · [W_1; …; W_n]ᵀ           # one GEMM, the same bytes read as n GEMMs read
+
+The parameters stay ``nn.Linear`` weights with their names, so ``state_dict``, ``load_state_dict`` (an
+in-place copy: a weight sync updates the packed matrix too) and checkpoint names are unchanged; no weight
+is stored twice. Moving, casting, replacing or deep-copying a parameter breaks the tie
+(:meth:`PackedProjection.tied`): eager forwards then run the separate linears, and :func:`pack_for_inference`
+packs again.
+
+Only forwards without gradient read the packed matrix (autograd would send the gradient to it, not to the
+parameters); training runs the separate linears. The server packs its model once
+(:class:`~openk3.serve.model_runner.ModelRunner`).
+
+Legend: ``I`` input width, ``O`` output width of one linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class PackedProjection:
+    """``weight [ΣO, I]``, whose row blocks (``sizes``, in order) are the weights of ``linears``; ``ptrs`` the
+    addresses those weights had when packed (:meth:`of`)."""
+
+    weight: torch.Tensor
+    sizes: tuple[int, ...]
+    linears: tuple[nn.Linear, ...]
+    ptrs: tuple[int, ...]
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, linears: tuple[nn.Linear, ...]) -> PackedProjection:
+        """The pack of ``linears`` whose weights are, in order, the row blocks of ``weight``."""
+        return cls(weight, tuple(lin.weight.shape[0] for lin in linears), linears,
+                   tuple(lin.weight.data_ptr() for lin in linears))  # fmt: skip
+
+    def __call__(self, x_SI: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The outputs of the linears, ``[*, O_j]`` each, views of one GEMM's output."""
+        return F.linear(x_SI, self.weight).split(self.sizes, -1)
+
+    def tied(self) -> bool:
+        """Whether every linear's weight still is the view of :attr:`weight` it was given: a parameter moved
+        or cast (``Module.to``, ``.float()``), replaced or deep-copied has other memory. (The pack holds its
+        memory, so no other tensor can take those addresses.)"""
+        return all(lin.weight.data_ptr() == p for lin, p in zip(self.linears, self.ptrs))
+
+
+def pack_linears(linears: list[nn.Linear] | tuple[nn.Linear, ...]) -> PackedProjection:
+    """Copy the weights of ``linears`` (no bias, one input width, one dtype and device) into one matrix and
+    make each weight a parameter viewing its rows (``requires_grad`` kept). Raises ``ValueError`` otherwise."""
+    linears = tuple(linears)
+    w0 = linears[0].weight
+    for lin in linears:
+        if lin.bias is not None:
+            raise ValueError("pack_linears: a linear with a bias cannot be packed")
+        w = lin.weight
+        if w.shape[1] != w0.shape[1] or w.dtype != w0.dtype or w.device != w0.device:
+            raise ValueError("pack_linears: the linears must share input width, dtype and device")
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    offset = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[offset : offset + n], requires_grad=lin.weight.requires_grad)
+        offset += n
+    return PackedProjection.of(weight, linears)
+
+
+def packed_or_none(packed: PackedProjection | None) -> PackedProjection | None:
+    """``packed`` when a forward may read it, else ``None`` (run the separate linears): not with gradient, and
+    not once the tie broke (checked eagerly; a compiled step trusts the pack its engine made, as its CUDA
+    graphs trust the parameters' addresses)."""
+    if packed is None or torch.is_grad_enabled():
+        return None
+    return packed if torch.compiler.is_compiling() or packed.tied() else None
+
+
+def pack_for_inference(model: nn.Module) -> nn.Module:
+    """Pack the projections of every layer of ``model`` that can (a ``pack_projections`` method), again where
+    a tie broke; returns ``model``. Idempotent: tied packs are kept."""
+    for module in model.modules():
+        pack = getattr(module, "pack_projections", None)
+        if pack is not None:
+            packed = module.packed
+            if packed is None or not packed.tied():
+                pack()
+    return model
