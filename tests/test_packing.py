@@ -45,7 +45,9 @@ def test_pack_linears_keeps_outputs_names_and_memory():
     x = torch.randn(4, 8, dtype=torch.float64)
     want = [lin(x) for lin in lins]
     before = [lin.weight.detach().clone() for lin in lins]
+    params = [lin.weight for lin in lins]
     packed = pack_linears(lins)
+    assert all(lin.weight is p for lin, p in zip(lins, params))  # an optimizer's references stay the model's
     assert packed.weight.shape == (10, 8) and packed.sizes == (3, 5, 2)
     for lin, w in zip(lins, before):
         assert isinstance(lin.weight, torch.nn.Parameter) and torch.equal(lin.weight, w)

@@ -8,9 +8,9 @@ views of one ``[ΣO, I]`` matrix, so the layer can run ``F.linear(x, packed)`` o
 
     [y_1 | … | y_n] = x · [W_1; …; W_n]ᵀ           # one GEMM, the same bytes read as n GEMMs read
 
-The parameters stay ``nn.Linear`` weights with their names, so ``state_dict``, ``load_state_dict`` (an
-in-place copy: a weight sync updates the packed matrix too) and checkpoint names are unchanged; no weight
-is stored twice. Moving, casting, replacing or deep-copying a parameter breaks the tie
+The parameters stay the same ``nn.Parameter`` objects with their names (only their ``.data`` now views the
+pack), so ``state_dict``, checkpoint names, an optimizer built before and in-place writes (``load_state_dict``,
+a weight sync, an optimizer step) all keep working and reach the pack; no weight is stored twice. Moving, casting, replacing or deep-copying a parameter breaks the tie
 (:meth:`PackedProjection.tied`): eager forwards then run the separate linears, and :func:`pack_for_inference`
 packs again.
 
@@ -59,7 +59,8 @@ class PackedProjection:
 
 def pack_linears(linears: list[nn.Linear] | tuple[nn.Linear, ...]) -> PackedProjection:
     """Copy the weights of ``linears`` (no bias, one input width, one dtype and device) into one matrix and
-    make each weight a parameter viewing its rows (``requires_grad`` kept). Raises ``ValueError`` otherwise."""
+    point each weight (the same ``nn.Parameter``, so an optimizer holding it still updates the model, and the
+    pack) at its rows. Raises ``ValueError`` otherwise."""
     linears = tuple(linears)
     w0 = linears[0].weight
     for lin in linears:
@@ -70,9 +71,9 @@ def pack_linears(linears: list[nn.Linear] | tuple[nn.Linear, ...]) -> PackedProj
             raise ValueError("pack_linears: the linears must share input width, dtype and device")
     weight = torch.cat([lin.weight.detach() for lin in linears])
     offset = 0
-    for lin in linears:
+    for lin in linears:  # the same Parameter objects, now over the pack's rows: an optimizer keeps them
         n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[offset : offset + n], requires_grad=lin.weight.requires_grad)
+        lin.weight.data = weight[offset : offset + n]
         offset += n
     return PackedProjection.of(weight, linears)
 
