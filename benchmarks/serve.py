@@ -32,8 +32,8 @@ token (every request produces exactly its ``max_tokens``).
     python benchmarks/serve.py --preset k3-small k3-1b --device cuda --prefix 32768 --new-tokens 64 \
         --decode-tokens 64 --block-size 512 --repeats 2 --peer --out OUT_DIR       # the GPU targets
 
-On CUDA, prefill chunks default to 8192 tokens (``--long-prefill-token-threshold``) with a KDA checkpoint every
-8192 tokens, the step budget to 8192 + the largest ``N``. Prints a Markdown report. ``--out`` is a ``.md``
+The engine's sizes default to those of ``openk3 serve`` on the device (on CUDA: 512-token blocks, 16384-token
+prefill chunks with a KDA checkpoint every chunk, a step budget of two chunks; on a CPU: 16, 256, 512). Prints a Markdown report. ``--out`` is a ``.md``
 file (the report) or a folder, which receives ``serve_<device>.md`` and ``serve_<device>.json`` (device:
 ``cpu`` or the GPU's short name, e.g. ``h200``). Every argument, ``--out`` included, is checked before a model
 is built (a bad one: one line and exit status 2).
@@ -61,6 +61,7 @@ from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.generate import greedy
 from openk3.presets import PRESETS
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+from openk3.serve.config import engine_defaults
 
 SUFFIX = 16
 """Distinct tokens after the shared prefix of each TTFT request."""
@@ -87,12 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--plain-requests", type=int, default=1, help="requests per timed plain-loop run, >= 1")
     p.add_argument("--repeats", type=int, default=2, help="rounds per measurement (the best is reported)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default 512 on CPU, see above")
+    p.add_argument("--block-size", type=int, help="default 16 on CPU, 512 on CUDA")
+    p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default two prefill chunks")
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        help="prefill chunk, >= 1; default 256 on CPU, 8192 on CUDA",
+        help="prefill chunk, >= 1; default 256 on CPU, 16384 on CUDA",
     )
     p.add_argument("--peer", action="store_true", help="also time transformers kimi_linear generate")
     p.add_argument(
@@ -120,19 +121,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.decode_tokens = args.new_tokens
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.pool_mib is None:
-        args.pool_mib = 8192.0 if cuda else 256.0
-    if args.long_prefill_token_threshold is None:
-        args.long_prefill_token_threshold = 8192 if cuda else 256
     if min(args.streams) < 1:
         p.error("every --streams value must be at least 1")
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = args.long_prefill_token_threshold + max(args.streams) if cuda else 512
+    fill_engine_sizes(args, max(args.streams))
     counts = ("prefix", "new_tokens", "decode_tokens", "prompt", "repeats", "plain_requests", "block_size")
     check_engine_args(
         p,
         args,
-        (*counts, "max_num_batched_tokens", "long_prefill_token_threshold"),
+        (
+            *counts,
+            "long_prefill_token_threshold",
+            "max_num_batched_tokens",
+        ),  # the budget's default follows the chunk
         {"pool_mib": "MiB", "bandwidth": "bytes/s", "peak": "FLOP/s"},
     )
     for preset in args.preset:
@@ -206,9 +206,15 @@ def throughput_model_len(args: argparse.Namespace) -> int:
     return args.prompt + args.decode_tokens + 1
 
 
-def checkpoint_interval(args) -> int:
-    """KDA checkpoint every this many blocks: one prefill chunk's worth, so checkpoints do not cut chunks."""
-    return max(1, args.long_prefill_token_threshold // args.block_size)
+def fill_engine_sizes(args: argparse.Namespace, max_num_seqs: int) -> None:
+    """Set the engine sizes not given (``None``: ``block_size``, ``pool_mib``, ``long_prefill_token_threshold``,
+    ``max_num_batched_tokens``) and ``checkpoint_interval`` to ``--device``'s defaults, those of
+    ``openk3 serve`` (:func:`openk3.serve.config.engine_defaults`); a given value (a bad one too, refused
+    later by :func:`check_engine_args`) is kept."""
+    names = ("block_size", "pool_mib", "long_prefill_token_threshold", "max_num_batched_tokens")
+    sizes = engine_defaults(args.device, {n: getattr(args, n) for n in names}, max_num_seqs)
+    for name, value in sizes.items():
+        setattr(args, name, value)
 
 
 def sync(device: str) -> None:
@@ -258,7 +264,7 @@ def device_tag(env: dict) -> str:
 
 def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
     cache = CacheConfig(
-        block_size=args.block_size, pool_mib=args.pool_mib, checkpoint_interval=checkpoint_interval(args)
+        block_size=args.block_size, pool_mib=args.pool_mib, checkpoint_interval=args.checkpoint_interval
     )
     sched = SchedulerConfig(
         max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs + args.block_size),
@@ -627,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join(sys.argv if argv is None else ["benchmarks/serve.py", *argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "env": env,
-        "checkpoint_interval": checkpoint_interval(args),
+        "checkpoint_interval": args.checkpoint_interval,
         "presets": [],
     }
     for name in args.preset:

@@ -22,8 +22,8 @@ the median wall time of ``--steps`` further decode steps run without the profile
 step costs), the decode step's kernels by family (:data:`KERNEL_FAMILIES`: GEMMs, Inductor's Triton kernels,
 sort/top-k, ...; on a GPU), and the operators with the most self time over all profiled decode steps.
 
-    python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 16384 --streams 1 64 \\
-        --out OUT_DIR        # GPU: 8192-token chunks (a first chunk, then one continuing a cached prefix)
+    python benchmarks/serve_profile.py --preset k3-small --device cuda --prefill 32768 --streams 1 64 \\
+        --out OUT_DIR        # GPU: 16384-token chunks (a first chunk, then one continuing a cached prefix)
     python benchmarks/serve_profile.py --prefill 512 --streams 1 8 --out /tmp/p   # CPU, k3-tiny
 
 ``--out`` is a folder; it receives ``serve_profile_<device>.md`` and ``.json``. Every argument, ``--out``
@@ -45,9 +45,9 @@ from serve import (
     DTYPES,
     check_engine_args,
     check_positions,
-    checkpoint_interval,
     device_tag,
     environment,
+    fill_engine_sizes,
     sync,
 )
 from torch.autograd import DeviceType
@@ -86,6 +86,7 @@ KERNEL_FAMILIES = (
     ("attention", ("fmha", "attention", "flash")),
     ("Inductor (Triton)", ("triton_",)),
     ("copy / fill", ("copy", "Memcpy", "Memset", "fill")),
+    ("ATen elementwise / reduce", ("elementwise", "reduce_kernel", "CatArray", "gather", "index", "norm")),
 )
 """Kernel families of the decode breakdown: the first family one of whose substrings (case-insensitive) a
 kernel's name holds; ``other (ATen)`` for the rest."""
@@ -122,14 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch size")
     p.add_argument("--block-size", type=int, help="default 512 on CUDA, else 16")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, help="default 8192 + the largest batch on CUDA, else 512"
-    )
+    p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default two prefill chunks")
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         help="prompt tokens per prefill chunk, >= 1 (0 is refused, as by the engine's SchedulerConfig); "
-        "default 8192 on CUDA, else 256",
+        "default 16384 on CUDA, else 256",
     )
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
     p.add_argument("--top", type=int, default=15, help="operators listed in the report")
@@ -141,19 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.streams) < 1:
         p.error("every --streams value must be at least 1")
-    cuda = args.device.startswith("cuda")
-    defaults = {
-        "block_size": 512 if cuda else 16,
-        "long_prefill_token_threshold": 8192 if cuda else 256,
-        "max_num_batched_tokens": 8192 + max(args.streams) if cuda else 512,
-        "dtype": "bfloat16" if cuda else "float32",
-        "pool_mib": 8192.0 if cuda else 256.0,
-    }
-    for name, value in defaults.items():  # only when not given: a given 0 is checked, not replaced
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    counts = ("prefill", "steps", "top", "block_size", "max_num_batched_tokens")
-    check_engine_args(p, args, (*counts, "long_prefill_token_threshold"))
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    fill_engine_sizes(args, max(args.streams))  # only those not given: a given 0 is checked, not replaced
+    counts = ("prefill", "steps", "top", "block_size", "long_prefill_token_threshold")
+    check_engine_args(p, args, (*counts, "max_num_batched_tokens"))  # the budget's default follows the chunk
     check_positions(p, args.preset, {"--prefill": args.prefill}, prefill_model_len(args) - args.prefill)
     limit = openk3.config.text_config_of(openk3.get_preset(args.preset)).max_position_embeddings
     if decode_model_len(args) > limit:
@@ -165,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_engine(model, args, max_model_len: int, num_seqs: int) -> LLMEngine:
     cache = CacheConfig(
-        block_size=args.block_size, pool_mib=args.pool_mib, checkpoint_interval=checkpoint_interval(args)
+        block_size=args.block_size, pool_mib=args.pool_mib, checkpoint_interval=args.checkpoint_interval
     )
     # the budget must exceed max_num_seqs: a full decode batch leaves room for a prefill
     sched = SchedulerConfig(
@@ -185,7 +176,13 @@ def step_summary(prof, tokens: int, cuda: bool) -> dict:
     lo, hi = step.time_range.start, step.time_range.end
     kernel_us, kernels, launches, d2h, ops, waits = 0.0, 0, 0, 0, 0, []
     families: dict[str, list[float]] = {}  # family -> [kernels, µs]
+    # the profiler mirrors host ranges (record_function, custom ops, compiled regions) on the device timeline
+    # as "GPU user annotations" spanning their kernels: a device event named like a host event is one of
+    # those, not a kernel, and counting it would count its kernels' time twice
+    host_names = {e.name for e in events if e.device_type == DeviceType.CPU}
     for e in events:
+        if e.device_type == DeviceType.CUDA and e.name in host_names:
+            continue
         if e.device_type == DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
             fam = families.setdefault(kernel_family(e.name), [0, 0.0])

@@ -37,8 +37,8 @@ def test_serve_limits_of_k3_small(serve_bench, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA defaults, on any machine
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = serve_bench.parse_args(["--device", "cuda", "--preset", "k3-small", "--prefix", "32768"])
-    assert args.dtype == "bfloat16" and args.long_prefill_token_threshold == 8192
-    assert serve_bench.checkpoint_interval(args) == 8192 // 16  # checkpoints never cut a chunk
+    assert args.dtype == "bfloat16" and args.long_prefill_token_threshold == 16384 and args.block_size == 512
+    assert args.checkpoint_interval == 16384 // 512  # checkpoints never cut a chunk
     text = openk3.config.text_config_of(openk3.get_preset("k3-small"))
     lim = serve_bench.limits(text, args)
     assert lim["weight_bytes_1"] == 2 * 70_082_496  # every active weight once, in bf16
@@ -186,13 +186,42 @@ def test_an_unwritable_out_is_refused_before_the_profile(serve_profile, capsys, 
 
 
 def test_given_sizes_are_kept_and_defaults_fill_the_rest(serve_profile):
-    """A given chunk is kept, the others take their CPU defaults; 600 streams get a step budget above 600
-    (the engine's config refuses a budget that a full decode batch uses up)."""
+    """A given chunk is kept, the others take their CPU defaults; 600 streams get a step budget of a chunk
+    beside them (the engine's config refuses a budget that a full decode batch uses up)."""
     args = serve_profile.parse_args(["--long-prefill-token-threshold", "64", "--streams", "1", "600"])
-    assert (args.long_prefill_token_threshold, args.block_size, args.max_num_batched_tokens) == (64, 16, 512)
+    assert (args.long_prefill_token_threshold, args.block_size, args.max_num_batched_tokens) == (64, 16, 664)
+    assert args.checkpoint_interval == 4  # 64 tokens of 16-token blocks
+    args = serve_profile.parse_args(["--max-num-batched-tokens", "300", "--streams", "1", "8"])
+    assert (args.long_prefill_token_threshold, args.max_num_batched_tokens) == (256, 300)
     model = openk3.build_model(openk3.presets.k3_shaped(4, vocab_size=512), seed=0).eval()
     engine = serve_profile.make_engine(model, args, serve_profile.decode_model_len(args), 600)
     assert engine.scheduler.config.max_num_batched_tokens == 601
+
+
+def test_device_annotations_are_not_counted_as_kernels(serve_profile):
+    """The profiler mirrors a host range (``record_function``, a custom op) on the device timeline, spanning
+    its kernels: such a device event is skipped, so the step's kernel time is the kernels' own."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, device, start, end):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, device_type=device, time_range=span)
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        event(serve_profile.STEP, cpu, 0, 100),
+        event("aten::mul", cpu, 10, 20),
+        event("openk3::kda_pool_decode", cpu, 30, 40),
+        event(serve_profile.STEP, gpu, 5, 95),  # the step's mirror
+        event("openk3::kda_pool_decode", gpu, 40, 60),  # the custom op's mirror
+        event("void at::native::vectorized_elementwise_kernel<4, MulFunctor>", gpu, 20, 27),
+        event("kda_decode_kernel", gpu, 40, 58),
+    ]
+    s = serve_profile.step_summary(SimpleNamespace(events=lambda: events), 1, cuda=True)
+    assert (s["kernels"], s["kernel_ms"]) == (2, 25 / 1e3)
+    assert s["families"] == {"ATen elementwise / reduce": [1, 7.0], "KDA op": [1, 18.0]}
 
 
 def test_profiled_decode_steps(serve_profile):

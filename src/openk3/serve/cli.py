@@ -96,19 +96,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from openk3.serve.config import CacheConfig, EngineConfig, SchedulerConfig
     from openk3.serve.server import run_server
 
+    sizes = serve_sizes(args)
     cache = CacheConfig(
-        block_size=args.block_size,
+        block_size=sizes["block_size"],
         num_blocks=args.num_blocks,
-        pool_mib=args.pool_mib,
-        checkpoint_interval=args.checkpoint_interval,
+        pool_mib=sizes["pool_mib"],
+        checkpoint_interval=sizes["checkpoint_interval"],
         enable_prefix_caching=not args.no_prefix_caching,
         host_pool_mib=args.host_pool_mib,
     )
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=sizes["max_num_batched_tokens"],
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold=sizes["long_prefill_token_threshold"],
         max_model_len=args.max_model_len,
         queue_timeout_s=args.queue_timeout,
     )
@@ -126,6 +127,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_local_media_path=args.allowed_local_media_path,
     )
     return 0
+
+
+SIZED_BY_DEVICE = (
+    "block_size",
+    "pool_mib",
+    "checkpoint_interval",
+    "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+)
+"""``openk3 serve`` options whose default depends on ``--device`` (:func:`openk3.serve.config.engine_defaults`)."""
+
+
+def serve_sizes(args: argparse.Namespace) -> dict:
+    """The values of :data:`SIZED_BY_DEVICE` for ``args``: those given, the rest ``--device``'s defaults."""
+    from openk3.serve.config import engine_defaults
+
+    given = {name: getattr(args, name) for name in SIZED_BY_DEVICE}
+    return engine_defaults(args.device, given, args.max_num_seqs)
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -163,23 +182,22 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--block-size",
         dest="block_size",
         type=int,
-        default=d_cache.block_size,
-        help="tokens per MLA latent block / prefix-hash unit (16 on CPU; 512 for large models)",
+        help="tokens per MLA latent block / prefix-hash unit (default 16 on CPU, 512 on CUDA)",
     )
     g.add_argument("--num-blocks", dest="num_blocks", type=int, help="pool pages (default: from --pool-mib)")
     g.add_argument(
         "--pool-mib",
         dest="pool_mib",
         type=float,
-        default=d_cache.pool_mib,
-        help=f"cache pool size in MiB (default {d_cache.pool_mib:g}); more than the device's free memory is refused",
+        help="cache pool size in MiB (default 256 on CPU, 8192 on CUDA); more than the device's free memory is "
+        "refused",
     )
     g.add_argument(
         "--checkpoint-interval",
         dest="checkpoint_interval",
         type=int,
-        default=d_cache.checkpoint_interval,
-        help="KDA state checkpoint every N blocks (0: last only)",
+        help="KDA state checkpoint every N blocks (0: last only; default: one prefill chunk's worth, as closer "
+        "checkpoints would cut the chunks)",
     )
     g.add_argument(
         "--host-pool-mib",
@@ -199,8 +217,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         dest="max_num_batched_tokens",
         type=int,
-        default=d_sched.max_num_batched_tokens,
-        help="tokens one engine step runs at most (prefill chunks and decodes together)",
+        help="tokens one engine step runs at most (prefill chunks and decodes together; default two chunks, at "
+        "least a chunk plus --max-num-seqs)",
     )
     g.add_argument(
         "--max-num-seqs",
@@ -220,8 +238,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--long-prefill-token-threshold",
         dest="long_prefill_token_threshold",
         type=int,
-        default=d_sched.long_prefill_token_threshold,
-        help="prompt tokens per step of one request's prefill (a long prompt is split in chunks)",
+        help="prompt tokens per step of one request's prefill (a long prompt is split in chunks; default 256 on "
+        "CPU, 16384 on CUDA)",
     )
     g.add_argument(
         "--max-model-len",

@@ -10,14 +10,32 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-LARGE_MODEL_HIDDEN = 2048
-"""Models at least this wide default to 512-token blocks (the official sizes); smaller ones to 16."""
+DEVICE_DEFAULTS = {
+    "cpu": {"block_size": 16, "pool_mib": 256.0, "long_prefill_token_threshold": 256},
+    "cuda": {"block_size": 512, "pool_mib": 8192.0, "long_prefill_token_threshold": 16384},
+}
+"""The engine's sizes per device kind (:func:`engine_defaults`). On a GPU a prefill step costs the host a
+fixed few tens of milliseconds of launches whatever its length, so chunks hold thousands of tokens and the
+blocks are large; on a CPU the work itself dominates and small chunks keep short requests flowing."""
 
 
-def default_block_size(text_config) -> int:
-    """512 tokens for large models (hidden ≥ 2048), 16 for the CPU presets
-    (``docs/references.md#serving-block-size``)."""
-    return 512 if text_config.hidden_size >= LARGE_MODEL_HIDDEN else 16
+def engine_defaults(device: str, given: dict[str, int | float | None], max_num_seqs: int) -> dict:
+    """``given`` (``block_size``, ``pool_mib``, ``long_prefill_token_threshold``, ``checkpoint_interval``,
+    ``max_num_batched_tokens``; ``None`` or absent: not given) with every missing value filled for
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``): the sizes of :data:`DEVICE_DEFAULTS`, a KDA checkpoint
+    every chunk's worth of blocks (closer checkpoints would cut the chunks: the scheduler ends a chunk at the
+    next checkpoint) and a step budget of two chunks (one request's last and another's first), at least one
+    chunk beside a full decode batch of ``max_num_seqs``. Returns a new dict."""
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    out = {k: v for k, v in given.items() if v is not None}
+    for key, value in DEVICE_DEFAULTS[kind].items():
+        out.setdefault(key, value)
+    chunk = out["long_prefill_token_threshold"]
+    out.setdefault(
+        "checkpoint_interval", max(1, chunk // max(out["block_size"], 1))
+    )  # a bad size: refused later
+    out.setdefault("max_num_batched_tokens", max(2 * chunk, chunk + max_num_seqs))
+    return out
 
 
 @dataclass
