@@ -10,7 +10,9 @@
 The paged caches are what a server hands the same layers (``openk3.serve``): :class:`KDAStateSlots` are views
 of a batch of states that the layer updates in place; :class:`PagedLatents` are cached latents gathered from
 blocks and padded to the longest request, with a key mask, and receive the new tokens' latents for the
-server to write back.
+server to write back; :class:`PagedPool` hands the layer the block pool itself (a decode step's, read in
+place through the block tables by :func:`openk3.ops.mla.paged_latent_attention`) and receives the new
+latents the same way.
 
 Speculative verification (``docs/speculative.md``): while a KDA cache's ``steps`` is a list, the layer runs
 the chunk one decode step per token and appends the state after each one (the state before the chunk
@@ -138,6 +140,26 @@ class KDAStateSlots:
         after_B = rec_BT[b_B, (n_B - 1).clamp(min=0)]
         self.recurrent.copy_(torch.where((n_B == 0)[:, None, None, None], rec0_B, after_B))
         self.conv.copy_(conv_BT[b_B, n_B])
+
+
+@dataclass
+class PagedPool:
+    """One MLA layer's view of the paged block pool for ``B`` rows: the rows' block tables and cached lengths,
+    read in place by the layer's absorbed attention (no gathered copy); the new tokens' latents are handed
+    back in :attr:`new` for the server to write after the step."""
+
+    pages: torch.Tensor
+    """The pool's pages (contiguous, any shape), read as rows of the latent width ``C + r``."""
+    table_BN: torch.Tensor
+    """int64 ``[B, N]`` block ids of each row (null block 0 past its end)."""
+    lengths_B: torch.Tensor
+    """int64 ``[B]``: cached tokens of each row (0 for a padding row)."""
+    layer: int
+    """This layer's index among the pool's ``num_layers`` MLA layers."""
+    num_layers: int
+    block_size: int
+    new: torch.Tensor | None = None
+    """``[B, T, C + r]`` set by the layer."""
 
 
 @dataclass

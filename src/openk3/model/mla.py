@@ -13,7 +13,9 @@ The cache keeps ``c`` and ``k_pe`` (kv_lora_rank + r = 576 numbers per token in 
 expands them into per-head keys and values; the *absorbed* path folds ``W_UK`` into the query and
 ``W_UV`` into the output and attends over the latent directly (what decode uses). With a server's
 :class:`~openk3.model.cache.PagedLatents` the cached latents come padded with a key mask, and the new ones
-are handed back in the cache (NoPE: no positions, so where the padding sits does not matter).
+are handed back in the cache (NoPE: no positions, so where the padding sits does not matter); with a
+:class:`~openk3.model.cache.PagedPool` (a server's decode step) the absorbed path reads the block pool in
+place (:func:`openk3.ops.mla.paged_latent_attention`).
 
 Legend: ``B`` batch, ``T`` new tokens, ``S`` cached + new tokens, ``H`` heads, ``n`` qk_nope,
 ``r`` qk_rope, ``v`` v_head_dim, ``C`` kv_lora_rank.
@@ -25,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openk3.model.cache import MLACache, PagedLatents
+from openk3.model.cache import MLACache, PagedLatents, PagedPool
 from openk3.model.norm import RMSNorm
 from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
 from openk3.model.varlen import document_ids
+from openk3.ops.mla import paged_latent_attention
 
 ABSORB_MAX_TOKENS = 16
 """With a cache, at most this many new tokens and no grad, ``auto`` takes the absorbed path."""
@@ -110,7 +113,7 @@ class MultiheadLatentAttention(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cache: MLACache | PagedLatents | None = None,
+        cache: MLACache | PagedLatents | PagedPool | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args: ``x_BTD`` normed input; ``cache`` (appended in place); ``cu_seqlens`` int64 ``[N+1]`` (B = 1,
@@ -120,6 +123,9 @@ class MultiheadLatentAttention(nn.Module):
         q_nope, q_pe = self.query(x_BTD, q_in)
         c_BTC = self.kv_a_layernorm(ckv_BTd[..., : self.kv_lora_rank])
         k_pe_BTr = ckv_BTd[..., self.kv_lora_rank :]
+        if isinstance(cache, PagedPool):
+            o_BTHv = self.pool_attention(q_nope, q_pe, c_BTC, k_pe_BTr, cache)
+            return self._output(o_BTHv, gate)
         c_BTC, k_pe_BTr, mask_TS = self.attended_latents(c_BTC, k_pe_BTr, cache, cu_seqlens)
         absorb = self.attn_impl == "absorb" or (
             self.attn_impl == "auto"
@@ -130,11 +136,32 @@ class MultiheadLatentAttention(nn.Module):
         if isinstance(cache, PagedLatents):
             mask_TS = cache.attention_mask(T, dense=absorb)  # [B, 1, T, S], or a lower-right causal bias
         attend = self.absorbed_attention if absorb else self.naive_attention
-        o_BTHv = attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS)
+        return self._output(attend(q_nope, q_pe, c_BTC, k_pe_BTr, mask_TS), gate)
+
+    def _output(self, o_BTHv: torch.Tensor, gate: list[torch.Tensor]) -> torch.Tensor:
+        """``o_proj(o ⊙ σ(g))`` (the gate when the layer has one) of the heads' outputs: ``[B, T, D]``."""
+        B, T = o_BTHv.shape[:2]
         o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
         if gate:
             o_BTP = o_BTP * torch.sigmoid(gate[0])
         return self.o_proj(o_BTP)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_UK [H, n, C], W_UV [H, v, C])``: views of ``kv_b_proj``'s weight."""
+        w_HdC = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w_HdC[:, : self.nope], w_HdC[:, self.nope :]
+
+    def pool_attention(self, q_nope, q_pe, c_BTC, k_pe_BTr, cache: PagedPool) -> torch.Tensor:
+        """Absorbed attention over the cached latents in the block pool and, causally, the new ones; keeps the
+        new latents in ``cache.new``. Returns ``[B, T, H, v]``."""
+        cache.new = torch.cat([c_BTC, k_pe_BTr], -1)
+        w_uk_HnC, w_uv_HvC = self._absorbed_weights()
+        q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HnC)
+        o_lat_BTHC = paged_latent_attention(
+            q_lat_BTHC, q_pe, c_BTC, k_pe_BTr, cache.pages, cache.table_BN, cache.lengths_B, cache.layer,
+            cache.num_layers, cache.block_size, self.scale,
+        )  # fmt: skip
+        return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_uv_HvC)
 
     def attended_latents(self, c_BTC, k_pe_BTr, cache: MLACache | PagedLatents | None, cu_seqlens):
         """``(c_BSC, k_pe_BSr, mask_TS)``: the latents the new tokens attend to (the cache's and theirs) and the
@@ -170,8 +197,7 @@ class MultiheadLatentAttention(nn.Module):
     def absorbed_attention(self, q_nope, q_pe, c_BSC, k_pe_BSr, mask_TS) -> torch.Tensor:
         """Attend over the latent: ``q̃ = q_nope W_UK``, ``o = (P c) W_UVᵀ``; ``mask_TS`` as
         :meth:`naive_attention`. Returns ``[B, T, H, v]``."""
-        w_HdC = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_uk_HnC, w_uv_HvC = w_HdC[:, : self.nope], w_HdC[:, self.nope :]
+        w_uk_HnC, w_uv_HvC = self._absorbed_weights()
         q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HnC)
         scores_BHTS = torch.einsum("bthc,bsc->bhts", q_lat_BTHC, c_BSC)
         scores_BHTS = scores_BHTS + torch.einsum("bthr,bsr->bhts", q_pe, k_pe_BSr)

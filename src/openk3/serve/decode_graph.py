@@ -15,10 +15,11 @@ views at offsets that depend on ``B`` and ``T`` only:
   (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_states`), whose address is fixed for a given ``B``
   (the workspace is sized for the largest bucket once, and a graph is captured again should it move); padding
   rows use a scratch state slot outside the block pool;
-* MLA: the cached latents are gathered from the block tables on the device
-  (:meth:`~openk3.serve.cache_storage.CacheStorage.gather_latents_padded`, ``N·bs`` tokens, a key mask), the
-  new latent of position ``p`` written at ``table[p // bs]``, offset ``p % bs``; a padding row writes back
-  the value it read at null block 0, so block 0 stays zero;
+* MLA: each layer reads the block pool in place through the block tables and the rows' cached lengths
+  (:class:`~openk3.model.cache.PagedPool`, :func:`openk3.ops.mla.paged_latent_attention`: on CUDA a Triton
+  kernel that stops at each row's length), the new latent of position ``p`` written at ``table[p // bs]``,
+  offset ``p % bs``; a padding row (length 0) writes back the value it read at null block 0, so block 0 stays
+  zero;
 * the last position's logits' argmax (below ``sample_vocab_size``) lands in a fixed buffer; the host reads the
   ``n`` real rows once (``tolist``: one device→host copy, the step's only host wait), and not at all when no
   chunk samples (a prefill chunk before the prompt's end). The inputs go the other way from a persistent
@@ -57,7 +58,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from openk3.model.cache import KDAStateSlots, KimiCache, PagedLatents
+from openk3.model.cache import KDAStateSlots, KimiCache, PagedPool
 from openk3.model.mla import ABSORB_MAX_TOKENS
 from openk3.serve.cache_storage import CacheStorage, StateBatch
 
@@ -76,8 +77,9 @@ class LatentRows(NamedTuple):
 
 
 MIN_BLOCKS = 2
-"""The fewest blocks per row a step reads (``N``): dynamo specialises a size of 1, so a one-block table
-would compile a graph of its own; a second block (null block 0, masked) costs a few more latents read."""
+"""The fewest blocks per row in a step's table (``N``): dynamo specialises a size of 1, so a one-block table
+would compile a graph of its own; the second block (null block 0) is past every row's length, so the Triton
+kernel never reads it (the torch path gathers and masks it)."""
 
 MAX_COMPILED_STEPS = 1024
 """Compiled step shapes ``(B, T)`` one process may hold (:func:`compile_settings`)."""
@@ -158,7 +160,7 @@ class StaticDecode:
 
     def run_model(
         self, states: StateBatch | None, verify: bool = False, feature_layers: tuple[int, ...] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[PagedLatents], list[KDAStateSlots]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[PagedPool], list[KDAStateSlots]]:
         """The model over :attr:`ids_BT` on the paged caches: ``(h_BTD, the features of feature_layers
         f_BTF or None, MLA caches holding the new latents, KDA caches)``
         (:meth:`~openk3.model.modeling.KimiLinearModel.forward_with_features`); with ``verify`` the KDA caches
@@ -166,14 +168,11 @@ class StaticDecode:
         st = self.storage
         lo = st.layout
         kda: list[KDAStateSlots] = []
-        mla: list[PagedLatents] = []
+        mla: list[PagedPool] = []
         if states is not None:
             kda = [KDAStateSlots(r, c, verify=verify) for r, c in zip(states.recurrent, states.conv)]
-        if lo.num_mla_layers:
-            past_LBSW, mask_BS = st.gather_latents_padded(
-                self.table_BN, self.lengths_B, self.table_BN.shape[1] * lo.block_size
-            )
-            mla = [PagedLatents(past, mask_BS) for past in past_LBSW]
+        L = lo.num_mla_layers
+        mla = [PagedPool(st.pages, self.table_BN, self.lengths_B, i, L, lo.block_size) for i in range(L)]
         kda_iter, mla_iter = iter(kda), iter(mla)
         caches = [next(kda_iter) if kind == "kda" else next(mla_iter) for kind in self.kinds]
         h_BTD, f_BTF = self.lm.model.forward_with_features(
@@ -181,7 +180,7 @@ class StaticDecode:
         )
         return h_BTD, f_BTF, mla, kda
 
-    def latent_rows(self, mla: list[PagedLatents]) -> LatentRows | None:
+    def latent_rows(self, mla: list[PagedPool]) -> LatentRows | None:
         """Where and what the step writes into the pool, without writing: the ``T`` new latents of every
         row at ``table[p // bs]``, offset ``p % bs``; a padding row gets page 0, offset 0 and the value null
         block 0 holds there, so its write changes nothing (``None`` without MLA layers)."""
