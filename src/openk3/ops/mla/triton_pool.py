@@ -55,8 +55,8 @@ def _latent_pool_attention_kernel(
     q_rows = (b * M + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * C + offs_c[None, :], mask=m_ok[:, None], other=0.0)
     qpe = tl.load(qpe_ptr + q_rows[:, None] * R + offs_r[None, :], mask=m_ok[:, None], other=0.0)
-    length = tl.load(len_ptr + b)
-    lo = sp * split_len
+    length = tl.load(len_ptr + b).to(tl.int64)
+    lo = sp.to(tl.int64) * split_len  # the loop's bounds in one integer type
     hi = tl.minimum(lo + split_len, length)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
