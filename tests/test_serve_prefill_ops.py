@@ -10,6 +10,7 @@ KDA op (a torch loop over chunks) and of ``grouped_mm`` (a loop over experts), f
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -38,6 +39,7 @@ def step_ops(engine: LLMEngine) -> int:
     )
 
 
+@pytest.mark.slow  # ~45 s on a 2-core CPU (the profiler records ~35,000 events)
 def test_a_prefill_step_runs_at_most_the_measured_number_of_aten_ops():
     config = openk3.get_preset("k3-tiny")
     model = openk3.build_model(config, seed=0)
