@@ -90,14 +90,14 @@ def test_packed_model_forward_equals_the_separate_linears_and_runs_fewer_gemms()
     with torch.no_grad(), CountMatmuls() as n_packed:
         got = packed(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    # the plain forward packs MLA's (q_a, kv_a, g), the MoE blocks' (latent down, shared gate, up) and the dense
-    # MLP's (gate, up); KDA's pack is read by the server's state-slot path only
+    # the plain forward packs KDA's six input projections, MLA's (q_a, kv_a, g), the MoE blocks' (latent down,
+    # shared gate, up) and the dense MLP's (gate, up)
     lm = packed.language_model.model
     saved = sum(
         len(layer_pack.linears) - 1
         for layer in lm.layers
         for layer_pack in (
-            getattr(layer.self_attn, "packed", None) if not layer.is_kda else None,
+            layer.self_attn.packed,
             getattr(layer, "block_sparse_moe", layer).packed if hasattr(layer, "block_sparse_moe") else None,
             layer.mlp.packed if hasattr(layer, "mlp") else None,
         )

@@ -81,11 +81,11 @@ class ContextParallelKDA(KimiDeltaAttention):
 
     context_parallel: ContextParallel
 
-    def short_convolutions(self, x_BTD, cache, cu_seqlens):
-        _refuse_extras(cache, cu_seqlens)
-        plan = self.context_parallel.current(x_BTD.shape[1], x_BTD.shape[0])
+    def short_convolutions(self, qkv_BT3P, conv_B3PW, cu_seqlens, keep):
+        _refuse_extras(keep or None, cu_seqlens)  # keep: the layer was given a cache
+        plan = self.context_parallel.current(qkv_BT3P.shape[1], qkv_BT3P.shape[0])
         convs = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
-        xs = [self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)]
+        xs = list(qkv_BT3P.chunk(3, -1))
         q_BTP, k_BTP, v_BTP = context_parallel_short_convolutions(
             convs, xs, plan, self.context_parallel.group
         )

@@ -115,8 +115,11 @@ class TwoPhaseAttnRes:
                 raise ValueError("AttnRes norms reading one block set must share eps for the two-phase mix")
         self.stats: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def _phase1(self, blocks: list[torch.Tensor], compute: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``q_QD`` (the group's queries), ``neg_lse_QBT`` (−ℓ_b) and ``mix_QBTD`` (μ_b), all in ``compute``."""
+    def _phase1(
+        self, blocks: list[torch.Tensor], compute: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """``q_QD`` (the group's queries), ``neg_lse_QBT`` (−ℓ_b) and ``mix_QBTD`` (μ_b), all in ``compute``, each
+        unbound into its ``Q`` rows (a mix then takes its row without an operator)."""
         group = self.groups[len(blocks)]
         gain_QD = torch.stack([s.norm.weight for s in group]).to(compute)
         q_QD = gain_QD * torch.stack([s.proj.weight[0] for s in group]).to(compute)
@@ -128,7 +131,7 @@ class TwoPhaseAttnRes:
         else:  # eagerly the products would hold Q·N·B·T·D numbers (a prefill chunk: gigabytes)
             z_QNBT = torch.einsum("qd,nbtd->qnbt", q_QD, x_NBTD)
             mix_QBTD = torch.einsum("qnbt,nbtd->qbtd", torch.softmax(z_QNBT, 1), v_NBTD)
-        return q_QD, -torch.logsumexp(z_QNBT, 1), mix_QBTD
+        return q_QD.unbind(0), torch.logsumexp(z_QNBT, 1).neg().unbind(0), mix_QBTD.unbind(0)
 
     def __call__(
         self, blocks: list[torch.Tensor], partial_BTD: torch.Tensor, norm: RMSNorm, proj: nn.Linear
@@ -139,9 +142,8 @@ class TwoPhaseAttnRes:
         compute = torch.float64 if partial_BTD.dtype == torch.float64 else torch.float32
         if site.num_blocks not in self.stats:
             self.stats[site.num_blocks] = self._phase1(blocks, compute)
-        q_QD, neg_lse_QBT, mix_QBTD = self.stats[site.num_blocks]
-        j = site.index
+        q_D, neg_lse_BT, mix_BTD = (rows[site.index] for rows in self.stats[site.num_blocks])
         v_BTD = partial_BTD.to(compute)
-        z_BT = neg_lse_QBT[j] + (rms_normalize(v_BTD, site.norm.eps) * q_QD[j]).sum(-1)
+        z_BT = neg_lse_BT + (rms_normalize(v_BTD, site.norm.eps) * q_D).sum(-1)
         p_BT1 = torch.sigmoid(z_BT)[..., None]  # σ(z_p − ℓ_b)
-        return torch.lerp(mix_QBTD[j], v_BTD, p_BT1).to(partial_BTD.dtype)
+        return torch.lerp(mix_BTD, v_BTD, p_BT1).to(partial_BTD.dtype)

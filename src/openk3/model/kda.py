@@ -35,12 +35,13 @@ inputs per head (K, or 1 with one decay per head).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import GatedRMSNorm
 from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
-from openk3.model.short_conv import ShortConvolution, short_conv_step_
+from openk3.model.short_conv import ShortConvolution, short_conv, short_conv_step_
 from openk3.ops.decay_only import parallel_decay_only
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool, kda_gate, l2norm
 from openk3.ops.kda.triton.train_op import chunk_kda_train, use_train_op
@@ -90,12 +91,15 @@ class KimiDeltaAttention(nn.Module):
         self.packed = pack_linears(self._input_linears())
 
     def input_projections(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(q, k, v, f_a x, b x, gate input)`` of the normed input, before the convolutions: one GEMM when
-        packed and without gradient, else six."""
+        """``(qkv, f_a x, b x, gate input)`` of the normed input, before the convolutions; ``qkv`` ``[B, T, 3P]``
+        holds the q, k and v projections side by side. One GEMM when packed and without gradient (``qkv`` a
+        view of its output), else six linears and a ``cat``."""
         packed = packed_or_none(self.packed)
         if packed is not None:
-            return packed(x_BTD)
-        return tuple(lin(x_BTD) for lin in self._input_linears())
+            s = packed.sizes
+            return F.linear(x_BTD, packed.weight).split((s[0] + s[1] + s[2], *s[3:]), -1)
+        q_BTP, k_BTP, v_BTP, *rest = (lin(x_BTD) for lin in self._input_linears())
+        return torch.cat([q_BTP, k_BTP, v_BTP], -1), *rest
 
     def _input_linears(self) -> list[nn.Linear]:
         gate = self.g_proj if self.full_rank_gate else self.g_a_proj
@@ -119,13 +123,37 @@ class KimiDeltaAttention(nn.Module):
             return self._verify(x_BTD, cache)
         if isinstance(cache, KDAStateSlots):
             return self._forward_slots(x_BTD, cache)
+        conv_B3PW = None
+        if cache is not None and cache.conv_states is not None:
+            conv_B3PW = torch.stack(cache.conv_states, 1)
+        y_BTD, conv_B3PW = self._forward_chunked(x_BTD, cache, conv_B3PW, cu_seqlens)
+        if cache is not None:
+            cache.conv_states = conv_B3PW.unbind(1)
+        return y_BTD
+
+    def conv_weight(self) -> torch.Tensor:
+        """The q, k and v convolutions' weights stacked, ``[3, P, 1, W]``."""
+        return torch.stack([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+
+    def _forward_chunked(
+        self,
+        x_BTD: torch.Tensor,
+        cache: KDACache | None,
+        conv_B3PW: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer by the chunked op (or the recurrent one for a few new tokens over a cache): ``(y_BTD, the
+        new conv caches [B, 3, P, W−1] or None)``; ``cache`` (``None``, or a cache whose ``recurrent_state`` is
+        the initial state) receives the final recurrent state; ``conv_B3PW`` the q, k, v conv caches stacked
+        (``None``: zeros)."""
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
         keep = cache is not None
-        q_BTP, k_BTP, v_BTP, conv_states = self.short_convolutions(x_BTD, cache, cu_seqlens)
-        g_raw_BTHG = self.f_b_proj(self.f_a_proj(x_BTD)).view(B, T, H, -1)
+        qkv_BT3P, f_a_BTK, b_BTH, gate_in = self.input_projections(x_BTD)
+        q_BTP, k_BTP, v_BTP, conv_B3PW = self.short_convolutions(qkv_BT3P, conv_B3PW, cu_seqlens, keep)
+        g_raw_BTHG = self.f_b_proj(f_a_BTK).view(B, T, H, -1)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
-        beta_logits_BTH = self.b_proj(x_BTD).to(torch.promote_types(x_BTD.dtype, torch.float32))
+        beta_logits_BTH = b_BTH.to(torch.promote_types(x_BTD.dtype, torch.float32))
         if not self.delta_rule:
             if keep or cu_seqlens is not None:
                 raise NotImplementedError("the decay-only mixer supports neither a cache nor cu_seqlens")
@@ -134,7 +162,7 @@ class KimiDeltaAttention(nn.Module):
             o_BTHK = parallel_decay_only(
                 q_BTHK, k_BTHK, v_BTP.view(B, T, H, K), g_BTH, beta_logits_BTH.sigmoid()
             )
-            return self._output(self.output_gate(self._input_linears()[-1](x_BTD)), o_BTHK)
+            return self._output(self.output_gate(gate_in), o_BTHK), None
         dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
         q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, H, K) for t in (q_BTP, k_BTP, v_BTP))
         g_raw_BTHK = g_raw_BTHG.expand(B, T, H, K)
@@ -143,21 +171,24 @@ class KimiDeltaAttention(nn.Module):
             q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate, cache, cu_seqlens
         )
         if keep:
-            cache.conv_states, cache.recurrent_state = conv_states, state
-        return self._output(self.output_gate(self._input_linears()[-1](x_BTD)), o_BTHK)
+            cache.recurrent_state = state
+        return self._output(self.output_gate(gate_in), o_BTHK), conv_B3PW
 
     def short_convolutions(
-        self, x_BTD: torch.Tensor, cache: KDACache | None, cu_seqlens: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
-        """``(q_BTP, k_BTP, v_BTP, conv_states)``: the projections through their short convolutions (the seam
-        context parallelism overrides, :mod:`openk3.dist.context_parallel`); ``conv_states`` the new conv
-        caches when ``cache`` is given."""
-        keep = cache is not None
-        convs = cache.conv_states if keep and cache.conv_states is not None else (None, None, None)
-        q_BTP, cq = self.q_conv1d(self.q_proj(x_BTD), convs[0], cu_seqlens, keep)
-        k_BTP, ck = self.k_conv1d(self.k_proj(x_BTD), convs[1], cu_seqlens, keep)
-        v_BTP, cv = self.v_conv1d(self.v_proj(x_BTD), convs[2], cu_seqlens, keep)
-        return q_BTP, k_BTP, v_BTP, ((cq, ck, cv) if keep else None)
+        self,
+        qkv_BT3P: torch.Tensor,
+        conv_B3PW: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        keep: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(q_BTP, k_BTP, v_BTP, conv_B3PW)``: the q, k, v projections (side by side in ``qkv_BT3P``) through
+        their short convolutions, run as one (:func:`~openk3.model.short_conv.short_conv`; each output
+        contiguous); the new conv caches ``[B, 3, P, W−1]`` (``[N, 3, P, W−1]`` with ``cu_seqlens``) when
+        ``keep``, else ``None``. The seam context parallelism overrides (:mod:`openk3.dist.context_parallel`)."""
+        B, T, P3 = qkv_BT3P.shape
+        x_B3TP = qkv_BT3P.view(B, T, 3, P3 // 3).transpose(1, 2)
+        y_B3TP, conv_B3PW = short_conv(x_B3TP, self.conv_weight(), conv_B3PW, cu_seqlens, keep)
+        return *y_B3TP.unbind(1), conv_B3PW
 
     def kda_core(self, q_BTHK, k_BTHK, v_BTHK, g_raw_BTHK, beta_logits_BTH, gate: dict, cache, cu_seqlens):
         """``(o_BTHK, state or None)``: the KDA op on the convolved q, k, v, the raw gate and β's logits
@@ -203,17 +234,15 @@ class KimiDeltaAttention(nn.Module):
         ``slots.steps`` (see :class:`~openk3.model.cache.KDAStateSlots`)."""
         B, T, _ = x_BTD.shape
         if (T > DECODE_MAX_TOKENS and not slots.verify) or not self.delta_rule:
-            conv = slots.conv.to(x_BTD.dtype)
-            cache = KDACache((conv[:, 0], conv[:, 1], conv[:, 2]), slots.recurrent)
-            y_BTD = self.forward(x_BTD, cache)
+            cache = KDACache(None, slots.recurrent)
+            y_BTD, conv_B3PW = self._forward_chunked(x_BTD, cache, slots.conv, None)
             slots.recurrent.copy_(cache.recurrent_state)
-            slots.conv.copy_(torch.stack(cache.conv_states, 1))
+            slots.conv.copy_(conv_B3PW)
             return y_BTD
         H, K = self.num_heads, self.head_dim
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        weight_3PW = torch.stack([c.weight[:, 0, :] for c in convs]).to(x_BTD.dtype)
-        q_BTP, k_BTP, v_BTP, f_a_BTK, b_BTH, gate_in = self.input_projections(x_BTD)
-        proj_B3PT = torch.stack([q_BTP, k_BTP, v_BTP], 2).permute(0, 2, 3, 1)
+        weight_3PW = self.conv_weight()[:, :, 0].to(x_BTD.dtype)
+        qkv_BT3P, f_a_BTK, b_BTH, gate_in = self.input_projections(x_BTD)
+        proj_B3PT = qkv_BT3P.view(B, T, 3, -1).permute(0, 2, 3, 1)
         if slots.verify:  # the conv window after token t: the last W − 1 inputs up to it
             W1 = slots.conv.shape[-1]
             xp_B3PS = torch.cat([slots.conv.to(proj_B3PT.dtype), proj_B3PT], -1)

@@ -44,9 +44,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x_D: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x_D.dtype, self.weight.dtype)
+        weight = self.weight
+        if x_D.dtype == weight.dtype:  # one operator: the casts below would all be no-ops
+            return F.rms_norm(x_D, (x_D.shape[-1],), weight, self.eps)
+        compute = torch.promote_types(x_D.dtype, weight.dtype)
         x = x_D.to(compute)
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(compute), self.eps).to(x_D.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight.to(compute), self.eps).to(x_D.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -3,8 +3,9 @@
 Legend: ``B`` batch, ``T`` new tokens, ``C`` channels (H·K), ``W`` kernel size, ``N`` packed documents.
 The conv cache holds the last ``W − 1`` *inputs* per channel, ``[B, C, W−1]`` (the layout vLLM and fla use).
 Weight ``[C, 1, W]`` as ``nn.Conv1d(groups=C)``; official checkpoints store it in fp32 without bias.
-:func:`short_conv_step_` runs a few new tokens of several such convolutions at once (``G`` stacked, as
-KDA's q, k, v) on a cache updated in place.
+:func:`short_conv` runs several such convolutions over the same tokens as one (their channels concatenated:
+KDA's q, k, v); :func:`short_conv_step_` runs a few new tokens of them (``G`` stacked) on a cache updated in
+place.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class ShortConvolution(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         output_final_state: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Causal depthwise conv then SiLU.
+        """Causal depthwise conv then SiLU (:func:`short_conv` with this module's weight).
 
         Args:
             x_BTC: input ``[B, T, C]``.
@@ -39,40 +40,62 @@ class ShortConvolution(nn.Module):
         Returns:
             ``(y_BTC, state or None)``.
         """
-        B, T, C = x_BTC.shape
-        W = self.kernel_size
-        if conv_state_BCW is None:
-            past_BWC = x_BTC.new_zeros(B, W - 1, C)
-        else:
-            past_BWC = conv_state_BCW.transpose(1, 2).to(x_BTC.dtype)
-        xp_BSC = torch.cat([past_BWC, x_BTC], dim=1)  # S = T + W - 1
-        weight_CW = self.weight[:, 0, :].to(x_BTC.dtype)
-        keep_TW = None
-        if cu_seqlens is not None:
-            # tap w of token t reads position t - (W-1) + w; drop taps before the document start
-            pos_TW = (
-                torch.arange(T, device=x_BTC.device)[:, None] - (W - 1) + torch.arange(W, device=x_BTC.device)
-            )
-            keep_TW = (pos_TW >= document_starts(cu_seqlens, T)[:, None]).to(x_BTC.dtype)
-        y_BTC = None
-        for w in range(W):  # W shifted multiply-adds (depthwise conv1d is slow on CPU, esp. in fp64)
-            tap_BTC = xp_BSC[:, w : w + T] * weight_CW[:, w]
-            tap_BTC = tap_BTC if keep_TW is None else tap_BTC * keep_TW[None, :, w, None]
-            y_BTC = tap_BTC if y_BTC is None else y_BTC + tap_BTC  # tap 0 itself: 0 + a = a
-        y_BTC = F.silu(y_BTC)
-        if not output_final_state:
-            return y_BTC, None
-        if cu_seqlens is None:
-            return y_BTC, xp_BSC[:, T:, :].transpose(1, 2).contiguous()
-        return y_BTC, self._packed_final_state(xp_BSC[0], cu_seqlens)
+        return short_conv(x_BTC, self.weight, conv_state_BCW, cu_seqlens, output_final_state)
 
-    def _packed_final_state(self, xp_SC: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        W = self.kernel_size
-        starts_N, ends_N = cu_seqlens[:-1].to(torch.int64), cu_seqlens[1:].to(torch.int64)
-        pos_NW = ends_N[:, None] - (W - 1) + torch.arange(W - 1, device=xp_SC.device)  # token positions
-        state_NWC = xp_SC[pos_NW + (W - 1)]  # xp is shifted by W - 1 zeros
-        state_NWC = state_NWC * (pos_NW >= starts_N[:, None])[..., None].to(xp_SC.dtype)
-        return state_NWC.transpose(1, 2).contiguous()
+
+def short_conv(
+    x_BGTC: torch.Tensor,
+    weight_GC1W: torch.Tensor,
+    conv_state_BGCW: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:meth:`ShortConvolution.forward` for ``G`` convolutions of ``C`` channels over the same tokens at once
+    (KDA's q, k and v): ``x`` ``[B, *G, T, C]`` with time the second-to-last axis, weights ``[*G, C, 1, W]``,
+    cache ``[B, *G, C, W−1]`` (``*G``: no axis for a single convolution, as :class:`ShortConvolution` calls it).
+    Returns ``(y [B, *G, T, C], state or None)``: the state ``[B, *G, C, W−1]``, or ``[N, *G, C, W−1]`` with
+    ``cu_seqlens`` (``B = 1``). ``y`` is contiguous, so each convolution's ``[B, T, C]`` is too.
+
+    The ``W`` taps are shifted multiply-adds summed in tap order (a depthwise ``conv1d`` is slow on CPU, esp. in
+    fp64): ``y[t] = Σ_w xp[t + w] · weight[:, w]`` over the inputs ``xp`` with the ``W − 1`` past ones in front,
+    each product and partial sum rounded to ``x``'s dtype, every channel as if alone. The operators do not
+    depend on ``G`` or ``C``: one tap costs a slice, a multiply and an add."""
+    T, C = x_BGTC.shape[-2:]
+    W = weight_GC1W.shape[-1]
+    if conv_state_BGCW is None:
+        past_BGWC = x_BGTC.new_zeros(*x_BGTC.shape[:-2], W - 1, C)
+    else:
+        past_BGWC = conv_state_BGCW.transpose(-1, -2).to(x_BGTC.dtype)
+    xp_BGSC = torch.cat([past_BGWC, x_BGTC], dim=-2)  # S = T + W - 1
+    taps_G1C = weight_GC1W.to(x_BGTC.dtype).movedim(-1, 0).transpose(-1, -2).unbind(0)  # W views [*G, 1, C]
+    keeps_T1 = None
+    if cu_seqlens is not None:
+        # tap w of token t reads position t - (W-1) + w; drop taps before the document start
+        pos_WT = (
+            torch.arange(W, device=x_BGTC.device)[:, None] - (W - 1) + torch.arange(T, device=x_BGTC.device)
+        )
+        keeps_T1 = (pos_WT >= document_starts(cu_seqlens, T)).to(x_BGTC.dtype)[:, :, None].unbind(0)
+    y_BGTC = None
+    for w, weight_G1C in enumerate(taps_G1C):
+        tap_BGTC = xp_BGSC[..., w : w + T, :] * weight_G1C
+        tap_BGTC = tap_BGTC if keeps_T1 is None else tap_BGTC * keeps_T1[w]
+        y_BGTC = tap_BGTC if y_BGTC is None else y_BGTC + tap_BGTC  # tap 0 itself: 0 + a = a
+    y_BGTC = F.silu(y_BGTC)
+    if not output_final_state:
+        return y_BGTC, None
+    if cu_seqlens is None:
+        return y_BGTC, xp_BGSC[..., T:, :].transpose(-1, -2).contiguous()
+    return y_BGTC, _packed_final_state(xp_BGSC[0], cu_seqlens, W)
+
+
+def _packed_final_state(xp_GSC: torch.Tensor, cu_seqlens: torch.Tensor, W: int) -> torch.Tensor:
+    """The last ``W − 1`` inputs of each packed document, zeros before its start: ``[N, *G, C, W−1]``."""
+    starts_N, ends_N = cu_seqlens[:-1].to(torch.int64), cu_seqlens[1:].to(torch.int64)
+    pos_NW = ends_N[:, None] - (W - 1) + torch.arange(W - 1, device=xp_GSC.device)  # token positions
+    rows = (pos_NW + (W - 1)).flatten()  # xp is shifted by W - 1 zeros
+    state_GNWC = xp_GSC.index_select(-2, rows).unflatten(-2, pos_NW.shape)
+    state_GNWC = state_GNWC * (pos_NW >= starts_N[:, None])[..., None].to(xp_GSC.dtype)
+    return state_GNWC.movedim(-3, 0).transpose(-1, -2).contiguous()
 
 
 def short_conv_step_(

@@ -106,10 +106,9 @@ class StateBatch:
 
     def absorb(self, caches: list[KDACache]) -> None:
         """Copy the states a model forward left in ``caches`` (one per layer) into this batch."""
-        for i, c in enumerate(caches):
-            self.recurrent[i].copy_(c.recurrent_state)
-            for j in range(3):
-                self.conv[i, :, j].copy_(c.conv_states[j])
+        for rec_BHKV, conv_B3PW, c in zip(self.recurrent.unbind(0), self.conv.unbind(0), caches):
+            rec_BHKV.copy_(c.recurrent_state)
+            conv_B3PW.copy_(torch.stack(c.conv_states, 1))
 
 
 @dataclass
