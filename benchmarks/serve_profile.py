@@ -118,10 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefill",
         type=int,
         default=512,
-        help="prompt tokens of the prefill profile (at most max_position_embeddings - 2)",
+        help="prompt tokens of the prefill profile (512; at most max_position_embeddings - 2)",
     )
-    p.add_argument("--streams", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
-    p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch size")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8], help="decode batch sizes (1 8)")
+    p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch size (5)")
     p.add_argument("--block-size", type=int, help="default 512 on CUDA, else 16")
     p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default two prefill chunks")
     p.add_argument(
@@ -131,12 +131,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default 16384 on CUDA, else 256",
     )
     p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
-    p.add_argument("--top", type=int, default=15, help="operators listed in the report")
+    p.add_argument("--top", type=int, default=15, help="operators listed in the report (15)")
     p.add_argument("--threads", type=int, help="torch CPU threads, >= 1; default torch's")
     p.add_argument(
         "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
     )
-    p.add_argument("--out", type=directory_argument, help="a folder for serve_profile_<device>.md and .json")
+    p.add_argument(
+        "--out",
+        type=directory_argument,
+        help="a folder for serve_profile_<device>.md and .json (default: the report to stdout only)",
+    )
     args = p.parse_args(argv)
     if min(args.streams) < 1:
         p.error("every --streams value must be at least 1")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from openk3.cli import main
 from openk3.train.state import latest_checkpoint
@@ -428,3 +429,11 @@ def test_generate_chat_prompt_file_stdin_and_samples(ckpt, tmp_path, capsys, mon
     assert out == f"--- sample 1/2 ---\n{singles[0]}--- sample 2/2 ---\n{singles[1]}"
     assert main([*base, "--prompt-file", str(tmp_path / "missing.txt")]) == 2
     assert f"cannot read --prompt-file {tmp_path / 'missing.txt'}" in capsys.readouterr().err
+
+
+def test_serve_on_cuda_without_a_gpu_is_one_line(ckpt, capsys, monkeypatch):
+    """As ``openk3 generate --device cuda``: one line before the model is loaded, not a traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", "--ckpt", str(ckpt), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err == "openk3: error: device 'cuda' requested but torch.cuda.is_available() is False\n"

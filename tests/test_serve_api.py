@@ -923,3 +923,15 @@ def test_loop_mailbox_wakes_the_loop_once_per_burst_and_keeps_order():
         loop.close()
     with pytest.raises(RuntimeError):
         mailbox.post(queues[0], "closed")
+
+
+def test_a_null_max_tokens_is_the_completion_default():
+    """``"max_tokens": null`` in a completion means OpenAI's 16, not the rest of the context (a trial's
+    request ran to 8,191 tokens); absent is 16 too; a chat request's stays unbounded by default."""
+    from openk3.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    for body in ({"model": "m", "prompt": "a", "max_tokens": None}, {"model": "m", "prompt": "a"}):
+        assert CompletionRequest.model_validate(body).max_tokens == 16
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "a", "max_tokens": 3}).max_tokens == 3
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": None}
+    assert ChatCompletionRequest.model_validate(chat).max_tokens is None

@@ -66,7 +66,7 @@ def test_serve_report_names_the_limits_it_compares_with(serve_bench, monkeypatch
     report = out.read_text()
     assert (
         "Limits: 4.3 TB/s and 790 TFLOP/s, an H200's (the defaults of --bandwidth and --peak), not this CPU's: "
-        "each openk3 / limit ratio compares this run with an H200" in report
+        "each share of the limit compares this run with an H200" in report
     )
     assert "## k3-tiny: against an H200's limits" in report
     serve_bench.main(["--streams", "1", "--bandwidth", "1e11", "--peak", "2e12", "--out", str(out)])

@@ -89,7 +89,10 @@ def speculative_tokens_of(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from openk3.cli import check_device
+
     num_speculative_tokens = speculative_tokens_of(args)
+    check_device(args.device)
     check_server_modules()
     import torch
 
@@ -196,15 +199,15 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--checkpoint-interval",
         dest="checkpoint_interval",
         type=int,
-        help="KDA state checkpoint every N blocks (0: last only; default: one prefill chunk's worth, as closer "
-        "checkpoints would cut the chunks)",
+        help="KDA state checkpoint every N blocks (0: last only; default one prefill chunk's worth, as closer "
+        "checkpoints would cut the chunks: 16 on CPU, 32 on CUDA)",
     )
     g.add_argument(
         "--host-pool-mib",
         dest="host_pool_mib",
         type=float,
         default=d_cache.host_pool_mib,
-        help="host-memory tier in MiB for cache entries the pool evicts (pinned on CUDA; 0: none)",
+        help="host-memory tier in MiB for cache entries the pool evicts (pinned on CUDA; default 0: none)",
     )
     g.add_argument(
         "--no-prefix-caching",
@@ -217,8 +220,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         dest="max_num_batched_tokens",
         type=int,
-        help="tokens one engine step runs at most (prefill chunks and decodes together; default two chunks, at "
-        "least a chunk plus --max-num-seqs)",
+        help="tokens one engine step runs at most (prefill chunks and decodes together; must exceed "
+        "--max-num-seqs; default two chunks, at least a chunk plus --max-num-seqs: 512 on CPU, 32768 on CUDA)",
     )
     g.add_argument(
         "--max-num-seqs",

@@ -177,14 +177,25 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+COMPLETION_MAX_TOKENS = 16
+"""A completion's ``max_tokens`` when absent or null (OpenAI's default)."""
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, strict=True)
+    max_tokens: int = Field(COMPLETION_MAX_TOKENS, ge=1, strict=True)
+
     echo: bool = Field(False, strict=True)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     """The sampled token's log-probability and the ``logprobs`` most likely tokens' at each position."""
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v):
+        """``"max_tokens": null`` is the default, as OpenAI reads it (not "up to the context length")."""
+        return COMPLETION_MAX_TOKENS if v is None else v
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -183,7 +183,7 @@ def run_server(ckpt: str | Path, host: str = "127.0.0.1", port: int = 8000, **kw
         shown = f"[{host}]" if ":" in host else host
         print(
             f"openk3 serve: model {serving.config.model_name!r} on http://{shown}:{bound}/v1 "
-            f"({serving.engine.engine.pool.num_blocks} cache blocks of "
+            f"({serving.engine.engine.pool.num_blocks} pool pages; MLA blocks of "
             f"{serving.engine.engine.storage.layout.block_size} tokens)",
             flush=True,
         )
