@@ -437,3 +437,16 @@ def test_serve_on_cuda_without_a_gpu_is_one_line(ckpt, capsys, monkeypatch):
     assert main(["serve", "--ckpt", str(ckpt), "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err == "openk3: error: device 'cuda' requested but torch.cuda.is_available() is False\n"
+
+
+def test_check_device_names_the_device(monkeypatch):
+    from openk3.devices import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_device("cpu")
+    check_device(torch.device("cpu"))
+    for device in ("cuda", "cuda:1", torch.device("cuda", 1)):
+        with pytest.raises(
+            ValueError, match=r"device 'cuda(:1)?' requested but torch.cuda.is_available\(\) is False"
+        ):
+            check_device(device)

@@ -109,20 +109,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_device(device: str) -> None:
-    """Raise ``ValueError`` (one line, printed by :func:`main`) for ``cuda`` on a machine torch sees no GPU on."""
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
-
-
 def _load_for_inference(ckpt: str, device: str):
     """(model, tokenizer, folder) of checkpoint or run folder ``ckpt``; the tokenizer is read first (cheap).
     Damaged files raise ``ValueError`` naming the file (printed by :func:`main`)."""
     from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
     from openk3.data import Tokenizer
+    from openk3.devices import check_device
 
     check_device(device)
     folder = checkpoint_with_tokenizer(ckpt)

@@ -89,7 +89,7 @@ def speculative_tokens_of(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from openk3.cli import check_device
+    from openk3.devices import check_device
 
     num_speculative_tokens = speculative_tokens_of(args)
     check_device(args.device)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from openk3.devices import check_device
 from openk3.model.modeling import build_model
 from openk3.synthetic.mixers import MIXERS, MixerSize, mixer_config
 from openk3.synthetic.tasks import (
@@ -203,8 +204,7 @@ def run_cell(
     Raises :class:`~openk3.train.trainer.DivergenceError` at the first non-finite training loss (before that
     step updates the model), and ``ValueError`` for ``cuda`` without CUDA."""
     device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    check_device(device)
     torch.manual_seed(config.seed)
     model = build_model(mixer_config(config.mixer, VOCAB_SIZE, config.size), device=device, seed=config.seed)
     decay, no_decay = [], []

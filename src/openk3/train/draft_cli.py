@@ -192,12 +192,12 @@ def _train_draft(args: argparse.Namespace) -> int:
     from openk3.checkpoint.out_folder import folder_written_whole
     from openk3.data import TokenDataset
     from openk3.data.shards import RandomBatches
+    from openk3.devices import check_device
     from openk3.model.draft import DraftConfig, build_draft, feature_layers, load_draft, save_draft
     from openk3.train.draft_trainer import train_draft
     from openk3.train.state import latest_checkpoint
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    check_device(args.device)
     if args.seq_len < GEN_PROMPT_TOKENS + args.ttt_steps + 2:
         raise ValueError(
             f"--seq-len must be at least {GEN_PROMPT_TOKENS + args.ttt_steps + 2}, got {args.seq_len}"

@@ -60,6 +60,7 @@ from openk3.checkpoint import load_state
 from openk3.config import load_config, text_config_of
 from openk3.data import RandomBatches, TokenDataset, Tokenizer, data_fingerprint, prepare_data
 from openk3.data.corpus import resolve_inputs, source_records
+from openk3.devices import check_device
 from openk3.model import build_model
 from openk3.presets import get_preset
 from openk3.quant.qat import QAT_SCHEMES, enable_qat
@@ -569,8 +570,7 @@ class Trainer:
         resume_with: str | None = None,
     ) -> None:
         """``resume_with``: the command a second Ctrl-C's message gives (:func:`resume_command`)."""
-        if config.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+        check_device(config.device)
         # the run records absolute input paths (also after a resume), so it resumes from any folder
         config = dataclasses.replace(
             config,
