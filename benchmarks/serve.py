@@ -61,7 +61,7 @@ from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.generate import greedy
 from openk3.presets import PRESETS
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
-from openk3.serve.config import engine_defaults
+from openk3.serve.config import ENGINE_SIZE_NAMES, default_by_device, engine_defaults
 
 SUFFIX = 16
 """Distinct tokens after the shared prefix of each TTFT request."""
@@ -102,12 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--plain-requests", type=int, default=1, help="requests per timed plain-loop run, >= 1")
     p.add_argument("--repeats", type=int, default=2, help="rounds per measurement, the best reported (2)")
-    p.add_argument("--block-size", type=int, help="default 16 on CPU, 512 on CUDA")
+    p.add_argument("--block-size", type=int, help=f"default {default_by_device('block_size')}")
     p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default two prefill chunks")
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        help="prefill chunk, >= 1; default 256 on CPU, 16384 on CUDA",
+        help=f"prefill chunk, >= 1; default {default_by_device('long_prefill_token_threshold')}",
     )
     p.add_argument("--peer", action="store_true", help="also time transformers kimi_linear generate")
     p.add_argument(
@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=H200_PEAK,
         help="matmul peak of the limit, FLOP/s > 0; default an H200's, on any device",
     )
-    p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
+    p.add_argument("--pool-mib", type=float, help=f"paged pool size; default {default_by_device('pool_mib')}")
     p.add_argument("--threads", type=int, help="torch CPU threads, >= 1; default torch's")
     p.add_argument(
         "--eager", action="store_true", help="no static decode step / CUDA graphs (the paged path)"
@@ -227,8 +227,8 @@ def fill_engine_sizes(args: argparse.Namespace, max_num_seqs: int) -> None:
     ``max_num_batched_tokens``) and ``checkpoint_interval`` to ``--device``'s defaults, those of
     ``openk3 serve`` (:func:`openk3.serve.config.engine_defaults`); a given value (a bad one too, refused
     later by :func:`check_engine_args`) is kept."""
-    names = ("block_size", "pool_mib", "long_prefill_token_threshold", "max_num_batched_tokens")
-    sizes = engine_defaults(args.device, {n: getattr(args, n) for n in names}, max_num_seqs)
+    given = {n: getattr(args, n, None) for n in ENGINE_SIZE_NAMES}  # no --checkpoint-interval here
+    sizes = engine_defaults(args.device, given, max_num_seqs)
     for name, value in sizes.items():
         setattr(args, name, value)
 

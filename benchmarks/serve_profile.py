@@ -57,6 +57,7 @@ import openk3
 from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.presets import PRESETS
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
+from openk3.serve.config import default_by_device
 
 PROMPT = 32
 """Prompt tokens of each decode stream."""
@@ -122,15 +123,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8], help="decode batch sizes (1 8)")
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch size (5)")
-    p.add_argument("--block-size", type=int, help="default 512 on CUDA, else 16")
+    p.add_argument("--block-size", type=int, help=f"default {default_by_device('block_size')}")
     p.add_argument("--max-num-batched-tokens", type=int, help="step budget; default two prefill chunks")
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         help="prompt tokens per prefill chunk, >= 1 (0 is refused, as by the engine's SchedulerConfig); "
-        "default 16384 on CUDA, else 256",
+        f"default {default_by_device('long_prefill_token_threshold')}",
     )
-    p.add_argument("--pool-mib", type=float, help="paged pool size; default 256 on CPU, 8192 on CUDA")
+    p.add_argument("--pool-mib", type=float, help=f"paged pool size; default {default_by_device('pool_mib')}")
     p.add_argument("--top", type=int, default=15, help="operators listed in the report (15)")
     p.add_argument("--threads", type=int, help="torch CPU threads, >= 1; default torch's")
     p.add_argument(

@@ -243,3 +243,24 @@ def test_openk3_serve_sizes_follow_the_device():
     )
     cpu = serve_sizes(p.parse_args(["serve", "--ckpt", "run", "--max-num-batched-tokens", "700"]))
     assert (cpu["block_size"], cpu["pool_mib"], cpu["max_num_batched_tokens"]) == (16, 256.0, 700)
+
+
+def test_serve_help_gives_the_device_defaults_the_engine_takes():
+    """The help of ``openk3 serve`` is formatted from the same sizes :func:`engine_defaults` fills in: the
+    numbers it prints are those a run gets with the default ``--max-num-seqs``."""
+    import argparse
+
+    from openk3.serve.cli import add_serve_parser
+    from openk3.serve.config import default_by_device, engine_defaults
+
+    assert default_by_device("checkpoint_interval") == "16 on CPU, 32 on CUDA"
+    assert default_by_device("max_num_batched_tokens") == "512 on CPU, 32768 on CUDA"
+    assert default_by_device("max_num_batched_tokens", 1000) == "1256 on CPU, 32768 on CUDA"
+    for name in ("block_size", "pool_mib", "long_prefill_token_threshold"):
+        cpu, cuda = engine_defaults("cpu", {}, 64)[name], engine_defaults("cuda", {}, 64)[name]
+        assert default_by_device(name) == f"{cpu:g} on CPU, {cuda:g} on CUDA"
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    text = " ".join(add_serve_parser(sub).format_help().split())
+    assert "checkpoints would cut the chunks: 16 on CPU, 32 on CUDA" in text
+    assert "seqs: 512 on CPU, 32768 on CUDA" in text.replace("num- seqs", "num-seqs")

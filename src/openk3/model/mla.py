@@ -82,9 +82,13 @@ class MultiheadLatentAttention(nn.Module):
         self.packed: PackedProjection | None = None
         """The input projections as one GEMM (:meth:`pack_projections`, the server's forwards)."""
 
+    @property
+    def query_in_proj(self) -> nn.Linear:
+        """The query's first projection: ``q_a_proj`` (low-rank query) or ``q_proj``."""
+        return self.q_a_proj if self.q_lora else self.q_proj
+
     def _input_linears(self) -> list[nn.Linear]:
-        q = self.q_a_proj if self.q_lora else self.q_proj
-        return [q, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
+        return [self.query_in_proj, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
 
     def pack_projections(self) -> None:
         """Pack the query's first projection, ``kv_a_proj_with_mqa`` and ``g_proj`` into one matrix
@@ -105,7 +109,7 @@ class MultiheadLatentAttention(nn.Module):
         ``q_in``: its first projection (``q_a_proj x`` or ``q_proj x``) when already computed."""
         B, T, _ = x_BTD.shape
         if q_in is None:
-            q_in = self._input_linears()[0](x_BTD)
+            q_in = self.query_in_proj(x_BTD)
         q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora else q_in
         q_BTHd = q.view(B, T, self.num_heads, self.nope + self.rope)
         return q_BTHd[..., : self.nope], q_BTHd[..., self.nope :]

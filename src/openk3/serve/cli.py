@@ -132,26 +132,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-SIZED_BY_DEVICE = (
-    "block_size",
-    "pool_mib",
-    "checkpoint_interval",
-    "max_num_batched_tokens",
-    "long_prefill_token_threshold",
-)
-"""``openk3 serve`` options whose default depends on ``--device`` (:func:`openk3.serve.config.engine_defaults`)."""
-
-
 def serve_sizes(args: argparse.Namespace) -> dict:
-    """The values of :data:`SIZED_BY_DEVICE` for ``args``: those given, the rest ``--device``'s defaults."""
-    from openk3.serve.config import engine_defaults
+    """The engine sizes of ``args`` (:data:`openk3.serve.config.ENGINE_SIZE_NAMES`): those given, the rest
+    ``--device``'s defaults."""
+    from openk3.serve.config import ENGINE_SIZE_NAMES, engine_defaults
 
-    given = {name: getattr(args, name) for name in SIZED_BY_DEVICE}
+    given = {name: getattr(args, name) for name in ENGINE_SIZE_NAMES}
     return engine_defaults(args.device, given, args.max_num_seqs)
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to an ``argparse`` subparsers object; returns its parser."""
+    from openk3.serve.config import default_by_device as by_device
+
     d_cache, d_sched = _defaults()
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server for a checkpoint (/v1/completions, chat, SSE)"
@@ -185,22 +178,22 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--block-size",
         dest="block_size",
         type=int,
-        help="tokens per MLA latent block / prefix-hash unit (default 16 on CPU, 512 on CUDA)",
+        help=f"tokens per MLA latent block / prefix-hash unit (default {by_device('block_size')})",
     )
     g.add_argument("--num-blocks", dest="num_blocks", type=int, help="pool pages (default: from --pool-mib)")
     g.add_argument(
         "--pool-mib",
         dest="pool_mib",
         type=float,
-        help="cache pool size in MiB (default 256 on CPU, 8192 on CUDA); more than the device's free memory is "
-        "refused",
+        help=f"cache pool size in MiB (default {by_device('pool_mib')}); more than the device's free memory "
+        "is refused",
     )
     g.add_argument(
         "--checkpoint-interval",
         dest="checkpoint_interval",
         type=int,
         help="KDA state checkpoint every N blocks (0: last only; default one prefill chunk's worth, as closer "
-        "checkpoints would cut the chunks: 16 on CPU, 32 on CUDA)",
+        f"checkpoints would cut the chunks: {by_device('checkpoint_interval')})",
     )
     g.add_argument(
         "--host-pool-mib",
@@ -221,7 +214,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         dest="max_num_batched_tokens",
         type=int,
         help="tokens one engine step runs at most (prefill chunks and decodes together; must exceed "
-        "--max-num-seqs; default two chunks, at least a chunk plus --max-num-seqs: 512 on CPU, 32768 on CUDA)",
+        f"--max-num-seqs; default two chunks, at least a chunk plus --max-num-seqs: "
+        f"{by_device('max_num_batched_tokens', d_sched.max_num_seqs)})",
     )
     g.add_argument(
         "--max-num-seqs",
@@ -241,8 +235,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "--long-prefill-token-threshold",
         dest="long_prefill_token_threshold",
         type=int,
-        help="prompt tokens per step of one request's prefill (a long prompt is split in chunks; default 256 on "
-        "CPU, 16384 on CUDA)",
+        help="prompt tokens per step of one request's prefill (a long prompt is split in chunks; default "
+        f"{by_device('long_prefill_token_threshold')})",
     )
     g.add_argument(
         "--max-model-len",

@@ -10,32 +10,68 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DEVICE_DEFAULTS = {
-    "cpu": {"block_size": 16, "pool_mib": 256.0, "long_prefill_token_threshold": 256},
-    "cuda": {"block_size": 512, "pool_mib": 8192.0, "long_prefill_token_threshold": 16384},
-}
-"""The engine's sizes per device kind (:func:`engine_defaults`). On a GPU a prefill step costs the host a
-fixed few tens of milliseconds of launches whatever its length, so chunks hold thousands of tokens and the
-blocks are large; on a CPU the work itself dominates and small chunks keep short requests flowing."""
+
+@dataclass(frozen=True)
+class DeviceSizes:
+    """The engine's sizes on one device kind (:data:`DEVICE_SIZES`). On a GPU a prefill step costs the host
+    a fixed few tens of milliseconds of launches whatever its length, so chunks hold thousands of tokens and
+    the blocks are large; on a CPU the work itself dominates and small chunks keep short requests flowing."""
+
+    block_size: int
+    pool_mib: float
+    long_prefill_token_threshold: int
+
+    def checkpoint_interval(self) -> int:
+        """A KDA checkpoint every chunk's worth of blocks: closer checkpoints would cut the chunks (the
+        scheduler ends a chunk at the next checkpoint)."""
+        return max(1, self.long_prefill_token_threshold // self.block_size)
+
+    def max_num_batched_tokens(self, max_num_seqs: int) -> int:
+        """A step budget of two chunks (one request's last and another's first), at least one chunk beside a
+        full decode batch of ``max_num_seqs``."""
+        chunk = self.long_prefill_token_threshold
+        return max(2 * chunk, chunk + max_num_seqs)
+
+
+DEVICE_SIZES = {"cpu": DeviceSizes(16, 256.0, 256), "cuda": DeviceSizes(512, 8192.0, 16384)}
+"""The engine's default sizes per device kind (:func:`engine_defaults`)."""
+
+ENGINE_SIZE_NAMES = (
+    "block_size",
+    "pool_mib",
+    "long_prefill_token_threshold",
+    "checkpoint_interval",
+    "max_num_batched_tokens",
+)
+"""The engine options whose default depends on the device: the fields of :class:`DeviceSizes` and its two
+derived sizes."""
 
 
 def engine_defaults(device: str, given: dict[str, int | float | None], max_num_seqs: int) -> dict:
-    """``given`` (``block_size``, ``pool_mib``, ``long_prefill_token_threshold``, ``checkpoint_interval``,
-    ``max_num_batched_tokens``; ``None`` or absent: not given) with every missing value filled for
-    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``): the sizes of :data:`DEVICE_DEFAULTS`, a KDA checkpoint
-    every chunk's worth of blocks (closer checkpoints would cut the chunks: the scheduler ends a chunk at the
-    next checkpoint) and a step budget of two chunks (one request's last and another's first), at least one
-    chunk beside a full decode batch of ``max_num_seqs``. Returns a new dict."""
+    """``given`` (names of :data:`ENGINE_SIZE_NAMES`; ``None`` or absent: not given) with every missing value
+    filled for ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) from :data:`DEVICE_SIZES`; the derived sizes
+    follow the given block size and chunk when those are given. Returns a new dict."""
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     out = {k: v for k, v in given.items() if v is not None}
-    for key, value in DEVICE_DEFAULTS[kind].items():
-        out.setdefault(key, value)
-    chunk = out["long_prefill_token_threshold"]
-    out.setdefault(
-        "checkpoint_interval", max(1, chunk // max(out["block_size"], 1))
-    )  # a bad size: refused later
-    out.setdefault("max_num_batched_tokens", max(2 * chunk, chunk + max_num_seqs))
+    base = DEVICE_SIZES[kind]
+    for name in ("block_size", "pool_mib", "long_prefill_token_threshold"):
+        out.setdefault(name, getattr(base, name))
+    sized = DeviceSizes(max(out["block_size"], 1), out["pool_mib"], out["long_prefill_token_threshold"])
+    out.setdefault("checkpoint_interval", sized.checkpoint_interval())  # a bad size: refused later
+    out.setdefault("max_num_batched_tokens", sized.max_num_batched_tokens(max_num_seqs))
     return out
+
+
+def default_by_device(name: str, max_num_seqs: int = 64) -> str:
+    """``"A on CPU, B on CUDA"``: the default of the engine size ``name`` (one of :data:`ENGINE_SIZE_NAMES`)
+    on each device kind, for help texts (``max_num_seqs``: the decode batch the step budget leaves room for)."""
+    values = []
+    for kind, sizes in DEVICE_SIZES.items():
+        value = getattr(sizes, name)
+        if callable(value):
+            value = value(max_num_seqs) if name == "max_num_batched_tokens" else value()
+        values.append(f"{value:g} on {kind.upper()}")
+    return ", ".join(values)
 
 
 @dataclass
