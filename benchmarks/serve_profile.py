@@ -375,18 +375,31 @@ def markdown(report: dict) -> str:
             ),
         ]
     )
-    for key, what in (("top_ops", "all profiled decode steps"), ("prefill_top_ops", "the prefill's steps")):
+    self_time = "device" if "gpu" in env else "host"
+    for d in report["decode"]:  # per step: what one decode step of this batch runs
         lines += [
             "",
-            f"## Operators with the most self {'device' if 'gpu' in env else 'host'} time, {what}",
+            f"## Decode of {d['streams']} streams: operators with the most self {self_time} time, per step",
             "",
-            "| operator | calls | self host ms | self device ms |",
+            "| operator | calls | self host µs | self device µs |",
             "|---|---:|---:|---:|",
             *(
-                f"| `{t['name'][:160]}` | {t['calls']} | {t['self_cpu_ms']:.2f} | {t['self_device_ms']:.2f} |"
-                for t in report.get(key, [])
+                f"| `{t['name'][:160]}` | {t['calls'] / a['steps']:g} | {1e3 * t['self_cpu_ms'] / a['steps']:.1f} "
+                f"| {1e3 * t['self_device_ms'] / a['steps']:.1f} |"
+                for t in d["top_ops"]
             ),
         ]
+    lines += [
+        "",
+        f"## Operators with the most self {self_time} time, the prefill's steps",
+        "",
+        "| operator | calls | self host ms | self device ms |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| `{t['name'][:160]}` | {t['calls']} | {t['self_cpu_ms']:.2f} | {t['self_device_ms']:.2f} |"
+            for t in report["prefill_top_ops"]
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -409,11 +422,18 @@ def main(argv: list[str] | None = None) -> dict:
     profile_prefill(model, args, tokens, activities, [])  # warm-up: compile and cache every prefill shape
     prefill_profs: list = []
     prefill = profile_prefill(model, args, tokens, activities, prefill_profs)
-    decode, profs = [], []
+    decode = []
     for n in args.streams:
+        profs: list = []
         steps, unprofiled_ms = profile_decode(model, args, tokens, n, activities, profs)
         decode.append(
-            {"streams": n, "steps": steps, "median": median_step(steps), "unprofiled_ms": unprofiled_ms}
+            {
+                "streams": n,
+                "steps": steps,
+                "median": median_step(steps),
+                "unprofiled_ms": unprofiled_ms,
+                "top_ops": top_ops(profs, args.top, cuda),
+            }
         )
         print(f"decode {n} streams: {decode[-1]['median']}", file=sys.stderr, flush=True)
     report = {
@@ -422,7 +442,6 @@ def main(argv: list[str] | None = None) -> dict:
         "env": env,
         "prefill": prefill,
         "decode": decode,
-        "top_ops": top_ops(profs, args.top, cuda),
         "prefill_top_ops": top_ops(prefill_profs, args.top, cuda),
         "wall_s": time.perf_counter() - t_start,
     }

@@ -278,3 +278,23 @@ def test_profiled_prefill_steps_and_their_operator_table(serve_profile):
         assert top[0][0] == serve_profile.top_ops([prof], 1, cuda=False)[0]["name"]
     ops = serve_profile.top_ops(keep, args.top, cuda=False)
     assert len(ops) == 3 and ops[0]["self_cpu_ms"] >= ops[-1]["self_cpu_ms"] > 0
+
+
+def test_profile_report_lists_each_batch_sizes_operators_per_step(serve_profile, tmp_path):
+    """The report of a whole run: one operator table per decode batch size, its calls and times per step (the
+    totals of that batch size's profiled steps divided by ``--steps``), beside the prefill's table."""
+    report = serve_profile.main(
+        ["--prefill", "16", "--streams", "1", "2", "--steps", "2", "--top", "3", "--threads", "1",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    text = (tmp_path / "serve_profile_cpu.md").read_text()
+    for d in report["decode"]:
+        assert len(d["top_ops"]) == 3 and d["top_ops"][0]["self_cpu_ms"] > 0
+        head = f"## Decode of {d['streams']} streams: operators with the most self host time, per step"
+        section = text.split(head)[1].split("##")[0]
+        first = d["top_ops"][0]
+        assert (
+            f"| `{first['name']}` | {first['calls'] / 2:g} | {1e3 * first['self_cpu_ms'] / 2:.1f} |"
+            in section
+        )
+    assert "## Operators with the most self host time, the prefill's steps" in text
