@@ -88,7 +88,9 @@ class MultiheadLatentAttention(nn.Module):
         return self.q_a_proj if self.q_lora else self.q_proj
 
     def _input_linears(self) -> list[nn.Linear]:
-        return [self.query_in_proj, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
+        return [self.query_in_proj, self.kv_a_proj_with_mqa] + (
+            [self.g_proj] if self.g_proj is not None else []
+        )
 
     def pack_projections(self) -> None:
         """Pack the query's first projection, ``kv_a_proj_with_mqa`` and ``g_proj`` into one matrix
