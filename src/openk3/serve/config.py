@@ -65,13 +65,9 @@ def engine_defaults(device: str, given: dict[str, int | float | None], max_num_s
 def default_by_device(name: str, max_num_seqs: int = 64) -> str:
     """``"A on CPU, B on CUDA"``: the default of the engine size ``name`` (one of :data:`ENGINE_SIZE_NAMES`)
     on each device kind, for help texts (``max_num_seqs``: the decode batch the step budget leaves room for)."""
-    values = []
-    for kind, sizes in DEVICE_SIZES.items():
-        value = getattr(sizes, name)
-        if callable(value):
-            value = value(max_num_seqs) if name == "max_num_batched_tokens" else value()
-        values.append(f"{value:g} on {kind.upper()}")
-    return ", ".join(values)
+    return ", ".join(
+        f"{engine_defaults(kind, {}, max_num_seqs)[name]:g} on {kind.upper()}" for kind in DEVICE_SIZES
+    )
 
 
 @dataclass
