@@ -1433,6 +1433,28 @@ def test_interpreter_decode_state_pool(lower_bound):
     assert torch.equal(new_pool[[1, 2, 4]], pool[[1, 2, 4]])
 
 
+@interpreter
+def test_interpreter_decode_without_slots():
+    """``slot_idx=None`` addresses pool rows ``0 … N−1``: the fp64 recurrence from those rows, the rest kept."""
+    from openk3.ops.kda.triton import fused_recurrent_kda_decode
+
+    N, T, H, K, V, S = 3, 2, 2, 16, 32, 5
+    inputs = make_inputs(N, T, H, K, V, dtype=torch.float32, seed=27)
+    pool = torch.randn(S, H, K, V, generator=torch.Generator().manual_seed(28))
+    new_pool = pool.clone()
+    gate = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=LOWER_BOUND)
+    tokens = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    o = fused_recurrent_kda_decode(*tokens, new_pool, None, **gate)
+    o_ref, h_ref = naive_recurrent_kda(
+        *(t.double() for t in tokens), initial_state=pool[:N].double(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, A_log=gate["A_log"].double(), dt_bias=gate["dt_bias"].double(),
+        lower_bound=LOWER_BOUND,
+    )  # fmt: skip
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("state", h_ref, new_pool[:N], 1e-5)
+    assert torch.equal(new_pool[N:], pool[N:])
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="imports the kernel modules: needs triton")
 def test_no_run_time_mutable_module_state():
     """No module of the Triton folder holds a dict, list, set or bytearray at module level (settings are the

@@ -122,9 +122,8 @@ def kda_pool_decode(
     if state_pool.dtype == torch.float32 and use_triton_recurrent(q, k, v, g, beta, initial_state=state_pool):
         from openk3.ops.kda.triton.decode import fused_recurrent_kda_decode
 
-        slots = torch.arange(N, device=q.device) if slot_idx is None else slot_idx
         return fused_recurrent_kda_decode(
-            q, k, v, g, beta, state_pool, slots, scale=scale, A_log=A_log, dt_bias=dt_bias,
+            q, k, v, g, beta, state_pool, slot_idx, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, step_states=step_states,
         )  # fmt: skip

@@ -146,7 +146,7 @@ def fused_recurrent_kda_decode(
     g: torch.Tensor,
     beta: torch.Tensor,
     state_pool: torch.Tensor,
-    slot_idx: torch.Tensor,
+    slot_idx: torch.Tensor | None,
     *,
     scale: float | None = None,
     A_log: torch.Tensor | None = None,
@@ -165,7 +165,8 @@ def fused_recurrent_kda_decode(
             ``lower_bound``, Kimi-Linear softplus gate without), else the log-decay (natural log, ≤ 0).
         v: ``[N, T, H, V]``. beta: ``[N, T, H]`` post-sigmoid (logits with ``use_beta_sigmoid_in_kernel``).
         state_pool: fp32 ``[S, H, K, V]`` (K first), contiguous; rows ``slot_idx`` are read and overwritten.
-        slot_idx: int32/int64 ``[N]`` pool rows, distinct; a negative entry skips that sequence (zeros out).
+        slot_idx: int32/int64 ``[N]`` pool rows, distinct; a negative entry skips that sequence (zeros out);
+            ``None``: rows ``0 … N−1`` (no index tensor to build).
         scale: multiplies q; default ``K ** -0.5``.
         A_log: ``[H' ≥ H]`` (first H used); dt_bias: ``[H*K]`` or None; lower_bound: ``lb < 0`` or None.
         use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(Σx² + 1e-6)``, default True).
@@ -192,7 +193,7 @@ def fused_recurrent_kda_decode(
                          f"{list(state_pool.shape)}")  # fmt: skip
     if not state_pool.is_contiguous():
         raise ValueError("state_pool must be contiguous (it is updated in place)")
-    if slot_idx.shape != (N,) or slot_idx.dtype not in (torch.int32, torch.int64):
+    if slot_idx is not None and (slot_idx.shape != (N,) or slot_idx.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"slot_idx must be int32/int64 [{N}]; got {slot_idx.dtype} {list(slot_idx.shape)}")
     if A_log is None and (dt_bias is not None or lower_bound is not None):
         raise ValueError("dt_bias / lower_bound need A_log (the gate in the kernel)")
