@@ -222,6 +222,21 @@ def step_summary(prof, tokens: int, cuda: bool) -> dict:
     }
 
 
+def kernel_sequence(prof) -> list[tuple[str, float, float]]:
+    """The device kernels (and copies) of one profiled step in launch order, as ``(name, start µs from the
+    first, duration µs)``: where the graph's kernels sit and the gaps between them (device idle time)."""
+    events = list(prof.events())
+    host_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+    kernels = sorted(
+        (e for e in events if e.device_type == DeviceType.CUDA and e.name not in host_names),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels:
+        return []
+    t0 = kernels[0].time_range.start
+    return [(e.name, e.time_range.start - t0, e.time_range.elapsed_us()) for e in kernels]
+
+
 def profiled_step(engine: LLMEngine, device: str, activities, keep: list) -> dict:
     """One ``engine.step()`` under the profiler, between device synchronisations."""
     scheduled_tokens = sum(len(r.all_token_ids) - r.num_computed_tokens for r in engine.scheduler.running)
@@ -305,6 +320,26 @@ def top_ops(profs: list, n: int, cuda: bool) -> list[dict]:
     return sorted(totals.values(), key=lambda t: -t[key])[:n]
 
 
+def timeline_lines(decode: list[dict]) -> list[str]:
+    """One line on the device timeline of each batch size's median step (from ``kernel_sequence``): the span
+    from its first kernel's start to its last kernel's end, and how much of it no kernel ran (launch gaps)."""
+    parts = []
+    for d in decode:
+        seq = d.get("kernel_sequence") or []
+        if seq:
+            span = max(start + dur for _, start, dur in seq)
+            busy = sum(dur for _, _, dur in seq)
+            parts.append(
+                f"{d['streams']} streams: {len(seq)} kernels over {span:.0f} µs, idle {span - busy:.0f} µs"
+            )
+    if not parts:
+        return []
+    return [
+        "Device timeline of the median profiled step (first kernel to last): " + "; ".join(parts) + ".",
+        "",
+    ]
+
+
 def markdown(report: dict) -> str:
     a, env = report["args"], report["env"]
     machine = f"GPU: {env['gpu']}, CUDA {env['cuda']}" if "gpu" in env else f"CPU: {env['cpu']}"
@@ -353,6 +388,7 @@ def markdown(report: dict) -> str:
         + ", ".join(f"{d['streams']} streams {d['unprofiled_ms']:.2f} ms" for d in report["decode"])
         + ".",
         "",
+        *timeline_lines(report["decode"]),
     ]
     names = sorted({f for d in report["decode"] for f in d["median"]["families"]})
     lines += (
@@ -426,6 +462,8 @@ def main(argv: list[str] | None = None) -> dict:
     for n in args.streams:
         profs: list = []
         steps, unprofiled_ms = profile_decode(model, args, tokens, n, activities, profs)
+        median_prof = profs[sorted(range(len(steps)), key=lambda i: steps[i]["kernel_ms"])[len(steps) // 2]]
+        sequence = kernel_sequence(median_prof)
         decode.append(
             {
                 "streams": n,
@@ -433,6 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "median": median_step(steps),
                 "unprofiled_ms": unprofiled_ms,
                 "top_ops": top_ops(profs, args.top, cuda),
+                "kernel_sequence": sequence,
             }
         )
         print(f"decode {n} streams: {decode[-1]['median']}", file=sys.stderr, flush=True)

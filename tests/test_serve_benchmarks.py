@@ -222,6 +222,14 @@ def test_device_annotations_are_not_counted_as_kernels(serve_profile):
     s = serve_profile.step_summary(SimpleNamespace(events=lambda: events), 1, cuda=True)
     assert (s["kernels"], s["kernel_ms"]) == (2, 25 / 1e3)
     assert s["families"] == {"ATen elementwise / reduce": [1, 7.0], "KDA op": [1, 18.0]}
+    prof = SimpleNamespace(events=lambda: events)
+    seq = serve_profile.kernel_sequence(prof)  # the kernels in launch order, mirrors skipped
+    assert seq == [
+        ("void at::native::vectorized_elementwise_kernel<4, MulFunctor>", 0, 7),
+        ("kda_decode_kernel", 20, 18),
+    ]
+    (line, _) = serve_profile.timeline_lines([{"streams": 1, "kernel_sequence": seq}])
+    assert "1 streams: 2 kernels over 38 µs, idle 13 µs" in line  # 38 µs span, 25 µs of kernels
 
 
 def test_profiled_decode_steps(serve_profile):
