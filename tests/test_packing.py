@@ -162,3 +162,26 @@ def test_the_engine_packs_and_its_decode_step_runs_one_gemm_per_layer_input():
                 if getattr(m, "packed", None) is not None and not (hasattr(layer, "block_sparse_moe")
                 and m is getattr(layer.block_sparse_moe, "shared_experts", None)))  # fmt: skip
     assert n_packed == n_ref - saved
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_project_runs_one_row_as_a_fused_reduction_and_agrees_with_the_gemm(rows):
+    """Under ``torch.compile`` without gradient a one-row projection is a product-and-sum reduction (no
+    library GEMM in the generated code) rounding once from fp32, so it lies within one bf16 rounding of the
+    fp64 product, as ``F.linear`` does; two rows stay a GEMM."""
+    from torch._inductor.utils import run_and_get_code
+
+    from openk3.model.packing import few_rows, project
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    assert not few_rows(x)  # eager: never
+    with torch.no_grad():
+        got, (code,) = run_and_get_code(torch.compile(project, fullgraph=True, dynamic=False), x, w)
+    assert ("extern_kernels.mm" in code) == (rows > 1)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+    ulp = exact.abs().clamp(min=1e-3) * 2.0**-7  # one bf16 rounding, relative
+    assert ((got.double() - exact).abs() <= ulp).all()
+    assert ((torch.nn.functional.linear(x, w).double() - exact).abs() <= ulp).all()

@@ -35,12 +35,11 @@ inputs per head (K, or 1 with one decay per head).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from openk3.model.cache import KDACache, KDAStateSlots
 from openk3.model.norm import GatedRMSNorm
-from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
+from openk3.model.packing import PackedProjection, pack_linears, packed_or_none, project
 from openk3.model.short_conv import ShortConvolution, short_conv, short_conv_step_
 from openk3.ops.decay_only import parallel_decay_only
 from openk3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool, kda_gate, l2norm
@@ -97,7 +96,7 @@ class KimiDeltaAttention(nn.Module):
         packed = packed_or_none(self.packed)
         if packed is not None:
             s = packed.sizes
-            return F.linear(x_BTD, packed.weight).split((s[0] + s[1] + s[2], *s[3:]), -1)
+            return project(x_BTD, packed.weight).split((s[0] + s[1] + s[2], *s[3:]), -1)
         q_BTP, k_BTP, v_BTP, *rest = (lin(x_BTD) for lin in self._input_linears())
         return torch.cat([q_BTP, k_BTP, v_BTP], -1), *rest
 
@@ -107,7 +106,7 @@ class KimiDeltaAttention(nn.Module):
 
     def output_gate(self, gate_in_BTX: torch.Tensor) -> torch.Tensor:
         """``G [B, T, P]`` from the gate's input projection (``g_proj x``, or ``g_a_proj x`` through ``g_b_proj``)."""
-        return gate_in_BTX if self.full_rank_gate else self.g_b_proj(gate_in_BTX)
+        return gate_in_BTX if self.full_rank_gate else project(gate_in_BTX, self.g_b_proj)
 
     def forward(
         self,
@@ -151,7 +150,7 @@ class KimiDeltaAttention(nn.Module):
         keep = cache is not None
         qkv_BT3P, f_a_BTK, b_BTH, gate_in = self.input_projections(x_BTD)
         q_BTP, k_BTP, v_BTP, conv_B3PW = self.short_convolutions(qkv_BT3P, conv_B3PW, cu_seqlens, keep)
-        g_raw_BTHG = self.f_b_proj(f_a_BTK).view(B, T, H, -1)
+        g_raw_BTHG = project(f_a_BTK, self.f_b_proj).view(B, T, H, -1)
         # β's logits in fp32; the op applies σ (in the Triton kernels on CUDA: use_beta_sigmoid_in_kernel)
         beta_logits_BTH = b_BTH.to(torch.promote_types(x_BTD.dtype, torch.float32))
         if not self.delta_rule:
@@ -251,7 +250,7 @@ class KimiDeltaAttention(nn.Module):
             rec_steps = slots.recurrent.new_empty(B, T, *slots.recurrent.shape[1:])
         qkv_BT3P = short_conv_step_(proj_B3PT, slots.conv, weight_3PW).permute(0, 3, 1, 2)
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3P[:, :, i].reshape(B, T, H, K) for i in range(3))
-        g_raw_BTHK = self.f_b_proj(f_a_BTK).view(B, T, H, -1).expand(B, T, H, K)
+        g_raw_BTHK = project(f_a_BTK, self.f_b_proj).view(B, T, H, -1).expand(B, T, H, K)
         dt_bias = self.dt_bias if self.decay_per_channel else self.dt_bias.repeat_interleave(K)
         beta_BTH = b_BTH.to(torch.promote_types(x_BTD.dtype, torch.float32))
         o_BTHK = fused_recurrent_kda_pool(
@@ -267,4 +266,4 @@ class KimiDeltaAttention(nn.Module):
         """``o_proj(RMSNorm_head(o) ⊙ σ(G))`` ``[B, T, D]`` for the op's output ``o_BTHK`` and ``G = gate_BTP``."""
         B, T, H, K = o_BTHK.shape
         o_BTHK = self.o_norm(o_BTHK.to(gate_BTP.dtype), gate_BTP.view(B, T, H, K))
-        return self.o_proj(o_BTHK.reshape(B, T, H * K))
+        return project(o_BTHK.reshape(B, T, H * K), self.o_proj)

@@ -29,7 +29,7 @@ from torch import nn
 
 from openk3.model.cache import MLACache, PagedLatents, PagedPool
 from openk3.model.norm import RMSNorm
-from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
+from openk3.model.packing import PackedProjection, few_rows, pack_linears, packed_or_none, project
 from openk3.model.varlen import document_ids
 from openk3.ops.mla import paged_latent_attention
 
@@ -112,7 +112,7 @@ class MultiheadLatentAttention(nn.Module):
         B, T, _ = x_BTD.shape
         if q_in is None:
             q_in = self.query_in_proj(x_BTD)
-        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora else q_in
+        q = project(self.q_a_layernorm(q_in), self.q_b_proj) if self.q_lora else q_in
         q_BTHd = q.view(B, T, self.num_heads, self.nope + self.rope)
         return q_BTHd[..., : self.nope], q_BTHd[..., self.nope :]
 
@@ -150,7 +150,7 @@ class MultiheadLatentAttention(nn.Module):
         o_BTP = o_BTHv.reshape(B, T, self.num_heads * self.v_dim)
         if gate:
             o_BTP = o_BTP * torch.sigmoid(gate[0])
-        return self.o_proj(o_BTP)
+        return project(o_BTP, self.o_proj)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_UK [H, n, C], W_UV [H, v, C])``: views of ``kv_b_proj``'s weight."""
@@ -162,11 +162,18 @@ class MultiheadLatentAttention(nn.Module):
         new latents in ``cache.new``. Returns ``[B, T, H, v]``."""
         cache.new = torch.cat([c_BTC, k_pe_BTr], -1)
         w_uk_HnC, w_uv_HvC = self._absorbed_weights()
-        q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HnC)
+        few = few_rows(c_BTC)  # one row: fp32 products and sums Inductor fuses (packing.project)
+        acc = torch.promote_types(q_nope.dtype, torch.float32)
+        if few:
+            q_lat_BTHC = (q_nope.to(acc)[..., None] * w_uk_HnC.to(acc)).sum(-2).to(q_nope.dtype)
+        else:
+            q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HnC)
         o_lat_BTHC = paged_latent_attention(
             q_lat_BTHC, q_pe, c_BTC, k_pe_BTr, cache.pages, cache.table_BN, cache.lengths_B, cache.layer,
             cache.num_layers, cache.block_size, self.scale,
         )  # fmt: skip
+        if few:
+            return (o_lat_BTHC.to(acc)[..., None, :] * w_uv_HvC.to(acc)).sum(-1).to(o_lat_BTHC.dtype)
         return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_uv_HvC)
 
     def attended_latents(self, c_BTC, k_pe_BTr, cache: MLACache | PagedLatents | None, cu_seqlens):

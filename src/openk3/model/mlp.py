@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from openk3.model.activations import glu
-from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
+from openk3.model.packing import PackedProjection, pack_linears, packed_or_none, project
 
 
 class MLP(nn.Module):
@@ -35,7 +35,7 @@ class MLP(nn.Module):
 
     def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``down_proj(act(gate, up))``: the rest of the MLP after :meth:`gate_up`."""
-        return self.down_proj(glu(self.config, gate, up))
+        return project(glu(self.config, gate, up), self.down_proj)
 
     def forward(self, x_D: torch.Tensor) -> torch.Tensor:
         return self.down(*self.gate_up(x_D))

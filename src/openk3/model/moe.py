@@ -40,7 +40,7 @@ from torch import nn
 from openk3.model.activations import glu
 from openk3.model.mlp import MLP
 from openk3.model.norm import RMSNorm
-from openk3.model.packing import PackedProjection, pack_linears, packed_or_none
+from openk3.model.packing import PackedProjection, pack_linears, packed_or_none, project
 from openk3.model.router import MoEGate, RouterOutput, few_token_slots
 from openk3.model.routing_stats import COUNT_DTYPE, RoutingStats, accumulate_histogram_, histogram_range
 from openk3.quant.mxfp4 import mxfp4_ste, mxfp8_ste
@@ -318,7 +318,7 @@ class SparseMoeBlock(nn.Module):
         if self.is_latent:
             if self.routed_expert_norm is not None:
                 e_NL = self.routed_expert_norm(e_NL)
-            e_NL = self.routed_expert_up_proj(e_NL)
+            e_NL = project(e_NL, self.routed_expert_up_proj)
         if shared_ND is not None:
             e_NL = e_NL + shared_ND
         return e_NL.reshape(x_BTD.shape)

@@ -18,6 +18,13 @@ Only forwards without gradient read the packed matrix (autograd would send the g
 parameters); training runs the separate linears. The server packs its model once
 (:class:`~openk3.serve.model_runner.ModelRunner`).
 
+At one row (a one-stream decode step) even one GEMV per projection is more than the step needs: a library
+GEMV cannot fuse with the RMSNorm before it or the activation after it, and it costs a launch of its own.
+:func:`project` therefore writes a projection of a row traced by ``torch.compile`` without gradient as an fp32
+product and sum (fp64 for fp64), ``y_o = Σ_i x_i · W_oi``, a reduction Inductor generates and fuses with its neighbours (one
+kernel where there were two or three; ``docs/LOG.md`` has the measurements). It rounds once, from fp32, as the
+GEMM's fp32 accumulator does, so it agrees with ``F.linear`` to the output dtype's rounding.
+
 Legend: ``I`` input width, ``O`` output width of one linear.
 """
 
@@ -47,14 +54,41 @@ class PackedProjection:
                    tuple(lin.weight.data_ptr() for lin in linears))  # fmt: skip
 
     def __call__(self, x_SI: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The outputs of the linears, ``[*, O_j]`` each, views of one GEMM's output."""
-        return F.linear(x_SI, self.weight).split(self.sizes, -1)
+        """The outputs of the linears, ``[*, O_j]`` each, views of one GEMM's output (:func:`project`)."""
+        return project(x_SI, self.weight).split(self.sizes, -1)
 
     def tied(self) -> bool:
         """Whether every linear's weight still is the view of :attr:`weight` it was given: a parameter moved
         or cast (``Module.to``, ``.float()``), replaced or deep-copied has other memory. (The pack holds its
         memory, so no other tensor can take those addresses.)"""
         return all(lin.weight.data_ptr() == p for lin, p in zip(self.linears, self.ptrs))
+
+
+FEW_ROWS = 1
+"""Most rows :func:`project` runs as a reduction: at one row it halved a chain of norm + two projections on an
+H200; at four it no longer gained (``benchmarks/decode_gemv.py``)."""
+
+
+def few_rows(x_SI: torch.Tensor) -> bool:
+    """Whether a forward's input of rows ``x_SI [*, I]`` is a decode step's few rows (at most
+    :data:`FEW_ROWS`), traced by ``torch.compile`` without gradient: the case :func:`project` runs as a
+    reduction."""
+    return (
+        x_SI.numel() <= FEW_ROWS * x_SI.shape[-1]
+        and not torch.is_grad_enabled()
+        and torch.compiler.is_compiling()
+    )
+
+
+def project(x_SI: torch.Tensor, weight: torch.Tensor | nn.Linear) -> torch.Tensor:
+    """``x · Wᵀ`` ``[*, O]`` in ``x``'s dtype for ``x_SI [*, I]`` and ``weight [O, I]`` (or a bias-free
+    ``nn.Linear``, then called as a module outside the few-row case): a product and sum in fp32 (fp64 for
+    fp64) for :func:`few_rows`, else ``F.linear``."""
+    w_OI = weight.weight if isinstance(weight, nn.Linear) else weight
+    if few_rows(x_SI):
+        acc = torch.promote_types(x_SI.dtype, torch.float32)
+        return (x_SI.to(acc).unsqueeze(-2) * w_OI.to(acc)).sum(-1).to(x_SI.dtype)
+    return weight(x_SI) if isinstance(weight, nn.Linear) else F.linear(x_SI, w_OI)
 
 
 def pack_linears(linears: list[nn.Linear] | tuple[nn.Linear, ...]) -> PackedProjection:
