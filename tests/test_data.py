@@ -196,6 +196,24 @@ def test_tokenizer_roundtrip_save_load(tmp_path):
         Tokenizer.train(PROSE, vocab_size=200)
 
 
+def test_max_token_bytes_bounds_the_token_count():
+    """``max_token_bytes`` against the vocabulary itself (byte-level strings: one character a byte; special
+    tokens by their UTF-8 content), and the bound it gives the server: a text of ``b`` bytes encodes to at
+    least ``b / max_token_bytes`` tokens. A normalizer (which may shrink the text first) gives ``None``."""
+    from tokenizers import normalizers
+
+    tok = Tokenizer.train(PROSE, vocab_size=300)
+    vocab = tok._backend.get_vocab(with_added_tokens=True)
+    expected = max(len(s.encode()) if s in tok.special_tokens else len(s) for s in vocab)
+    assert tok.max_token_bytes == expected == len("<|endoftext|>")
+    for text in PROSE + ["naïve café 你好 🦊" * 50, "<|endoftext|>" * 9, " the" * 500]:
+        for allow in (False, True):
+            assert len(tok.encode(text, allow)) * tok.max_token_bytes >= len(text.encode())
+    backend = tok._backend
+    backend.normalizer = normalizers.NFKC()
+    assert Tokenizer._from_hf(backend).max_token_bytes is None
+
+
 def test_tiktoken_gpt2(tmp_path):
     pytest.importorskip("tiktoken", reason="tiktoken is optional: pip install tiktoken")
     spec = importlib.util.find_spec("whisper")
@@ -206,6 +224,8 @@ def test_tiktoken_gpt2(tmp_path):
     assert (tok.vocab_size, tok.eos_id) == (50257, 50256)  # docs/references.md#tokenizers
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.decode(tok.encode("naïve café\n")) == "naïve café\n"
+    ranks = tok._backend._mergeable_ranks  # the ranks file's own byte strings
+    assert tok.max_token_bytes == max(max(map(len, ranks)), len("<|endoftext|>"))
     back = Tokenizer.load(tok.save(tmp_path / "gpt2"))
     assert back.sha256 == tok.sha256 and back.encode("Hello world") == [15496, 995]
     assert shard_dtype(tok.vocab_size) == np.uint16 and shard_dtype(65537) == np.uint32

@@ -750,6 +750,87 @@ def test_cli_refuses_speculative_tokens_without_a_draft(tmp_path, capsys):
     )
 
 
+def test_a_body_over_the_limit_is_413_and_the_server_keeps_serving(server):
+    """A body over ``max_request_bytes`` (1 MiB + 64 bytes a token of the 256-token context here) is refused
+    with 413 before it is read: from its Content-Length (a 60 MB prompt, which took ~50 s of tokenizing and
+    6.8 GB before the limit), or for a chunked body at the chunk that passes the limit; a normal request
+    right after is served."""
+    from openk3.serve.openai_serving import request_bytes_limit
+
+    limit = server.serving.config.max_request_bytes
+    assert limit == request_bytes_limit(MAX_MODEL_LEN, vision=False) == (1 << 20) + 64 * MAX_MODEL_LEN
+    t0 = time.monotonic()
+    status, data = _post(server, "/v1/completions", b'{"prompt": "' + b"a" * 60_000_000 + b'"}')
+    assert status == 413 and data["error"]["code"] == "request_too_large", data
+    assert "60,000,014 bytes" in data["error"]["message"] and time.monotonic() - t0 < 5.0
+
+    def chunks():
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        yield from (b"a" * 100_000 for _ in range(20))
+        yield b'"}'
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=chunks(), encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 413 and f"over {limit:,} bytes" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    status, data = _post_json(server, "/v1/completions", {"model": MODEL, "prompt": "To be", "max_tokens": 2})
+    assert status == 200 and data["usage"]["completion_tokens"] == 2
+
+
+def test_a_text_that_cannot_fit_the_context_is_refused_without_tokenizing(server, monkeypatch):
+    """Within the body limit, a prompt whose bytes alone need ``max_model_len`` tokens or more (at most
+    ``Tokenizer.max_token_bytes`` bytes a token) is a 400 ``context_length_exceeded`` before the tokenizer
+    runs; one byte less is tokenized (and then refused by its real token count, or served)."""
+    per_token = server.serving.tokenizer.max_token_bytes
+    edge = per_token * (MAX_MODEL_LEN - 1)
+    calls = []
+    real = server.serving.tokenizer
+
+    class CountingTokenizer:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, text, allow_special=False):
+            calls.append(len(text))
+            return real.encode(text, allow_special)
+
+    monkeypatch.setattr(server.serving, "tokenizer", CountingTokenizer())
+    for body, param in (
+        ({"prompt": ["hi", "a" * (edge + 1)]}, "prompt"),
+        ({"messages": [{"role": "user", "content": "é" * (edge // 2 + 1)}]}, "messages"),
+    ):
+        path = "/v1/completions" if param == "prompt" else "/v1/chat/completions"
+        status, data = _post_json(server, path, {"model": MODEL, "max_tokens": 1, **body})
+        err = data["error"]
+        assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, data
+        assert f"{MAX_MODEL_LEN} tokens" in err["message"]
+    assert calls == []
+    status, data = _post_json(
+        server, "/v1/completions", {"model": MODEL, "prompt": "a" * edge, "max_tokens": 1}
+    )
+    assert calls == [edge] and status == 400 and data["error"]["code"] == "context_length_exceeded"
+
+
+def test_max_request_mib_flag():
+    """``--max-request-mib`` sets the body limit of ``serve`` (default: derived, None) and ``route``; a size
+    that is not a positive number is a usage error."""
+    import argparse
+
+    from openk3.serve.cli import add_route_parser, add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="openk3")
+    sub = parser.add_subparsers()
+    add_serve_parser(sub)
+    add_route_parser(sub)
+    assert parser.parse_args(["serve", "--ckpt", "x"]).max_request_mib is None
+    assert parser.parse_args(["serve", "--ckpt", "x", "--max-request-mib", "0.5"]).max_request_mib == 0.5
+    assert parser.parse_args(["route", "--workers", "http://a:1"]).max_request_mib == 64.0
+    for bad in ("0", "-1", "nan", "big"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--ckpt", "x", "--max-request-mib", bad])
+
+
 def test_serving_doc_states_the_default_max_model_len():
     """``docs/serving.md`` gives ``--max-model-len``'s default, the one the flag and the config have."""
     import argparse

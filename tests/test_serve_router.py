@@ -135,6 +135,25 @@ def test_all_workers_down_is_503_with_retry_after():
             assert bad.status_code == 400 and "JSON" in err["message"] and err["code"] == "invalid_json", err
 
 
+def test_a_body_over_the_limit_is_413_before_the_router_reads_it():
+    """``max_request_bytes``: 413 ``request_too_large`` from the Content-Length (or, streamed, at the chunk
+    that passes the limit), never forwarded: the only worker here is down, so reading it on would be 503."""
+    config = RouterConfig(workers=(f"http://127.0.0.1:{closed_port()}",), max_request_bytes=1000)
+    with BackgroundServer(build_router_app(config)) as srv:
+        url = srv.base_url + "/v1/completions"
+        for content in (b"x" * 1001, iter([b"x" * 600, b"x" * 600])):
+            r = httpx.post(url, content=content, timeout=10)
+            err = r.json()["error"]
+            assert (
+                r.status_code == 413
+                and err["code"] == "request_too_large"
+                and "1,000 bytes" in err["message"]
+            )
+        assert (
+            httpx.post(url, content=b"{}" + b" " * 998, timeout=10).status_code == 503
+        )  # at the limit: read
+
+
 COMPLETION = {
     "id": "cmpl-1",
     "object": "text_completion",

@@ -27,6 +27,7 @@ Such a file holds no split regex and no special tokens; the defaults are GPT-2's
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -129,6 +130,26 @@ class Tokenizer:
         if self.kind == "tiktoken":
             return self._backend.decode(ids)
         return self._backend.decode(ids, skip_special_tokens=False)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """Most UTF-8 bytes of text that one token stands for (special tokens included), or ``None`` where
+        that bounds nothing (a ``tokenizers`` backend with a normalizer, which may shrink the text first).
+
+        Encoding a text of ``b`` bytes gives at least ``ceil(b / max_token_bytes)`` tokens, since the tokens
+        of a byte-level tokenizer cover the text's bytes; the server uses it to refuse a prompt that cannot
+        fit the context without tokenizing it. A token that is part of a UTF-8 character is counted as the
+        replacement character it decodes to (3 bytes, never fewer than its own), so the bound stays safe.
+        Computed once, by decoding every id (~1 s for a 160K vocabulary)."""
+        if self.kind == "tokenizers" and self._backend.normalizer is not None:
+            return None
+        longest = 1
+        for i in range(self.vocab_size):
+            try:
+                longest = max(longest, len(self.decode([i]).encode("utf-8")))
+            except (KeyError, ValueError):  # an id tiktoken leaves unused
+                continue
+        return longest
 
     def check_fits(self, model_vocab_size: int) -> None:
         """Raise ``ValueError`` when this tokenizer's ids do not fit a model with ``model_vocab_size``

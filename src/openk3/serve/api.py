@@ -2,8 +2,10 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus text format). Malformed JSON, a body that is not an object and every
-validation failure answer 400 with ``{"error": {message, type, param, code}}``; a model this server does not
-serve (``code: "model_not_found"``) and unknown routes 404, unexpected exceptions 500 in the same shape.
+validation failure answer 400 with ``{"error": {message, type, param, code}}``; a body over
+``ServingConfig.max_request_bytes`` 413 before it is read (:func:`openk3.serve.protocol.read_body`); a
+model this server does not serve (``code: "model_not_found"``) and unknown routes 404, unexpected exceptions
+500 in the same shape.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.serve.metrics import CONTENT_TYPE
 from openk3.serve.openai_serving import OpenAIServing
-from openk3.serve.protocol import APIError, json_object
+from openk3.serve.protocol import APIError, json_object, read_body
 
 logger = logging.getLogger("openk3.serve")
 
@@ -29,10 +31,6 @@ def _error(status: int, message: str, type: str, param=None, code=None, headers=
     return JSONResponse(
         APIError(status, message, type, param, code).body(), status_code=status, headers=headers
     )
-
-
-async def _json_body(http: HTTPRequest) -> dict:
-    return json_object(await http.body())
 
 
 def build_app(serving: OpenAIServing) -> FastAPI:
@@ -51,6 +49,9 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     app = FastAPI(title="openk3", lifespan=lifespan)
     app.state.serving = serving
     created = int(time.time())
+
+    async def _json_body(http: HTTPRequest) -> dict:
+        return json_object(await read_body(http, serving.config.max_request_bytes))
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):

@@ -31,6 +31,18 @@ def media_folder(text: str) -> str:
     return text
 
 
+def positive_mib(text: str) -> float:
+    """``--max-request-mib``: a finite number of MiB above 0 (fractions allowed); raises
+    ``argparse.ArgumentTypeError``."""
+    try:
+        mib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: not a number of MiB") from None
+    if not 0 < mib < 2**40:
+        raise argparse.ArgumentTypeError(f"invalid size {text}: give a number of MiB above 0")
+    return mib
+
+
 SERVER_MODULES = {
     "fastapi": "fastapi",
     "uvicorn": "uvicorn",
@@ -128,6 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         draft=args.draft,
         num_speculative_tokens=num_speculative_tokens,
         allowed_local_media_path=args.allowed_local_media_path,
+        max_request_bytes=None if args.max_request_mib is None else int(args.max_request_mib * 2**20),
     )
     return 0
 
@@ -172,6 +185,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         dest="allowed_local_media_path",
         type=media_folder,
         help="folder whose image files chat requests may name in image_url (default: only data: URLs)",
+    )
+    p.add_argument(
+        "--max-request-mib",
+        dest="max_request_mib",
+        type=positive_mib,
+        help="largest request body in MiB, refused with 413 before it is read (default: 1 MiB + 64 bytes a "
+        "token of --max-model-len, + 4 KiB a token for a model with a vision tower)",
     )
     g = p.add_argument_group("cache")
     g.add_argument(
@@ -289,6 +309,7 @@ def cmd_route(args: argparse.Namespace) -> int:
         quarantine_s=args.quarantine,
         chunk_chars=args.chunk_chars,
         chunk_tokens=args.chunk_tokens,
+        max_request_bytes=int(args.max_request_mib * 2**20),
     )
     run_router(config, args.host, args.port)
     return 0
@@ -350,6 +371,13 @@ def add_route_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=d.chunk_tokens,
         help="ids per prefix block of a token-id prompt",
+    )
+    p.add_argument(
+        "--max-request-mib",
+        dest="max_request_mib",
+        type=positive_mib,
+        default=d.max_request_bytes / 2**20,
+        help="largest request body in MiB, refused with 413 before it is read or forwarded",
     )
     p.set_defaults(func=cmd_route)
     return p

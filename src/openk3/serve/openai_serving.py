@@ -79,6 +79,17 @@ class ServingConfig:
     """``Retry-After`` seconds sent with 429."""
     allowed_local_media_path: str | None = None
     """Folder whose files an ``image_url`` may name; ``None``: only ``data:`` URLs."""
+    max_request_bytes: int = 1 << 20
+    """Largest request body read (beyond it: 413 before parsing); :func:`request_bytes_limit` gives the
+    server's default."""
+
+
+def request_bytes_limit(max_model_len: int, vision: bool) -> int:
+    """The default body limit of a server whose requests hold at most ``max_model_len`` tokens: 1 MiB for
+    the JSON around the prompt, plus 64 bytes a token of text (several times what a full context of text or
+    token ids takes, escapes included) and, for a model with a vision tower, 4 KiB a token (an image token
+    covers 28 × 28 pixels: 2,352 bytes of raw RGB, 3,136 in base64). Batched prompts share the limit."""
+    return (1 << 20) + max_model_len * (64 + (4096 if vision else 0))
 
 
 @dataclass
@@ -148,6 +159,10 @@ class OpenAIServing:
         """How the engine thread's outputs reach the calls' queues on the serving event loop (one per loop:
         a call keeps the mailbox of the loop it started on)."""
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="openk3-tokenize")
+        per_token = tokenizer.max_token_bytes
+        self._max_text_bytes = None if per_token is None else per_token * (config.max_model_len - 1)
+        """A prompt's text over this many UTF-8 bytes encodes to at least ``max_model_len`` tokens
+        (:attr:`openk3.data.Tokenizer.max_token_bytes`): refused without tokenizing it."""
 
     def close(self) -> None:
         """Drop queued tokenization work (the app's shutdown)."""
@@ -183,6 +198,21 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         return requested if requested is not None else limit - prompt_len
+
+    def _refuse_long_text(self, texts: list[str], param: str) -> None:
+        """The 400 ``context_length_exceeded`` of a prompt whose text alone holds ``max_model_len`` tokens
+        or more, told from its size before the tokenizer thread spends seconds on it (the body limit still
+        lets through megabytes of text)."""
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if self._max_text_bytes is not None and size > self._max_text_bytes:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.config.max_model_len} tokens; the "
+                f"{size:,} bytes of text in {param} encode to at least "
+                f"{-(-size // self.tokenizer.max_token_bytes):,}",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _tokenize_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -323,6 +353,9 @@ class OpenAIServing:
 
     async def completions(self, body, http: HTTPRequest):
         req = self._parse(CompletionRequest, body)
+        for text in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
+            if isinstance(text, str):
+                self._refuse_long_text([text], "prompt")
         prompts = await self._off_loop(self._tokenize_prompts, req.prompt)
         max_tokens = [self._max_tokens(req.max_tokens, len(p), "prompt") for p in prompts]
         call = self._start(req, prompts, max_tokens, {self.tokenizer.eos_id})
@@ -330,6 +363,7 @@ class OpenAIServing:
 
     async def chat(self, body, http: HTTPRequest):
         req = self._parse(ChatCompletionRequest, body)
+        self._refuse_long_text([m.text for m in req.messages], "messages")
         ids, media = await self._off_loop(self._chat_prompt, req.messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = [self._max_tokens(requested, len(ids), "messages")]

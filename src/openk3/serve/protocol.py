@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies (pydantic) and the error object (``docs/references.md#openai-api``).
 
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad input), 404 (a model
-the server does not serve), 429 (queue full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement
+the server does not serve), 413 (a body over the server's byte limit, refused before it is read),
+429 (queue full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement
 (``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` other than ``n``,
 ``response_format`` other than text, tools) are refused with 400 naming the field when they ask for
 something other than the no-op default, rather than silently ignored; unknown extra fields are ignored, as
@@ -58,6 +59,34 @@ def json_object(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object", code="invalid_json")
     return body
+
+
+async def read_body(http, limit: int) -> bytes:
+    """The body of the Starlette request ``http``, read only while it stays within ``limit`` bytes.
+
+    A body over the limit is refused with 413 (``code: "request_too_large"``) as soon as that is known: from
+    its ``Content-Length`` before any of it is read, or, for a streamed (chunked) body, at the chunk that
+    passes the limit. So an oversized request costs neither memory beyond the limit nor parsing and
+    tokenizing, and the requests beside it keep being served (the server and the router alike)."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared):,} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"over {limit:,} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is {size}; this server reads at most {limit:,} bytes (start it with a larger "
+        "--max-request-mib for bigger batches or images)",
+        code="request_too_large",
+    )
 
 
 def validation_error(e: ValidationError) -> APIError:

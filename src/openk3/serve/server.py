@@ -28,7 +28,7 @@ from openk3.serve.chat_template import ChatTemplate
 from openk3.serve.config import EngineConfig
 from openk3.serve.engine import LLMEngine
 from openk3.serve.metrics import ServerMetrics
-from openk3.serve.openai_serving import OpenAIServing, ServingConfig
+from openk3.serve.openai_serving import OpenAIServing, ServingConfig, request_bytes_limit
 
 GRACEFUL_SHUTDOWN_S = 3
 """Seconds uvicorn waits for connections to close on exit before cancelling their tasks."""
@@ -65,21 +65,29 @@ def build_server(
     allowed_local_media_path: str | None = None,
     draft=None,
     num_speculative_tokens: int = 3,
+    max_request_bytes: int | None = None,
 ) -> tuple[FastAPI, OpenAIServing]:
     """An app (and its serving object, for inspection) over an in-memory model and tokenizer.
     ``allowed_local_media_path``: the folder a chat request's ``image_url`` may name local files in
     (``None``: only ``data:`` URLs); ``draft``: a speculative draft of the model
-    (:mod:`openk3.serve.speculative`) with ``num_speculative_tokens`` drafted tokens per step by default."""
+    (:mod:`openk3.serve.speculative`) with ``num_speculative_tokens`` drafted tokens per step by default;
+    ``max_request_bytes``: the largest body read (413 beyond it; ``None``: :func:`request_bytes_limit` of
+    the context length, and of whether the model has a vision tower)."""
     engine_config = engine_config or EngineConfig()
     tokenizer.check_fits(getattr(model, "language_model", model).config.vocab_size)
     metrics = ServerMetrics()
     llm = LLMEngine(model, engine_config, tokenizer.vocab_size, draft, num_speculative_tokens)
     engine = AsyncEngine(llm, on_step=metrics.on_step)
+    max_model_len = engine_config.scheduler.max_model_len
+    if max_request_bytes is None:
+        vision = getattr(model.config, "vision_config", None) is not None
+        max_request_bytes = request_bytes_limit(max_model_len, vision)
     config = ServingConfig(
         model_name,
-        engine_config.scheduler.max_model_len,
+        max_model_len,
         max_n,
         allowed_local_media_path=allowed_local_media_path,
+        max_request_bytes=max_request_bytes,
     )
     serving = OpenAIServing(engine, tokenizer, chat_template or ChatTemplate(tokenizer), metrics, config)
     return build_app(serving), serving
@@ -94,9 +102,11 @@ def load_server(
     allowed_local_media_path: str | None = None,
     draft: str | Path | None = None,
     num_speculative_tokens: int = 3,
+    max_request_bytes: int | None = None,
 ) -> tuple[FastAPI, OpenAIServing]:
     """Build the server for a checkpoint or run folder (``model_name`` defaults to
-    :func:`served_model_name` of ``ckpt``; ``allowed_local_media_path`` as in :func:`build_server`);
+    :func:`served_model_name` of ``ckpt``; ``allowed_local_media_path`` and ``max_request_bytes`` as in
+    :func:`build_server`);
     ``draft``: a draft folder for that model (a draft of another target raises ``ValueError``)."""
     from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
     from openk3.data import Tokenizer
@@ -117,6 +127,7 @@ def load_server(
         allowed_local_media_path=allowed_local_media_path,
         draft=drafter,
         num_speculative_tokens=num_speculative_tokens,
+        max_request_bytes=max_request_bytes,
     )
 
 

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.serve.metrics import CONTENT_TYPE
-from openk3.serve.protocol import APIError, json_object
+from openk3.serve.protocol import APIError, json_object, read_body
 from openk3.serve.router.config import RouterConfig, normalize_worker_url
 from openk3.serve.router.policy import Decision, RoutingPolicy, WorkerState
 from openk3.serve.router.prefix_index import prompt_blocks
@@ -148,8 +148,8 @@ class Router:
     # ---- requests --------------------------------------------------------------------------------------
     async def forward(self, path: str, http: HTTPRequest) -> Response:
         """Route one completions or chat request (see the module docstring)."""
-        raw = await http.body()
-        body = json_object(raw)  # a 400 with code invalid_json, as the server's own
+        raw = await read_body(http, self.config.max_request_bytes)  # 413 and 400 as the server's own
+        body = json_object(raw)
         session = http.headers.get("x-session-id") or (
             body["user"] if isinstance(body.get("user"), str) else None
         )

@@ -57,6 +57,9 @@ class RouterConfig:
     """Session → worker entries kept (least recently used dropped first)."""
     max_index_blocks: int = 1_000_000
     """Prefix blocks remembered per worker (least recently used dropped first)."""
+    max_request_bytes: int = 64 << 20
+    """Largest request body the router reads (413 beyond it, before it is read or forwarded); at least the
+    workers' own ``--max-request-mib``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, str):
@@ -75,6 +78,7 @@ class RouterConfig:
             "key_chunks",
             "max_inflight",
             "health_failures",
+            "max_request_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
