@@ -421,8 +421,9 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         return {"workers": router.workers()}
 
     async def _url(http: HTTPRequest) -> str:
+        raw = await read_body(http, router.config.max_request_bytes)
         try:
-            body = json.loads(await http.body())
+            body = json.loads(raw)
             return normalize_worker_url(body["url"])
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, AttributeError):
             raise APIError(400, 'the body must be {"url": "http://host:port"}', param="url") from None
