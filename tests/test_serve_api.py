@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -138,7 +139,8 @@ def test_detokenizer_decodes_short_windows_and_completes_characters():
 
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert json.loads(urllib.request.urlopen(server.base_url + "/health").read()) == {"status": "ok"}
+    health = json.loads(urllib.request.urlopen(server.base_url + "/health").read())
+    assert health == {"status": "ok", "max_request_bytes": server.serving.config.max_request_bytes}
     text = urllib.request.urlopen(server.base_url + "/metrics").read().decode()
     for name in (
         "openk3:num_requests_running",
@@ -604,7 +606,7 @@ def test_tokenization_does_not_block_the_event_loop(server, monkeypatch):
         assert started.wait(10)
         t0 = time.monotonic()
         health = urllib.request.urlopen(server.base_url + "/health", timeout=3).read()
-        assert json.loads(health) == {"status": "ok"} and time.monotonic() - t0 < 1.0
+        assert json.loads(health)["status"] == "ok" and time.monotonic() - t0 < 1.0
     finally:
         release.set()
         worker.join(30)
@@ -812,6 +814,37 @@ def test_a_text_that_cannot_fit_the_context_is_refused_without_tokenizing(server
     assert calls == [edge] and status == 400 and data["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_client_leaving_during_its_body_logs_no_error(server, caplog):
+    """A client that declares 100,000 bytes, sends 1,000 and closes: no "unhandled error" traceback (it was
+    one per such client), and the server answers the next request."""
+    with caplog.at_level(logging.ERROR):
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100000\r\n\r\n" + b'{"prompt": "' + b"a" * 988
+            )
+        status, _ = _post_json(
+            server, "/v1/completions", {"model": MODEL, "prompt": "To be", "max_tokens": 2}
+        )
+        time.sleep(0.2)
+    assert status == 200 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_more_choices_than_the_queue_holds_is_400_not_429(server):
+    """Prompts × ``n`` over the scheduler's ``max_waiting`` (256 here) can never be queued at once: a 400
+    naming the limit (a 429 told the client to retry it), before tokenizing, also for 200,000 prompts."""
+    limit = server.serving.config.max_choices
+    assert limit == 256
+    for prompt, n in ((["To be"] * 129, 2), ([[1]] * 200_000, 1)):
+        t0 = time.monotonic()
+        status, data = _post_json(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "n": n})
+        err = data["error"]
+        assert status == 400 and err["param"] == "prompt" and f"at most {limit}" in err["message"], data
+        assert time.monotonic() - t0 < 5.0
+    status, data = _post_json(server, "/v1/completions", {"model": MODEL, "prompt": ["To be"] * 128, "n": 2})
+    assert status == 200 and len(data["choices"]) == 256
+
+
 def test_max_request_mib_flag():
     """``--max-request-mib`` sets the body limit of ``serve`` (default: derived, None) and ``route``; a size
     that is not a positive number is a usage error."""
@@ -826,7 +859,7 @@ def test_max_request_mib_flag():
     assert parser.parse_args(["serve", "--ckpt", "x"]).max_request_mib is None
     assert parser.parse_args(["serve", "--ckpt", "x", "--max-request-mib", "0.5"]).max_request_mib == 0.5
     assert parser.parse_args(["route", "--workers", "http://a:1"]).max_request_mib == 64.0
-    for bad in ("0", "-1", "nan", "big"):
+    for bad in ("0", "-1", "nan", "big", "1e-9", "1e300"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--ckpt", "x", "--max-request-mib", bad])
 

@@ -94,6 +94,11 @@ def test_prompt_blocks_share_prefixes():
     assert one and two[: len(one)] == one
     assert prompt_blocks({"prompt": [1, 2, 3, 4, 5]}, c) != prompt_blocks({"prompt": [1, 2, 3, 5]}, c)
     assert prompt_blocks({"prompt": [True, 2, 3, 4]}, c) == [] and prompt_blocks({"prompt": 3}, c) == []
+    for text in (7, None, {"a": 1}, ["a"]):  # malformed parts count as empty: the worker answers the 400
+        bad = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "text", "text": "ok"}]}]
+        assert prompt_blocks({"messages": bad}, c) == prompt_blocks(
+            {"messages": [{"role": "user", "content": "ok"}]}, c
+        )
 
 
 @pytest.mark.parametrize(
@@ -213,6 +218,28 @@ def test_a_worker_answering_garbage_is_taken_out_and_the_request_served_elsewher
         good = r.headers["x-openk3-worker"]
         assert f'openk3:router_cached_tokens_total{{worker="{good}"}} 8.0' in metrics
         assert f'openk3:router_prefix_cache_hit_rate{{worker="{good}"}} 0.8' in metrics
+
+
+def test_the_workers_own_body_limit_is_answered_by_the_router():
+    """Workers report their ``max_request_bytes`` in ``GET /health``: a body every worker would refuse is
+    the router's 413 from its Content-Length, never uploaded (uploading it, concurrent 60 MB bodies got a
+    healthy worker marked down while the worker closed each connection early); a body within it is routed."""
+    posted = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "max_request_bytes": 2000})
+        posted.append(len(request.content))
+        return httpx.Response(200, json=COMPLETION)
+
+    with BackgroundServer(build_router_app(RouterConfig(workers=W), httpx.MockTransport(handle))) as srv:
+        url = srv.base_url + "/v1/completions"
+        r = httpx.post(url, json={"model": "m", "prompt": "x" * 5000}, timeout=10)
+        err = r.json()["error"]
+        assert r.status_code == 413 and err["code"] == "request_too_large" and "2,000 bytes" in err["message"]
+        assert posted == [] and all(w["up"] for w in httpx.get(srv.base_url + "/workers").json()["workers"])
+        assert httpx.post(url, json={"model": "m", "prompt": "x" * 1000}, timeout=10).json() == COMPLETION
+        assert len(posted) == 1
 
 
 def test_a_worker_404_for_an_unknown_model_reaches_the_client_and_keeps_the_worker():

@@ -74,7 +74,7 @@ def build_app(serving: OpenAIServing) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", "max_request_bytes": serving.config.max_request_bytes}
 
     @app.get("/v1/models")
     async def models():

@@ -32,14 +32,16 @@ def media_folder(text: str) -> str:
 
 
 def positive_mib(text: str) -> float:
-    """``--max-request-mib``: a finite number of MiB above 0 (fractions allowed); raises
-    ``argparse.ArgumentTypeError``."""
+    """``--max-request-mib``: a number of MiB from one byte (``2**-20``) to 1 TiB (``2**20``), fractions
+    allowed; raises ``argparse.ArgumentTypeError``."""
     try:
         mib = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: not a number of MiB") from None
-    if not 0 < mib < 2**40:
-        raise argparse.ArgumentTypeError(f"invalid size {text}: give a number of MiB above 0")
+    if not 2**-20 <= mib <= 2**20:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text}: give a number of MiB from 0.000001 (one byte) to 1048576 (1 TiB)"
+        )
     return mib
 
 

@@ -79,6 +79,9 @@ class ServingConfig:
     """``Retry-After`` seconds sent with 429."""
     allowed_local_media_path: str | None = None
     """Folder whose files an ``image_url`` may name; ``None``: only ``data:`` URLs."""
+    max_choices: int = 128
+    """Most choices (prompts × ``n``) one request may make: the scheduler's ``max_waiting``, since a
+    request's choices are queued together (beyond it: 400, where a retry could never succeed)."""
     max_request_bytes: int = 1 << 20
     """Largest request body read (beyond it: 413 before parsing); :func:`request_bytes_limit` gives the
     server's default."""
@@ -198,6 +201,18 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         return requested if requested is not None else limit - prompt_len
+
+    def _refuse_many_choices(self, prompts: int, n: int) -> None:
+        """The 400 of a request with more choices than the waiting queue holds (a 429 would ask the client
+        to retry what can never be admitted), before its prompts are validated or tokenized."""
+        if prompts * n > self.config.max_choices:
+            raise APIError(
+                400,
+                f"This request makes {prompts * n:,} choices ({prompts:,} prompts × n = {n}); this server "
+                f"queues at most {self.config.max_choices} (--max-waiting): split the batch",
+                param="prompt" if prompts > 1 else "n",
+                code="invalid_value",
+            )
 
     def _refuse_long_text(self, texts: list[str], param: str) -> None:
         """The 400 ``context_length_exceeded`` of a prompt whose text alone holds ``max_model_len`` tokens
@@ -353,6 +368,8 @@ class OpenAIServing:
 
     async def completions(self, body, http: HTTPRequest):
         req = self._parse(CompletionRequest, body)
+        batch = isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list))
+        self._refuse_many_choices(len(req.prompt) if batch else 1, req.n)
         for text in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
             if isinstance(text, str):
                 self._refuse_long_text([text], "prompt")
@@ -363,6 +380,7 @@ class OpenAIServing:
 
     async def chat(self, body, http: HTTPRequest):
         req = self._parse(ChatCompletionRequest, body)
+        self._refuse_many_choices(1, req.n)
         self._refuse_long_text([m.text for m in req.messages], "messages")
         ids, media = await self._off_loop(self._chat_prompt, req.messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

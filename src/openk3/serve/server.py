@@ -87,6 +87,7 @@ def build_server(
         max_model_len,
         max_n,
         allowed_local_media_path=allowed_local_media_path,
+        max_choices=engine_config.scheduler.max_waiting,
         max_request_bytes=max_request_bytes,
     )
     serving = OpenAIServing(engine, tokenizer, chat_template or ChatTemplate(tokenizer), metrics, config)

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.serve.metrics import CONTENT_TYPE
-from openk3.serve.protocol import APIError, json_object, read_body
+from openk3.serve.protocol import APIError, json_object, read_body, too_large
 from openk3.serve.router.config import RouterConfig, normalize_worker_url
 from openk3.serve.router.policy import Decision, RoutingPolicy, WorkerState
 from openk3.serve.router.prefix_index import prompt_blocks
@@ -122,6 +122,8 @@ class Router:
             r = await self.client.get(worker.url + "/health", timeout=self.config.health_timeout_s)
             ok = r.status_code == 200 and r.json().get("status") == "ok"
             error = "" if ok else f"health probe answered {r.status_code}: {r.text[:80]!r}"
+            limit = r.json().get("max_request_bytes") if ok else None
+            worker.max_request_bytes = limit if isinstance(limit, int) and limit > 0 else None
         except (httpx.HTTPError, ValueError, AttributeError) as e:
             ok, error = False, f"health probe failed: {type(e).__name__}: {e}"
         worker.failed_probes = 0 if ok else worker.failed_probes + 1
@@ -148,7 +150,7 @@ class Router:
     # ---- requests --------------------------------------------------------------------------------------
     async def forward(self, path: str, http: HTTPRequest) -> Response:
         """Route one completions or chat request (see the module docstring)."""
-        raw = await read_body(http, self.config.max_request_bytes)  # 413 and 400 as the server's own
+        raw = await read_body(http, self._body_limit())  # 413 and 400 as the server's own
         body = json_object(raw)
         session = http.headers.get("x-session-id") or (
             body["user"] if isinstance(body.get("user"), str) else None
@@ -164,6 +166,8 @@ class Router:
         refusal = None
         while (decision := self.policy.choose(session, blocks, short_key, exclude)) is not None:
             worker = decision.worker
+            if worker.max_request_bytes is not None and len(raw) > worker.max_request_bytes:
+                raise too_large(f"{len(raw):,} bytes", worker.max_request_bytes)  # the worker's own 413
             self.metrics.requests.labels(worker.url, decision.route).inc()
             try:
                 if body.get("stream") is True:
@@ -186,6 +190,14 @@ class Router:
             headers={"Retry-After": retry},
             code="no_worker_available",
         )
+
+    def _body_limit(self) -> int:
+        """The most bytes of a request body worth reading: ``max_request_bytes``, or less when every worker
+        has reported a smaller limit of its own (the largest of theirs), so a body that every worker would
+        refuse is refused from its Content-Length, never held or uploaded."""
+        own = self.config.max_request_bytes
+        theirs = [w.max_request_bytes or own for w in self.policy.workers.values()]
+        return min(own, max(theirs)) if theirs else own
 
     @staticmethod
     def _headers(decision: Decision, upstream) -> dict[str, str]:

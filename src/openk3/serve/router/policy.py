@@ -43,6 +43,9 @@ class WorkerState:
     last_error: str = ""
     failed_probes: int = 0
     """Health probes failed in a row."""
+    max_request_bytes: int | None = None
+    """The body limit its ``GET /health`` reports (``None``: not told); the router answers a longer body's
+    413 itself rather than upload what the worker will refuse."""
 
     def is_up(self, now: float) -> bool:
         return self.healthy and now >= self.quarantined_until

@@ -38,7 +38,8 @@ def flatten_messages(messages) -> str:
             continue
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            texts = (p.get("text") for p in content if isinstance(p, dict))
+            content = "".join(t for t in texts if isinstance(t, str))
         out.append(f"{m.get('role', '')}\x00{content if isinstance(content, str) else ''}\x01")
     return "".join(out)
 
