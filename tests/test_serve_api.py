@@ -252,6 +252,8 @@ def _post(server, path: str, body: bytes) -> tuple[int, dict]:
 BAD = [
     ("/v1/completions", b"{not json", "invalid_json"),
     ("/v1/completions", b"[1, 2]", "invalid_json"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid_json"),  # too deep
+    ("/v1/completions", b'{"prompt": "hi", "n": 1' + b"0" * 5000 + b"}", "invalid_json"),  # > 4,300 digits
     ("/v1/completions", json.dumps({"prompt": "hi"}).encode(), "model"),
     ("/v1/completions", json.dumps({"model": MODEL}).encode(), "prompt"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),

@@ -242,6 +242,28 @@ def test_the_workers_own_body_limit_is_answered_by_the_router():
         assert len(posted) == 1
 
 
+def test_a_body_too_long_for_one_worker_goes_to_one_that_takes_it():
+    """Workers of different limits: a body over one worker's is sent to another whose limit it fits (the
+    first one's 413 only when none does); the body is read up to the largest limit."""
+    limits = {9001: 2000, 9002: 100_000, 9003: 2000}
+    served = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "max_request_bytes": limits[request.url.port]})
+        served.append(request.url.port)
+        return httpx.Response(200, json=COMPLETION)
+
+    with BackgroundServer(build_router_app(RouterConfig(workers=W), httpx.MockTransport(handle))) as srv:
+        url = srv.base_url + "/v1/completions"
+        for i in range(6):
+            body = {"model": "m", "prompt": f"{i}" + "x" * 5000, "user": f"s{i}"}
+            assert httpx.post(url, json=body, timeout=10).json() == COMPLETION
+        assert served == [9002] * 6
+        r = httpx.post(url, json={"model": "m", "prompt": "x" * 200_000}, timeout=10)
+        assert r.status_code == 413 and "100,000 bytes" in r.json()["error"]["message"]
+
+
 def test_a_worker_404_for_an_unknown_model_reaches_the_client_and_keeps_the_worker():
     """The server's 404 ``model_not_found`` is the client's mistake: passed through, no retry elsewhere."""
     error = {"error": {"message": "The model 'x' does not exist", "type": "invalid_request_error"}}

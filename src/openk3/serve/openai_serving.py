@@ -204,7 +204,8 @@ class OpenAIServing:
 
     def _refuse_many_choices(self, prompts: int, n: int) -> None:
         """The 400 of a request with more choices than the waiting queue holds (a 429 would ask the client
-        to retry what can never be admitted), before its prompts are validated or tokenized."""
+        to retry what can never be admitted); a completion's is counted on the raw body, before its prompts
+        are validated or tokenized (an invalid ``n`` counts as 1 there, and validation names it)."""
         if prompts * n > self.config.max_choices:
             raise APIError(
                 400,
@@ -367,9 +368,10 @@ class OpenAIServing:
         return req
 
     async def completions(self, body, http: HTTPRequest):
+        prompt, n = body.get("prompt"), body.get("n")  # counted before validating 200,000 prompts
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        self._refuse_many_choices(len(prompt) if batch else 1, n if type(n) is int and n >= 1 else 1)
         req = self._parse(CompletionRequest, body)
-        batch = isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list))
-        self._refuse_many_choices(len(req.prompt) if batch else 1, req.n)
         for text in [req.prompt] if isinstance(req.prompt, str) else req.prompt:
             if isinstance(text, str):
                 self._refuse_long_text([text], "prompt")

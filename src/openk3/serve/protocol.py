@@ -53,7 +53,7 @@ def json_object(raw: bytes) -> dict:
     for malformed JSON and for JSON that is not an object (the server and the router answer alike)."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or syntax, deep nesting, a 5,000-digit number
         raise APIError(
             400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
         ) from e

@@ -167,7 +167,10 @@ class Router:
         while (decision := self.policy.choose(session, blocks, short_key, exclude)) is not None:
             worker = decision.worker
             if worker.max_request_bytes is not None and len(raw) > worker.max_request_bytes:
-                raise too_large(f"{len(raw):,} bytes", worker.max_request_bytes)  # the worker's own 413
+                exclude.add(worker.url)  # the next worker may take it; if none does, this one's 413
+                e = too_large(f"{len(raw):,} bytes", worker.max_request_bytes)
+                refusal = refusal or _error(413, e.message, e.type, code=e.code)
+                continue
             self.metrics.requests.labels(worker.url, decision.route).inc()
             try:
                 if body.get("stream") is True:
