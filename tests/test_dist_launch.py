@@ -43,7 +43,7 @@ def test_launcher_reports_a_missing_data_folder_in_one_line(tmp_path):
 
 @pytest.mark.slow  # two ranks of torch imports on 2 cores: 15-30 s
 def test_torchrun_prints_a_bad_config_value_once(tmp_path):
-    """``--batch-size 3`` over 2 data ranks is refused by every rank: rank 0 alone prints it, no rank prints
+    """``--batch-size 3`` over 2 data ranks is refused by every rank: one rank prints it, no rank prints
     a traceback, and torchrun's report shows the message (from the ranks' error files)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: a small corpus for two ranks.\n" for i in range(400)))
@@ -61,17 +61,25 @@ def test_torchrun_prints_a_bad_config_value_once(tmp_path):
     assert "[rank0]" not in done.stderr and "[rank1]" not in done.stderr, done.stderr  # no rank's traceback
 
 
-def test_ranks_other_than_0_record_bad_input_without_printing_it(tmp_path, monkeypatch, capsys):
-    """Under the agent a rank other than 0 prints neither argparse's line nor a command's error (rank 0 prints
-    the same one; under openk3's own launcher no rank does); the error goes to its error file, where the
-    launcher reads it."""
-    error_file = tmp_path / "error.json"
+def test_the_first_rank_to_fail_prints_bad_input_and_the_others_record_it(tmp_path, monkeypatch, capsys):
+    """Under the agent the first rank of a node to fail prints argparse's line or a command's error, whichever
+    rank it is (torchrun may stop rank 0 before it prints); the later ranks print nothing. Every rank records
+    the error in its own error file, where the launcher reads it; under openk3's own launcher no rank
+    prints."""
+    attempt = tmp_path / "run-id" / "attempt_0"  # torchrun's layout: attempt_N/<local rank>/error.json
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def as_rank(rank: int) -> Path:
+        (attempt / str(rank)).mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / str(rank) / "error.json"))
+        return attempt / str(rank) / "error.json"
+
+    as_rank(1)  # rank 1 fails first: it prints
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--lr", "nan"])
-    assert exit_.value.code == 2 and capsys.readouterr().err == ""
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("openk3 train: error: argument --lr")
+    error_file = as_rank(0)  # rank 0 fails second: silent, its error in its file
     assert main(["train", "--nproc-per-node", "2"]) == 2  # a ValueError: the launcher under the agent
     assert capsys.readouterr().err == ""
     message = json.loads(error_file.read_text())["message"]
@@ -83,20 +91,25 @@ def test_ranks_other_than_0_record_bad_input_without_printing_it(tmp_path, monke
     def ctrl_c(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_info", ctrl_c)  # Ctrl-C reaches every rank: rank 0 alone says so
+    monkeypatch.setattr(cli, "cmd_info", ctrl_c)  # Ctrl-C reaches every rank: the first to stop says so
+    attempt = tmp_path / "run-id" / "attempt_1"  # a restarted attempt starts with no marker
+    as_rank(0)
+    assert main(["info"]) == 130 and capsys.readouterr().err == "openk3: interrupted\n"
+    as_rank(1)
     assert main(["info"]) == 130 and capsys.readouterr().err == ""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv(
-        "OPENK3_LAUNCHER", "1"
-    )  # started by `openk3 train --nproc-per-node`: rank 0 is silent too
+    attempt = tmp_path / "run-id" / "attempt_2"
+    as_rank(0)
+    monkeypatch.setenv("OPENK3_LAUNCHER", "1")  # started by `openk3 train --nproc-per-node`: nobody prints
     assert main(["train", "--nproc-per-node", "2"]) == 2 and capsys.readouterr().err == ""
     assert main(["info"]) == 130 and capsys.readouterr().err == ""
-    monkeypatch.delenv("OPENK3_LAUNCHER")  # plain torchrun: rank 0 prints
-    assert main(["info"]) == 130 and capsys.readouterr().err == "openk3: interrupted\n"
+    monkeypatch.delenv("OPENK3_LAUNCHER")  # plain torchrun: the first rank prints
     assert main(["train", "--nproc-per-node", "2"]) == 2
     assert capsys.readouterr().err == (
         "openk3: error: --nproc-per-node starts the ranks itself: run it without torchrun\n"
     )
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # no error file: rank 0 alone prints
+    monkeypatch.setenv("RANK", "1")
+    assert main(["info"]) == 130 and capsys.readouterr().err == ""
 
 
 def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None, timestamp: int) -> ProcessFailure:

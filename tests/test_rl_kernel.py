@@ -27,8 +27,9 @@ def evaluator():
 
 
 def honest(x, w):
-    ms = (x * x).mean(-1, keepdim=True)
-    return x * torch.rsqrt(ms + 1e-5) * w
+    # the expert's algorithm written out by the candidate (torch's RMSNorm, then the gain): at the expert's
+    # speed by construction, so the score is about 0.5 whatever the machine
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, 1e-5) * w
 
 
 _memo: dict = {}

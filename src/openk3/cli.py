@@ -968,16 +968,32 @@ def _failure_line(e: BaseException, command: str | None = None) -> str | None:
 
 
 def _reports_errors() -> bool:
-    """False on the ranks other than 0 of a world started by torch's elastic agent (torchrun): bad input is
-    the same on every rank, so rank 0 alone prints it; False on every rank that ``openk3 train
-    --nproc-per-node`` started, whose launcher prints the line (:mod:`openk3.dist.launch`)."""
+    """Whether this process prints a bad input or a Ctrl-C. Under torch's elastic agent (torchrun) every rank
+    meets the same bad input, so the first rank of a node to fail prints it: the ranks of one attempt keep
+    their error files in sibling folders (``attempt_N/<local rank>/error.json``), and the one that creates
+    the marker beside those folders (an ``O_EXCL`` create) prints. The first rank, not rank 0: torchrun stops
+    the others when one exits, which can be before rank 0 has printed. Without an error file, rank 0 prints.
+    No rank prints under ``openk3 train --nproc-per-node``, whose launcher prints the line
+    (:mod:`openk3.dist.launch`)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return True
-    return os.environ.get("RANK", "0") == "0" and os.environ.get("OPENK3_LAUNCHER") != "1"
+    if os.environ.get("OPENK3_LAUNCHER") == "1":
+        return False
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return os.environ.get("RANK", "0") == "0"
+    marker = Path(error_file).parent.parent / "openk3-error-printed"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # an unwritable log folder: fall back to rank 0
+        return os.environ.get("RANK", "0") == "0"
+    return True
 
 
 def _user_error(e: BaseException) -> None:
-    """Print bad input ``e`` as one ``openk3: error:`` line (rank 0 only under the elastic agent) and, under
+    """Print bad input ``e`` as one ``openk3: error:`` line (one rank under the elastic agent) and, under
     the agent, record it in this rank's error file, where torchrun's report and :mod:`openk3.dist.launch`
     read it."""
     if _reports_errors():
@@ -991,7 +1007,7 @@ def _user_error(e: BaseException) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: its own (0 on success), 2 for a bad input (one ``openk3: error:`` line on
     stderr; argparse's own errors raise ``SystemExit(2)`` with one ``openk3 <command>: error:`` line; under
-    torch's elastic agent rank 0 alone prints it, :func:`_user_error`), 1 for diverged training or memory
+    torch's elastic agent one rank prints it, :func:`_reports_errors`), 1 for diverged training or memory
     exhausted (one such line), 130 for Ctrl-C (one line saying what was saved), 141 when stdout was closed
     early (``openk3 info --json | head``; nothing printed)."""
     args = None
@@ -1015,7 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:
         with contextlib.suppress(OSError):  # stderr may be a closed pipe too
-            if _reports_errors():  # every rank of a world gets the Ctrl-C: rank 0 says it
+            if _reports_errors():  # every rank of a world gets the Ctrl-C: one says it
                 print(f"openk3: {e}" if str(e) else "openk3: interrupted", file=sys.stderr)
         return 130
 
