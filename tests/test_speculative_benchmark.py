@@ -114,7 +114,10 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
     monkeypatch.setattr(sys, "argv", ["speculative.py"])
     assert bench.main(argv) == 0
     result = json.loads((out / "speculative_cpu.json").read_text())
-    assert result["target_training"]["steps"] == 7  # the budget leaves the planned steps
+    assert result["target_training"]["steps"] == 7  # the budget and the one pass leave the planned steps
+    train_tokens = bench.TokenDataset(tmp_path / "w" / "k3-tiny" / "data" / "train.bin").num_tokens
+    assert result["target_training"]["train_tokens"] == train_tokens > 7 * 2 * 32
+    assert result["target_training"]["epochs"] == pytest.approx(7 * 2 * 32 / train_tokens)
     assert (tmp_path / "w" / "k3-tiny" / "checkpoints" / "step-000007").is_dir()
     rows = [json.loads(x) for x in (tmp_path / "w" / "k3-tiny" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["loss"] for r in rows if "grad_norm" in r}
@@ -138,6 +141,27 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
     report = (out / "speculative_cpu.md").read_text()
     assert report.startswith("# Speculative decoding") and "--train-target k3-tiny" in report
     assert "| 2 |" in report and "trained here for 7 steps" in report and "Target train loss" in report
+    assert f"passes over its {train_tokens:,} train tokens" in report
+
+
+def test_the_target_stops_after_its_passes_over_the_corpus(bench, tmp_path):
+    """``--target-epochs`` caps the planned steps at that many passes over the train split (a small corpus
+    overfits past one), never below the timed steps; the budget's unused target share is reported."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(TEXT * 2):
+        (corpus / f"work{i}.txt").write_text(text * 40)
+    argv = [
+        "--train-target", "k3-tiny", "--data", str(corpus), "--work", str(tmp_path / "w"), "--target-steps", "900",
+        "--target-batch-size", "8", "--target-seq-len", "32", "--target-epochs", "0.5", "--budget-s", "100000",
+    ]  # fmt: skip
+    args = bench.parse_args(argv)
+    run, summary = bench.train_target(args, bench.Clock(args.budget_s))
+    train_tokens = bench.TokenDataset(run / "data" / "train.bin").num_tokens
+    half_pass = int(0.5 * train_tokens / (8 * 32))
+    assert summary["steps"] == max(bench.TIMED_STEPS, half_pass) < 900
+    assert summary["epochs"] == pytest.approx(summary["steps"] * 8 * 32 / train_tokens)
+    assert summary["spare_seconds"] > 0
 
 
 def test_divergence_tells_a_rounding_flip_from_a_real_difference(bench):
