@@ -78,11 +78,11 @@ def backward_state_passes(
     their memory there as usual (no ``record_stream``); the work runs on ``do``'s device.
 
     Returns:
-        ``(h [P, H, K, V], v_new [tokens, H, V], dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32
+        ``(h fp32 [P, H, K, V], v_new [tokens, H, V], dh fp32 [P, H, K, V], dv_new [tokens, H, V], dh0 fp32
         [N, H, K, V])``.
     """
     TT, H, K = pre.w.shape
-    h = pre.w.new_empty(index.num_chunks, H, K, do.shape[-1])
+    h = pre.w.new_empty(index.num_chunks, H, K, do.shape[-1], dtype=torch.float32)
     v_new = pre.w.new_empty(TT, H, do.shape[-1]) if residuals is None else residuals
 
     def forward_pass() -> None:
@@ -128,7 +128,7 @@ def backward_passes(
     pre = empty_prepared(q, v, index, saved, store_u=store_u)
     TT, H, K = q.shape
     V = do.shape[-1]
-    h, dh = (pre.w.new_empty(index.num_chunks, H, K, V) for _ in range(2))
+    h, dh = (pre.w.new_empty(index.num_chunks, H, K, V, dtype=torch.float32) for _ in range(2))
     v_new = pre.w.new_empty(TT, H, V) if residuals is None else residuals
     dv_new = pre.w.new_empty(TT, H, V)
     grads = carried_states(dht, len(segs), True, (1, H, K, V), do.device)  # from the end: dht, ..., dh0

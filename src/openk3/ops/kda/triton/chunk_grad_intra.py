@@ -18,13 +18,16 @@ channels at a time (every term is per channel until the L2 norm):
 
 The per-step ``dg_t = Σ_{i ≥ t} dΓ_i`` keeps only the pairs ``j < t ≤ i``: every other pair enters ``+`` on its
 row side and ``−`` on its column side and must cancel. Two things make it cancel in the kernel as it does in
-exact arithmetic (otherwise, with a fast gate, the residue of the large near pairs exceeded the small true
-``dg``): the diagonal ``dAqk_ii`` (no gate in ``Aqk_ii = scale q_i·k_i``) is kept out of the tensor-core tiles,
-its ``dq``/``dk`` terms added in fp32 and its two ``dΓ`` terms (equal and opposite) left out; and the pairs
-inside one anchor block, where a fast gate's ``dg`` lives, are taken once more with the rounding remainder of
-their factors (``x − bf16(x)``, or ``x − tf32(x)`` with tf32 products; not with fp32 inputs' ``tf32x3``), against the block-diagonal part of the gradient
-tiles, so both sides carry the same pair to ~2^-16. ``dL`` is rounded once for both sides (β goes with the
-column side's keys).
+exact arithmetic (otherwise the residue of the pairs that should cancel, rounded differently on the two
+sides, adds up along the reverse cumsum and, through it, in ``dA_log`` and ``dt_bias``, sums over a head's
+tokens): the diagonal ``dAqk_ii`` (no gate in ``Aqk_ii = scale q_i·k_i``) is kept out of the tensor-core
+tiles, its ``dq``/``dk`` terms added in fp32 and its two ``dΓ`` terms (equal and opposite) left out; and both
+sides carry each pair to ~2^-16: with bf16 tiles every factor tile goes to the tensor cores as two bf16
+pieces (``hi + lo``, :func:`~openk3.ops.kda.triton.kernel_math.split_bf16`), and with tf32 tiles the pairs
+inside one anchor block (where a fast gate's ``dg`` lives; across blocks the decay makes them small) are
+taken once more with the tf32 rounding remainder of their factors, against the block-diagonal part of the
+gradient tiles. The gradient tiles ``dAqk``, ``dL`` are rounded once, the same values on both sides (β goes
+with the column side's keys).
 
 Then ``dg = reverse cumsum of dΓ`` within the chunk, the K3 gate backward (``dx = dg·lb·σ(z)(1 − σ(z))·
 e^{A_log}``, ``dA_log = Σ dx·(x + dt_bias)``, ``ddt_bias = Σ_t dx``, docs/references.md#kda-gates) and, after all slices (the totals
@@ -59,35 +62,23 @@ from openk3.ops.kda.triton.kernel_math import (
     round_tf32,
     row_at,
     sigmoid,
+    split_bf16,
     store_row_vec,
     store_rows,
 )
 
 BF16_MIN_KEY_DIM = 128
 """Smallest key dim whose 16-bit inputs take bf16 operands here: the four loop-invariant ``[BT, BT]``
-gradient tiles (``dAqk``, ``dL`` and their transposes) in bf16 and each decay-weighted factor tile rounded
-to bf16 once, products accumulated in fp32 (half the registers of tf32 tiles). Smaller key dims take tf32
-(fp32 inputs tf32x3): there ``dA_log``, one sum over a head's tokens, went past its tolerance with bf16
-factors (docs/LOG.md)."""
+gradient tiles (``dAqk``, ``dL`` and their transposes) in bf16 and each decay-weighted factor tile as two
+bf16 pieces, products accumulated in fp32 (half the registers of tf32 gradient tiles). Smaller key dims take
+tf32 (fp32 inputs tf32x3)."""
 
 
 @triton.jit
-def rounding_remainder(x, BF16: tl.constexpr):
-    """What the tensor cores drop of the fp32 factor ``x``: ``x − bf16(x)`` as bf16 when ``BF16``, else
-    ``x − tf32(x)`` (fp32, exact; rounded to tf32 again by :func:`operand_dot`)."""
-    if BF16:
-        return (x - x.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-    else:
-        return x - round_tf32(x)
-
-
-@triton.jit
-def operand_dot(a, b, DOT: tl.constexpr):
-    """``a @ b`` of bf16 operands as they are, of fp32 ones at precision ``DOT``."""
-    if a.dtype == tl.bfloat16:
-        return tl.dot(a, b)
-    else:
-        return dot(a, b, DOT)
+def remainder_dot(a, x, DOT: tl.constexpr):
+    """``a @ (x − tf32(x))``: the product with what the tensor cores drop of the fp32 factor ``x`` (the
+    remainder is exact in fp32 and rounded to tf32 again by :func:`~openk3.ops.kda.triton.kernel_math.dot`)."""
+    return dot(a, x - round_tf32(x), DOT)
 
 
 @triton.jit
@@ -154,12 +145,14 @@ def chunk_grad_intra_kernel(
             # column block s, anchor b_s (Γ at its last row)
             b_rows = tl.exp2(tl.where((blk >= s)[:, None], b_G - b_s[None, :], float("-inf")))
             b_cf = tl.exp2(tl.where((blk == s)[:, None], b_s[None, :] - b_G, float("-inf")))
-            if BF16:  # against the factors rounded to bf16 once
-                b_cb = b_col.to(tl.bfloat16)
-                acc_q += tl.dot(b_dA, b_cb) * b_rf
-                acc_m += tl.dot(b_dL, b_cb) * b_rf
-                b_c = tl.dot(b_dAt, (b_q * b_rows).to(tl.bfloat16))
-                acc_c += tl.dot(b_dLt, (b_k * b_rows * b_beta[:, None]).to(tl.bfloat16), b_c) * b_cf
+            if BF16:  # each factor tile as two bf16 pieces, hi + lo (~16 significant bits)
+                b_ch, b_cl = split_bf16(b_col)
+                acc_q += tl.dot(b_dA, b_cl, tl.dot(b_dA, b_ch)) * b_rf
+                acc_m += tl.dot(b_dL, b_cl, tl.dot(b_dL, b_ch)) * b_rf
+                b_qh, b_ql = split_bf16(b_q * b_rows)
+                b_kh, b_kl = split_bf16(b_k * b_rows * b_beta[:, None])
+                b_c = tl.dot(b_dAt, b_ql, tl.dot(b_dAt, b_qh))
+                acc_c += tl.dot(b_dLt, b_kl, tl.dot(b_dLt, b_kh, b_c)) * b_cf
             else:
                 acc_q += dot(b_dA, b_col, DOT) * b_rf
                 acc_m += dot(b_dL, b_col, DOT) * b_rf
@@ -167,24 +160,16 @@ def chunk_grad_intra_kernel(
                 acc_c += dot(b_dLt, b_k * b_rows * b_beta[:, None], DOT, b_c) * b_cf
             a_s = b_s
         if REMAINDER:
-            # the pairs i > j of one 16-row block once more, with what the operand rounding dropped of their
-            # factors (the same fp32 values as in the loop: its bf16/tf32 rounding's remainder), so a pair's
-            # row-side and column-side terms of dΓ cancel to ~2^-16 instead of the operand's 2^-8 / 2^-11
+            # tf32 tiles: the pairs i > j of one 16-row block once more, with what the operand rounding dropped
+            # of their factors (the same fp32 values as in the loop), so a pair's row-side and column-side
+            # terms of dΓ cancel to ~2^-16 instead of tf32's 2^-11
             same = blk[:, None] == blk[None, :]
-            b_col = b_k * tl.exp2(e_a)
-            c_lo = rounding_remainder(b_col, BF16)
             b_rf = tl.exp2(-e_a)
-            acc_q += operand_dot(tl.where(same, b_dA, 0.0).to(b_dA.dtype), c_lo, DOT) * b_rf
-            acc_m += operand_dot(tl.where(same, b_dL, 0.0).to(b_dL.dtype), c_lo, DOT) * b_rf
+            acc_q += remainder_dot(tl.where(same, b_dA, 0.0), b_k * tl.exp2(e_a), DOT) * b_rf
+            acc_m += remainder_dot(tl.where(same, b_dL, 0.0), b_k * tl.exp2(e_a), DOT) * b_rf
             b_rows = tl.exp2(e_b)
-            b_c = operand_dot(
-                tl.where(same, b_dAt, 0.0).to(b_dAt.dtype), rounding_remainder(b_q * b_rows, BF16), DOT
-            )
-            b_c += operand_dot(
-                tl.where(same, b_dLt, 0.0).to(b_dLt.dtype),
-                rounding_remainder(b_k * b_rows * b_beta[:, None], BF16),
-                DOT,
-            )
+            b_c = remainder_dot(tl.where(same, b_dAt, 0.0), b_q * b_rows, DOT)
+            b_c += remainder_dot(tl.where(same, b_dLt, 0.0), b_k * b_rows * b_beta[:, None], DOT)
             acc_c += b_c * tl.exp2(-e_b)
         b_db += tl.sum(b_k * acc_m, axis=1)
         b_dk_row = acc_m * b_beta[:, None]
@@ -249,6 +234,7 @@ def chunk_grad_intra(
     dbeta = torch.empty_like(beta)
     dA_log_part = q.new_empty(P, H, dtype=torch.float32)
     ddt_part = q.new_empty(P, H, K, dtype=torch.float32)
+    bf16 = q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM
     chunk_grad_intra_kernel[chunk_grid(P, H)](
         q, k, g, beta, A_log, dt_bias, pre.q_rstd, pre.k_rstd,
         wy.dA, wy.dL, wy.dqn, wy.dkn, wy.dG, wy.dbeta,
@@ -257,7 +243,7 @@ def chunk_grad_intra(
         scale, lower_bound, lower_bound * LOG2E,
         H=H, DOT=dot_precision(q.dtype), K=K, BT=CHUNK, BC=SUB_CHUNK, BK=min(K, launch.key_block), NB=NB,
         USE_L2NORM=use_l2norm, HAS_BIAS=dt_bias is not None,
-        BF16=q.dtype != torch.float32 and K >= BF16_MIN_KEY_DIM, BETA_SIGMOID=beta_sigmoid,
-        REMAINDER=dot_precision(q.dtype) == "tf32", **launch.options(),
+        BF16=bf16, BETA_SIGMOID=beta_sigmoid,
+        REMAINDER=dot_precision(q.dtype) == "tf32" and not bf16, **launch.options(),
     )  # fmt: skip
     return dq, dk, dg, dbeta, dA_log_part.sum(0), ddt_part.sum(0).view(H * K)

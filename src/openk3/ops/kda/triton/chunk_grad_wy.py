@@ -115,15 +115,17 @@ def chunk_grad_wy_key_kernel(
     for i_v in range(0, V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         p_hv = p_chunk + o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_hv)
-        b_dh = tl.load(dh + p_hv)
+        b_h32 = tl.load(h + p_hv)  # fp32: whole in dD, rounded to the storage dtype in the products
+        b_dh32 = tl.load(dh + p_hv)
+        b_h = b_h32.to(dt)
+        b_dh = b_dh32.to(dt)
         b_do = load_rows(do, t0, n_valid, i_h, i_v * BV, H, V, BT, BV).to(dt)
         acc_dqg += dot(b_do, tl.trans(b_h), DOT)
         b_de = load_rows(dv_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         acc_dwn += dot(b_de, tl.trans(b_h), DOT)
         b_e = load_rows(v_new, t0, n_valid, i_h, i_v * BV, H, V, BT, BV)
         acc_dkg += dot(b_e, tl.trans(b_dh), DOT)
-        acc_dD += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        acc_dD += tl.sum(b_h32 * b_dh32, axis=1)
 
     # WY: dXk = −Tᵀ dWn (its share of dL is in the value side's dXv Eᵀ)
     b_T = load_rows(Akk, t0, n_valid, i_h, 0, H, BT, BT, BT).to(tl.float32)

@@ -3,12 +3,15 @@ block, sequence, head) walks its 64-token chunks in order with the state slice `
 registers, and keeps what the gradient kernels read: the state at every chunk start ``h`` and the chunk's
 delta-rule residuals ``E``. Per chunk, from :mod:`~openk3.ops.kda.triton.chunk_prepare`'s tensors::
 
-    h  = S                              (stored in the storage dtype)
+    h  = S                              (stored in fp32)
     E  = U − W S                        ("v_new"; read instead when the forward kept it, LOAD_E)
     S ← Diag(D) S + K̂ᵀ E
 
 The matmul operands are in the storage dtype (bf16 for bf16 inputs, as in fla's ``chunk_gated_delta_rule_
-fwd_h``); accumulation and the carried state are fp32. With ``E`` given (the residuals the training forward
+fwd_h``); accumulation and the carried state are fp32. ``h`` is stored in fp32: the products that read it
+round it to the storage dtype as this pass's own product does (the same bits), and the gate's chunk-end
+gradient ``Σ_v h ⊙ dh`` (:mod:`~openk3.ops.kda.triton.chunk_grad_wy`) takes it whole, since a bf16 ``h``
+there put ``dA_log`` past fla's error on short sequences (docs/LOG.md). With ``E`` given (the residuals the training forward
 kept, ``KDAOptions.keep_residuals``) no product through ``S`` is on the chain.
 
 This module also holds the state passes' shared launch choices (value block, stages), which the reverse pass
@@ -60,7 +63,7 @@ def chunk_state_fwd_kernel(
         n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
         b_Sd = b_S.to(dt)
         p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(h + p_h, b_Sd.to(h.dtype.element_ty))
+        tl.store(h + p_h, b_S.to(h.dtype.element_ty))
         if LOAD_E:
             b_ed = load_rows(v_new, t0, n_valid, i_h, v0, H, V, BT, BV)
         else:
@@ -122,7 +125,7 @@ def chunk_state_fwd(
         launch: warps, stages, value block.
 
     Returns:
-        ``(h [P, H, K, V], v_new [tokens, H, V])`` in the storage dtype.
+        ``(h [P, H, K, V] fp32, v_new [tokens, H, V] in the storage dtype)``.
 
     Raises:
         ValueError: ``h_out`` or ``residuals`` of another shape or dtype than the pass writes or reads, or not
@@ -138,19 +141,19 @@ def chunk_state_fwd(
             "chunk_state_fwd: pre.u is None (a prepare with store_u=False): pass the residuals E the forward "
             "kept, or prepare with U"
         )
-    for name, t, shape in (
-        ("h_out[0]", None if h_out is None else h_out[0], (P, H, K, V)),
-        ("h_out[1]", None if h_out is None else h_out[1], (TT, H, V)),
-        ("residuals", residuals, (TT, H, V)),
+    for name, t, shape, dtype in (
+        ("h_out[0]", None if h_out is None else h_out[0], (P, H, K, V), torch.float32),
+        ("h_out[1]", None if h_out is None else h_out[1], (TT, H, V), pre.w.dtype),
+        ("residuals", residuals, (TT, H, V), pre.w.dtype),
     ):
         if t is not None:
-            check_out(name, t, shape, pre.w.dtype, dev)
+            check_out(name, t, shape, dtype, dev)
     if residuals is not None and h_out is not None and h_out[1] is not residuals:
         raise ValueError("chunk_state_fwd: with residuals, h_out[1] must be the residuals tensor itself")
     if h_out is not None:
         h, v_new = h_out
     else:
-        h = pre.w.new_empty(P, H, K, V)
+        h = pre.w.new_empty(P, H, K, V, dtype=torch.float32)
         v_new = residuals if residuals is not None else pre.w.new_empty(TT, H, V)
     BV = value_block(V, N * H, launch)
     grid = (triton.cdiv(V, BV), N * H)

@@ -4,7 +4,7 @@ current chunk's end) in fp32 registers.
 
 Per chunk, with the forward's ``O = Q̃ S₀ + Aqk E``, ``E = U − W S₀``, ``S₁ = Diag(D) S₀ + K̂ᵀ E``::
 
-    store dh = dS₁                          (the gradient of the state at the chunk end)
+    store dh = dS₁                          (the gradient of the state at the chunk end, fp32)
     dE  = Aqkᵀ dO + K̂ dS₁                   (stored as ``dv_new``)
     dS₀ = Diag(D) dS₁ + Q̃ᵀ dO − Wᵀ dE
 
@@ -57,7 +57,7 @@ def chunk_state_bwd_kernel(
         n_valid = tl.minimum(eos - t0, BT).to(tl.int32)
         b_dSd = b_dS.to(dt)
         p_h = ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(dh + p_h, b_dSd.to(dh.dtype.element_ty))
+        tl.store(dh + p_h, b_dS.to(dh.dtype.element_ty))
         b_do = load_rows(do, t0, n_valid, i_h, v0, H, V, BT, BV).to(dt)
         b_A = load_rows(Aqk, t0, n_valid, i_h, 0, H, BT, BT, BT)
         b_kg = load_rows(kg, t0, n_valid, i_h, 0, H, K, BT, K)
@@ -93,8 +93,9 @@ def chunk_state_bwd(
             check_index`).
 
     Returns:
-        ``(dh [P, H, K, V], dv_new [tokens, H, V], dh0 fp32 [N, H, K, V])``; dh and dv_new in the storage
-        dtype.
+        ``(dh fp32 [P, H, K, V], dv_new [tokens, H, V], dh0 fp32 [N, H, K, V])``; dv_new in the storage
+        dtype. ``dh`` is kept whole for the gate's chunk-end gradient ``Σ_v h ⊙ dh``; the products that read it
+        round it to the storage dtype, as this pass's own product does.
     """
     TT, H, K = pre.w.shape
     V = do.shape[-1]
@@ -103,12 +104,12 @@ def chunk_state_bwd(
     if out is not None:
         for name, t, shape, dtype in zip(
             ("dh", "dv_new", "dh0"), out, ((P, H, K, V), (TT, H, V), (N, H, K, V)),
-            (pre.w.dtype, pre.w.dtype, torch.float32), strict=True,
+            (torch.float32, pre.w.dtype, torch.float32), strict=True,
         ):  # fmt: skip
             check_out(f"chunk_state_bwd out {name}", t, shape, dtype, pre.w.device)
     if out is None:
         out = (
-            pre.w.new_empty(P, H, K, V),
+            pre.w.new_empty(P, H, K, V, dtype=torch.float32),
             pre.w.new_empty(TT, H, V),
             pre.w.new_empty(N, H, K, V, dtype=torch.float32),
         )

@@ -1,0 +1,100 @@
+"""Accuracy of the Triton KDA backward's gradients against fp64, beside fla's on a GPU.
+
+Each case is ``T:H:gate`` (gate one of normal, slow, fast, mixed, saturated) on the inputs of
+``tests/test_kda_triton.py::test_gpu_gate_grads_against_fla`` (B1, D = 128, bf16, K3 gate in the op, q/k L2
+norm in the op, ``seed = T + H``). Each cell is the relative RMSE of one gradient against the fp64
+reference (the per-token recurrence up to 128 tokens, the fp64 torch chunk form beyond). On a CUDA machine
+with ``fla`` installed the cells are ``ours / fla`` and a case fails where ours passes 1.5× fla's; without a
+GPU the kernels run on the Triton interpreter (``triton >= 3.9``), whose tensor-core products round their
+operands as the GPU does, and the cells are ours alone (or ``ours / fla`` with fla's H200 numbers passed as
+``--fla-json``).
+
+    python benchmarks/kda_gate_grads.py 64:4:slow 300:4:normal                    # CPU: the interpreter
+    python benchmarks/kda_gate_grads.py --out benchmarks/results/kda_gate_grads_cpu.md 64:4:normal ...
+
+The helpers (inputs, reference, error) are the test module's, so the benchmark measures what the tests hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import test_kda_triton as kt  # noqa: E402  (sets TRITON_INTERPRET on a machine without CUDA)
+
+
+def parse_case(text: str) -> tuple[int, int, str]:
+    try:
+        T, H, gate = text.split(":")
+        case = int(T), int(H), gate
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected T:H:gate, e.g. 300:4:normal") from None
+    if case[2] not in kt.GATE_GRAD_CASES or case[0] < 1 or case[1] < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: T, H ≥ 1 and gate one of {', '.join(kt.GATE_GRAD_CASES)}"
+        )
+    return case
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("cases", nargs="+", type=parse_case, help="T:H:gate, e.g. 300:4:normal")
+    p.add_argument("--fla-json", help="fla's errors measured elsewhere: {'T:H:gate': {gradient: error}}")
+    p.add_argument("--out", help="also write the Markdown table here")
+    args = p.parse_args(argv)
+    device = "cuda" if kt.HAS_CUDA else "cpu"
+    with_fla = kt.HAS_CUDA and kt.HAS_FLA
+    fla_known = json.loads(Path(args.fla_json).read_text()) if args.fla_json else {}
+    names = kt.GATE_GRAD_NAMES
+    where = (
+        "GPU " + torch.cuda.get_device_name()
+        if kt.HAS_CUDA
+        else f"Triton interpreter on {platform.machine()}"
+    )
+    lines = [
+        f"{where}; torch {torch.__version__}; command: `python benchmarks/kda_gate_grads.py "
+        + " ".join(sys.argv[1:] if argv is None else argv) + "`",
+        "",
+        "| T | H | gate | " + " | ".join(names) + " | within 1.5× fla | s |",
+        "|---:|---:|---|" + "---|" * len(names) + "---|---:|",
+    ]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    failed = 0
+    for T, H, gate in args.cases:
+        t0 = time.perf_counter()
+        inputs = kt.gate_grad_inputs(1, T, H, 128, gate=gate, device=device, seed=T + H)
+        ref = kt.reference(inputs)
+        ours = kt.gate_grad_errors(kt.chunk_kda if kt.HAS_CUDA else kt.triton_chunk, inputs, ref)
+        fla = (
+            kt.gate_grad_errors(kt.fla_chunk_kda, inputs, ref)
+            if with_fla
+            else fla_known.get(f"{T}:{H}:{gate}")
+        )
+        if fla:
+            cells = [f"{ours[n]:.4f} / {fla[n]:.4f}" for n in names]
+            bad = [n for n in names if ours[n] > kt.FLA_RATIO * fla[n] + 1e-6]
+            verdict = "yes" if not bad else "**no** (" + ", ".join(bad) + ")"
+            failed += bool(bad)
+        else:
+            cells, verdict = [f"{ours[n]:.4f}" for n in names], "—"
+        row = (
+            f"| {T} | {H} | {gate} | "
+            + " | ".join(cells)
+            + f" | {verdict} | {time.perf_counter() - t0:.0f} |"
+        )
+        lines.append(row)
+        print(row, flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
