@@ -29,8 +29,10 @@ import functools
 import importlib.metadata
 import importlib.util
 import itertools
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -1603,6 +1605,33 @@ def test_interpreter_gate_grads_within_fla_error(T, gate):
         assert ours[name] <= FLA_RATIO * fla[name], (
             f"{name}: ours {ours[name]:.4f}, fla on the H200 {fla[name]:.4f}"
         )
+
+
+@interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_gate_grad_benchmark_flags_a_case_past_fla(tmp_path, monkeypatch, capsys):
+    """``benchmarks/kda_gate_grads.py`` prints ``ours / fla`` per gradient and exits 1 when a case passes
+    :data:`FLA_RATIO` × fla's error (here fla's errors are given as a JSON, as from an H200 run)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("kda_gate_grads")
+    fla = {
+        "64:4:normal": dict.fromkeys(GATE_GRAD_NAMES, 1e-4),
+        "64:4:saturated": dict.fromkeys(GATE_GRAD_NAMES, 1.0),
+    }
+    (tmp_path / "fla.json").write_text(json.dumps(fla))
+    out = tmp_path / "table.md"
+    code = bench.main(
+        ["--fla-json", str(tmp_path / "fla.json"), "--out", str(out), "64:4:normal", "64:4:saturated"]
+    )
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 64 ")]
+    assert code == 1 and len(rows) == 2, out.read_text()
+    assert rows[0].startswith("| 64 | 4 | normal |") and "**no** (dq, dk" in rows[0]
+    assert (
+        rows[1].startswith("| 64 | 4 | saturated |") and "| yes |" in rows[1] and "0.0000 / 1.0000" in rows[1]
+    )
+    with pytest.raises(SystemExit):
+        bench.main(["64:4:sideways"])
+    assert "gate one of normal, slow" in capsys.readouterr().err
 
 
 @interpreter
