@@ -341,3 +341,50 @@ def test_one_failed_health_probe_does_not_take_a_worker_out():
         return ups
 
     assert asyncio.run(probes()) == [True, True, True, True, False, True]
+
+
+def test_a_router_given_its_own_address_keeps_it_down_and_refuses_to_add_it():
+    """A worker URL that is the router itself (here under another name, ``localhost``) would forward every
+    request back to the router: its health answer carries the router's own id, so it is kept down with that
+    reason, and ``POST /workers`` of it is a 400; requests get the plain 503, at once."""
+    port = closed_port()
+    config = RouterConfig(workers=(f"http://localhost:{port}",), health_interval_s=0.2, health_timeout_s=1.0)
+    with BackgroundServer(build_router_app(config), port=port) as srv:
+        deadline = time.monotonic() + 10
+        while "own id" not in (w := httpx.get(srv.base_url + "/workers").json()["workers"][0])["last_error"]:
+            assert time.monotonic() < deadline, w
+            time.sleep(0.1)
+        assert not w["up"]
+        t0 = time.monotonic()
+        r = httpx.post(srv.base_url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and time.monotonic() - t0 < 2
+        added = httpx.post(srv.base_url + "/workers", json={"url": srv.base_url}, timeout=10)
+        assert added.status_code == 400 and "is this router itself" in added.json()["error"]["message"]
+        urls = [w["url"] for w in httpx.get(srv.base_url + "/workers").json()["workers"]]
+        assert urls == [f"http://localhost:{port}"]  # the refused one is not kept
+
+
+def test_a_request_that_comes_back_to_its_router_is_508():
+    """Every forwarded request carries the ids of the routers it passed (``X-OpenK3-Routers``, this
+    router's own id appended); one that arrives with this router's id went round a loop of routers: 508
+    ``routing_loop``, not forwarded again."""
+    seen: list[str] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        seen.append(request.headers.get("x-openk3-routers", ""))
+        return httpx.Response(200, json=COMPLETION)
+
+    body = {"model": "m", "prompt": "hi"}
+    with BackgroundServer(build_router_app(RouterConfig(workers=W[:1]), httpx.MockTransport(handle))) as srv:
+        me = httpx.get(srv.base_url + "/health").headers["x-openk3-router"]
+        assert httpx.post(srv.base_url + "/v1/completions", json=body, timeout=10).status_code == 200
+        r = httpx.post(
+            srv.base_url + "/v1/completions", json=body, headers={"x-openk3-routers": "0123abcd"}, timeout=10
+        )
+        assert r.status_code == 200 and seen == [me, f"0123abcd,{me}"]
+        r = httpx.post(
+            srv.base_url + "/v1/completions", json=body, headers={"x-openk3-routers": f"0123abcd,{me}"}
+        )
+        assert r.status_code == 508 and r.json()["error"]["code"] == "routing_loop" and len(seen) == 2

@@ -25,6 +25,12 @@ a worker's other 4xx (a bad field: 400, a model it does not serve: 404) reaches 
 
 A client that disconnects cancels the worker request: the router closes its connection to the worker,
 which aborts the request and frees its blocks.
+
+Loops: each router has a random id, which its ``GET /health`` answers carry (``X-OpenK3-Router``) and which
+it appends to the ``X-OpenK3-Routers`` header of every request it forwards. A worker whose health answer carries this router's
+own id (its own address, under any name) is kept down and refused by ``POST /workers`` (400); a request that
+arrives with this router's id in that header went round a loop of routers and is answered 508
+``routing_loop`` instead of being forwarded again.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import secrets
 import time
 
 import anyio
@@ -53,8 +60,16 @@ DISCONNECT_POLL_S = 0.1
 MAX_FIRST_EVENT_BYTES = 1 << 20
 """A stream whose first event is longer than this is garbage."""
 PASSED_HEADERS = ("content-type", "retry-after")
+ROUTER_ID_HEADER = "x-openk3-router"
+"""The header of a router's ``/health`` answers (200 or 503) that carries its id."""
+ROUTERS_HEADER = "x-openk3-routers"
+"""The ids of the routers a request has passed, comma-separated (each router appends its own)."""
 CLIENT_CLOSED_STATUS = 499
 """Status logged for a request whose client went away before the answer (nobody receives it)."""
+
+
+SELF_WORKER = "the worker's health answer carries this router's own id (it is this router's address)"
+"""``last_error`` of a worker that is the router itself."""
 
 
 class WorkerFailedError(Exception):
@@ -91,6 +106,8 @@ class Router:
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
+        self.id = secrets.token_hex(8)
+        """This router's id: in its ``/health`` answer and the ``X-OpenK3-Routers`` header it forwards."""
 
     # ---- lifetime and health ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,9 +134,13 @@ class Router:
         await asyncio.gather(*(self.probe(w) for w in list(self.policy.workers.values())))
 
     async def probe(self, worker: WorkerState) -> bool:
-        """``GET /health``: up when it answers 200 with ``{"status": "ok"}``."""
+        """``GET /health``: up when it answers 200 with ``{"status": "ok"}``; a worker that answers with this
+        router's own id is this router and is kept down."""
         try:
             r = await self.client.get(worker.url + "/health", timeout=self.config.health_timeout_s)
+            if r.headers.get(ROUTER_ID_HEADER) == self.id:
+                self._set_down(worker, SELF_WORKER)
+                return False
             ok = r.status_code == 200 and r.json().get("status") == "ok"
             error = "" if ok else f"health probe answered {r.status_code}: {r.text[:80]!r}"
             limit = r.json().get("max_request_bytes") if ok else None
@@ -150,6 +171,15 @@ class Router:
     # ---- requests --------------------------------------------------------------------------------------
     async def forward(self, path: str, http: HTTPRequest) -> Response:
         """Route one completions or chat request (see the module docstring)."""
+        passed = http.headers.get(ROUTERS_HEADER, "")
+        if self.id in passed.split(","):
+            return _error(
+                508,
+                f"routing loop: this request came back to the router it passed through ({passed}); a router's "
+                "workers must not lead back to it",
+                "server_error",
+                code="routing_loop",
+            )
         raw = await read_body(http, self._body_limit())  # 413 and 400 as the server's own
         body = json_object(raw)
         session = http.headers.get("x-session-id") or (
@@ -159,7 +189,7 @@ class Router:
         short_key = hashlib.blake2b(
             json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True).encode(), digest_size=8
         ).digest()
-        headers = {"content-type": "application/json"}
+        headers = {"content-type": "application/json", ROUTERS_HEADER: f"{passed},{self.id}".lstrip(",")}
         if "authorization" in http.headers:
             headers["authorization"] = http.headers["authorization"]
         exclude: set[str] = set()
@@ -422,10 +452,12 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     @app.get("/health")
     async def health():
         up = sum(w["up"] for w in router.workers())
+        me = {ROUTER_ID_HEADER: router.id}
         if up:
-            return {"status": "ok", "workers_up": up, "workers": len(router.policy.workers)}
+            body = {"status": "ok", "workers_up": up, "workers": len(router.policy.workers)}
+            return JSONResponse(body, headers=me)
         retry = str(config.retry_after_s)
-        return _error(503, "no worker is up", "server_error", headers={"Retry-After": retry})
+        return _error(503, "no worker is up", "server_error", headers={"Retry-After": retry, **me})
 
     @app.get("/metrics")
     async def metrics():
@@ -451,8 +483,14 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
 
     @app.post("/workers")
     async def add_worker(http: HTTPRequest):
-        worker = router.policy.add_worker(await _url(http))
+        url = await _url(http)
+        known = url in router.policy.workers
+        worker = router.policy.add_worker(url)
         await router.probe(worker)
+        if worker.last_error == SELF_WORKER:
+            if not known:
+                router.policy.remove_worker(url)
+            raise APIError(400, f"{url} is this router itself: {SELF_WORKER}", param="url")
         return {"workers": router.workers()}
 
     @app.delete("/workers")
