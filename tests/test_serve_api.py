@@ -782,6 +782,28 @@ def test_a_body_over_the_limit_is_413_and_the_server_keeps_serving(server):
     assert status == 200 and data["usage"]["completion_tokens"] == 2
 
 
+def test_a_body_that_arrives_too_slowly_is_408():
+    """``read_body``: a body still arriving after its deadline is refused with 408 ``request_timeout``
+    (naming the bytes that came), so a client trickling a few bytes a minute cannot hold its connection for
+    ever; one that arrives in time is read whole."""
+    from openk3.serve.protocol import APIError, read_body
+
+    class Trickle:  # a Starlette request whose body comes in pieces, ``pause`` seconds apart
+        def __init__(self, pause: float):
+            self.pause, self.headers = pause, {}
+
+        async def stream(self):
+            for piece in (b'{"prompt": ', b'"slow"', b"}"):
+                await asyncio.sleep(self.pause)
+                yield piece
+
+    assert asyncio.run(read_body(Trickle(0.01), 1 << 20, timeout_s=5.0)) == b'{"prompt": "slow"}'
+    with pytest.raises(APIError) as e:
+        asyncio.run(read_body(Trickle(0.3), 1 << 20, timeout_s=0.5))
+    assert e.value.status == 408 and e.value.code == "request_timeout"
+    assert "within 0.5 s (11 bytes came)" in e.value.message  # the first piece only
+
+
 def test_a_text_that_cannot_fit_the_context_is_refused_without_tokenizing(server, monkeypatch):
     """Within the body limit, a prompt whose bytes alone need ``max_model_len`` tokens or more (at most
     ``Tokenizer.max_token_bytes`` bytes a token) is a 400 ``context_length_exceeded`` before the tokenizer

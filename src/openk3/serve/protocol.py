@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.requests import ClientDisconnect
 
@@ -62,28 +63,42 @@ def json_object(raw: bytes) -> dict:
     return body
 
 
-async def read_body(http, limit: int) -> bytes:
-    """The body of the Starlette request ``http``, read only while it stays within ``limit`` bytes.
+BODY_READ_TIMEOUT_S = 60.0
+"""Most seconds a request body may take to arrive (as web servers' client-body timeouts): a client that
+sends a few bytes a minute would otherwise hold its connection and coroutine for ever."""
+
+
+async def read_body(http, limit: int, timeout_s: float = BODY_READ_TIMEOUT_S) -> bytes:
+    """The body of the Starlette request ``http``, read only while it stays within ``limit`` bytes and
+    ``timeout_s`` seconds.
 
     A body over the limit is refused with 413 (``code: "request_too_large"``) as soon as that is known: from
     its ``Content-Length`` before any of it is read, or, for a streamed (chunked) body, at the chunk that
     passes the limit. So an oversized request costs neither memory beyond the limit nor parsing and
-    tokenizing, and the requests beside it keep being served (the server and the router alike). A client
-    that disconnects before the body ends gets a 400 ``client_disconnected`` that nobody reads, rather
-    than an unhandled error in the log."""
+    tokenizing, and the requests beside it keep being served (the server and the router alike). A body
+    still arriving after ``timeout_s`` is refused with 408 (``code: "request_timeout"``). A client that
+    disconnects before the body ends gets a 400 ``client_disconnected`` that nobody reads, rather than an
+    unhandled error in the log."""
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large(f"{int(declared):,} bytes", limit)
     chunks, size = [], 0
     try:
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(f"over {limit:,} bytes", limit)
-            chunks.append(chunk)
+        with anyio.fail_after(timeout_s):
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(f"over {limit:,} bytes", limit)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(
             400, "the client disconnected before the body ended", code="client_disconnected"
+        ) from None
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s ({size:,} bytes came)",
+            code="request_timeout",
         ) from None
     return b"".join(chunks)
 
