@@ -75,10 +75,10 @@ tf32 (fp32 inputs tf32x3)."""
 
 
 @triton.jit
-def remainder_dot(a, x, DOT: tl.constexpr):
-    """``a @ (x − tf32(x))``: the product with what the tensor cores drop of the fp32 factor ``x`` (the
-    remainder is exact in fp32 and rounded to tf32 again by :func:`~openk3.ops.kda.triton.kernel_math.dot`)."""
-    return dot(a, x - round_tf32(x), DOT)
+def tf32_remainder(x):
+    """What the tensor cores drop of the fp32 factor ``x``: ``x − tf32(x)`` (exact in fp32; rounded to tf32
+    again when it is a product's operand, :func:`~openk3.ops.kda.triton.kernel_math.dot`)."""
+    return x - round_tf32(x)
 
 
 @triton.jit
@@ -164,12 +164,13 @@ def chunk_grad_intra_kernel(
             # of their factors (the same fp32 values as in the loop), so a pair's row-side and column-side
             # terms of dΓ cancel to ~2^-16 instead of tf32's 2^-11
             same = blk[:, None] == blk[None, :]
+            c_lo = tf32_remainder(b_k * tl.exp2(e_a))
             b_rf = tl.exp2(-e_a)
-            acc_q += remainder_dot(tl.where(same, b_dA, 0.0), b_k * tl.exp2(e_a), DOT) * b_rf
-            acc_m += remainder_dot(tl.where(same, b_dL, 0.0), b_k * tl.exp2(e_a), DOT) * b_rf
+            acc_q += dot(tl.where(same, b_dA, 0.0), c_lo, DOT) * b_rf
+            acc_m += dot(tl.where(same, b_dL, 0.0), c_lo, DOT) * b_rf
             b_rows = tl.exp2(e_b)
-            b_c = remainder_dot(tl.where(same, b_dAt, 0.0), b_q * b_rows, DOT)
-            b_c += remainder_dot(tl.where(same, b_dLt, 0.0), b_k * b_rows * b_beta[:, None], DOT)
+            b_c = dot(tl.where(same, b_dAt, 0.0), tf32_remainder(b_q * b_rows), DOT)
+            b_c += dot(tl.where(same, b_dLt, 0.0), tf32_remainder(b_k * b_rows * b_beta[:, None]), DOT)
             acc_c += b_c * tl.exp2(-e_b)
         b_db += tl.sum(b_k * acc_m, axis=1)
         b_dk_row = acc_m * b_beta[:, None]
