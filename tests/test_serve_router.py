@@ -358,6 +358,7 @@ def test_a_router_given_its_own_address_keeps_it_down_and_refuses_to_add_it():
         t0 = time.monotonic()
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=10)
         assert r.status_code == 503 and time.monotonic() - t0 < 2
+        assert "this router's own id" in r.json()["error"]["message"]  # the 503 says why the worker is down
         added = httpx.post(srv.base_url + "/workers", json={"url": srv.base_url}, timeout=10)
         assert added.status_code == 400 and "is this router itself" in added.json()["error"]["message"]
         urls = [w["url"] for w in httpx.get(srv.base_url + "/workers").json()["workers"]]
@@ -388,3 +389,47 @@ def test_a_request_that_comes_back_to_its_router_is_508():
             srv.base_url + "/v1/completions", json=body, headers={"x-openk3-routers": f"0123abcd,{me}"}
         )
         assert r.status_code == 508 and r.json()["error"]["code"] == "routing_loop" and len(seen) == 2
+
+
+def test_a_worker_that_leads_back_to_the_router_is_taken_out_and_the_request_served_elsewhere():
+    """Router A in front of a worker and of router B, whose only worker is A: a request A sends to B comes
+    back to A (508 ``routing_loop``), B passes that back, and A takes B out (quarantined, the reason in
+    ``GET /workers``) and serves the request from its real worker."""
+    from fastapi import FastAPI
+
+    fake = FastAPI()
+
+    @fake.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @fake.post("/v1/completions")
+    async def completions():
+        return COMPLETION
+
+    port_a = closed_port()
+    url_a = f"http://127.0.0.1:{port_a}"
+    fast = dict(health_interval_s=0.2, health_timeout_s=1.0, quarantine_s=60)
+    with (
+        BackgroundServer(fake) as worker,
+        BackgroundServer(build_router_app(RouterConfig(workers=(url_a,), **fast))) as b,
+    ):
+        config_a = RouterConfig(workers=(worker.base_url, b.base_url), **fast)
+        ring = RoutingPolicy(config_a).ring
+        session = next(
+            s for s in map(str, range(100)) if ring.preference(f"session\x00{s}".encode())[0] == b.base_url
+        )
+        with BackgroundServer(build_router_app(config_a), port=port_a) as a:
+            deadline = time.monotonic() + 10
+            while not all(w["up"] for w in httpx.get(a.base_url + "/workers").json()["workers"]):
+                assert time.monotonic() < deadline, httpx.get(a.base_url + "/workers").json()
+                time.sleep(0.1)
+            r = httpx.post(
+                a.base_url + "/v1/completions",
+                json={"model": "m", "prompt": "hi", "user": session},
+                timeout=10,
+            )
+            assert r.status_code == 200 and r.headers["x-openk3-worker"] == worker.base_url
+            workers = {w["url"]: w for w in httpx.get(a.base_url + "/workers").json()["workers"]}
+            assert not workers[b.base_url]["up"] and workers[b.base_url]["quarantined_s"] > 50
+            assert "routing_loop" in workers[b.base_url]["last_error"] and workers[worker.base_url]["up"]

@@ -30,7 +30,8 @@ Loops: each router has a random id, which its ``GET /health`` answers carry (``X
 it appends to the ``X-OpenK3-Routers`` header of every request it forwards. A worker whose health answer carries this router's
 own id (its own address, under any name) is kept down and refused by ``POST /workers`` (400); a request that
 arrives with this router's id in that header went round a loop of routers and is answered 508
-``routing_loop`` instead of being forwarded again.
+``routing_loop`` instead of being forwarded again, and the router that sent it there takes that worker out
+for ``quarantine_s`` with the reason in ``GET /workers`` (the request moves on to the next worker).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ ROUTER_ID_HEADER = "x-openk3-router"
 """The header of a router's ``/health`` answers (200 or 503) that carries its id."""
 ROUTERS_HEADER = "x-openk3-routers"
 """The ids of the routers a request has passed, comma-separated (each router appends its own)."""
+MAX_REASONS_CHARS = 600
+"""Most characters of the workers' last errors that a 503 "no worker is up" quotes."""
 CLIENT_CLOSED_STATUS = 499
 """Status logged for a request whose client went away before the answer (nobody receives it)."""
 
@@ -216,9 +219,10 @@ class Router:
             return refusal
         self.metrics.unavailable.inc()
         retry = str(self.config.retry_after_s)
+        why = "; ".join(f"{w.url}: {w.last_error}" for w in self.policy.workers.values() if w.last_error)
         return _error(
             503,
-            f"no worker is up; retry in {retry} s",
+            f"no worker is up; retry in {retry} s" + (f" ({why[:MAX_REASONS_CHARS]})" if why else ""),
             "server_error",
             headers={"Retry-After": retry},
             code="no_worker_available",
@@ -253,6 +257,14 @@ class Router:
             raise WorkerFailedError("garbage", f"answered {r.status_code} with {content[:80]!r}", True, True)
         if r.status_code == 429:
             raise WorkerFailedError("overloaded", "answered 429", False, response=answer)
+        if r.status_code == 508 and obj["error"].get("code") == "routing_loop":
+            raise WorkerFailedError(  # it leads back here: out for the quarantine, the reason in /workers
+                "routing_loop",
+                "answered 508 routing_loop: requests sent to this worker come back to this router",
+                True,
+                True,
+                response=answer,
+            )
         if r.status_code >= 500:
             reason = "unavailable" if r.status_code == 503 else "server_error"
             raise WorkerFailedError(
