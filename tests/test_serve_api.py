@@ -888,6 +888,30 @@ def test_max_request_mib_flag():
             parser.parse_args(["serve", "--ckpt", "x", "--max-request-mib", bad])
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--cache-threshold", "2", "--cache-threshold must be in [0, 1], got 2.0"),
+        ("--max-inflight", "0", "--max-inflight must be >= 1, got 0"),
+        ("--health-interval", "0", "--health-interval must be a positive number of seconds, got 0.0"),
+        ("--quarantine", "-1", "--quarantine must be >= 0 seconds, got -1.0"),
+        ("--chunk-chars", "0", "--chunk-chars must be >= 1, got 0"),
+    ],
+)
+def test_route_config_errors_name_the_flag(flag, value, message):
+    """A value ``RouterConfig`` refuses is reported under the flag the user typed, not the field's name."""
+    import argparse
+
+    from openk3.serve.cli import add_route_parser, router_config
+
+    parser = argparse.ArgumentParser(prog="openk3")
+    add_route_parser(parser.add_subparsers())
+    args = parser.parse_args(["route", "--workers", "http://a:1", flag, value])
+    with pytest.raises(ValueError) as e:
+        router_config(args)
+    assert str(e.value) == message
+
+
 def test_serving_doc_states_the_default_max_model_len():
     """``docs/serving.md`` gives ``--max-model-len``'s default, the one the flag and the config have."""
     import argparse

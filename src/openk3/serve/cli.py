@@ -301,20 +301,44 @@ def worker_list(text: str) -> tuple[str, ...]:
 def cmd_route(args: argparse.Namespace) -> int:
     check_server_modules("route")
     from openk3.serve.router.app import run_router
-    from openk3.serve.router.config import RouterConfig
 
-    config = RouterConfig(
-        workers=args.workers,
-        cache_threshold=args.cache_threshold,
-        max_inflight=args.max_inflight,
-        health_interval_s=args.health_interval,
-        quarantine_s=args.quarantine,
-        chunk_chars=args.chunk_chars,
-        chunk_tokens=args.chunk_tokens,
-        max_request_bytes=int(args.max_request_mib * 2**20),
-    )
+    config = router_config(args)
     run_router(config, args.host, args.port)
     return 0
+
+
+ROUTE_FLAGS = {
+    "cache_threshold": "--cache-threshold",
+    "max_inflight": "--max-inflight",
+    "health_interval_s": "--health-interval",
+    "quarantine_s": "--quarantine",
+    "chunk_chars": "--chunk-chars",
+    "chunk_tokens": "--chunk-tokens",
+}
+"""``RouterConfig`` fields set by ``openk3 route`` flags: its errors name the flag the user typed."""
+
+
+def router_config(args: argparse.Namespace):
+    """The :class:`~openk3.serve.router.config.RouterConfig` of ``openk3 route``'s arguments; a value the
+    config refuses raises ``ValueError`` naming the flag (``--cache-threshold must be in [0, 1], got 2.0``)."""
+    from openk3.serve.router.config import RouterConfig
+
+    try:
+        return RouterConfig(
+            workers=args.workers,
+            cache_threshold=args.cache_threshold,
+            max_inflight=args.max_inflight,
+            health_interval_s=args.health_interval,
+            quarantine_s=args.quarantine,
+            chunk_chars=args.chunk_chars,
+            chunk_tokens=args.chunk_tokens,
+            max_request_bytes=int(args.max_request_mib * 2**20),
+        )
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        if field in ROUTE_FLAGS:
+            raise ValueError(ROUTE_FLAGS[field] + str(e)[len(field) :]) from None
+        raise
 
 
 def add_route_parser(sub) -> argparse.ArgumentParser:
