@@ -59,6 +59,7 @@ def test_torchrun_prints_a_bad_config_value_once(tmp_path):
     assert lines == [f"openk3: error: {text}"], done.stderr
     assert f"traceback : ValueError: {text}" in done.stderr, done.stderr  # torchrun's root cause
     assert "[rank0]" not in done.stderr and "[rank1]" not in done.stderr, done.stderr  # no rank's traceback
+    assert not (tmp_path / "run" / "data").exists()  # refused before the corpus was prepared
 
 
 def test_the_first_rank_to_fail_prints_bad_input_and_the_others_record_it(tmp_path, monkeypatch, capsys):

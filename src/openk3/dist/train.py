@@ -253,15 +253,20 @@ def train_distributed(
 ) -> dict:
     """Train ``config`` (a :class:`~openk3.train.trainer.TrainConfig`) on the torchrun world (experts
     exchanged by ``ep_dispatcher`` when ``ep > 1``); returns the last step's ``{"step", "loss",
-    "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any allocation) when the mesh does
-    not divide the world or the model, or a context length cannot be split over ``cp`` ranks by
-    ``cp_layout``."""
+    "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any allocation or data preparation)
+    when the mesh does not divide the world or the model, ``--batch-size`` does not divide over the data
+    ranks, or a context length cannot be split over ``cp`` ranks by ``cp_layout``."""
     check_context_lengths(config.context_schedule, cp, cp_layout)
     init_from_env(config.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims(world_size=world, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep, cp=cp)
     model_config = get_preset(config.preset)
     dims.check_model(text_config_of(model_config))
+    if config.batch_size % (world // cp):  # before the data is prepared or the model built
+        raise ValueError(
+            f"--batch-size {config.batch_size} (global sequences per micro-batch) is not divisible by the "
+            f"{world // cp} data ranks (world_size={world} / cp={cp})"
+        )
     device = (
         torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
     )
@@ -280,11 +285,6 @@ def train_distributed(
     model, optimizer, balancer, context = run.model, run.optimizer, run.balancer, run.context
     peak = [g["lr"] for g in optimizer.param_groups]
     data_ranks, data_rank = world // cp, rank // cp  # the cp ranks of one group are consecutive
-    if config.batch_size % data_ranks:
-        raise ValueError(
-            f"--batch-size {config.batch_size} (global sequences per micro-batch) is not divisible by the "
-            f"{data_ranks} data ranks (world_size={world} / cp={cp})"
-        )
     per_rank = config.batch_size // data_ranks * config.grad_accum
     batches = RandomBatches(
         TokenDataset(data.train_path), per_rank * data_ranks, config.context_schedule[0][1], config.seed
