@@ -982,7 +982,8 @@ def _reports_errors() -> bool:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return os.environ.get("RANK", "0") == "0"
-    marker = Path(error_file).parent.parent / "openk3-error-printed"
+    # named by the agent's pid (the ranks' parent), so a log folder reused by a later run holds no stale one
+    marker = Path(error_file).parent.parent / f"openk3-error-printed-{os.getppid()}"
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
