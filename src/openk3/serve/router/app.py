@@ -27,11 +27,11 @@ A client that disconnects cancels the worker request: the router closes its conn
 which aborts the request and frees its blocks.
 
 Loops: each router has a random id, which its ``GET /health`` answers carry (``X-OpenK3-Router``) and which
-it appends to the ``X-OpenK3-Routers`` header of every request it forwards. A worker whose health answer carries this router's
-own id (its own address, under any name) is kept down and refused by ``POST /workers`` (400); a request that
-arrives with this router's id in that header went round a loop of routers and is answered 508
-``routing_loop`` instead of being forwarded again, and the router that sent it there takes that worker out
-for ``quarantine_s`` with the reason in ``GET /workers`` (the request moves on to the next worker).
+it appends to the ``X-OpenK3-Routers`` header of every request it forwards. A worker whose health answer
+carries this router's own id (its own address, under any name) is kept down and refused by ``POST /workers``
+(400); a request that arrives with this router's id in that header went round a loop of routers and is
+answered 508 ``routing_loop`` instead of being forwarded again, and the router that sent it there takes that
+worker out for ``quarantine_s`` with the reason in ``GET /workers`` (the request moves on to the next one).
 """
 
 from __future__ import annotations
