@@ -4,7 +4,12 @@ force the reward to 0. It assumes the candidate will cheat.
 Reward (a design; no public formula anchors the shape between the two points Kimi K3 names):
 
     t ≥ t_e:          r = 0.5 · t_e / t                          (matching the expert scores 0.5)
-    t_roof ≤ t < t_e: r = 0.5 + 0.5 · (t_e − t) / (t_e − t_roof)  (→ 1 at the roofline)
+    t < t_e:          r = min(1, 0.5 + 0.5 · (t_e − t) / d),  d = max(t_e − t_roof, h · t_e)  (→ 1 at the roofline)
+
+The headroom floor ``h`` (``min_headroom``, 0.1) keeps the score stable where the expert already runs at
+the roof: with ``t_e − t_roof`` a few percent of ``t_e``, timer noise alone would move a candidate as fast
+as the expert across most of (0.5, 1]. With the floor, a candidate must be ``h · t_e`` faster than the
+expert to score 1, and a roof measured above the expert's time (a mismeasured machine) changes nothing.
 
 ``t`` and ``t_e`` are median wall times of the candidate and the expert on the same inputs; ``t_roof =
 max(bytes / bandwidth, flops / peak)`` with bandwidth and peak FLOP/s measured on this machine
@@ -80,6 +85,8 @@ class KernelRewardConfig:
     atol: float = 1e-6
     warmup: int = 2
     repeats: int = 9
+    min_headroom: float = 0.1
+    """Least gap between the expert's time and the roof, as a share of the expert's time (``h`` above)."""
 
     def __post_init__(self) -> None:
         for name in ("trials", "repeats"):
@@ -89,6 +96,8 @@ class KernelRewardConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if not (self.error_factor >= 1 and self.atol >= 0 and self.wide_range_scale > 0):
             raise ValueError("error_factor must be >= 1, atol >= 0 and wide_range_scale > 0")
+        if not 0 < self.min_headroom <= 1:
+            raise ValueError(f"min_headroom must be in (0, 1], got {self.min_headroom}")
 
 
 @dataclass(frozen=True)
@@ -141,14 +150,13 @@ def measure_machine(
     return Machine(2 * src.numel() * 4 / min(copies), 2 * matmul_n**3 / min(mms))
 
 
-def speed_reward(t: float, t_expert: float, t_roof: float) -> float:
-    """The piecewise score above (``t_roof < t_expert`` assumed; a roofline above the expert's time,
-    i.e. a mismeasured machine, makes any time at or below the expert's score 0.5)."""
+def speed_reward(t: float, t_expert: float, t_roof: float, min_headroom: float = 0.1) -> float:
+    """The piecewise score above; the gap from the expert to the roof counts as at least
+    ``min_headroom · t_expert``."""
     if t >= t_expert:
         return 0.5 * t_expert / t
-    if t_roof >= t_expert:
-        return 0.5
-    return min(1.0, 0.5 + 0.5 * (t_expert - t) / (t_expert - t_roof))
+    headroom = max(t_expert - t_roof, min_headroom * t_expert)
+    return min(1.0, 0.5 + 0.5 * (t_expert - t) / headroom)
 
 
 # ---- static checks ---------------------------------------------------------------------------------------
@@ -338,7 +346,7 @@ class KernelEvaluator:
         inputs = self._inputs(self.task.timing_shape)
         t, t_e = self.time((fn, self.task.expert), inputs)
         t_roof = self.roofline(self.task.timing_shape)
-        return KernelResult(speed_reward(t, t_e, t_roof), True, [], t, t_e, t_roof)
+        return KernelResult(speed_reward(t, t_e, t_roof, self.config.min_headroom), True, [], t, t_e, t_roof)
 
 
 # ---- a CPU-sized task: RMSNorm with openk3's op as the expert ---------------------------------------------
