@@ -200,7 +200,7 @@ def fake_transport(garbage: set[str]):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_worker_answering_garbage_is_taken_out_and_the_request_served_elsewhere(stream):
-    config = RouterConfig(workers=W, quarantine_s=60)
+    config = RouterConfig(workers=W, quarantine_s=60, health_interval_s=0.1)
     body = {"model": "m", "prompt": "hello", "user": "sess", "stream": stream}
     bad = RoutingPolicy(config).ring.preference(b"session\x00sess")[0]
     with BackgroundServer(build_router_app(config, fake_transport({bad}))) as srv:
@@ -213,6 +213,13 @@ def test_a_worker_answering_garbage_is_taken_out_and_the_request_served_elsewher
         workers = {w["url"]: w for w in httpx.get(srv.base_url + "/workers").json()["workers"]}
         assert not workers[bad]["up"] and workers[bad]["quarantined_s"] > 50
         assert sum(w["up"] for w in workers.values()) == 2
+        # its health probes answer ok meanwhile (clearing last_error); the quarantine and its reason stay
+        deadline = time.monotonic() + 10
+        while (w := httpx.get(srv.base_url + "/workers").json()["workers"])[W.index(bad)]["last_error"]:
+            assert time.monotonic() < deadline, w
+            time.sleep(0.05)
+        reason = w[W.index(bad)]["quarantine_reason"]
+        assert not w[W.index(bad)]["up"] and ("streamed " if stream else "answered 200 ") in reason, reason
         metrics = httpx.get(srv.base_url + "/metrics").text
         assert f'openk3:router_retries_total{{reason="garbage",worker="{bad}"}} 1.0' in metrics
         good = r.headers["x-openk3-worker"]
@@ -432,4 +439,7 @@ def test_a_worker_that_leads_back_to_the_router_is_taken_out_and_the_request_ser
             assert r.status_code == 200 and r.headers["x-openk3-worker"] == worker.base_url
             workers = {w["url"]: w for w in httpx.get(a.base_url + "/workers").json()["workers"]}
             assert not workers[b.base_url]["up"] and workers[b.base_url]["quarantined_s"] > 50
-            assert "routing_loop" in workers[b.base_url]["last_error"] and workers[worker.base_url]["up"]
+            # B's health probes go on meanwhile and may answer anything; the quarantine's reason stays
+            assert (
+                "routing_loop" in workers[b.base_url]["quarantine_reason"] and workers[worker.base_url]["up"]
+            )

@@ -165,6 +165,7 @@ class Router:
         worker.healthy, worker.last_error = False, error
         if quarantine:
             worker.quarantined_until = time.monotonic() + self.config.quarantine_s
+            worker.quarantine_reason = error
         self.metrics.healthy.labels(worker.url).set(0.0)
 
     def _inflight(self, worker: WorkerState, delta: int) -> None:
@@ -219,7 +220,8 @@ class Router:
             return refusal
         self.metrics.unavailable.inc()
         retry = str(self.config.retry_after_s)
-        why = "; ".join(f"{w.url}: {w.last_error}" for w in self.policy.workers.values() if w.last_error)
+        now = time.monotonic()
+        why = "; ".join(f"{w.url}: {r}" for w in self.policy.workers.values() if (r := _why_down(w, now)))
         return _error(
             503,
             f"no worker is up; retry in {retry} s" + (f" ({why[:MAX_REASONS_CHARS]})" if why else ""),
@@ -421,11 +423,17 @@ class Router:
                 "up": w.is_up(now),
                 "in_flight": w.inflight,
                 "quarantined_s": max(0.0, round(w.quarantined_until - now, 3)),
+                "quarantine_reason": w.quarantine_reason if now < w.quarantined_until else "",
                 "prefix_blocks": len(w.index),
                 "last_error": w.last_error,
             }
             for w in self.policy.workers.values()
         ]
+
+
+def _why_down(worker: WorkerState, now: float) -> str:
+    """What keeps ``worker`` out: its quarantine's reason while that lasts, else its last error."""
+    return worker.quarantine_reason if now < worker.quarantined_until else worker.last_error
 
 
 def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:

@@ -40,6 +40,9 @@ class WorkerState:
     inflight: int = 0
     quarantined_until: float = 0.0
     """``time.monotonic()`` before which the worker stays out (it answered garbage)."""
+    quarantine_reason: str = ""
+    """Why it was quarantined; kept while the quarantine lasts, whatever its health probes answer meanwhile
+    (they overwrite ``last_error``)."""
     last_error: str = ""
     failed_probes: int = 0
     """Health probes failed in a row."""
