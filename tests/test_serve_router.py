@@ -332,6 +332,41 @@ def test_a_client_leaving_before_the_first_event_cancels_the_worker_request():
         assert httpx.get(srv.base_url + "/workers").json()["workers"][0]["in_flight"] == 0
 
 
+def test_a_refused_stream_is_counted_out_and_a_body_without_events_is_named():
+    """A worker's 4xx to a streamed request reaches the client and leaves nothing in flight (it leaked one
+    count per refusal, until the worker looked saturated and sessions fell back); a worker that streams a
+    body with no SSE event is quarantined with what it sent."""
+    error = {"error": {"message": "max_tokens must be >= 1", "type": "invalid_request_error", "code": None}}
+
+    async def body_without_events():
+        yield b"<html>no events</html>"
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.port == 9002:
+            return httpx.Response(200, content=body_without_events())
+        return httpx.Response(400, json=error)
+
+    config = RouterConfig(workers=W[:2], quarantine_s=60)
+    with BackgroundServer(build_router_app(config, httpx.MockTransport(handle))) as srv:
+        session = next(
+            s
+            for s in map(str, range(100))
+            if RoutingPolicy(config).ring.preference(f"session\x00{s}".encode())[0] == W[1]
+        )
+        for _ in range(3):
+            r = httpx.post(
+                srv.base_url + "/v1/completions",
+                json={"model": "m", "prompt": "hi", "stream": True, "user": session},
+                timeout=10,
+            )
+            assert r.status_code == 400 and r.json() == error
+        workers = httpx.get(srv.base_url + "/workers").json()["workers"]
+        assert [w["in_flight"] for w in workers] == [0, 0], workers
+        assert "streamed b'<html>no events</html>'" in workers[1]["quarantine_reason"], workers
+
+
 def test_one_failed_health_probe_does_not_take_a_worker_out():
     statuses = iter([200, 500, 200, 500, 500, 200])
 

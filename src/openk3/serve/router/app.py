@@ -325,13 +325,17 @@ class Router:
             )
             if not 200 <= r.status_code < 300:
                 content = await r.aread()
-                return self._refusal(decision, r, content)
+                refusal = self._refusal(decision, r, content)  # or it raises: closed below
+                await self._close(r, worker)
+                return refusal
             chunks = r.aiter_raw()
             task = asyncio.create_task(self._first_event(chunks))
             if await self._client_left(task, http):  # left during the prefill
                 await self._close(r, worker)
                 return Response(status_code=CLIENT_CLOSED_STATUS)
             head = task.result()
+            if not head:
+                raise WorkerFailedError("garbage", "ended its stream before the first event", True, True)
             first = head.partition(b"\n\n")[0]
             try:
                 obj = json.loads(first[len(b"data: ") :]) if first.startswith(b"data: ") else None
@@ -339,11 +343,6 @@ class Router:
                 obj = None
             if not _is_completion(obj):
                 raise WorkerFailedError("garbage", f"streamed {head[:80]!r}", True, True)
-        except StopAsyncIteration:
-            await self._close(r, worker)
-            raise WorkerFailedError(
-                "garbage", "ended its stream before the first event", True, True
-            ) from None
         except (httpx.HTTPError, httpx.StreamError) as e:
             await self._close(r, worker)
             raise WorkerFailedError("unreachable", f"{type(e).__name__}: {e}", True) from None
@@ -360,10 +359,12 @@ class Router:
 
     @staticmethod
     async def _first_event(chunks) -> bytes:
-        """Bytes up to and including the end of the first SSE event (or the first MAX_FIRST_EVENT_BYTES)."""
+        """Bytes up to and including the end of the first SSE event (or the first MAX_FIRST_EVENT_BYTES, or all
+        there were when the stream ended first)."""
         head = b""
-        while b"\n\n" not in head and len(head) <= MAX_FIRST_EVENT_BYTES:
-            head += await anext(chunks)
+        with contextlib.suppress(StopAsyncIteration):
+            while b"\n\n" not in head and len(head) <= MAX_FIRST_EVENT_BYTES:
+                head += await anext(chunks)
         return head
 
     async def _close(self, r: httpx.Response | None, worker: WorkerState) -> None:
