@@ -139,6 +139,10 @@ def test_detokenizer_decodes_short_windows_and_completes_characters():
 
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and "no-such-model" in e.value.body["message"]
     health = json.loads(urllib.request.urlopen(server.base_url + "/health").read())
     assert health == {"status": "ok", "max_request_bytes": server.serving.config.max_request_bytes}
     text = urllib.request.urlopen(server.base_url + "/metrics").read().decode()
@@ -661,6 +665,10 @@ BAD_VALUES = [
     ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias", "logit_bias is not supported"),
     ("/v1/chat/completions", {"logit_bias": {"5": -100}}, "logit_bias", "logit_bias is not supported"),
     ("/v1/completions", {"best_of": 3}, "best_of", "best_of is not supported"),
+    ("/v1/completions", {"top_k": 1}, "top_k", "top_k is not supported"),
+    ("/v1/chat/completions", {"top_k": -5}, "top_k", "top_k is not supported"),
+    ("/v1/completions", {"min_p": 0.1}, "min_p", "min_p is not supported"),
+    ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
     ("/v1/completions", {"n": 2, "best_of": 1}, "best_of", "set it equal to n"),
     (
         "/v1/chat/completions",
@@ -696,7 +704,14 @@ def test_bad_values_name_their_field(server, path, fields, param, message):
 
 def test_no_op_values_of_unsupported_fields_are_accepted(client):
     r = client.completions.create(
-        model=MODEL, prompt="hi", max_tokens=2, temperature=0, logit_bias={}, best_of=2, n=2
+        model=MODEL,
+        prompt="hi",
+        max_tokens=2,
+        temperature=0,
+        logit_bias={},
+        best_of=2,
+        n=2,
+        extra_body={"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0},
     )
     assert len(r.choices) == 2
     r = client.chat.completions.create(
@@ -854,6 +869,9 @@ def test_a_client_leaving_during_its_body_logs_no_error(server, caplog):
     assert status == 200 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+MSGS = [{"role": "user", "content": "hi"}]
+
+
 def test_more_choices_than_the_queue_holds_is_400_not_429(server):
     """Prompts × ``n`` over the scheduler's ``max_waiting`` (256 here) can never be queued at once: a 400
     naming the limit (a 429 told the client to retry it), before tokenizing, also for 200,000 prompts."""
@@ -867,6 +885,11 @@ def test_more_choices_than_the_queue_holds_is_400_not_429(server):
         assert time.monotonic() - t0 < 5.0
     status, data = _post_json(server, "/v1/completions", {"model": MODEL, "prompt": ["To be"] * 128, "n": 2})
     assert status == 200 and len(data["choices"]) == 256
+    # an n over its own limit is told that limit, not the queue's (which read as if n up to 256 would do)
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MSGS})):
+        status, data = _post_json(server, path, {"model": MODEL, **body, "n": 100_000})
+        max_n = server.serving.config.max_n
+        assert status == 400 and data["error"]["message"] == f"n must be at most {max_n}, got 100000", data
 
 
 def test_max_request_mib_flag():
@@ -1097,3 +1120,11 @@ def test_a_null_max_tokens_is_the_completion_default():
     assert CompletionRequest.model_validate({"model": "m", "prompt": "a", "max_tokens": 3}).max_tokens == 3
     chat = {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": None}
     assert ChatCompletionRequest.model_validate(chat).max_tokens is None
+
+
+def test_an_image_to_a_text_model_is_refused_with_a_code(server):
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    status, data = _post_json(server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert status == 400 and data["error"]["code"] == "images_not_supported", data
+    assert "no vision tower" in data["error"]["message"] and data["error"]["param"] == "messages"

@@ -92,6 +92,10 @@ def test_a_session_stays_on_its_worker_and_its_cached_tokens_come_through(fleet)
 
 def test_streams_pass_through_with_usage(fleet):
     with router(fleet) as r:
+        listed = httpx.get(r.base_url + "/v1/models").json()["data"]
+        assert httpx.get(r.base_url + f"/v1/models/{MODEL}").json() == listed[0] and listed[0]["id"] == MODEL
+        missing = httpx.get(r.base_url + "/v1/models/no%2Fsuch")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         prompt = ids(40, seed=11)
         plain = complete(r.base_url, prompt, max_tokens=6).json()
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}

@@ -76,21 +76,29 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     async def health():
         return {"status": "ok", "max_request_bytes": serving.config.max_request_bytes}
 
+    def card() -> dict:
+        return {
+            "id": serving.config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "openk3",
+            "max_model_len": serving.config.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models():
-        name = serving.config.model_name
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "openk3",
-                    "max_model_len": serving.config.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # OpenAI's retrieve: the card, or its 404
+        if model_id != serving.config.model_name:
+            raise APIError(
+                404,
+                f"The model {model_id!r} does not exist; this server serves {serving.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return card()
 
     @app.get("/metrics")
     async def metrics():

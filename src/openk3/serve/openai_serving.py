@@ -205,7 +205,12 @@ class OpenAIServing:
     def _refuse_many_choices(self, prompts: int, n: int) -> None:
         """The 400 of a request with more choices than the waiting queue holds (a 429 would ask the client
         to retry what can never be admitted); a completion's is counted on the raw body, before its prompts
-        are validated or tokenized (an invalid ``n`` counts as 1 there, and validation names it)."""
+        are validated or tokenized (an invalid ``n`` counts as 1 there, and validation names it). An ``n``
+        over ``max_n`` gets that limit's message, whatever the count."""
+        if n > self.config.max_n:
+            raise APIError(
+                400, f"n must be at most {self.config.max_n}, got {n}", param="n", code="invalid_value"
+            )
         if prompts * n > self.config.max_choices:
             raise APIError(
                 400,
@@ -399,7 +404,12 @@ class OpenAIServing:
         model = self.engine.engine.model
         vision = getattr(model.config, "vision_config", None)
         if vision is None:
-            raise APIError(400, "this model has no vision tower: it cannot read images", param="messages")
+            raise APIError(
+                400,
+                "this model has no vision tower: it cannot read images",
+                param="messages",
+                code="images_not_supported",
+            )
         placeholder = model.config.media_placeholder_token_id
         allowed = self.config.allowed_local_media_path or ""
         pixels, grids, counts, turns = [], [], [], []

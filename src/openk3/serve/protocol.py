@@ -4,9 +4,9 @@ Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (
 the server does not serve), 413 (a body over the server's byte limit, refused before it is read),
 429 (queue full; with ``Retry-After``), 500 (engine error), 503 (shutting down). Fields the server does not implement
 (``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` other than ``n``,
-``response_format`` other than text, tools) are refused with 400 naming the field when they ask for
-something other than the no-op default, rather than silently ignored; unknown extra fields are ignored, as
-OpenAI does. Booleans are strict (``"stream": "yes"`` is refused), floats must be finite, text must be
+``response_format`` other than text, tools, and the sampling extensions of other servers ``top_k``, ``min_p``,
+``repetition_penalty``) are refused with 400 naming the field when they ask for something other than the
+no-op default, rather than silently ignored; other unknown fields are ignored, as OpenAI does. Booleans are strict (``"stream": "yes"`` is refused), floats must be finite, text must be
 valid Unicode (JSON can carry a lone surrogate such as ``"\\ud800"``, which no tokenizer can encode), and
 ``seed`` is a signed 64-bit integer (OpenAI's range).
 """
@@ -177,6 +177,10 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    top_k: int | None = Field(None, strict=True)
+    """vLLM's extension, not implemented: only its no-op values (-1, 0, None) pass."""
+    min_p: float = Field(0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, allow_inf_nan=False)
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS, strict=True)
     """openk3 extension: drafted tokens per step on a server with ``--draft`` (0: none; default: the
     server's ``--speculative-tokens``)."""
@@ -219,6 +223,17 @@ class _SamplingFields(BaseModel):
     def _no_penalty(cls, v):
         if v != 0:
             raise ValueError("penalties are not supported by this server (use 0)")
+        return v
+
+    @field_validator("top_k", "min_p", "repetition_penalty")
+    @classmethod
+    def _no_extension(cls, v, info: ValidationInfo):
+        no_op = {"top_k": (None, -1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,)}[info.field_name]
+        if v not in no_op:
+            raise ValueError(
+                f"{info.field_name} is not supported by this server (omit it; it accepts only the no-op "
+                f"{' or '.join(map(str, no_op))}); temperature and top_p are"
+            )
         return v
 
     @property

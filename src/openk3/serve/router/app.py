@@ -42,6 +42,7 @@ import hashlib
 import json
 import secrets
 import time
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -403,16 +404,17 @@ class Router:
                     self.metrics.record_usage(worker.url, json.loads(event[6:]).get("usage"))
         return rest
 
-    async def models(self) -> Response:
+    async def models(self, path: str) -> Response:
+        """``GET path`` (the model list, or one model: its card or its 404) from the first worker up."""
         for worker in self.policy.workers.values():
             if worker.is_up(time.monotonic()):
                 try:
-                    r = await self.client.get(worker.url + "/v1/models", timeout=self.config.health_timeout_s)
+                    r = await self.client.get(worker.url + path, timeout=self.config.health_timeout_s)
                 except httpx.HTTPError as e:
                     self._set_down(worker, f"{type(e).__name__}: {e}")
                     continue
-                if r.status_code == 200:
-                    return Response(r.content, media_type="application/json")
+                if r.status_code in (200, 404):
+                    return Response(r.content, status_code=r.status_code, media_type="application/json")
         retry = str(self.config.retry_after_s)
         return _error(503, "no worker is up", "server_error", headers={"Retry-After": retry})
 
@@ -468,7 +470,11 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
 
     @app.get("/v1/models")
     async def models():
-        return await router.models()
+        return await router.models("/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return await router.models("/v1/models/" + quote(model_id, safe=""))
 
     @app.get("/health")
     async def health():
