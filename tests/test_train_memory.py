@@ -274,3 +274,25 @@ def test_compiled_checkpointed_layers_match_eager_on_the_gpu(mode):
     for name, g in g0.items():  # each tensor, looser: bf16 rounding of small gradients
         err = ((g1[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
         assert err < 0.15, f"{name}: relative error {err:.3g}"
+
+
+def test_wrapped_layers_build_the_kda_indexes_before_their_region():
+    """A wrapped layer's training call caches the KDA op's chunk and tile indexes of its rows outside the
+    compiled region: built inside, under Inductor's CUDA graphs, they would live in the graphs' memory pool,
+    untracked, and Inductor would refuse to record. (On the CPU no op builds them: only the wrapper does.)"""
+    from openk3.ops.kda.triton.chunk_index import _cached_fixed_length_index, fixed_length_index
+
+    config = openk3.get_preset("k3-tiny")
+    model = openk3.build_model(config, seed=0)
+    wrap_decoder_layers(model, "full")
+    x = torch.randint(0, config.text_config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    _cached_fixed_length_index.cache_clear()
+    lm = model.language_model
+    with torch.no_grad():  # evaluation takes the plain layers: nothing cached
+        lm.model(x[:, :-1])
+    assert _cached_fixed_length_index.cache_info().currsize == 0
+    lm_head_loss(lm.model(x[:, :-1]), lm.lm_head.weight, x[:, 1:]).backward()
+    info = _cached_fixed_length_index.cache_info()
+    assert info.currsize == 2 and info.misses == 2, info  # one chunk and one tile index, then lookups
+    assert fixed_length_index(2, 32, torch.device("cpu")).num_chunks == 2  # two rows of one chunk
+    assert _cached_fixed_length_index.cache_info().hits == info.hits + 1

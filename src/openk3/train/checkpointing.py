@@ -105,12 +105,23 @@ def wrap_decoder_layers(model: torch.nn.Module, checkpointing: str = "none", com
         setattr(layer, name, _dispatcher(attn_res, plain, step))
 
 
+def _outside_the_region(x_BTD: torch.Tensor, cu_seqlens) -> None:
+    """What the layer step needs built before it runs, outside the compiled region: the KDA op's cached
+    chunk indexes of fixed-length rows (:func:`~openk3.ops.kda.triton.train_op.cache_fixed_length_indexes`;
+    two cache lookups once built)."""
+    if cu_seqlens is None:
+        from openk3.ops.kda.triton.train_op import cache_fixed_length_indexes
+
+        cache_fixed_length_indexes(x_BTD.shape[0], x_BTD.shape[1], x_BTD.device)
+
+
 def _dispatcher(attn_res: bool, plain, step):
     if attn_res:
 
         def forward_attn_res(blocks, partial_BTD, cache=None, cu_seqlens=None, mix=attn_res_mix):
             if cache is not None or not torch.is_grad_enabled() or mix is not attn_res_mix:
                 return plain(blocks, partial_BTD, cache, cu_seqlens, mix)
+            _outside_the_region(partial_BTD, cu_seqlens)
             return step(partial_BTD, *blocks, cu_seqlens=cu_seqlens)  # the caller appends a block it opens
 
         return forward_attn_res
@@ -118,6 +129,7 @@ def _dispatcher(attn_res: bool, plain, step):
     def forward_residual(h_BTD, cache=None, cu_seqlens=None):
         if cache is not None or not torch.is_grad_enabled():
             return plain(h_BTD, cache, cu_seqlens)
+        _outside_the_region(h_BTD, cu_seqlens)
         return step(h_BTD, cu_seqlens=cu_seqlens)
 
     return forward_residual

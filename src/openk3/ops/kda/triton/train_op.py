@@ -122,6 +122,20 @@ def _backward(ctx, do, *unused):
 kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def cache_fixed_length_indexes(B: int, T: int, device: torch.device) -> None:
+    """Build (or find) the chunk and tile indexes of ``B`` rows of ``T`` tokens in
+    :func:`~openk3.ops.kda.triton.chunk_index.fixed_length_index`'s cache, for a caller outside a compiled
+    region to run before it; the ops inside then find them there. Built inside instead, under Inductor's CUDA
+    graphs (``mode="reduce-overhead"``), the first build would run in a warm-up whose allocations go to the
+    graphs' private memory pool, and the six cached tensors (three per index) would outlive the warm-up
+    untracked: Inductor then refuses to record ("tensor(s) in the cudagraph pool not tracked as outputs")."""
+    from openk3.ops.kda.triton.chunk_index import fixed_length_index
+    from openk3.ops.kda.triton.tile_forward import TILE
+
+    fixed_length_index(B, T, device, CHUNK)
+    fixed_length_index(B, T, device, TILE)
+
+
 def use_train_op(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, cache, cu_seqlens) -> bool:
     """Whether a KDA layer call takes :func:`chunk_kda_train`: the Triton chunked path applies
     (:func:`~openk3.ops.kda.triton.dispatch.use_triton_chunk`), a gradient is needed, rows of equal length, no
