@@ -81,7 +81,7 @@ def kda_chunk_bwd(
     Akk: Tensor, q_rstd: Tensor, k_rstd: Tensor, do: Tensor, scale: float, lower_bound: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     from openk3.ops.kda.triton.chunk_function import ChunkKDAFunction
-    from openk3.ops.kda.triton.config import LaunchConfig
+    from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY
 
     B, T, H, _ = q.shape
     flat = [t.reshape(B * T, H, -1).contiguous() for t in (q, k, v, g)]
@@ -93,7 +93,7 @@ def kda_chunk_bwd(
     ctx.index, ctx.opts, ctx.launch = (
         fixed_length_index(B, T, q.device, CHUNK),
         _opts(scale, lower_bound),
-        LaunchConfig(),
+        DEFAULT_GEOMETRY,
     )
     dq, dk, dv, dg, dbeta, dA_log, ddt = ChunkKDAFunction.backward(
         ctx, do.reshape(B * T, H, -1).contiguous(), None
