@@ -4,12 +4,13 @@ force the reward to 0. It assumes the candidate will cheat.
 Reward (a design; no public formula anchors the shape between the two points Kimi K3 names):
 
     t ≥ t_e:          r = 0.5 · t_e / t                          (matching the expert scores 0.5)
-    t < t_e:          r = min(1, 0.5 + 0.5 · (t_e − t) / d),  d = max(t_e − t_roof, h · t_e)  (→ 1 at the roofline)
+    t < t_e:          r = min(1, 0.5 + 0.5 · (t_e − t) / d),  d = max(t_e − t_roof, h · t_e)
 
 The headroom floor ``h`` (``min_headroom``, 0.1) keeps the score stable where the expert already runs at
 the roof: with ``t_e − t_roof`` a few percent of ``t_e``, timer noise alone would move a candidate as fast
-as the expert across most of (0.5, 1]. With the floor, a candidate must be ``h · t_e`` faster than the
-expert to score 1, and a roof measured above the expert's time (a mismeasured machine) changes nothing.
+as the expert across most of (0.5, 1]. A candidate scores 1 at the roofline, or, when the roof lies within
+``h · t_e`` of the expert's time, at ``(1 − h) · t_e``; a roof measured above the expert's time (a
+mismeasured machine) needs no special case.
 
 ``t`` and ``t_e`` are median wall times of the candidate and the expert on the same inputs; ``t_roof =
 max(bytes / bandwidth, flops / peak)`` with bandwidth and peak FLOP/s measured on this machine
