@@ -34,7 +34,7 @@ forward and the single-sequence speed-up over plain decoding.
     python benchmarks/speculative.py --target runs/k3-tiny --out benchmarks/results/   # CPU
     python benchmarks/speculative.py --train-target k3-small --device cuda --data CORPUS --work /tmp/spec \\
         --budget-s 400 --target-steps 3000 --target-batch-size 32 --target-seq-len 256 --draft-steps 2000 \\
-        --batch-size 32 --seq-len 128 --gen-windows 512 --eval-batches 16 --streams 1,64 --new-tokens 128 \\
+        --batch-size 32 --seq-len 128 --gen-windows 2048 --eval-batches 16 --streams 1,64 --new-tokens 128 \\
         --engine-ks 1,2,3,4,5 --ks 3 --prompts 1 --out OUT_DIR                     # one H200, ~8 min
 
 Prints a Markdown report; ``--out`` is a ``.md`` file or a folder (which receives ``speculative_<device>.md``
