@@ -4,8 +4,8 @@
 :class:`~openk3.serve.router.policy.RoutingPolicy` picks; the answer comes back as the worker sent it
 (JSON or SSE bytes, ``usage`` and ``prompt_tokens_details.cached_tokens`` untouched) with two headers,
 ``X-OpenK3-Worker`` (its URL) and ``X-OpenK3-Route`` (why it was chosen). The session id is the
-``X-Session-ID`` header, else the body's ``user`` field. Also ``GET /v1/models`` (from a worker that is
-up), ``GET /health`` (200 while a worker is up, else 503), ``GET /metrics``, ``GET /workers`` and
+``X-Session-ID`` header, else the body's ``user`` field. Also ``GET /v1/models`` and ``GET
+/v1/models/{id}`` (from a worker that is up), ``GET /health`` (200 while a worker is up, else 503), ``GET /metrics``, ``GET /workers`` and
 ``POST`` / ``DELETE /workers`` with ``{"url": ...}`` to add or remove a worker at run time.
 
 Faults, before the first byte reaches the client (after it, a stream that breaks ends with an error event):
