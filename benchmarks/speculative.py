@@ -30,6 +30,11 @@ forward and the single-sequence speed-up over plain decoding.
   few steps are timed. The engine
   measurement and the first single-sequence k always run; a later k that would start past the budget is
   skipped and listed. Each phase logs a timestamped line on stderr and rewrites the (partial) report.
+* Two calls (a device call is limited to minutes): ``--drafts DIR --train-only`` trains the target (into
+  ``--work``) and both drafts, each draft with :data:`TRAIN_ONLY_DRAFT_SHARE` of the budget, saves the drafts
+  into ``DIR`` (``lk/``, ``kl/`` and :data:`DRAFTS_RECORD`, written last) and stops after their acceptance
+  rates; a second run with ``--target WORK/PRESET --drafts DIR`` loads them (refused when they were trained
+  against another target) and measures the rest. A ``--drafts`` folder without drafts is trained into.
 
     python benchmarks/speculative.py --target runs/k3-tiny --out benchmarks/results/   # CPU
     python benchmarks/speculative.py --train-target k3-small --device cuda --data CORPUS --work /tmp/spec \\
@@ -61,7 +66,7 @@ from openk3.checkpoint import from_pretrained
 from openk3.data import TokenDataset
 from openk3.data.shards import RandomBatches
 from openk3.generate import generate
-from openk3.model.draft import DraftConfig, build_draft, feature_layers
+from openk3.model.draft import DraftConfig, build_draft, feature_layers, load_draft, save_draft
 from openk3.presets import PRESETS
 from openk3.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeStats, speculative_generate
 from openk3.train.draft_cli import (
@@ -81,6 +86,11 @@ TARGET_SHARE = 0.4
 preparation and the first step's kernel compilation come on top)."""
 DRAFT_SHARE = 0.1
 """Share of ``--budget-s`` for each draft's training steps."""
+TRAIN_ONLY_DRAFT_SHARE = 0.25
+"""Each draft's share with ``--train-only`` (no measurements after the acceptance rates)."""
+LOSSES = ("lk", "kl")
+DRAFTS_RECORD = "training.json"
+"""The ``--drafts`` folder's record: the target's fingerprint, how the drafts were trained, their losses."""
 TIMED_STEPS = 6
 """Target steps run before the step count is fitted to the budget (the first one, with kernel compilation,
 is left out of the per-step time)."""
@@ -141,6 +151,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engine-ks", type=_int_list, default=[3], help="k of the engine throughput test, e.g. 1,2,3,4,5"
     )
+    p.add_argument(
+        "--drafts",
+        help="folder of the two drafts: loaded when it holds them (an earlier run's), else trained and saved there",
+    )
+    p.add_argument(
+        "--train-only", action="store_true",
+        help="stop after training and saving the drafts into --drafts (the first of two calls)",
+    )  # fmt: skip
     p.add_argument("--threads", type=positive_int, help="torch threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help=".md file or folder for the report")
@@ -150,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--ks and --engine-ks take k in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
     if any(n < 1 for n in args.streams):
         p.error(f"--streams takes numbers of streams >= 1, got {args.streams}")
+    if args.train_only and not args.drafts:
+        p.error("--train-only needs --drafts DIR: the folder the trained drafts are saved to")
     if args.target and (args.data or args.work):
         p.error("--data and --work go with --train-target (a --target run has its own data)")
     if args.seq_len < max(GEN_PROMPT_TOKENS, args.ttt_steps, DEPTH) + 2:
@@ -275,14 +295,117 @@ def draft_batches(args, lm, train_set, device):
 def fitted_draft_steps(
     draft, lm, batches, args, clock: Clock, amp_dtype, extra_s: float = 0.0
 ) -> tuple[int, float]:
-    """``--draft-steps``, cut to :data:`DRAFT_SHARE` of the budget plus ``extra_s`` seconds after timing 3
-    steps of a copy of the draft (one warm-up step first); returns the steps and the seconds per step."""
+    """``--draft-steps``, cut to :data:`DRAFT_SHARE` of the budget (:data:`TRAIN_ONLY_DRAFT_SHARE` with
+    ``--train-only``) plus ``extra_s`` seconds after timing 3 steps of a copy of the draft (one warm-up step
+    first); returns the steps and the seconds per step."""
     probe = copy.deepcopy(draft)
     train_draft(probe, lm, batches(), 1, lr=args.lr, amp_dtype=amp_dtype)
     step_s = train_draft(probe, lm, batches(), 3, lr=args.lr, amp_dtype=amp_dtype).seconds / 3
-    room = clock.share(DRAFT_SHARE) + extra_s
+    room = clock.share(TRAIN_ONLY_DRAFT_SHARE if args.train_only else DRAFT_SHARE) + extra_s
     steps = args.draft_steps if room == math.inf else max(1, min(args.draft_steps, int(room / step_s)))
     return steps, step_s
+
+
+def target_fingerprint(lm) -> float:
+    """The sum of the target's token embeddings in fp64: tells a draft folder's target from another one."""
+    return float(lm.model.embed_tokens.weight.detach().double().sum())
+
+
+def stored_drafts(folder: Path) -> dict | None:
+    """The record of the drafts saved in ``folder`` (``--drafts``), or None when it holds none; exits with a
+    message for a folder that holds only part of them (a run stopped while saving)."""
+    present = [loss for loss in LOSSES if (folder / loss).is_dir()]
+    record = folder / DRAFTS_RECORD
+    if not present and not record.exists():
+        return None
+    if len(present) < len(LOSSES) or not record.is_file():
+        raise SystemExit(
+            f"--drafts {folder}: holds {', '.join(present) or 'no draft'}"
+            f"{'' if record.is_file() else f' and no {DRAFTS_RECORD}'}: not the two drafts and the record a "
+            "finished --train-only run leaves (remove the folder to train them anew)"
+        )
+    return json.loads(record.read_text())
+
+
+def trained_drafts(
+    args, model, master, lm, train_set, val, device, clock: Clock, amp_dtype, result: dict
+) -> dict:
+    """Both drafts, trained here for the same steps on the same batches (and saved into ``--drafts``), or
+    loaded from ``--drafts``; fills ``result["draft_training"]`` and ``result["drafts"]``. Returns ``{loss:
+    fp32 draft}``."""
+    cfg = lm.config
+    folder = Path(args.drafts) if args.drafts else None
+    record = stored_drafts(folder) if folder else None
+    fingerprint = target_fingerprint(lm)
+    drafts = {}
+    if record is not None:
+        if args.train_only:
+            raise SystemExit(f"--train-only: {folder} already holds both drafts (remove it to train anew)")
+        if not math.isclose(record["target_fingerprint"], fingerprint, rel_tol=1e-9):
+            raise SystemExit(
+                f"--drafts {folder}: trained against another target ({record['target']}), not {result['target']}"
+            )
+        result["draft_training"] = {**record["draft_training"], "loaded_from": str(folder)}
+        for loss in LOSSES:
+            drafts[loss] = load_draft(folder / loss, master)
+            result["drafts"][loss] = dict(record["drafts"][loss])
+        clock.log(f"drafts loaded from {folder} ({record['draft_training']['steps']} steps each)")
+    else:
+        batches, gen_s = draft_batches(args, getattr(model, "language_model", model), train_set, device)
+        data = (
+            f"windows from {args.gen_windows} target samples of {args.seq_len} tokens (temperature 1, drawn "
+            f"in {gen_s:.0f} s)"
+            if args.draft_data == "generations"
+            else f"corpus windows of {args.seq_len} tokens"
+        )
+        steps = None
+        for loss in LOSSES:
+            dc = DraftConfig(
+                feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
+                loss=loss, ttt_steps=args.ttt_steps,
+            )  # fmt: skip
+            draft = build_draft(cfg, dc, device=device, dtype=torch.float32, seed=args.seed)
+            if steps is None:  # fitted once, so both drafts train for the same steps
+                spare = result.get("target_training", {}).get(
+                    "spare_seconds", 0.0
+                )  # the target's unused share
+                steps, step_s = fitted_draft_steps(draft, lm, batches, args, clock, amp_dtype, spare / 2)
+                result["draft_training"] = {
+                    "steps": steps, "seconds_per_step": step_s, "batch_size": args.batch_size, "data": data,
+                    "ttt_steps": args.ttt_steps, "lr": args.lr,
+                }  # fmt: skip
+            clock.log(f"{loss} draft: {steps} steps ({step_s:.3f} s each)")
+            fit = train_draft(
+                draft, lm, batches(), steps, lr=args.lr, log_every=max(1, steps // 5), amp_dtype=amp_dtype,
+                log=clock.log,
+            )  # fmt: skip
+            drafts[loss] = draft
+            result["drafts"][loss] = {"train_seconds": fit.seconds, "final_loss": fit.losses[-1]}
+            if folder is not None:
+                save_draft(draft, folder / loss)
+            clock.log(
+                f"{loss}: trained {steps} steps in {fit.seconds:.0f} s, final loss {fit.losses[-1]:.3f}"
+            )
+        if folder is not None:  # written last: a folder with it holds both drafts
+            record = {
+                "target": result["target"], "target_fingerprint": fingerprint, "command": result["command"],
+                "draft_training": result["draft_training"], "drafts": result["drafts"],
+            }  # fmt: skip
+            tmp = folder / (DRAFTS_RECORD + ".tmp")
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            tmp.replace(folder / DRAFTS_RECORD)
+            clock.log(f"drafts saved to {folder}")
+    for loss, draft in drafts.items():
+        windows = (
+            x.to(device) for x, _ in val.iter_sequential(args.batch_size, args.seq_len, args.eval_batches)
+        )
+        alphas = acceptance_by_step(draft, lm, windows, DEPTH, amp_dtype=amp_dtype)
+        result["drafts"][loss].update(
+            alpha_by_depth=alphas,
+            expected_tokens_per_forward={k: expected_accepted_length(alphas, k) for k in range(1, DEPTH + 1)},
+        )
+        clock.log(f"{loss}: alpha by depth {[round(a, 3) for a in alphas]}")
+    return drafts
 
 
 def val_prompts(val: TokenDataset, n: int, length: int) -> list[list[int]]:
@@ -569,7 +692,6 @@ def main(argv: list[str] | None = None) -> int:
     model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
     amp_dtype = None if dtype == torch.float32 else dtype
     lm = getattr(master, "language_model", master)
-    cfg = lm.config
     train_set, val = TokenDataset(run / "data" / "train.bin"), TokenDataset(run / "data" / "val.bin")
     val_loss, tokens = validation_loss(
         master, val, args.batch_size, args.seq_len, args.eval_batches, device, amp_dtype
@@ -577,40 +699,18 @@ def main(argv: list[str] | None = None) -> int:
     result["target_val"] = {
         "loss": val_loss, "tokens": tokens, "unigram_entropy": unigram_entropy(val.tokens_N)
     }  # fmt: skip
-    clock.log(f"target val loss {val_loss:.3f}; sampling the drafts' data ({args.draft_data})")
+    clock.log(f"target val loss {val_loss:.3f}")
     write(result, args, device, clock)
 
-    batches, gen_s = draft_batches(args, getattr(model, "language_model", model), train_set, device)
-    result["draft_data_seconds"] = gen_s
-    drafts, exact, steps = {}, {}, None
-    for loss in ("lk", "kl"):
-        dc = DraftConfig(
-            feature_layers(cfg.num_hidden_layers), cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers,
-            loss=loss, ttt_steps=args.ttt_steps,
-        )  # fmt: skip
-        draft = build_draft(cfg, dc, device=device, dtype=torch.float32, seed=args.seed)
-        if steps is None:  # fitted once, so both drafts train for the same steps
-            spare = result.get("target_training", {}).get("spare_seconds", 0.0)  # the target's unused share
-            steps, step_s = fitted_draft_steps(draft, lm, batches, args, clock, amp_dtype, spare / 2)
-            result["draft_steps"], result["draft_seconds_per_step"] = steps, step_s
-        clock.log(f"{loss} draft: {steps} steps ({step_s:.3f} s each)")
-        fit = train_draft(
-            draft, lm, batches(), steps, lr=args.lr, log_every=max(1, steps // 5), amp_dtype=amp_dtype,
-            log=clock.log,
-        )  # fmt: skip
-        windows = (
-            x.to(device) for x, _ in val.iter_sequential(args.batch_size, args.seq_len, args.eval_batches)
+    exact = trained_drafts(args, model, master, lm, train_set, val, device, clock, amp_dtype, result)
+    drafts = {loss: d if dtype == torch.float32 else copy.deepcopy(d).to(dtype) for loss, d in exact.items()}
+    write(result, args, device, clock)
+    if args.train_only:
+        clock.log(
+            f"done: the drafts are in {args.drafts}; measure them with --target {run} --drafts {args.drafts}"
         )
-        alphas = acceptance_by_step(draft, lm, windows, DEPTH, amp_dtype=amp_dtype)
-        exact[loss] = draft
-        drafts[loss] = draft if dtype == torch.float32 else copy.deepcopy(draft).to(dtype)
-        result["drafts"][loss] = {
-            "train_seconds": fit.seconds, "final_loss": fit.losses[-1], "alpha_by_depth": alphas,
-            "expected_tokens_per_forward": {k: expected_accepted_length(alphas, k) for k in range(1, DEPTH + 1)},
-        }  # fmt: skip
-        clock.log(f"{loss}: trained {steps} steps in {fit.seconds:.0f} s, final loss {fit.losses[-1]:.3f}; "
-                  f"alpha by depth {[round(a, 3) for a in alphas]}")  # fmt: skip
-        write(result, args, device, clock)
+        print(write(result, args, device, clock, final=True))
+        return 0
 
     with torch.no_grad():
         if args.streams:
@@ -719,16 +819,17 @@ def render(result: dict, args) -> str:
             ]
     else:
         lines += [f"Target: `{result['target']}`, {val}.", ""]
-    if result["drafts"]:
-        data = (
-            f"windows from {args.gen_windows} target samples of {args.seq_len} tokens (temperature 1, drawn in "
-            f"{result['draft_data_seconds']:.0f} s)"
-            if args.draft_data == "generations"
-            else f"corpus windows of {args.seq_len} tokens"
-        )
+    if result["drafts"] and "draft_training" in result:
+        t = result["draft_training"]
         lines += [
-            f"Drafts: {result['draft_steps']} steps each ({result['draft_seconds_per_step']:.3f} s/step) on the "
-            f"same batches of {args.batch_size} {data}, unroll {args.ttt_steps}, lr {args.lr}.",
+            f"Drafts: {t['steps']} steps each ({t['seconds_per_step']:.3f} s/step) on the same batches of "
+            f"{t['batch_size']} {t['data']}, unroll {t['ttt_steps']}, lr {t['lr']}"
+            + (
+                f"; trained by an earlier run and loaded from `{t['loaded_from']}`"
+                if "loaded_from" in t
+                else ""
+            )
+            + ".",
             "",
             "Acceptance rate α by draft depth on held-out windows (`openk3 eval --draft`'s numbers, temperature 1):",
             "",

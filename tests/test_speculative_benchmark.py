@@ -40,6 +40,7 @@ def bench(monkeypatch):
         (["--target", "r", "--data", "corpus"], "--data and --work go with --train-target"),
         (["--target", "r", "--seq-len", "12"], "--seq-len must be at least 18"),
         (["--target", "r", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--target", "r", "--train-only"], "--train-only needs --drafts DIR"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(bench, args, message, capsys):
@@ -57,6 +58,10 @@ def test_gpu_command_of_the_docs_parses(bench):
     args = bench.parse_args(argv)
     assert args.train_target == "k3-small" and args.device == "cuda" and args.budget_s == 400.0
     assert args.streams == [1, 64] and args.engine_ks == [1, 2, 3, 4, 5] and args.data == ".corpus"
+    two_calls = text[text.index("echo /.spec/") :].split("\n```")[0].replace("\\\n", " ").splitlines()[1:]
+    train, measure = (bench.parse_args(line.split()[2:]) for line in two_calls)
+    assert train.train_only and train.drafts == measure.drafts == ".spec/drafts" and train.work == ".spec"
+    assert measure.target == ".spec/k3-small" and not measure.train_only and measure.streams == [1, 64]
 
 
 def test_speed_ups_of_outputs_unlike_plain_decoding_are_flagged(bench):
@@ -73,7 +78,8 @@ def test_speed_ups_of_outputs_unlike_plain_decoding_are_flagged(bench):
         result = dict(
             environment=dict(cpu="cpu", threads=1, torch="t", python="p"), command="c", dtype="torch.float32",
             wall_seconds=1.0, target_val=dict(loss=1.0, tokens=1, unigram_entropy=2.0), target="run",
-            draft_data_seconds=1.0, draft_steps=1, draft_seconds_per_step=0.1, skipped=[],
+            draft_training=dict(steps=1, seconds_per_step=0.1, batch_size=8, data="corpus windows of 64 tokens",
+                                ttt_steps=3, lr=0.002), skipped=[],
             drafts={loss: dict(alpha_by_depth=[0.5] * 5, expected_tokens_per_forward={3: 1.9},
                                train_seconds=1.0) for loss in ("lk", "kl")},
             engine={"4": dict(plain=plain, speculative={k: dict(spec, identical_streams=n)
@@ -125,7 +131,7 @@ def test_a_whole_run_trains_its_target_and_writes_the_report(bench, tmp_path, mo
     curve = result["target_training"]["train_loss"]
     assert curve["curve"][-1][0] == 7 and curve["last"] == steps[7] and curve["min"] == min(steps.values())
     assert sum(b - a for (a, _), (b, _) in zip([(0, 0), *curve["curve"]], curve["curve"])) == 7
-    assert result["draft_steps"] == 2 and result["skipped"] == []
+    assert result["draft_training"]["steps"] == 2 and result["skipped"] == []
     for loss in ("lk", "kl"):
         alphas = result["drafts"][loss]["alpha_by_depth"]
         assert len(alphas) == 5 and all(0 < a <= 1 for a in alphas)
@@ -238,3 +244,54 @@ def test_streams_past_the_near_tie_bound_are_rerun_in_fp32(bench, monkeypatch):
     assert spec["identical_streams"] == 0 and spec["rounding_streams"] == 0
     assert spec["fp32_equal_streams"] == 3
     assert bench.differ(0, 3, spec["rounding_streams"] + spec["fp32_equal_streams"]) == ""
+
+
+@pytest.mark.slow  # trains a k3-tiny target and two drafts for a few steps: ~1 min on 2 busy cores
+def test_drafts_trained_in_one_call_are_measured_in_the_next(bench, tmp_path, monkeypatch, capsys):
+    """``--train-only --drafts DIR`` trains and saves both drafts and stops after their acceptance rates; a
+    second run with ``--target RUN --drafts DIR`` loads them (the same weights: the same α to the bit on
+    the CPU) and measures the rest. A folder missing a draft, or drafts of another target, are refused."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(TEXT * 2):
+        (corpus / f"work{i}.txt").write_text(text * 40)
+    drafts = tmp_path / "drafts"
+    small = ["--draft-steps", "2", "--gen-windows", "2", "--batch-size", "2", "--seq-len", "24",
+             "--eval-batches", "1", "--threads", "1", "--budget-s", "100000"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["speculative.py"])
+    first = [
+        "--train-target", "k3-tiny", "--data", str(corpus), "--work", str(tmp_path / "w"), "--target-steps", "7",
+        "--target-batch-size", "2", "--target-seq-len", "32", "--drafts", str(drafts), "--train-only",
+        "--out", str(tmp_path / "a"), *small,
+    ]  # fmt: skip
+    assert bench.main(first) == 0
+    first_log = capsys.readouterr().err
+    trained = json.loads((tmp_path / "a" / "speculative_cpu.json").read_text())
+    assert {p.name for p in drafts.iterdir()} == {"lk", "kl", bench.DRAFTS_RECORD}
+    assert "engine" not in trained and "single_sequence" not in trained
+    assert trained["draft_training"]["steps"] == 2 and "loaded_from" not in trained["draft_training"]
+
+    second = ["--target", str(tmp_path / "w" / "k3-tiny"), "--drafts", str(drafts), "--ks", "1",
+              "--prompts", "1", "--prompt-len", "8", "--new-tokens", "4", "--out", str(tmp_path / "b"), *small]  # fmt: skip
+    assert bench.main(second) == 0
+    measured = json.loads((tmp_path / "b" / "speculative_cpu.json").read_text())
+    assert measured["draft_training"] == {**trained["draft_training"], "loaded_from": str(drafts)}
+    for loss in ("lk", "kl"):
+        assert measured["drafts"][loss]["alpha_by_depth"] == trained["drafts"][loss]["alpha_by_depth"]
+        assert measured["drafts"][loss]["final_loss"] == trained["drafts"][loss]["final_loss"]
+        assert measured["single_sequence"][loss]["1"]["identical_prompts"] == 1
+    report = (tmp_path / "b" / "speculative_cpu.md").read_text()
+    assert f"trained by an earlier run and loaded from `{drafts}`" in report
+    assert (
+        "lk draft:" in first_log and "lk draft:" not in capsys.readouterr().err
+    )  # no training the second time
+
+    record = json.loads((drafts / bench.DRAFTS_RECORD).read_text())
+    (drafts / bench.DRAFTS_RECORD).write_text(json.dumps({**record, "target_fingerprint": 1.0}))
+    with pytest.raises(SystemExit, match="trained against another target"):
+        bench.main(second)
+    with pytest.raises(SystemExit, match="already holds both drafts"):
+        bench.main([*second, "--train-only"])
+    (drafts / bench.DRAFTS_RECORD).unlink()
+    with pytest.raises(SystemExit, match=r"holds lk, kl and no training.json: not the two drafts"):
+        bench.main(second)
