@@ -3,6 +3,7 @@ drops its rollout and training continues, the engine gets the new weights; the d
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 
@@ -418,3 +419,25 @@ def test_partial_step_trains_complete_groups_only():
     assert sorted(trained) == list(range(6)) and not trainer.partial.buffer
     if any(len(t.segments) > 1 for t in trajs):
         assert stats["stale_token_fraction"] > 0
+
+
+def test_the_demo_creates_its_folder_only_to_write_and_keeps_earlier_results(tmp_path):
+    """A run refused or interrupted before its first output leaves no folder; an earlier run's results are
+    not overwritten; an output path below a file is refused before any work."""
+    from openk3.rl.cli import run
+    from openk3.rl.recipe import Demo, DemoConfig
+
+    out = tmp_path / "new" / "demo"
+    args = argparse.Namespace(quick=True, out=out, seed=0, stages=tmp_path / "missing" / "s.pt")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run(args)
+    assert not (tmp_path / "new").exists()
+    Demo(DemoConfig(), out)
+    assert not (tmp_path / "new").exists()
+    out.mkdir(parents=True)
+    (out / "results.md").write_text("an earlier run")
+    with pytest.raises(FileExistsError, match="holds an earlier run's results.md"):
+        Demo(DemoConfig(), out)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        Demo(DemoConfig(), tmp_path / "file" / "demo")

@@ -209,10 +209,7 @@ def engine_config(max_tokens: int) -> EngineConfig:
 class Demo:
     def __init__(self, config: DemoConfig, out_dir: Path) -> None:
         self.cfg, self.out = config, Path(out_dir)
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ValueError(f"--out {self.out}: it or a folder above it is a file, not a folder") from None
+        check_out_dir(self.out)
         self.tok = CharTokenizer()
         rng = random.Random(config.seed)
         self.train = {d: self._unique(d, config.train_problems, rng, set()) for d in DOMAINS}
@@ -235,6 +232,11 @@ class Demo:
                 seen.add(p.id)
                 out.append(p)
         return out
+
+    def outputs(self) -> Path:
+        """The output folder, created on the first write (:func:`check_out_dir` checked it)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        return self.out
 
     def log(self, text: str) -> None:
         print(text, flush=True)
@@ -613,7 +615,7 @@ class Demo:
                 axes[-1].legend(fontsize=7)
             fig.suptitle(name)
             fig.tight_layout()
-            fig.savefig(self.out / f"{name}.png", dpi=80)
+            fig.savefig(self.outputs() / f"{name}.png", dpi=80)
             plt.close(fig)
 
     def table(self, teachers: dict[tuple[str, str], dict], student: dict[tuple[str, str], dict]) -> str:
@@ -638,7 +640,7 @@ class Demo:
                     f"| {d} | {e} | {t['accuracy']:.2f} | {t['length']:.1f} | {formats(t)} | {s['accuracy']:.2f} "
                     f"| {s['length']:.1f} | {formats(s)} | {round(100 * (s['accuracy'] - t['accuracy'])):+d} |"
                 )
-        (self.out / "table.json").write_text(json.dumps(rows, indent=1))
+        (self.outputs() / "table.json").write_text(json.dumps(rows, indent=1))
         return "\n".join(lines)
 
     def run(self, stages: Path | None = None) -> str:
@@ -677,7 +679,7 @@ class Demo:
             f"# openk3 posttrain --recipe demo\n\nwall time {seconds:.0f} s before the table (stages, s: {stages})\n\n"
             f"config: `{json.dumps(cfg)}`\n\n{table}\n"
         )
-        (self.out / "results.md").write_text(text)
+        (self.outputs() / "results.md").write_text(text)
         (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
         (self.out / "log.txt").write_text("\n".join(self.log_lines) + "\n")
         self.log(table)
@@ -693,6 +695,21 @@ def stages_config(config: DemoConfig) -> dict:
     for name in ("mopd_steps", "mopd_lr", "r_max"):
         out.pop(name)
     return out
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an output folder before any work: one that is a file (or below one), or that holds an earlier
+    run's ``results.md`` (not overwritten). The folder is created only when the first output is written, so a
+    run refused or interrupted before then leaves nothing behind."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(f"--out {out}: {path} is a file, not a folder")
+            break
+    if (out / "results.md").exists():
+        raise FileExistsError(
+            f"--out {out} holds an earlier run's results.md; remove it or name a new folder"
+        )
 
 
 def check_stages_path(path: Path) -> None:
