@@ -401,3 +401,21 @@ def test_a_distributed_run_prints_its_sample_unless_no_sample(monkeypatch, tmp_p
     assert samples == [] and "val loss 5.1000 nats/token" in capsys.readouterr().out
     assert main(argv) == 0
     assert len(samples) == 1 and samples[0][0] and samples[0][1] == str(out / "final")
+
+
+def test_eval_of_a_window_longer_than_the_split_is_refused_before_any_progress_bar(lone, tmp_path, capsys):
+    from openk3.data import prepare_data
+
+    ckpt = lone / "ckpt"
+    split = prepare_data(
+        lone / "corpus",
+        out_dir=tmp_path / "s",
+        vocab_size=8192,
+        tokenizer=ckpt,
+        val_fraction=0.5,
+        progress=False,
+    )
+    assert main(["eval", "--ckpt", str(ckpt), "--data", str(split.val_path), "--seq-len", "10000000"]) == 2
+    err = capsys.readouterr().err
+    assert "no validation windows were evaluated" in err and "seq_len=10000000" in err
+    assert "eval:" not in err and "batch/s" not in err, err  # no (empty) progress bar before the error

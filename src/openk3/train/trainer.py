@@ -283,11 +283,16 @@ def validation_loss(
     ``ValueError`` when no window is evaluated (``max_batches < 1`` or a split shorter than ``seq_len + 1``).
     """
     device = torch.device(device)
+    n_batches = -(-dataset.num_windows(seq_len) // batch_size)
+    n_batches = n_batches if max_batches is None else min(n_batches, max_batches)
+    if n_batches < 1:  # refused before a progress bar is drawn
+        raise ValueError(
+            f"no validation windows were evaluated (max_batches={max_batches}, seq_len={seq_len}, "
+            f"{dataset.path.name} holds {dataset.num_tokens} tokens)"
+        )
     total, count = 0.0, 0
     batches = dataset.iter_sequential(batch_size, seq_len, max_batches)
     if progress:
-        n_batches = -(-dataset.num_windows(seq_len) // batch_size)
-        n_batches = n_batches if max_batches is None else min(n_batches, max_batches)
         batches = tqdm(batches, total=n_batches, unit="batch", desc="eval", dynamic_ncols=True)
     with torch.no_grad():
         for x_BT, y_BT in batches:
@@ -297,11 +302,6 @@ def validation_loss(
                 logits_BTV.float().flatten(0, 1), y_BT.to(device).flatten(), reduction="sum"
             ).item()
             count += y_BT.numel()
-    if count == 0:
-        raise ValueError(
-            f"no validation windows were evaluated (max_batches={max_batches}, seq_len={seq_len}, "
-            f"{dataset.path.name} holds {dataset.num_tokens} tokens)"
-        )
     return total / count, count
 
 
