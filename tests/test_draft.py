@@ -216,6 +216,74 @@ def test_save_load_roundtrip_and_refuses_another_target(tmp_path):
         load_draft(tmp_path, model)
 
 
+def test_load_refuses_a_draft_for_another_architecture(tmp_path):
+    """A dense baseline of the same vocabulary, width and depth is another target: its MLA has no output gate
+    and its FFN another width, so the draft's weights would not fit; the saved config says so first."""
+    from openk3.presets import dense_baseline
+
+    draft, _ = _draft(_target())
+    save_draft(draft, tmp_path / "d")
+    dense = openk3.build_model(dense_baseline(k3_shaped(4, vocab_size=VOCAB)), seed=0)
+    with pytest.raises(ValueError) as e:
+        load_draft(tmp_path / "d", dense)
+    assert str(e.value).startswith(
+        f"the draft in {tmp_path / 'd'} was trained for a target with mla_use_output_gate=True, but this "
+        "target has mla_use_output_gate=False; train a draft for it"
+    )
+
+
+def test_load_names_the_first_weight_that_does_not_fit(tmp_path):
+    """The backstop behind the config check: a config that does not describe its weights (here one weight
+    cut, one added) gives a ValueError naming the file and the tensor, not load_state_dict's RuntimeError."""
+    from safetensors.torch import load_file, save_file
+
+    model = _target()
+    draft, _ = _draft(model)
+    weights = save_draft(draft, tmp_path / "d") / "model.safetensors"
+    state = load_file(weights)
+    name = "model.layers.4.self_attn.kv_b_proj.weight"
+    save_file({**state, name: state[name][:, :-1].contiguous()}, weights)
+    with pytest.raises(ValueError) as e:
+        load_draft(tmp_path / "d", model)
+    shape = list(state[name].shape)
+    assert str(e.value) == (
+        f"{weights} does not fit this target: {name} has shape {[shape[0], shape[1] - 1]}, a draft for this "
+        f"target needs {shape}"
+    )
+    save_file({**state, "model.layers.4.extra": torch.zeros(2)}, weights)
+    with pytest.raises(ValueError, match=r"model\.layers\.4\.extra is no weight of a draft for this target"):
+        load_draft(tmp_path / "d", model)
+    del state[name]
+    save_file(state, weights)
+    with pytest.raises(ValueError, match=f"lacks the draft weight {re.escape(name)}"):
+        load_draft(tmp_path / "d", model)
+
+
+def test_load_names_a_truncated_or_corrupt_file(tmp_path):
+    """A truncated model.safetensors (an interrupted copy) or a corrupt config.json: a ValueError naming the
+    file, as a truncated model checkpoint gets (``CorruptCheckpointError``)."""
+    model = _target()
+    draft, _ = _draft(model)
+    folder = save_draft(draft, tmp_path / "d")
+    weights, config = folder / "model.safetensors", folder / "config.json"
+    good = weights.read_bytes()
+    for cut in (len(good) // 2, 5):  # the data, then the header's length itself
+        weights.write_bytes(good[:cut])
+        with pytest.raises(ValueError, match=f"^{re.escape(str(weights))} is not a valid safetensors file "
+                           r"\(truncated or corrupt\?\): "):  # fmt: skip
+            load_draft(folder, model)
+    weights.write_bytes(good)
+    text = config.read_text()
+    config.write_text('{"vocab\x01')
+    with pytest.raises(
+        ValueError, match=f"^{re.escape(str(config))} is not valid JSON \\(truncated or corrupt"
+    ):
+        load_draft(folder, model)
+    config.write_text(text.replace('"feature_layers"', '"layers"'))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(config))} is not a draft config"):
+        load_draft(folder, model)
+
+
 def test_draft_config_errors_name_the_field():
     with pytest.raises(ValueError, match="DraftConfig.loss"):
         DraftConfig((1,), 64, 64, 4, loss="ce")
@@ -273,11 +341,13 @@ def test_bf16_training_follows_fp32_with_the_current_weights_in_every_forward():
 
 
 # ---- command line ---------------------------------------------------------------------------------------
-def _run_folder(root, vocab_model: int = 320):
-    """A run folder as `openk3 train` leaves it: a checkpoint with its tokenizer and the data splits."""
+def _run_folder(root, vocab_model: int = 320, dense: bool = False, seed: int = 0):
+    """A run folder as `openk3 train` leaves it: a checkpoint with its tokenizer and the data splits; the
+    target is ``k3_shaped(4)`` or, ``dense``, its dense baseline, initialised from ``seed``."""
     from openk3.checkpoint import save_pretrained
     from openk3.data import Tokenizer
     from openk3.data.text_split import write_text_split
+    from openk3.presets import dense_baseline
 
     text = "".join(
         f"Line {i}: the quick brown fox jumps over the lazy dog, then sleeps.\n" for i in range(300)
@@ -286,7 +356,8 @@ def _run_folder(root, vocab_model: int = 320):
     tokenizer = Tokenizer.train([text], 300)
     run = root / "run"
     ckpt = run / "checkpoints" / "step-000001"
-    save_pretrained(openk3.build_model(k3_shaped(4, vocab_size=vocab_model), seed=0), ckpt)
+    config = k3_shaped(4, vocab_size=vocab_model)
+    save_pretrained(openk3.build_model(dense_baseline(config) if dense else config, seed=seed), ckpt)
     tokenizer.save(ckpt)
     (run / "checkpoints" / "latest").write_text("step-000001\n")
     (run / "data").mkdir(parents=True)
@@ -333,6 +404,66 @@ def test_train_draft_and_eval_draft_commands(tmp_path, capsys):
     other = _run_folder(tmp_path / "o", vocab_model=384)
     assert main(["eval", "--ckpt", str(other), "--draft", str(run / "draft-lk"), "--max-batches", "1"]) == 2
     assert "trained for a target with vocab_size=320" in capsys.readouterr().err
+
+
+def test_eval_and_generate_refuse_a_draft_for_another_architecture(tmp_path, capsys):
+    """`eval`/`generate --draft` on a dense target with a draft of a K3-shaped target of the same vocabulary,
+    width and depth: one line naming the field, exit 2 (was a load_state_dict traceback, exit 1)."""
+    from openk3.checkpoint import from_pretrained
+    from openk3.cli import main
+    from openk3.train.state import latest_checkpoint
+
+    (tmp_path / "k3").mkdir()
+    run = _run_folder(tmp_path / "k3")
+    draft, _ = _draft(from_pretrained(latest_checkpoint(str(run))))
+    save_draft(draft, tmp_path / "draft")
+    (tmp_path / "dense").mkdir()
+    dense = _run_folder(tmp_path / "dense", dense=True)
+    want = (
+        f"openk3: error: the draft in {tmp_path / 'draft'} was trained for a target with "
+        "mla_use_output_gate=True, but this target has mla_use_output_gate=False; train a draft for it with "
+        "`openk3 train-draft --target RUN`\n"
+    )
+    assert main(["eval", "--ckpt", str(dense), "--draft", str(tmp_path / "draft"), "--max-batches", "1"]) == 2
+    assert capsys.readouterr().err == want
+    gen = ["generate", "--ckpt", str(dense), "--prompt", "Line 7", "--max-new-tokens", "2", "--draft"]
+    assert main([*gen, str(tmp_path / "draft")]) == 2
+    assert capsys.readouterr().err == want
+
+
+def test_resume_refuses_another_target(tmp_path, capsys, monkeypatch):
+    """A draft stopped while training against one run, resumed with `--target` another run (same shapes, other
+    weights): refused naming the target it was trained against; with that target it resumes."""
+    from openk3.cli import main
+    from openk3.train import draft_trainer
+
+    real = draft_trainer.train_draft
+
+    def stopped_after_one_step(*args, stop=None, **kwargs):  # Ctrl-C during the first step
+        asked = []
+        return real(*args, stop=lambda: asked.append(1) or len(asked) > 1, **kwargs)
+
+    (tmp_path / "t1").mkdir()
+    (tmp_path / "t2").mkdir()
+    t1, t2 = _run_folder(tmp_path / "t1"), _run_folder(tmp_path / "t2", seed=1)
+    out = tmp_path / "draft"
+    small = ["--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "24", "--ttt-steps", "2"]
+    monkeypatch.setattr(draft_trainer, "train_draft", stopped_after_one_step)
+    assert main(["train-draft", "--target", str(t2), *small]) == 130
+    assert "stopped at step 1/3" in capsys.readouterr().out
+    monkeypatch.setattr(draft_trainer, "train_draft", real)
+    assert main(["train-draft", "--target", str(t1), *small, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"openk3: error: --resume: {out} was trained against --target {t2} (checkpoint "
+        f"{t2 / 'checkpoints' / 'step-000001'}), but --target {t1} loads {t1 / 'checkpoints' / 'step-000001'}, "
+        f"whose weights differ: resume with --target {t2}, or train a new draft with another --out\n"
+    )
+    assert (out / "train_state.pt").is_file()  # nothing was touched
+    assert main(["train-draft", "--target", str(t2), *small]) == 2  # the line to continue names t2
+    assert f"continue it with `openk3 train-draft --target {t2} --out {out}" in capsys.readouterr().err
+    assert main(["train-draft", "--target", str(t2), *small, "--resume"]) == 0
+    assert f"resuming {out} at step 1/3" in capsys.readouterr().out
 
 
 def test_interrupted_training_resumes_exactly():

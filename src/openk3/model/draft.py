@@ -200,20 +200,66 @@ def build_draft(
     return draft.to(device=device, dtype=dtype)
 
 
-def check_target(draft_config: DraftConfig, target_config) -> None:
-    """Raise ``ValueError`` when the target is not the one the draft was trained for (vocabulary, width or
-    depth differ)."""
+DRAFT_LAYER_FIELDS = (
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "mla_use_output_gate",
+    "intermediate_size",
+    "hidden_act",
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+)
+"""The target's text-config fields a :class:`DraftLayer` is built from besides vocabulary, width and depth: the
+MLA shapes and output gate, the FFN width and its activation. A draft is built from its target's config, so
+a target differing in any of them gives the draft other weight shapes (a dense baseline has no ``g_proj`` and
+another FFN width) or another function; :func:`check_target` compares them with the config saved beside the
+draft."""
+
+
+def check_target(
+    draft_config: DraftConfig, target_config, trained_for: dict | None = None, name: str = "the draft"
+) -> None:
+    """Raise ``ValueError`` when the target is not the one the draft was trained for: vocabulary, width or
+    depth differ (``draft_config``), or, given ``trained_for`` (the target text config saved with the draft,
+    as a dict), any of :data:`DRAFT_LAYER_FIELDS` it states. ``name`` says which draft, for the message."""
     cfg = text_config_of(target_config)
-    for field, want, have in (
+    checks = [
         ("vocab_size", draft_config.target_vocab_size, cfg.vocab_size),
         ("hidden_size", draft_config.target_hidden_size, cfg.hidden_size),
         ("num_hidden_layers", draft_config.target_num_hidden_layers, cfg.num_hidden_layers),
-    ):
+    ]
+    saved = trained_for or {}
+    checks += [(f, saved[f], getattr(cfg, f)) for f in DRAFT_LAYER_FIELDS if f in saved]
+    for field, want, have in checks:
         if want != have:
             raise ValueError(
-                f"the draft was trained for a target with {field}={want}, but this target has {field}={have}; "
+                f"{name} was trained for a target with {field}={want}, but this target has {field}={have}; "
                 "train a draft for it with `openk3 train-draft --target RUN`"
             )
+
+
+def _check_weights(state: dict[str, torch.Tensor], draft: EagleDraft, path: Path) -> None:
+    """Raise ``ValueError`` naming ``path`` and the first tensor (in the draft's order) that is missing from
+    ``state``, has another shape, or is no weight of ``draft``: the backstop behind :func:`check_target` for a
+    config that does not describe its weights (edited, or copied from another draft)."""
+    want = draft.state_dict()
+    for key, t in want.items():
+        if key not in state:
+            raise ValueError(f"{path} does not fit this target: it lacks the draft weight {key}")
+        if state[key].shape != t.shape:
+            raise ValueError(
+                f"{path} does not fit this target: {key} has shape {list(state[key].shape)}, a draft for this "
+                f"target needs {list(t.shape)}"
+            )
+    extra = sorted(set(state) - set(want))
+    if extra:
+        raise ValueError(
+            f"{path} does not fit this target: {extra[0]} is no weight of a draft for this target"
+        )
 
 
 def save_draft(draft: EagleDraft, folder: str | Path) -> Path:
@@ -235,25 +281,40 @@ def save_draft(draft: EagleDraft, folder: str | Path) -> Path:
 def load_draft(folder: str | Path, target: nn.Module) -> EagleDraft:
     """The draft in ``folder`` for ``target`` (a model from :func:`~openk3.model.modeling.build_model`), on the
     target's device and dtype. Raises ``FileNotFoundError`` for a folder without a draft and ``ValueError``
-    for a draft of another target."""
+    naming the file for a draft of another target (:func:`check_target` on the saved config, then every
+    weight's name and shape) and for a ``config.json`` or ``model.safetensors`` that cannot be parsed
+    (truncated or corrupt, as :class:`~openk3.checkpoint.io.CorruptCheckpointError` for a model)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    path = folder / DRAFT_CONFIG
-    if not path.is_file() or not (folder / DRAFT_WEIGHTS).is_file():
+    path, weights = folder / DRAFT_CONFIG, folder / DRAFT_WEIGHTS
+    if not path.is_file() or not weights.is_file():
         raise FileNotFoundError(
             f"{folder} holds no draft ({DRAFT_CONFIG} + {DRAFT_WEIGHTS}); see `openk3 train-draft`"
         )
-    raw = json.loads(path.read_text())
-    if "draft" not in raw:
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): {e}") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("draft"), dict):
         raise ValueError(f"{path} is not a draft config (no 'draft' entry)")
     d = dict(raw["draft"])
-    d["feature_layers"] = tuple(d["feature_layers"])
-    draft_config = DraftConfig(**d)
+    try:
+        d["feature_layers"] = tuple(d["feature_layers"])
+        draft_config = DraftConfig(**d)
+    except KeyError as e:
+        raise ValueError(f"{path} is not a draft config (its 'draft' entry lacks {e})") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path} holds an invalid 'draft' entry: {e}") from e
     lm = getattr(target, "language_model", target)
-    check_target(draft_config, lm.config)
+    check_target(draft_config, lm.config, trained_for=raw, name=f"the draft in {folder}")
     weight = lm.model.embed_tokens.weight
     draft = EagleDraft(lm.config, draft_config)
-    state = load_file(folder / DRAFT_WEIGHTS)
+    try:
+        state = load_file(weights)
+    except SafetensorError as e:
+        raise ValueError(f"{weights} is not a valid safetensors file (truncated or corrupt?): {e}") from e
+    _check_weights(state, draft, weights)
     draft.load_state_dict(state)
     return draft.to(device=weight.device, dtype=weight.dtype).eval()

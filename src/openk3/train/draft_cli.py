@@ -26,7 +26,8 @@ DEFAULT_DRAFT_STEPS = 200
 GEN_PROMPT_TOKENS = 16
 RESUME_STATE = "train_state.pt"
 """Written into the draft folder when a run stops early (Ctrl-C, SIGTERM): step, AdamW state, settings and
-the generated windows, for ``--resume``; removed when the run finishes."""
+the generated windows, for ``--resume``; removed when the run finishes. It also records the target the draft
+trains against (:func:`target_identity`), and a resume against another target is refused."""
 SETTINGS = ("loss", "data", "steps", "batch_size", "seq_len", "ttt_steps", "lr", "gen_windows", "seed")
 """The options a resume must repeat (``--steps`` may grow)."""
 
@@ -94,6 +95,34 @@ def _run_split(folder: Path, name: str) -> Path:
         )
     raise FileNotFoundError(
         f"checkpoint {folder} has no run split {path}: pass the folder of an `openk3 train` run"
+    )
+
+
+def target_identity(target: str, folder: Path, lm) -> dict:
+    """What identifies the target a draft trains against, recorded in :data:`RESUME_STATE`: ``--target`` as
+    given, the checkpoint folder it resolved to, and a fingerprint of the weights (the fp64 sum of the token
+    embeddings, summed on the CPU). The fingerprint, not the path, decides whether a resume reads the same
+    target: a run moved elsewhere is the same target, a run trained further (its latest checkpoint now another)
+    or another run at the same path is not."""
+    import torch
+
+    weight = lm.model.embed_tokens.weight.detach()
+    embed_sum = weight.to(device="cpu", dtype=torch.float64).sum().item()
+    return {"target": str(target), "checkpoint": str(folder), "embed_sum": embed_sum}
+
+
+def check_same_target(state: dict, identity: dict, out: Path) -> None:
+    """Raise ``ValueError`` when the interrupted run saved in ``state`` trained against another target than
+    ``identity`` (:func:`target_identity`): its draft and AdamW moments fit that target's features, so going on
+    would train a mix of two. States written before the target was recorded are not checked. The fingerprints
+    are compared to 1e-9 relative, against a summation order that may differ between machines."""
+    saved = state.get("target")
+    if saved is None or math.isclose(saved["embed_sum"], identity["embed_sum"], rel_tol=1e-9, abs_tol=1e-12):
+        return
+    raise ValueError(
+        f"--resume: {out} was trained against --target {saved['target']} (checkpoint {saved['checkpoint']}), "
+        f"but --target {identity['target']} loads {identity['checkpoint']}, whose weights differ: resume with "
+        f"--target {saved['target']}, or train a new draft with another --out"
     )
 
 
@@ -210,7 +239,9 @@ def _train_draft(args: argparse.Namespace) -> int:
     model = from_pretrained(folder, device=args.device).eval()
     lm = getattr(model, "language_model", model)
     cfg = lm.config
+    identity = target_identity(args.target, folder, lm)
     if state is not None:
+        check_same_target(state, identity, out)
         draft = load_draft(out, model)
         print(f"resuming {out} at step {state['step']}/{args.steps}")
     else:
@@ -256,7 +287,8 @@ def _train_draft(args: argparse.Namespace) -> int:
             save_draft(draft, tmp)
             if result.step < args.steps:
                 settings = {name: getattr(args, name) for name in SETTINGS}
-                saved = {"step": result.step, "optimizer": result.optimizer_state, "settings": settings}
+                saved = {"step": result.step, "optimizer": result.optimizer_state, "settings": settings,
+                         "target": identity}  # fmt: skip
                 if pool is not None:
                     saved["pool"] = pool.cpu()
                 torch.save(saved, tmp / RESUME_STATE)
@@ -280,6 +312,8 @@ def _check_out_free(out: Path, args: argparse.Namespace) -> None:
     if (out / RESUME_STATE).is_file():
         state = torch.load(out / RESUME_STATE, map_location="cpu", weights_only=True)
         ran = argparse.Namespace(**{**vars(args), **state["settings"]})  # the options it ran with
+        if "target" in state:
+            ran.target = state["target"]["target"]
         raise ValueError(
             f"--out {out} holds a train-draft stopped at step {state['step']}: continue it with "
             f"`{_resume_line(ran, out)}`, or pick another --out"
@@ -291,7 +325,8 @@ def _check_out_free(out: Path, args: argparse.Namespace) -> None:
 
 def _load_resume_state(out: Path, args: argparse.Namespace) -> dict:
     """The saved state of an interrupted ``train-draft`` in ``out``; ``ValueError`` when there is none, when a
-    setting differs from the interrupted run's, or when it already reached ``--steps``."""
+    setting differs from the interrupted run's, or when it already reached ``--steps`` (the target is compared
+    once loaded, :func:`check_same_target`)."""
     import torch
 
     path = out / RESUME_STATE
