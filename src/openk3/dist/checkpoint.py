@@ -6,7 +6,9 @@ re-shards onto any world size (DCP resolves the DTensor placements), so a run sa
 
 Saving writes into ``step-NNNNNN.tmp/`` and rank 0 renames it into place after every rank has finished, so
 a save that dies half way (a rank lost) leaves the previous checkpoint as it was and no torn folder under
-the final name. Loading checks ``meta.json`` against the model first and raises ``ValueError`` naming the
+the final name. Only then does rank 0 delete the older checkpoints past the newest :data:`KEEP` (the
+single-process trainer's retention, :func:`openk3.train.state.save_checkpoint`) and the ``.tmp`` folders of
+earlier saves that died, so a run always holds a complete checkpoint and its disk use stays bounded. Loading checks ``meta.json`` against the model first and raises ``ValueError`` naming the
 differing config fields: a checkpoint of another model is refused before any tensor is read.
 
 :func:`export_hf` gathers the full model on rank 0 and writes the Hugging Face folder
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -33,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 META = "meta.json"
+KEEP = 2
+"""Finished checkpoints a run keeps (the newest), as :func:`openk3.train.state.save_checkpoint` does."""
+TMP_SUFFIX = ".tmp"
 
 
 def _config_dict(model: nn.Module) -> dict:
@@ -64,15 +70,44 @@ def _balancer_json(balancer) -> dict | None:
     return {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
 
 
-def save_checkpoint(folder, step: int, model, optimizer, balancer=None, extra: dict | None = None) -> Path:
+def finished_checkpoints(folder) -> list[Path]:
+    """The finished checkpoints ``folder/step-NNNNNN`` (with ``meta.json``, no ``.tmp``), oldest first."""
+    return sorted(
+        p for p in Path(folder).glob("step-*") if not p.name.endswith(TMP_SUFFIX) and (p / META).is_file()
+    )
+
+
+def prune_checkpoints(folder, newest: Path, keep: int = KEEP) -> list[Path]:
+    """Delete, in ``folder``, the finished checkpoints older than the newest ``keep`` and the ``.tmp`` folders
+    of saves older than ``newest`` (left by a save that died); returns what was deleted. Call it once the
+    save of ``newest`` has finished, on one rank."""
+    old = finished_checkpoints(folder)[:-keep] if keep > 0 else []
+    stale = [
+        p for p in Path(folder).glob(f"step-*{TMP_SUFFIX}") if p.name.removesuffix(TMP_SUFFIX) < newest.name
+    ]
+    for path in old + stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return old + stale
+
+
+def save_checkpoint(
+    folder,
+    step: int,
+    model,
+    optimizer,
+    balancer=None,
+    extra: dict | None = None,
+    keep: int = KEEP,
+) -> Path:
     """Save a checkpoint ``folder/step-NNNNNN`` (collective: every rank calls it); returns its path.
 
     ``extra``: small JSON values (data position, seed) kept in ``meta.json``. The balancer (its biases are
-    model buffers) must be between steps; its bookkeeping goes to ``meta.json`` too. Raises ``ValueError``
-    for a balancer with a step in progress.
+    model buffers) must be between steps; its bookkeeping goes to ``meta.json`` too. Once the new checkpoint
+    is in place, rank 0 keeps the newest ``keep`` finished ones (:func:`prune_checkpoints`; ``0`` keeps all).
+    Raises ``ValueError`` for a balancer with a step in progress.
     """
     final = Path(folder) / f"step-{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = final.with_name(final.name + TMP_SUFFIX)
     balancer_state = _balancer_json(balancer)
     dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
     if dist.get_rank() == 0:
@@ -87,6 +122,7 @@ def save_checkpoint(folder, step: int, model, optimizer, balancer=None, extra: d
     dist.barrier()
     if dist.get_rank() == 0:
         os.replace(tmp, final)
+        prune_checkpoints(folder, final, keep)
     dist.barrier()
     return final
 

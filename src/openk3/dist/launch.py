@@ -14,8 +14,10 @@ rank ends first ends the world), so only the launcher, which sees how the world 
   writes (``TORCHELASTIC_ERROR_FILE``, :func:`openk3.cli.main`), exit status 2;
 - any other failure: ``openk3: error: rank R failed (exit code C, SIGNAL): MESSAGE``, exit status 1 (a
   traceback, when there is one, was printed by that rank above);
-- the launcher itself interrupted (Ctrl-C, SIGTERM; the agent passes the signal on to the ranks): one line,
-  exit status 128 + the signal's number.
+- the launcher itself interrupted (Ctrl-C, SIGTERM): the agent passes the signal on to the ranks, which
+  finish their step and save a checkpoint (:class:`openk3.dist.train.StopRequest`; rank 0 prints that line),
+  and kills those still running after the agent's shutdown timeout (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s);
+  then one line, exit status 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -86,8 +88,12 @@ def launch(nproc_per_node: int, argv: list[str]) -> int:
         code, line = failure_report(e.failures)
         print(line, file=sys.stderr)
         return code
-    except SignalException as e:  # Ctrl-C or SIGTERM: the agent passed it on to the ranks and stopped them
-        print(f"openk3: {e.sigval.name} received: the {nproc_per_node} ranks were stopped", file=sys.stderr)
+    except SignalException as e:  # Ctrl-C or SIGTERM: the agent passed it on to the ranks and waited for them
+        print(
+            f"openk3: {e.sigval.name} received: the {nproc_per_node} ranks were stopped (each finishes its step "
+            f"and saves; any still running after {config.shutdown_timeout} s was killed)",
+            file=sys.stderr,
+        )
         return 128 + int(e.sigval)
     finally:
         if previous is None:

@@ -27,9 +27,10 @@ The loop's setup (:func:`build_training`) and step (:func:`train_step`) are func
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from openk3.config import text_config_of
 from openk3.data import RandomBatches, TokenDataset, prepare_data
 from openk3.dist.balance import data_process_group
-from openk3.dist.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from openk3.dist.checkpoint import export_hf, finished_checkpoints, load_checkpoint, save_checkpoint
 from openk3.dist.context_parallel import ContextParallel, apply_context_parallel
 from openk3.dist.cp_plan import LAYOUTS
 from openk3.dist.fsdp import build_sharded_model
@@ -53,7 +54,7 @@ from openk3.dist.rank_zero import on_rank_zero
 from openk3.presets import get_preset
 from openk3.quant.qat import enable_qat
 from openk3.train.balance import QuantileBalancer
-from openk3.train.metrics import plot_metrics
+from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.schedule import lr_factor, seq_len_at
 from openk3.train.trainer import validation_loss
 
@@ -159,7 +160,8 @@ def _validation_loss_cp(
 
 
 def latest_distributed_checkpoint(run_dir: Path) -> Path | None:
-    folders = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "meta.json").is_file())
+    """The newest finished DCP checkpoint under ``run_dir/checkpoints`` (not a ``.tmp`` folder), or ``None``."""
+    folders = finished_checkpoints(run_dir / "checkpoints")
     return folders[-1] if folders else None
 
 
@@ -175,6 +177,37 @@ def check_context_lengths(context_schedule, cp: int, layout: str) -> None:
             f"--cp {cp} with the {layout} layout needs every context length to be a multiple of {parts}; "
             f"the schedule has {bad}"
         )
+
+
+class StopRequest:
+    """SIGINT/SIGTERM handlers for one rank while it trains: the first signal sets a flag, a second raises
+    ``KeyboardInterrupt`` (stop at once). :meth:`agreed` tells every rank whether any rank got one (a
+    collective: every rank calls it at the same step). Handlers are installed only in the main thread
+    (``signal.signal`` allows no other) and restored by :meth:`restore`."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def agreed(self, device: torch.device) -> str | None:
+        """The name of the signal when any rank got one (``"SIGINT"``; ``"SIGINT or SIGTERM"`` on a rank that
+        got none yet), else ``None``; one all-reduce of one number."""
+        flag = torch.tensor([0 if self.signum is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        return signal.Signals(self.signum).name if self.signum is not None else "SIGINT or SIGTERM"
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -296,10 +329,14 @@ def train_distributed(
             raise ValueError(f"--resume: {run_dir}/checkpoints holds no finished distributed checkpoint")
         extra = load_checkpoint(checkpoint, model, optimizer, balancer)
         step, batches.step = extra["step"], extra["data_position"]
-    metrics = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115 - closed below
-    loss_value, final = float("nan"), {}
+    # rank 0 logs; a resume drops the rows past its checkpoint (steps a lost rank's world logged and will redo)
+    metrics = (
+        MetricsLog(run_dir / "metrics.jsonl", resume_step=step if resume else None) if rank == 0 else None
+    )
+    loss_value, final, stopped = float("nan"), {}, None
     val_set = TokenDataset(data.val_path)
     last = config.stop_at_step or config.steps
+    stop = StopRequest()
     try:
         while step < last:
             start = time.perf_counter()
@@ -334,13 +371,13 @@ def train_distributed(
                     "world_size": world,
                     **ev,
                 }
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                metrics.write(row)
                 print(
                     f"step {step} loss {loss_value:.4f} grad_norm {grad_norm:.3f} lr {row['lr']:.2e}",
                     flush=True,
                 )
-            if step % config.save_every == 0 or step == last:
+            stopped = stop.agreed(device)  # every rank, every step: the same answer on all of them
+            if step % config.save_every == 0 or step == last or stopped:
                 checkpoint = save_checkpoint(
                     run_dir / "checkpoints",
                     step,
@@ -349,7 +386,16 @@ def train_distributed(
                     balancer,
                     extra={"data_position": batches.step},
                 )
+            if stopped:
+                if rank == 0:
+                    print(
+                        f"openk3: {stopped} received: stopped after step {step}, checkpoint saved ({checkpoint}); continue "
+                        "with the same command and --resume",
+                        flush=True,
+                    )
+                break
     finally:
+        stop.restore()
         if metrics:
             metrics.close()
     if rank == 0:
@@ -362,5 +408,6 @@ def train_distributed(
         "loss": loss_value,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "rank": rank,
+        "interrupted": stopped is not None,
         **final,
     }
