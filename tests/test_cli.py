@@ -419,3 +419,15 @@ def test_eval_of_a_window_longer_than_the_split_is_refused_before_any_progress_b
     err = capsys.readouterr().err
     assert "no validation windows were evaluated" in err and "seq_len=10000000" in err
     assert "eval:" not in err and "batch/s" not in err, err  # no (empty) progress bar before the error
+
+
+def test_a_distributed_run_is_not_resumed_by_one_process(tmp_path, capsys):
+    """A run folder of DCP checkpoints (``step-N/meta.json``, no ``latest``) names how to resume it, instead
+    of pointing at a ``latest`` file a distributed run never writes."""
+    step = tmp_path / "run" / "checkpoints" / "step-000009"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "is a distributed run (DCP checkpoints): resume it as it was started" in err
+    assert "--nproc-per-node" in err and "latest" not in err, err

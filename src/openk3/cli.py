@@ -226,6 +226,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         out = given.get("out", TrainConfig.out)
         check_run_free(Path(out))  # a run in progress is named before its checkpoints are looked for
+        _refuse_distributed_resume(Path(out))
         saved = load_trainer_state(latest_checkpoint(Path(out)))["train_config"]
         config = TrainConfig.from_dict({**saved, **given})
     else:
@@ -359,6 +360,19 @@ def _stream_text(
             sys.stdout.flush()
             shown = text
     sys.stdout.write("\n")
+
+
+def _refuse_distributed_resume(out: Path) -> None:
+    """Raise ``ValueError`` when ``out`` is a distributed run (DCP checkpoints, no single-process ``latest``):
+    a single process cannot resume it; its own launch can, on any world size."""
+    from openk3.checkpoint.io import LATEST
+    from openk3.dist.checkpoint import finished_checkpoints
+
+    if finished_checkpoints(out / "checkpoints") and not (out / "checkpoints" / LATEST).exists():
+        raise ValueError(
+            f"--resume: {out} is a distributed run (DCP checkpoints): resume it as it was started, with "
+            "--resume (`openk3 train --nproc-per-node N ...` or torchrun, any world size; docs/distributed.md)"
+        )
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, where: str) -> None:
