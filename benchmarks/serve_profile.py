@@ -58,6 +58,7 @@ from openk3.checkpoint.out_folder import out_dir_problem
 from openk3.presets import PRESETS
 from openk3.serve import CacheConfig, EngineConfig, LLMEngine, Request, SamplingParams, SchedulerConfig
 from openk3.serve.config import default_by_device
+from openk3.train.step_profile import annotation_names, is_device_annotation
 
 PROMPT = 32
 """Prompt tokens of each decode stream."""
@@ -181,12 +182,10 @@ def step_summary(prof, tokens: int, cuda: bool) -> dict:
     lo, hi = step.time_range.start, step.time_range.end
     kernel_us, kernels, launches, d2h, ops, waits = 0.0, 0, 0, 0, 0, []
     families: dict[str, list[float]] = {}  # family -> [kernels, µs]
-    # the profiler mirrors host ranges (record_function, custom ops, compiled regions) on the device timeline
-    # as "GPU user annotations" spanning their kernels: a device event named like a host event is one of
-    # those, not a kernel, and counting it would count its kernels' time twice
-    host_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+    # the device-side mirrors of host ranges are not kernels: counted, they would count their kernels twice
+    mirrored = annotation_names(events)
     for e in events:
-        if e.device_type == DeviceType.CUDA and e.name in host_names:
+        if e.device_type == DeviceType.CUDA and is_device_annotation(e, mirrored):
             continue
         if e.device_type == DeviceType.CUDA:
             kernel_us += e.time_range.elapsed_us()
@@ -226,9 +225,9 @@ def kernel_sequence(prof) -> list[tuple[str, float, float]]:
     """The device kernels (and copies) of one profiled step in launch order, as ``(name, start µs from the
     first, duration µs)``: where the graph's kernels sit and the gaps between them (device idle time)."""
     events = list(prof.events())
-    host_names = {e.name for e in events if e.device_type == DeviceType.CPU}
+    mirrored = annotation_names(events)
     kernels = sorted(
-        (e for e in events if e.device_type == DeviceType.CUDA and e.name not in host_names),
+        (e for e in events if e.device_type == DeviceType.CUDA and not is_device_annotation(e, mirrored)),
         key=lambda e: e.time_range.start,
     )
     if not kernels:

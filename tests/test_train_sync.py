@@ -216,3 +216,36 @@ def test_step_profile_attributes_gpu_events_to_phases():
         1,
     )
     assert prof.top_kernels[0][:2] == ("gemm_a", 3) and prof.top_kernels[0][2] == pytest.approx(50e-6)
+
+
+def test_step_profile_counts_inductor_kernels_and_drops_annotation_mirrors():
+    """Inductor opens a host range named after each Triton kernel it launches, an operator-kind range (not a
+    user annotation), and the kernel then runs under the same name: it is a kernel. A ``record_function``
+    range (a user annotation) reappears on the device as its mirror: not a kernel. The real host events'
+    flags, as torch's profiler sets them, are checked too (on the CPU)."""
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from openk3.train.step_profile import BOUNDARY, summarize
+
+    def ev(name, start, end, device="DeviceType.CPU", annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               cpu_parent=None, cpu_children=[], is_user_annotation=annotation)  # fmt: skip
+
+    gpu = "DeviceType.CUDA"
+    events = [
+        ev("phase:forward", 0, 100, annotation=True), ev("phase:forward", 5, 95, gpu, annotation=True),
+        ev("triton_poi_fused_mul_0", 1, 2), ev("cuLaunchKernel", 1, 2), ev("triton_poi_fused_mul_0", 10, 30, gpu),
+        ev("Torch-Compiled Region: 0/0", 1, 3, annotation=True), ev("Torch-Compiled Region: 0/0", 9, 31, gpu),
+        ev(BOUNDARY, 90, 100),
+    ]  # fmt: skip
+    (fwd,) = summarize(events, cuda=True).phases
+    assert (fwd.kernels, fwd.launches, fwd.busy_s) == (1, 1, 20e-6)
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("phase:x"):
+            with torch._C._profiler._RecordFunctionFast("triton_poi_fused_0", (torch.ones(2),), {}):
+                pass
+    flags = {e.name: e.is_user_annotation for e in prof.events()}
+    assert flags["phase:x"] is True and flags["triton_poi_fused_0"] is False

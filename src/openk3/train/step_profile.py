@@ -142,6 +142,31 @@ def _is_device(event) -> bool:
     return "CUDA" in str(getattr(event, "device_type", ""))
 
 
+def annotation_names(events) -> set[str]:
+    """Names of the host ranges the profiler mirrors on the device timeline.
+
+    Every user annotation on the host (a ``record_function`` range: ``phase:*``, ``Optimizer.step#…``, a
+    compiled region's marker) reappears as a "GPU user annotation" spanning the kernels launched inside it:
+    a device event that is not a kernel. Host *operators* are not mirrored, and Inductor opens a host range
+    named after each Triton kernel it launches (``triton_poi_fused_…``, an operator-kind range) whose kernel
+    then carries the same name: matching device events against every host name, as this summary once did,
+    dropped all of Inductor's kernels from the counts. So only the host events flagged as user annotations
+    count; a torch whose events lack the flag falls back to every host name but Inductor's kernel ranges."""
+    names = set()
+    for e in events:
+        if _is_device(e):
+            continue
+        flag = getattr(e, "is_user_annotation", None)
+        if flag or (flag is None and not e.name.startswith("triton_")):
+            names.add(e.name)
+    return names
+
+
+def is_device_annotation(event, mirrored: set[str]) -> bool:
+    """Whether a device event is the mirror of a host range (:func:`annotation_names`), not a kernel or copy."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name in mirrored
+
+
 def _under_aten(event) -> bool:
     parent = event.cpu_parent
     while parent is not None:
@@ -177,14 +202,11 @@ def summarize(events, cuda: bool) -> StepProfile:
 
     busy: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
-    # the profiler mirrors every record_function range (phase:*, Optimizer.step#…) on the device timeline as
-    # a "GPU user annotation" spanning the kernels inside it: a device event named like a host event is such
-    # a mirror, not a kernel (no kernel is named like a host-side range or operator)
-    host_names = {e.name for e in events if not _is_device(e)}
+    mirrored = annotation_names(events)
     for e in events:
         start, end = e.time_range.start, e.time_range.end
         if cuda and _is_device(e):
-            if e.name in host_names:
+            if is_device_annotation(e, mirrored):
                 continue
             kind = "kernel"
         elif not cuda and e.name.startswith("aten::") and not _under_aten(e):
