@@ -68,7 +68,7 @@ from openk3.presets import get_preset, k3_shaped
 from openk3.train.balance import QuantileBalancer
 from openk3.train.checkpointing import wrap_decoder_layers
 from openk3.train.host_syncs import HostSyncAudit
-from openk3.train.memory import device_memory_bytes, estimate_memory, plan_memory
+from openk3.train.memory import MODES, device_memory_bytes, estimate_memory, plan_memory
 from openk3.train.optim import build_optimizer
 from openk3.train.step import accumulate_gradients
 from openk3.train.step_profile import profile_step as step_profile
@@ -240,8 +240,9 @@ def planned_row(name: str, config, args, device, budget: int, compile: bool) -> 
     balancer, batches, micro-batch) for the profile."""
     text = text_config_of(config)
     plan = plan_memory(
-        config, args.batch_size, args.seq_len, budget, device.type, name=name, compiled=compile
-    )
+        config, args.batch_size, args.seq_len, budget, device.type, name=name, compiled=compile,
+        micro_batch=args.micro_batch_size, checkpointing=args.activation_checkpointing,
+    )  # fmt: skip
     counts = closed_form_counts(text)
     model = openk3.build_model(config, device=device, seed=0)
     wrap_decoder_layers(model, plan.checkpointing, compile)
@@ -502,7 +503,14 @@ def sections(args, device, results: dict) -> None:
     finish(results, args)
     if "compare" not in args.sections and "dense" not in args.sections and "largest" not in args.sections:
         return
-    compare_args = argparse.Namespace(**{**vars(args), "batch_size": args.compare_batch})
+    compare_args = argparse.Namespace(
+        **{
+            **vars(args),
+            "batch_size": args.compare_batch,
+            "micro_batch_size": None,
+            "activation_checkpointing": "auto",
+        }
+    )  # the comparison runs its batch of its own planner's choice, as transformers' row does
 
     def compare_rows():
         config = get_preset(args.compare_preset)
@@ -538,7 +546,8 @@ def sections(args, device, results: dict) -> None:
     finish(results, args)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (argparse exits with status 2 and a message on a bad one)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -548,6 +557,15 @@ def main() -> None:
     parser.add_argument("--memory-gb", type=float, default=60.0, help="the planner's budget (10^9 bytes)")
     parser.add_argument("--compare-preset", default="k3-small")
     parser.add_argument("--compare-batch", type=int, default=4)
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help="sequences per forward (default: the planner's largest that fits)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing", default="auto", choices=("auto", *MODES),
+        help="per decoder layer (default: the planner's choice)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
@@ -563,11 +581,20 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--json")
     parser.add_argument("--md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.device, args.preset, args.compare_preset = "cpu", "k3-tiny", "k3-tiny"
         args.batch_size, args.seq_len, args.compare_batch, args.steps, args.warmup = 4, 64, 2, 1, 1
         args.memory_gb, args.depths, args.no_compile, args.budget_s = 2.0, [8, 12], True, 3600.0
+    if args.micro_batch_size is not None and (
+        args.micro_batch_size < 1 or args.batch_size % args.micro_batch_size
+    ):
+        parser.error(f"--micro-batch-size {args.micro_batch_size} must divide --batch-size {args.batch_size}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run on a GPU machine, or pass --quick for a CPU smoke run")
     device = torch.device(args.device)

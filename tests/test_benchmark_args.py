@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,3 +248,36 @@ def test_directory_argument_expands_a_leading_tilde(monkeypatch, tmp_path):
 )
 def test_mxfp4_benchmark_refuses(args, message, capsys):
     assert message in refusal("mxfp4", args, capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--micro-batch-size", "3"], "--micro-batch-size 3 must divide --batch-size 16"),
+        (["--micro-batch-size", "0"], "--micro-batch-size 0 must divide"),
+        (["--activation-checkpointing", "some"], "invalid choice: 'some'"),
+    ],
+)
+def test_train_throughput_refuses(args, message, capsys):
+    assert message in refusal("train_throughput", args, capsys)
+
+
+def test_train_throughput_plans_the_given_micro_batch_and_checkpointing(monkeypatch):
+    """The planned row runs the micro-batch and checkpointing given on the command line (the planner's own
+    choice otherwise), and the comparison with transformers keeps its own planner's choice."""
+    import train_throughput as tt
+
+    seen = []
+    monkeypatch.setattr(tt, "time_openk3", lambda *a, **k: seen.append(a[4]) or {"phases": {}, "step_s": 1.0})
+    monkeypatch.setattr(tt.openk3, "build_model", lambda *a, **k: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(tt, "wrap_decoder_layers", lambda model, mode, compile: seen.append(mode))
+    monkeypatch.setattr(tt, "build_optimizer", lambda model, lr: None)
+    monkeypatch.setattr(tt, "QuantileBalancer", lambda model: None)
+    args = tt.parse_args(["--micro-batch-size", "4", "--activation-checkpointing", "full"])
+    row, _ = tt.planned_row("k3-1b", tt.get_preset("k3-1b"), args, torch.device("cpu"), 10**15, False)
+    assert (row["micro_batch"], row["grad_accum"], row["checkpointing"]) == (4, 4, "full")
+    assert seen == ["full", 4]
+    planner, _ = tt.planned_row(
+        "k3-1b", tt.get_preset("k3-1b"), tt.parse_args([]), torch.device("cpu"), 10**15, False
+    )
+    assert (planner["micro_batch"], planner["checkpointing"]) == (16, "none")
