@@ -1,19 +1,27 @@
 """A rank that dies mid-step: the launcher names it, the survivor fails within the collective timeout
 instead of hanging, and the last checkpoint stays intact (the interrupted save never appears under its
-final name)."""
+final name). Under ``openk3 train --nproc-per-node`` a rank killed with SIGKILL is reported in the launcher's
+one line, and the survivor, whose collective lost its connection, prints no traceback of its own."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+import openk3
 from dist_utils import run_world
 from openk3.dist.checkpoint import save_checkpoint
 from openk3.dist.fsdp import build_sharded_model
+from openk3.dist.lost_peer import lost_peer_line, lost_peer_reason
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
 from openk3.presets import k3_shaped
@@ -53,3 +61,92 @@ def test_rank_dies_mid_save(tmp_path):
     assert (tmp_path / "step-000001" / "meta.json").is_file(), "the last finished checkpoint is gone"
     assert not (tmp_path / "step-000002").exists(), "an interrupted save appeared under its final name"
     assert sorted(p.name for p in tmp_path.glob("step-*") if not p.name.endswith(".tmp")) == ["step-000001"]
+
+
+GLOO_CLOSED = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:19352. "
+    "This is typically caused by a remote worker crashing. Check the logs of the remote worker before "
+    "reporting an error. GLHF!"
+)
+
+
+def test_a_lost_peer_is_told_from_other_errors():
+    """gloo's messages of a dropped connection or a timeout, raised or wrapped (DCP's CheckpointException
+    holds each rank's exception, an error raised while handling one keeps it as its context), and nothing
+    else: a bug's RuntimeError or bad input keep their traceback."""
+    closed = ("lost", "Connection closed by peer [127.0.0.1]:19352")
+    assert lost_peer_reason(RuntimeError(GLOO_CLOSED)) == closed
+    reset = RuntimeError("[pair.cc:598] Read error [127.0.0.1]:20359: Connection reset by peer")
+    assert lost_peer_reason(reset) == ("lost", "Read error [127.0.0.1]:20359: Connection reset by peer")
+    timeout = RuntimeError("[unbound_buffer.cc:78] Timed out waiting 300000ms for recv operation to complete")
+    assert lost_peer_reason(timeout) == (
+        "timeout",
+        "Timed out waiting 300000ms for recv operation to complete",
+    )
+    wrapped = CheckpointException("save failed", {0: (RuntimeError(GLOO_CLOSED), None)})
+    assert lost_peer_reason(wrapped) == closed
+    try:
+        try:
+            raise RuntimeError(GLOO_CLOSED)
+        except RuntimeError:
+            raise RuntimeError("unshard failed") from None  # context kept, though not shown
+    except RuntimeError as e:
+        assert lost_peer_reason(e) == closed
+    assert lost_peer_reason(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert lost_peer_reason(ValueError(GLOO_CLOSED)) is None  # bad input is reported as such
+    assert lost_peer_reason(KeyboardInterrupt()) is None
+    assert lost_peer_line(0, "timeout", "Timed out waiting 300000ms") == (
+        "rank 0 stopped: another rank did not join a collective in time (Timed out waiting 300000ms)"
+    )
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    """``{RANK: pid}`` of the children of ``parent`` (the launcher's ranks), from ``/proc``."""
+    pids = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:  # stat: "pid (name) state ppid ..."
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (proc / "environ").read_bytes().decode().split("\0") if ppid == parent else []
+        except OSError:  # the process ended meanwhile
+            continue
+        rank = [v.removeprefix("RANK=") for v in environ if v.startswith("RANK=")]
+        if rank:
+            pids[int(rank[0])] = int(proc.name)
+    return pids
+
+
+@pytest.mark.slow  # two ranks of torch imports and two steps on 2 cores: 20-30 s
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="finds the ranks' pids in /proc")
+def test_a_killed_rank_is_one_line_and_the_survivor_prints_no_traceback(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("".join(f"line {i}: a small corpus for two ranks.\n" for i in range(400)))
+    env = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "openk3", "train", "--nproc-per-node", "2", "--preset", "k3-tiny",
+           "--out", str(tmp_path / "run"), "--data", str(corpus), "--dp-shard", "2", "--batch-size", "2",
+           "--context-schedule", "0:16", "--steps", "1000", "--save-every", "1000", "--no-sample"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # rank 0 prints "step N ..." after each step
+            line = proc.stdout.readline()
+            if line.startswith("step 2 "):
+                break
+            assert line or proc.poll() is None, proc.stderr.read()
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in out + err, err  # rank 0's collective lost its connection: no traceback
+    errors = [ln for ln in err.splitlines() if "error" in ln.lower()]
+    assert errors == [
+        f"openk3: error: rank 1 failed (exit code -9, SIGKILL): Signal 9 (SIGKILL) received by PID {ranks[1]}"
+    ], err

@@ -18,7 +18,7 @@ import openk3
 from dist_utils import run_world
 from openk3 import cli
 from openk3.cli import main
-from openk3.dist.launch import failure_report
+from openk3.dist.launch import PEER_LOST_EXIT, failure_report
 from openk3.dist.rank_zero import on_rank_zero
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
@@ -141,6 +141,21 @@ def test_failure_report_prints_the_first_bad_input_once(tmp_path):
     assert code == 1 and line.startswith("openk3: error: rank 0 failed (exit code -9, SIGKILL): "), line
 
 
+def test_failure_report_names_the_dead_rank_not_the_one_that_lost_it(tmp_path):
+    """A rank whose collective lost its peer records its line before the agent sees the dead rank (a failure
+    without an error file is dated when the agent sees it): the report still names the dead rank. With no
+    other failure (a peer that hangs until the collective timeout), the lost peer's own line."""
+    text = (
+        "rank 0 stopped: it lost its connection to another rank, which died or was killed (Connection reset)"
+    )
+    survivor = _failure(tmp_path, 0, PEER_LOST_EXIT, f"LostPeerError: {text}", 10)
+    killed = _failure(tmp_path, 1, -9, None, 0)  # dated now, long after the survivor's 10
+    assert failure_report({0: survivor, 1: killed}) == (
+        1, "openk3: error: rank 1 failed (exit code -9, SIGKILL): Signal 9 (SIGKILL) received by PID 101"
+    )  # fmt: skip
+    assert failure_report({0: survivor}) == (1, f"openk3: error: {text}")
+
+
 def _rank_zero_fails(rank, world, folder):
     """Rank 0's work raises; every rank reports what it raised (none may wait in a collective)."""
     outcomes = []
@@ -162,3 +177,18 @@ def test_a_failure_of_rank_zeros_work_is_raised_on_every_rank(tmp_path):
         ("RuntimeError", "rank 0 failed: ZeroDivisionError: division by zero"),
         None,
     ]
+
+
+@pytest.mark.slow  # two ranks of torch imports and a 2-step run on 2 cores: 20-30 s
+def test_a_run_with_expert_parallelism_prints_no_dtensor_warnings(tmp_path):
+    """FSDP2 + EP 2: the routed experts' gradient norm, partial over ``efsdp`` and ``ep``, is reduced in one
+    all-reduce (the mesh flattens the two dimensions), and the export's two-step gather of each expert is
+    known and quiet, so no rank logs DTensor's "While redistributing ..." warning (one per rank each)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: a small corpus for two ranks.\n" for i in range(400)))
+    cmd = [sys.executable, "-m", "openk3", "train", "--nproc-per-node", "2", "--out", str(tmp_path / "run"),
+           "--data", str(corpus), "--ep", "2", "--batch-size", "2", "--context-schedule", "0:16", *TINY]  # fmt: skip
+    done = _run(cmd, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "redistributing" not in done.stderr and "[rank" not in done.stderr, done.stderr
+    assert (tmp_path / "run" / "final" / "config.json").is_file()  # the export ran

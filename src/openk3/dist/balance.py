@@ -24,4 +24,3 @@ def data_process_group(meshes: Meshes) -> dist.ProcessGroup:
     raise NotImplementedError(
         "routing counts over a data group smaller than the world (TP/PP) are not built yet"
     )
-

@@ -17,8 +17,10 @@ differing config fields: a checkpoint of another model is refused before any ten
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -39,6 +41,8 @@ META = "meta.json"
 KEEP = 2
 """Finished checkpoints a run keeps (the newest), as :func:`openk3.train.state.save_checkpoint` does."""
 TMP_SUFFIX = ".tmp"
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+"""The logger of DTensor's redistribution warnings (:func:`_quiet_expert_gather`)."""
 
 
 def _config_dict(model: nn.Module) -> dict:
@@ -151,6 +155,30 @@ def load_checkpoint(path, model, optimizer, balancer=None) -> dict:
     return {"step": meta["step"], **meta["extra"]}
 
 
+class _ExpertGatherWarning(logging.Filter):
+    """Drops DTensor's warning that gathering an expert-parallel parameter takes two all-gathers (its
+    ``_StridedShard`` over ``efsdp`` then ``Shard(0)`` over ``ep`` cannot be merged into one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("sequential all_gather operations" in text and "non-ascending order" in text)
+
+
+@contextlib.contextmanager
+def _quiet_expert_gather():
+    """Silence :class:`_ExpertGatherWarning`'s message (one per rank) for the ``with`` block: the export
+    gathers each routed expert once per run, and the second all-gather moves no more bytes than one merged
+    gather would, so the warning names no cost worth a line per rank. DTensor's other redistribution
+    warnings, and this one outside the block, still show."""
+    log = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    quiet = _ExpertGatherWarning()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def export_hf(model: nn.Module, path, **save_kwargs) -> None:
     """Write the sharded ``model`` as a Hugging Face folder at ``path`` (collective; rank 0 writes).
 
@@ -159,7 +187,8 @@ def export_hf(model: nn.Module, path, **save_kwargs) -> None:
     from openk3.checkpoint.io import save_pretrained
     from openk3.model.modeling import build_model
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with _quiet_expert_gather():
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         single = build_model(model.config, device="cpu", init=False)
         single.load_state_dict(full)

@@ -13,7 +13,11 @@ rank ends first ends the world), so only the launcher, which sees how the world 
 - a rank ended with 2 (bad input): the message of the first such rank, from the error file every rank
   writes (``TORCHELASTIC_ERROR_FILE``, :func:`openk3.cli.main`), exit status 2;
 - any other failure: ``openk3: error: rank R failed (exit code C, SIGNAL): MESSAGE``, exit status 1 (a
-  traceback, when there is one, was printed by that rank above);
+  traceback, when there is one, was printed by that rank above). A rank that stopped because another one
+  is gone (exit status :data:`PEER_LOST_EXIT`, :mod:`openk3.dist.lost_peer`: its collective lost the
+  connection or timed out) printed nothing and is no cause: the line names the rank that failed first
+  otherwise (killed, crashed), and only when no such rank ended (one hangs) the lost peer's line, e.g.
+  ``openk3: error: rank 0 stopped: another rank did not join a collective in time (...)``;
 - the launcher itself interrupted (Ctrl-C, SIGTERM): the agent passes the signal on to the ranks, which
   finish their step and save a checkpoint (:class:`openk3.dist.train.StopRequest`; rank 0 prints that line),
   and kills those still running after the agent's shutdown timeout (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s);
@@ -29,6 +33,8 @@ import uuid
 
 USER_ERROR_EXIT = 2
 """The exit status of a rank that stopped on bad input (:func:`openk3.cli.main`)."""
+PEER_LOST_EXIT = 3
+"""The exit status of a rank that stopped because another rank is gone (:mod:`openk3.dist.lost_peer`)."""
 LAUNCHER_ENV = "OPENK3_LAUNCHER"
 """Set (to ``1``) for the ranks this launcher starts: they record errors in their error files and print
 none (:func:`openk3.cli.main`); the launcher prints the one line."""
@@ -36,13 +42,13 @@ none (:func:`openk3.cli.main`); the launcher prints the one line."""
 
 def _message(failure) -> str:
     """The one-line message of a ``ProcessFailure``: the error file's ``TYPE: TEXT`` (the type dropped for
-    bad input), else ``<N/A>``."""
+    bad input and a lost peer), else ``<N/A>``."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message")
     lines = str(message or "").strip().splitlines()
     text = lines[0] if lines else "<N/A>"
-    if failure.exitcode == USER_ERROR_EXIT:
+    if failure.exitcode in (USER_ERROR_EXIT, PEER_LOST_EXIT):
         text = text.split(": ", 1)[-1]
     return text
 
@@ -53,7 +59,12 @@ def failure_report(failures: dict) -> tuple[int, str]:
     bad_input = [f for f in failures.values() if f.exitcode == USER_ERROR_EXIT]
     if bad_input:
         return USER_ERROR_EXIT, f"openk3: error: {_message(min(bad_input, key=lambda f: f.timestamp))}"
-    rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
+    # a rank that lost its peer recorded its error before the agent saw the dead rank (whose time is when
+    # the agent saw it): by time alone it would look first
+    causes = {r: f for r, f in failures.items() if f.exitcode != PEER_LOST_EXIT}
+    rank, first = min((causes or failures).items(), key=lambda item: item[1].timestamp)
+    if first.exitcode == PEER_LOST_EXIT:
+        return 1, f"openk3: error: {_message(first)}"
     signal = first.signal_name()
     how = f"exit code {first.exitcode}" + (f", {signal}" if signal and signal != "<N/A>" else "")
     return 1, f"openk3: error: rank {rank} failed ({how}): {_message(first)}"

@@ -20,6 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
 EXPERT_MESH_DIMS = ("dp_replicate", "efsdp", "ep")
+EXPERT_SHARD_DIM = "efsdp_ep"
+"""The expert mesh's ``efsdp`` and ``ep`` flattened into one dimension (every rank of a replica): the group
+over which a routed expert's values are partial (its gradient norm), reduced in one collective."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ class Meshes:
     Attributes:
         dense: ``[dp_replicate, dp_shard, cp]`` — every non-expert parameter.
         dense_shard_cp: the same ranks as ``[dp_replicate, dp_shard·cp]`` when ``cp > 1``, else None.
-        expert: ``[dp_replicate, efsdp, ep]`` — routed experts; ``None`` when ``ep == 1``.
+        expert: ``[dp_replicate, efsdp, ep]`` — routed experts; ``None`` when ``ep == 1``. Its ``efsdp`` and
+            ``ep`` are also flattened into :data:`EXPERT_SHARD_DIM` (``expert[EXPERT_SHARD_DIM]``).
         dims: the degrees.
     """
 
@@ -160,4 +164,7 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> Meshes:
         expert = DeviceMesh(
             device_type, ranks.view(dims.dp_replicate, dims.efsdp, dims.ep), mesh_dim_names=EXPERT_MESH_DIMS
         )
+        # the routed experts' gradient norm is partial over efsdp and ep: with this flattened dimension
+        # (and its process group) DTensor reduces it with one all-reduce, not one per dimension
+        expert["efsdp", "ep"]._flatten(EXPERT_SHARD_DIM)
     return Meshes(dense, expert, dims, shard_cp)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from openk3.config import text_config_of
@@ -48,6 +49,7 @@ from openk3.dist.checkpoint import export_hf, finished_checkpoints, load_checkpo
 from openk3.dist.context_parallel import ContextParallel, apply_context_parallel
 from openk3.dist.cp_plan import LAYOUTS
 from openk3.dist.fsdp import build_sharded_model
+from openk3.dist.lost_peer import exit_lost_peer, lost_peer_line, lost_peer_reason
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
 from openk3.dist.rank_zero import on_rank_zero
@@ -181,12 +183,24 @@ def check_context_lengths(context_schedule, cp: int, layout: str) -> None:
 
 class StopRequest:
     """SIGINT/SIGTERM handlers for one rank while it trains: the first signal sets a flag, a second raises
-    ``KeyboardInterrupt`` (stop at once). :meth:`agreed` tells every rank whether any rank got one (a
-    collective: every rank calls it at the same step). Handlers are installed only in the main thread
-    (``signal.signal`` allows no other) and restored by :meth:`restore`."""
+    ``KeyboardInterrupt`` (stop at once). Handlers are installed only in the main thread (``signal.signal``
+    allows no other) and restored by :meth:`restore`.
+
+    The ranks agree on whether any of them got a signal without a collective or a host read of their own:
+    :func:`train_step` all-reduces its loss in a tensor ``[loss, flag]`` (:meth:`mark` sets this rank's
+    flag, a fill on the device) and reads both numbers in the one host read it makes for the loss
+    (:meth:`settle` keeps the sum). The loss is read every step (every step prints a line and writes a
+    metrics row), so the answer is fresh after each step at no cost. Were the loss read only every ``N``
+    steps (a log interval), the check should not wait for that read: the elastic agent kills the ranks
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (30) seconds after the signal, so a save up to ``N`` steps later is
+    lost whenever ``N`` steps outlast that. The flag would move to the reduction the step reads every step
+    regardless, the gradient norm's (clipping needs it on the host). A signal that arrives after a step's
+    all-reduce (during its evaluation, log line or save) is counted by the next step's: the world then
+    stops one step later, and saves that step."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.any_rank = False
         self.previous: dict = {}
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -196,12 +210,20 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def agreed(self, device: torch.device) -> str | None:
-        """The name of the signal when any rank got one (``"SIGINT"``; ``"SIGINT or SIGTERM"`` on a rank that
-        got none yet), else ``None``; one all-reduce of one number."""
-        flag = torch.tensor([0 if self.signum is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+    def mark(self, flag: torch.Tensor) -> None:
+        """Set ``flag`` (one element of the tensor the step sums over the world; 0 before) to 1 when this
+        rank got a signal: a fill on the device, no host read."""
+        if self.signum is not None:
+            flag.fill_(1.0)
+
+    def settle(self, flags: float) -> None:
+        """Record the world's sum of the :meth:`mark` flags (read on the host with the loss)."""
+        self.any_rank = self.any_rank or flags > 0
+
+    def agreed(self) -> str | None:
+        """The name of the signal when any rank got one by the last :meth:`settle` (``"SIGINT"``;
+        ``"SIGINT or SIGTERM"`` on a rank that got none yet), else ``None``: the same answer on every rank."""
+        if not self.any_rank:
             return None
         return signal.Signals(self.signum).name if self.signum is not None else "SIGINT or SIGTERM"
 
@@ -249,15 +271,22 @@ def build_training(
 
 
 def train_step(
-    run: DistributedTraining, x_BT: torch.Tensor, y_BT: torch.Tensor, grad_accum: int, grad_clip: float
+    run: DistributedTraining,
+    x_BT: torch.Tensor,
+    y_BT: torch.Tensor,
+    grad_accum: int,
+    grad_clip: float,
+    stop: StopRequest | None = None,
 ) -> tuple[float, float, dict]:
     """One optimizer step on this rank's rows ``x_BT, y_BT [B, T]`` (int64, on any device) in ``grad_accum``
     micro-batches; returns ``(loss, grad_norm, balancer stats)``, the loss averaged over the world (two host
-    syncs: the gradient norm and the loss). Under CP a micro-batch's rows are packed into one row (a document
-    each) and split over the group; every rank of a CP group passes the same rows."""
+    syncs: the gradient norm and the loss). The loss is all-reduced with ``stop``'s flag beside it, so the
+    ranks learn whether any of them got a stop signal in the same collective and host read
+    (:class:`StopRequest`). Under CP a micro-batch's rows are packed into one row (a document each) and split
+    over the group; every rank of a CP group passes the same rows."""
     model, device, context = run.model, run.device, run.context
     run.optimizer.zero_grad(set_to_none=True)
-    local = torch.zeros((), device=device)
+    sums = torch.zeros(2, device=device)  # [this rank's loss, 1 if this rank got a stop signal], summed
     for x_mb, y_mb in zip(x_BT.chunk(grad_accum), y_BT.chunk(grad_accum), strict=True):
         if context is not None:  # the rows packed into one, a document each, split over the group
             b, T = x_mb.shape
@@ -266,12 +295,17 @@ def train_step(
         logits = model(x_mb.to(device)).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), y_mb.to(device).flatten()) / grad_accum
         loss.backward()
-        local += loss.detach()  # each MoE block counted its routing in the forward
+        sums[0] += loss.detach()  # each MoE block counted its routing in the forward
     grad_norm = clip_grad_norm_(model.parameters(), grad_clip)
     stats = run.balancer.step() if run.balancer else {}
     run.optimizer.step()
-    dist.all_reduce(local)
-    return local.item() / dist.get_world_size(), grad_norm, stats
+    if stop is not None:
+        stop.mark(sums[1])
+    dist.all_reduce(sums)
+    loss_sum, flags = sums.tolist()
+    if stop is not None:
+        stop.settle(flags)
+    return loss_sum / dist.get_world_size(), grad_norm, stats
 
 
 def train_distributed(
@@ -288,7 +322,23 @@ def train_distributed(
     exchanged by ``ep_dispatcher`` when ``ep > 1``); returns the last step's ``{"step", "loss",
     "checkpoint", "rank"}``. Raises ``ValueError`` (on every rank, before any allocation or data preparation)
     when the mesh does not divide the world or the model, ``--batch-size`` does not divide over the data
-    ranks, or a context length cannot be split over ``cp`` ranks by ``cp_layout``."""
+    ranks, or a context length cannot be split over ``cp`` ranks by ``cp_layout``.
+
+    A collective that fails because another rank is gone (its connection dropped, or it did not answer
+    within :data:`COLLECTIVE_TIMEOUT_S`) ends this rank with one line and
+    :data:`~openk3.dist.launch.PEER_LOST_EXIT` instead of a traceback (:mod:`openk3.dist.lost_peer`): the
+    rank that died is the one to report, and the launcher names it."""
+    try:
+        return _train_distributed(config, dp_shard, dp_replicate, ep, resume, ep_dispatcher, cp, cp_layout)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        reason = lost_peer_reason(e) if dist.is_initialized() else None
+        if reason is None:
+            raise
+        exit_lost_peer(lost_peer_line(dist.get_rank(), *reason))
+
+
+def _train_distributed(config, dp_shard, dp_replicate, ep, resume, ep_dispatcher, cp, cp_layout) -> dict:
+    """:func:`train_distributed` without its handling of a lost peer."""
     check_context_lengths(config.context_schedule, cp, cp_layout)
     init_from_env(config.device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -347,7 +397,7 @@ def train_distributed(
             x_BT, y_BT = next(batches)
             mine = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
             loss_value, grad_norm, stats = train_step(
-                run, x_BT[mine], y_BT[mine], config.grad_accum, config.grad_clip
+                run, x_BT[mine], y_BT[mine], config.grad_accum, config.grad_clip, stop
             )
             step += 1
             elapsed = time.perf_counter() - start
@@ -376,7 +426,7 @@ def train_distributed(
                     f"step {step} loss {loss_value:.4f} grad_norm {grad_norm:.3f} lr {row['lr']:.2e}",
                     flush=True,
                 )
-            stopped = stop.agreed(device)  # every rank, every step: the same answer on all of them
+            stopped = stop.agreed()  # settled by the step's loss all-reduce: the same on every rank
             if step % config.save_every == 0 or step == last or stopped:
                 checkpoint = save_checkpoint(
                     run_dir / "checkpoints",
