@@ -109,6 +109,41 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_of(ckpt: str) -> Path:
+    """The checkpoint ``--ckpt`` of ``openk3 generate`` and ``eval`` names: a model folder, a run's latest
+    checkpoint (:func:`openk3.checkpoint.latest_checkpoint`), or a distributed run's DCP step folder: the one
+    named (``RUN/checkpoints/step-N``), or for ``--ckpt RUN`` of a distributed run that has no ``RUN/final``
+    yet (stopped before its end), its newest. The run's files (val split, train config) are looked up from
+    it; :func:`_model_folder` gives the folder to load. Raises ``FileNotFoundError`` when there is none."""
+    from openk3.checkpoint import latest_checkpoint
+    from openk3.checkpoint.dcp_step import is_dcp_step, newest_dcp_step
+
+    path = Path(ckpt)
+    if is_dcp_step(path):
+        return path
+    try:
+        return latest_checkpoint(path)
+    except FileNotFoundError:
+        step = newest_dcp_step(path)
+        if step is None:
+            raise
+        return step
+
+
+@contextlib.contextmanager
+def _model_folder(checkpoint: Path):
+    """Yield the model folder of ``checkpoint`` (from :func:`_checkpoint_of`): the folder itself, or for a
+    DCP step folder a temporary Hugging Face folder of its model and its run's tokenizer, removed after the
+    command (:func:`openk3.checkpoint.dcp_step.export_dcp_step`: one read and one write of the model)."""
+    from openk3.checkpoint.dcp_step import export_dcp_step, is_dcp_step
+
+    if not is_dcp_step(checkpoint):
+        yield checkpoint
+        return
+    with tempfile.TemporaryDirectory(prefix="openk3-dcp-") as tmp:
+        yield export_dcp_step(checkpoint, Path(tmp) / checkpoint.name)
+
+
 def _load_for_inference(ckpt: str, device: str):
     """(model, tokenizer, folder) of checkpoint or run folder ``ckpt``; the tokenizer is read first (cheap).
     Damaged files raise ``ValueError`` naming the file (printed by :func:`main`)."""
@@ -164,13 +199,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc_per_node:  # this process only starts the ranks (openk3.dist.launch)
         if "TORCHELASTIC_RUN_ID" in os.environ:
             raise ValueError("--nproc-per-node starts the ranks itself: run it without torchrun")
+        _typed_schedule(args, check_steps=True)  # one line here rather than from every rank
         from openk3.dist.launch import launch
 
         return launch(args.nproc_per_node, _without_flag(args.argv, "--nproc-per-node"))
 
     from openk3.train.run_lock import check_run_free
-    from openk3.train.schedule import parse_context_schedule
-    from openk3.train.state import latest_checkpoint, load_trainer_state
+    from openk3.train.schedule import check_schedule_steps
+    from openk3.train.state import load_trainer_state, resume_checkpoint
     from openk3.train.trainer import TrainConfig, resume_command, train
 
     given = {
@@ -182,8 +218,9 @@ def _train(args: argparse.Namespace) -> int:
         from openk3.train.metrics import check_tensorboard
 
         check_tensorboard()
-    if args.context_schedule is not None:
-        given["context_schedule"] = parse_context_schedule(args.context_schedule)
+    distributed = bool(args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ)
+    if args.context_schedule is not None:  # a resume's steps are the run's: checked once they are read
+        given["context_schedule"] = _typed_schedule(args, check_steps=distributed or not args.resume)
     if args.no_sample:
         given["sample_prompt"] = None
     from openk3.data.image_text import is_image_text_jsonl
@@ -207,7 +244,7 @@ def _train(args: argparse.Namespace) -> int:
             f"--ep-dispatcher {args.ep_dispatcher} needs expert parallelism: --ep B > 1 under torchrun "
             "(docs/distributed.md)"
         )
-    if args.dp_shard or args.ep or args.dp_replicate or args.cp or "LOCAL_RANK" in os.environ:  # torchrun
+    if distributed:  # under torchrun
         from openk3.dist.train import train_distributed
 
         summary = train_distributed(
@@ -227,8 +264,10 @@ def _train(args: argparse.Namespace) -> int:
         out = given.get("out", TrainConfig.out)
         check_run_free(Path(out))  # a run in progress is named before its checkpoints are looked for
         _refuse_distributed_resume(Path(out))
-        saved = load_trainer_state(latest_checkpoint(Path(out)))["train_config"]
+        saved = load_trainer_state(resume_checkpoint(Path(out)))["train_config"]
         config = TrainConfig.from_dict({**saved, **given})
+        if args.context_schedule is not None:
+            check_schedule_steps(config.context_schedule, config.steps, repr(args.context_schedule))
     else:
         config = TrainConfig(**given)
     summary = train(config, resume=args.resume, resume_with=args.resume_command)
@@ -252,6 +291,28 @@ def _train(args: argparse.Namespace) -> int:
     if config.sample_prompt:
         _print_sample(args, config, summary["checkpoint"])
     return 0
+
+
+def _typed_schedule(args: argparse.Namespace, check_steps: bool) -> list[tuple[int, int]] | None:
+    """``--context-schedule`` parsed and checked (:func:`openk3.train.schedule.check_context_schedule`: from
+    step 0, growing), and with ``check_steps`` refused when an entry starts at or after ``--steps`` (or its
+    default; :func:`~openk3.train.schedule.check_schedule_steps`); ``None`` when the flag is not given.
+    ``check_steps`` is off for a single-process resume, whose steps are the run's unless given: checked
+    once the run's train config is read. Cheap: it runs before the ranks start or any data is read."""
+    from openk3.train.schedule import check_schedule_steps, parse_context_schedule
+
+    if args.context_schedule is None:
+        return None
+    schedule = parse_context_schedule(args.context_schedule)
+    if check_steps:
+        if args.steps is None:
+            from openk3.train.trainer import TrainConfig
+
+            steps = TrainConfig.steps
+        else:
+            steps = args.steps
+        check_schedule_steps(schedule, steps, repr(args.context_schedule), default_steps=args.steps is None)
+    return schedule
 
 
 def _without_flag(argv: list[str], flag: str) -> list[str]:
@@ -322,7 +383,12 @@ def _stream_text(
     draft=None,
     media=None,
 ) -> None:
-    """Write ``prompt`` then its continuation to stdout as it is generated. ``ids``: the prompt's token ids
+    """Write ``prompt`` then its continuation to stdout as it is generated, and end it with a newline.
+
+    A character is written once its bytes are complete; what the last tokens leave unfinished (the token
+    budget ran out inside a multi-byte character, or the model wrote an invalid byte) is written at the end
+    as U+FFFD, so no produced text is dropped. The newline is written however the sample ends (its budget,
+    a stop token, Ctrl-C), so each of ``--num-samples`` ends its own line. ``ids``: the prompt's token ids
     when they are not ``tokenizer.encode(prompt)`` (a chat prompt; then ``prompt`` is what is echoed, possibly
     ""); ``stop``: ids that end the text (default: the eos id); ``draft``: ``(draft model, k)`` for
     speculative decoding (:func:`openk3.speculative.speculative_stream`, the same distribution); ``media``:
@@ -335,6 +401,7 @@ def _stream_text(
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     sys.stdout.write(prompt)
+    sys.stdout.flush()  # shown before the prompt's prefill
     produced: list[int] = []
     shown = ""
     x = torch.tensor([ids], device=device)
@@ -349,17 +416,20 @@ def _stream_text(
         tokens = speculative_stream(
             model, draft[0], x, max_new_tokens, draft[1], temperature, top_p, seed, stop, tokenizer.vocab_size
         )
-    for tok in tokens:
-        token = int(tok[0, 0])
-        if token in stop:
-            break
-        produced.append(token)
-        text = tokenizer.decode(produced)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
-    sys.stdout.write("\n")
+    try:
+        for tok in tokens:
+            token = int(tok[0, 0])
+            if token in stop:
+                break
+            produced.append(token)
+            text = tokenizer.decode(produced)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+    finally:  # also on Ctrl-C: the next line (a sample's header, the error, the shell prompt) starts anew
+        sys.stdout.write(tokenizer.decode(produced)[len(shown) :] + "\n")
+        sys.stdout.flush()
 
 
 def _refuse_distributed_resume(out: Path) -> None:
@@ -413,20 +483,29 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.checkpoint import checkpoint_with_tokenizer
-    from openk3.config import text_config_of
-    from openk3.data import Tokenizer
-    from openk3.serve.chat_template import ChatTemplate
     from openk3.serve.cli import speculative_tokens_of
 
     # the sampling flags were checked by their argparse types; the prompt and its length are checked before
-    # the (slow) model load
+    # the (slow) model load (a DCP step folder's model is read once before, to write the folder they read)
     num_speculative_tokens = speculative_tokens_of(args)
     prompt = _read_prompt(args)
     if not prompt and not args.image:
         raise ValueError("the prompt is empty (give --prompt, or --image for a prompt of an image alone)")
     if args.draft and args.image:
         raise ValueError("--draft does not take --image (the draft reads text features only)")
-    folder = checkpoint_with_tokenizer(args.ckpt)
+    source = _checkpoint_of(args.ckpt)
+    with _model_folder(source) as folder:
+        return _generate(args, prompt, source, checkpoint_with_tokenizer(folder), num_speculative_tokens)
+
+
+def _generate(args: argparse.Namespace, prompt: str, source: Path, folder: Path, speculative: int) -> int:
+    """``openk3 generate`` of ``prompt`` from model folder ``folder`` (checkpoint ``source`` as named in
+    messages; the two differ for a DCP step folder, :func:`_model_folder`); ``speculative``: drafted
+    tokens per target forward with ``--draft``."""
+    from openk3.config import text_config_of
+    from openk3.data import Tokenizer
+    from openk3.serve.chat_template import ChatTemplate
+
     tokenizer = Tokenizer.load(folder)
     stop = None
     media, image_ids = _images_for(args.image, load_config(folder)) if args.image else (None, [])
@@ -437,13 +516,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids, echo = image_ids + tokenizer.encode(prompt), prompt
     limit = text_config_of(load_config(folder)).max_position_embeddings
-    check_context(len(ids), args.max_new_tokens, limit, f"max_position_embeddings in {folder}")
+    check_context(len(ids), args.max_new_tokens, limit, f"max_position_embeddings in {source}")
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
     draft = None
     if args.draft:
         from openk3.model.draft import load_draft
 
-        draft = (load_draft(args.draft, model), num_speculative_tokens)
+        draft = (load_draft(args.draft, model), speculative)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples} ---")
@@ -568,17 +647,17 @@ def _evaluate_image_text(args: argparse.Namespace, folder: Path, pairs: Path) ->
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from openk3.data import TokenDataset
-    from openk3.train.state import latest_checkpoint
 
     if args.needle:
         _refuse_flags(args, ["--seq-len", "--max-batches", "--batch-size", "--draft"],
                       "not used by --needle (its rows have the --needle lengths, a fixed count each)")  # fmt: skip
-    folder = latest_checkpoint(args.ckpt)
-    pairs = _image_text_split(folder, args.data)
+    source = _checkpoint_of(args.ckpt)  # the run's files are found from it, before any model is read
+    pairs = _image_text_split(source, args.data)
     if pairs is not None:  # a vision run's held-out pairs
-        return _evaluate_image_text(args, folder, pairs)
-    val_path = _eval_split(folder, args.data)
-    with tempfile.TemporaryDirectory(prefix="openk3-eval-") as tmp:
+        with _model_folder(source) as folder:
+            return _evaluate_image_text(args, folder, pairs)
+    val_path = _eval_split(source, args.data)
+    with tempfile.TemporaryDirectory(prefix="openk3-eval-") as tmp, _model_folder(source) as folder:
         if val_path.suffix != ".bin":  # raw text: tokenized with the checkpoint's tokenizer, all of it
             from openk3.checkpoint import checkpoint_with_tokenizer
             from openk3.data import Tokenizer
@@ -588,14 +667,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
             dataset = TokenDataset(write_text_split(args.data, tokenizer, Path(tmp) / "text.bin"))
         else:
             dataset = TokenDataset(val_path)
-        return _evaluate(args, folder, val_path, dataset)
+        return _evaluate(args, source, folder, val_path, dataset)
 
 
-def _evaluate(args: argparse.Namespace, folder: Path, val_path: Path, dataset) -> int:
+def _evaluate(args: argparse.Namespace, source: Path, folder: Path, val_path: Path, dataset) -> int:
+    """Evaluate the model of folder ``folder`` on ``dataset``; ``source``: the checkpoint as named (its run
+    gives the default windows), :func:`_model_folder`."""
     from openk3.train.trainer import validation_loss
 
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
-    dataset.check_tokenizer(tokenizer, f"checkpoint {folder}")
+    dataset.check_tokenizer(tokenizer, f"checkpoint {source}")
     if args.needle:
         from openk3.synthetic.long_context import needle_eval
 
@@ -603,7 +684,7 @@ def _evaluate(args: argparse.Namespace, folder: Path, val_path: Path, dataset) -
             print(f"needle at {row['length']:>6} tokens, depth {row['depth']:.2f}: accuracy "
                   f"{row['accuracy']:.3f}, token accuracy {row['token_accuracy']:.3f}")  # fmt: skip
         return 0
-    run_seq_len, run_batch = _run_eval_shape(folder)  # defaults: the windows the run's evaluations read
+    run_seq_len, run_batch = _run_eval_shape(source)  # defaults: the windows the run's evaluations read
     seq_len = args.seq_len
     if seq_len is None:  # at most N - 1 (a val split shorter than one window)
         seq_len = max(1, min(run_seq_len or DEFAULT_EVAL_SEQ_LEN, dataset.num_tokens - 1))
@@ -713,7 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--context-schedule",
         dest="context_schedule",
-        help="progressive context, step:seq_len,... from step 0 (default '0:64,60:128')",
+        help="progressive context, step:seq_len,... from step 0, lengths growing, steps below --steps "
+        "(default '0:64,60:128')",
     )
     tr.add_argument("--lr", type=_positive_float, help="peak learning rate of Muon and AdamW (default 0.003)")
     tr.add_argument(

@@ -290,7 +290,8 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
 
     A folder with ``config.json`` is returned as is; otherwise ``<path>/checkpoints/latest`` (or
     ``<path>/latest``) names the checkpoint folder, else a distributed run's exported ``<path>/final``.
-    Raises ``FileNotFoundError`` when there is none (saying so when the folder holds DCP checkpoints).
+    Raises ``FileNotFoundError`` when there is none (saying so when the folder is or holds DCP checkpoints,
+    which :mod:`openk3.checkpoint.dcp_step` reads, not this resolver: they are no model folder).
     """
     path = Path(path)
     if (path / "config.json").is_file():
@@ -307,10 +308,17 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
     ).is_file():  # a distributed run: its DCP checkpoints resume under torchrun
         return path / "final"
     hint = ""
-    if any(path.glob("checkpoints/step-*/*.distcp")) or any(path.glob("step-*/*.distcp")):
+    if any(path.glob("*.distcp")):  # a DCP step folder (openk3.checkpoint.dcp_step reads it in one process)
+        hint = (
+            "; this is a distributed checkpoint (DCP): `openk3 eval` and `openk3 generate` read it as it is; "
+            "elsewhere use RUN/final, the model folder a distributed run writes when it ends, or "
+            "openk3.checkpoint.dcp_step.export_dcp_step(STEP, OUT) to write one"
+        )
+    elif any(path.glob("checkpoints/step-*/*.distcp")) or any(path.glob("step-*/*.distcp")):
         hint = (
             "; it holds distributed (DCP) checkpoints: resume the run under torchrun, or use RUN/final, the "
-            "model folder a distributed run writes when it ends"
+            "model folder a distributed run writes when it ends (`openk3 eval` and `openk3 generate` read "
+            "RUN/checkpoints/step-N as it is)"
         )
     raise FileNotFoundError(
         f"no checkpoint at {path} (expected a model folder with config.json, or a run folder with "

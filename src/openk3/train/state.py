@@ -11,6 +11,7 @@ folder to its latest checkpoint, :func:`latest_checkpoint`, lives in :mod:`openk
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -27,6 +28,7 @@ __all__ = [
     "STATE_FILE",
     "latest_checkpoint",
     "load_trainer_state",
+    "resume_checkpoint",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -102,3 +104,66 @@ def load_trainer_state(ckpt: Path) -> dict:
             f"{file} holds no trainer state (no train_config): corrupt or foreign file"
         )
     return state
+
+
+def resume_checkpoint(run_dir: str | os.PathLike) -> Path:
+    """The checkpoint ``openk3 train --out RUN --resume`` continues from: :func:`latest_checkpoint` of
+    ``run_dir``, once the run is known to have saved one.
+
+    A run saves its first checkpoint at step ``save_every`` (or at its end, when shorter); Ctrl-C and
+    SIGTERM save one at any step. A run killed before then (``kill -9``, the OOM killer, a second Ctrl-C, a
+    crash) leaves ``train_config.json``, ``data/`` and ``metrics.jsonl`` but no ``checkpoints/``: nothing to
+    resume, and ``latest_checkpoint``'s "no checkpoint" would not say why. So ``FileNotFoundError`` is raised
+    with a line that names the run, the last step it logged and the step of its first save (from its
+    ``train_config.json`` and ``metrics.jsonl``), and says to start it again without ``--resume`` (the same
+    ``--out`` re-uses its prepared data; a fresh one starts elsewhere). A missing folder, or one that holds
+    no run, is named as such."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(
+            f"--resume: there is no run at {run_dir} (no such folder): start it without --resume"
+        )
+    checkpoints = run_dir / "checkpoints"
+    if (
+        (run_dir / "config.json").is_file()
+        or (checkpoints / LATEST).exists()
+        or any(checkpoints.glob("step-*"))
+    ):
+        return latest_checkpoint(run_dir)
+    if not any((run_dir / name).exists() for name in ("train_config.json", "metrics.jsonl", "data")):
+        raise FileNotFoundError(
+            f"--resume: {run_dir} holds no run (no checkpoints/, train_config.json or data/): start one there "
+            "without --resume"
+        )
+    raise FileNotFoundError(
+        f"--resume: run folder {run_dir} has no checkpoint yet: {_stopped_before_first_save(run_dir)}; start "
+        "it again without --resume (the same flags and --out: its prepared data is re-used) or with a fresh "
+        "--out"
+    )
+
+
+def _stopped_before_first_save(run_dir: Path) -> str:
+    """Where a run without a checkpoint stopped, from its ``metrics.jsonl`` (the last step logged; a torn
+    last line is skipped) and ``train_config.json`` (``save_every``, ``steps``), e.g. ``it stopped at step 3,
+    before its first save at step 100 (--save-every 100)``."""
+    last = 0
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    except (OSError, UnicodeDecodeError):
+        pass
+    try:
+        config = json.loads((run_dir / "train_config.json").read_text(encoding="utf-8"))
+        save_every, steps = int(config["save_every"]), int(config["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return (
+            f"it stopped at step {last} (metrics.jsonl), before its first save"
+            if last
+            else "it stopped before its first step (while preparing its data or building the model)"
+        )
+    first = min(save_every, steps)
+    where = f"at step {last} (metrics.jsonl)" if last else "before its first step"
+    return f"it stopped {where}, before its first save at step {first} (--save-every {save_every})"

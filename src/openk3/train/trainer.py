@@ -74,8 +74,8 @@ from openk3.train.run_lock import LOCK_NAME, acquire_run_lock
 from openk3.train.run_summary import data_lines, end_lines, resume_changes, tokens_read
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
-    latest_checkpoint,
     load_trainer_state,
+    resume_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -612,7 +612,7 @@ class Trainer:
         self.losses: dict[int, float] = {}
         """Logged train loss per step (step ``s`` is measured on the weights of step ``s − 1``)."""
         if resume:  # check model, data and steps before anything in the run folder is touched
-            ckpt = latest_checkpoint(self.run_dir)
+            ckpt = resume_checkpoint(self.run_dir)
             state = load_trainer_state(ckpt)
             saved = state["train_config"]
             check_resume_model(self.run_dir, ckpt, saved.get("preset"), config)
