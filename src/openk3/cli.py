@@ -1008,6 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
     # each subcommand module is light: its heavy imports happen when it runs
     from openk3.quant.cli import add_quantize_parser
     from openk3.rl.cli import add_posttrain_parser
+    from openk3.rl.sft_cli import add_sft_parser
     from openk3.sandbox.cli import add_sandbox_parser
     from openk3.serve.cli import add_route_parser, add_serve_parser
     from openk3.synthetic.cli import add_parser as add_synthetic_parser
@@ -1017,6 +1018,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_parser(sub)
     add_route_parser(sub)
     add_posttrain_parser(sub)
+    add_sft_parser(sub)
     add_sandbox_parser(sub)
     add_synthetic_parser(sub)
     add_quantize_parser(sub)
