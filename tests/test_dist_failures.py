@@ -150,3 +150,61 @@ def test_a_killed_rank_is_one_line_and_the_survivor_prints_no_traceback(tmp_path
     assert errors == [
         f"openk3: error: rank 1 failed (exit code -9, SIGKILL): Signal 9 (SIGKILL) received by PID {ranks[1]}"
     ], err
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (an ended one left unreaped by its new parent is a zombie: not running)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # three launchers' worth of torch imports and a few steps on 2 cores: 40-70 s
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the ranks' parent-death signal is Linux's")
+def test_a_run_folder_takes_one_world_and_the_ranks_of_a_killed_launcher_save_and_stop(tmp_path):
+    """A second world started into a folder a world trains in is refused (rank 0 holds the run lock); a
+    launcher ended by ``kill -9`` does not leave its ranks training on, orphaned: they get SIGTERM, finish
+    their step, save and exit, and the lock is given back."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("".join(f"line {i}: a small corpus for two ranks.\n" for i in range(400)))
+    env = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "openk3", "train", "--nproc-per-node", "2", "--preset", "k3-tiny",
+           "--out", str(run), "--data", str(corpus), "--dp-shard", "2", "--batch-size", "2",
+           "--context-schedule", "0:16", "--steps", "1000", "--save-every", "1000", "--no-sample"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    ranks = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # rank 0 prints "step N ..." after each step
+            line = proc.stdout.readline()
+            if line.startswith("step 2 "):
+                break
+            assert line or proc.poll() is None, proc.stderr.read()
+        second = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert second.returncode == 2, second.stderr
+        assert "is in use by another training" in second.stderr, second.stderr
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(map(_running, ranks.values())):
+            time.sleep(0.5)
+        alive = [pid for pid in ranks.values() if _running(pid)]
+        assert not alive, f"ranks {alive} still run after their launcher was killed"
+    finally:
+        for pid in ranks.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert [p.name for p in (run / "checkpoints").glob("step-*")], "the ranks stopped without saving"
+    assert not (run / "train.lock").exists()

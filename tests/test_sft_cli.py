@@ -150,6 +150,13 @@ def test_an_out_holding_a_model_or_the_checkpoint_is_refused(ckpt, tmp_path, cap
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
     assert main([*base, str(ckpt)]) == 2
     assert f"--out {ckpt} is the --ckpt checkpoint" in capsys.readouterr().err
+    # inside the checkpoint, or inside a run's checkpoints/step-N (a resumed run prunes old steps whole)
+    for inside in (ckpt / "sft", tmp_path / "run" / "checkpoints" / "step-000002" / "sft"):
+        assert main([*base, str(inside)]) == 2
+        assert "lies inside a checkpoint folder" in capsys.readouterr().err
+        assert not inside.exists()
+    # a folder of one's own that happens to be called checkpoints is fine
+    assert main([*base, str(tmp_path / "checkpoints" / "mine")]) == 0
 
 
 def test_the_checkpoints_jinja_chat_template_is_kept(ckpt, tmp_path):

@@ -40,6 +40,27 @@ LAUNCHER_ENV = "OPENK3_LAUNCHER"
 none (:func:`openk3.cli.main`); the launcher prints the one line."""
 
 
+def stop_with_launcher() -> None:
+    """Ask the kernel to send this rank SIGTERM when the process that started it (the elastic agent: openk3's
+    launcher or torchrun) dies, so a launcher ended by ``kill -9`` does not leave its ranks training on,
+    orphaned: the signal makes them finish the step and save (:class:`openk3.dist.train.StopRequest`).
+    Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere, or if the call fails, nothing changes. A parent
+    already gone before the request (the rank was adopted by init) is answered at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _message(failure) -> str:
     """The one-line message of a ``ProcessFailure``: the error file's ``TYPE: TEXT`` (the type dropped for
     bad input and a lost peer), else ``<N/A>``."""

@@ -49,6 +49,7 @@ from openk3.dist.checkpoint import export_hf, finished_checkpoints, load_checkpo
 from openk3.dist.context_parallel import ContextParallel, apply_context_parallel
 from openk3.dist.cp_plan import LAYOUTS
 from openk3.dist.fsdp import build_sharded_model
+from openk3.dist.launch import stop_with_launcher
 from openk3.dist.lost_peer import exit_lost_peer, lost_peer_line, lost_peer_reason
 from openk3.dist.mesh import ParallelDims, build_meshes
 from openk3.dist.muon import build_sharded_optimizer
@@ -57,6 +58,7 @@ from openk3.presets import get_preset
 from openk3.quant.qat import enable_qat
 from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import MetricsLog, plot_metrics
+from openk3.train.run_lock import RunLock, acquire_run_lock
 from openk3.train.schedule import lr_factor, seq_len_at
 from openk3.train.trainer import validation_loss
 
@@ -327,18 +329,35 @@ def train_distributed(
     A collective that fails because another rank is gone (its connection dropped, or it did not answer
     within :data:`COLLECTIVE_TIMEOUT_S`) ends this rank with one line and
     :data:`~openk3.dist.launch.PEER_LOST_EXIT` instead of a traceback (:mod:`openk3.dist.lost_peer`): the
-    rank that died is the one to report, and the launcher names it."""
+    rank that died is the one to report, and the launcher names it.
+
+    Rank 0 holds the run folder's lock (:mod:`openk3.train.run_lock`) for the whole run, so a second world
+    or a single-process run started into the same folder is refused (``ValueError`` naming the holder), and
+    a rank started by an agent asks to be stopped (SIGTERM: finish the step, save) when the agent dies
+    (:func:`~openk3.dist.launch.stop_with_launcher`): a launcher killed with ``kill -9`` left its ranks
+    training on, unseen, into the folder a new run would then share."""
+    if "LOCAL_RANK" in os.environ:  # started by an agent (openk3's launcher, torchrun): end with it
+        stop_with_launcher()
+    held: list[RunLock] = []  # rank 0's lock on the run folder, taken before it writes there
     try:
-        return _train_distributed(config, dp_shard, dp_replicate, ep, resume, ep_dispatcher, cp, cp_layout)
+        return _train_distributed(
+            config, dp_shard, dp_replicate, ep, resume, ep_dispatcher, cp, cp_layout, held
+        )
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         reason = lost_peer_reason(e) if dist.is_initialized() else None
         if reason is None:
             raise
         exit_lost_peer(lost_peer_line(dist.get_rank(), *reason))
+    finally:
+        for lock in held:
+            lock.release()
 
 
-def _train_distributed(config, dp_shard, dp_replicate, ep, resume, ep_dispatcher, cp, cp_layout) -> dict:
-    """:func:`train_distributed` without its handling of a lost peer."""
+def _train_distributed(
+    config, dp_shard, dp_replicate, ep, resume, ep_dispatcher, cp, cp_layout, held
+) -> dict:
+    """:func:`train_distributed` without its handling of a lost peer; rank 0 appends its run lock to
+    ``held`` (released by the caller)."""
     check_context_lengths(config.context_schedule, cp, cp_layout)
     init_from_env(config.device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -360,6 +379,7 @@ def _train_distributed(config, dp_shard, dp_replicate, ep, resume, ep_dispatcher
 
     def prepare_on_rank_zero() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        held.append(acquire_run_lock(run_dir))  # one world (or process) per run folder
         prepare_data(config.data, val_fraction=config.val_fraction, progress=True, **prepare)
 
     on_rank_zero(prepare_on_rank_zero)  # a bad --data is raised on every rank, not left to a collective

@@ -185,14 +185,21 @@ def response_loss(model, examples: list[Example], batch_size: int = 8) -> float:
 
 def check_out(ckpt: Path, out: str | os.PathLike) -> None:
     """Raise ``ValueError`` when ``out`` is the checkpoint folder ``ckpt`` (or the ``--ckpt`` run folder
-    holding it), ``FileExistsError`` when ``out`` holds anything (a model, a run, files), and ``ValueError``
+    holding it) or lies inside it or inside a run's ``checkpoints/step-N`` (a run keeps only its newest
+    checkpoints and deletes the others whole), ``FileExistsError`` when ``out`` holds anything (a model, a run, files), and ``ValueError``
     when no folder can be made there (:func:`openk3.checkpoint.out_folder.check_new_folder`)."""
     from openk3.checkpoint.out_folder import check_new_folder
 
-    target = Path(os.path.realpath(out))
-    if target == Path(os.path.realpath(ckpt)) or target in Path(os.path.realpath(ckpt)).parents:
+    target, source = Path(os.path.realpath(out)), Path(os.path.realpath(ckpt))
+    if target == source or target in source.parents:
         raise ValueError(
             f"--out {out} is the --ckpt checkpoint (or its run); write the fine-tuned model elsewhere"
+        )
+    pruned = any(p.parent.name == "checkpoints" and p.name.startswith("step-") for p in target.parents)
+    if source in target.parents or pruned:
+        raise ValueError(
+            f"--out {out} lies inside a checkpoint folder (the --ckpt one, or a run's checkpoints/step-N, which "
+            "a resumed run deletes whole); write the fine-tuned model elsewhere"
         )
     check_new_folder(out)
 
