@@ -12,13 +12,7 @@ import openk3
 from openk3.cli import main
 from openk3.presets import get_preset
 from openk3.train.trainer import TrainConfig, Trainer
-
-TEXT = [
-    "ROMEO. But soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n",
-    "HAMLET. To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
-    "MACBETH. Tomorrow, and tomorrow, and tomorrow,\nCreeps in this petty pace from day to day,\n",
-    "LEAR. Blow, winds, and crack your cheeks! rage! blow!\nYou cataracts and hurricanoes, spout\n",
-]
+from test_cli_user import TEXT
 
 SMALL = ["--batch-size", "2", "--warmup-steps", "0", "--eval-every", "100", "--no-sample"]
 """Flags of a small, fast run (2 sequences per step)."""

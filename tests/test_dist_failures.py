@@ -115,27 +115,44 @@ def _rank_pids(parent: int) -> dict[int, int]:
     return pids
 
 
-@pytest.mark.slow  # two ranks of torch imports and two steps on 2 cores: 20-30 s
-@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="finds the ranks' pids in /proc")
-def test_a_killed_rank_is_one_line_and_the_survivor_prints_no_traceback(tmp_path):
+def _two_rank_run(tmp_path: Path, run: Path) -> tuple[list[str], dict]:
+    """``(command, environment)`` of a 2-rank launcher run of k3-tiny into ``run`` on a small corpus written
+    under ``tmp_path``: 1,000 steps, far more than a test waits for, and no save before the end."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("".join(f"line {i}: a small corpus for two ranks.\n" for i in range(400)))
     env = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "openk3", "train", "--nproc-per-node", "2", "--preset", "k3-tiny",
-           "--out", str(tmp_path / "run"), "--data", str(corpus), "--dp-shard", "2", "--batch-size", "2",
+           "--out", str(run), "--data", str(corpus), "--dp-shard", "2", "--batch-size", "2",
            "--context-schedule", "0:16", "--steps", "1000", "--save-every", "1000", "--no-sample"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return cmd, env
+
+
+def _start(cmd: list[str], env: dict, cwd: Path) -> subprocess.Popen:
+    """``cmd`` started in a session of its own, its output piped."""
+    return subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
+
+
+def _until_step_2(proc: subprocess.Popen) -> None:
+    """Read ``proc``'s output until rank 0 has printed step 2's line (it prints one after each step)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("step 2 "):
+            return
+        assert line or proc.poll() is None, proc.stderr.read()
+
+
+@pytest.mark.slow  # two ranks of torch imports and two steps on 2 cores: 20-30 s
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="finds the ranks' pids in /proc")
+def test_a_killed_rank_is_one_line_and_the_survivor_prints_no_traceback(tmp_path):
+    cmd, env = _two_rank_run(tmp_path, tmp_path / "run")
+    proc = _start(cmd, env, tmp_path)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:  # rank 0 prints "step N ..." after each step
-            line = proc.stdout.readline()
-            if line.startswith("step 2 "):
-                break
-            assert line or proc.poll() is None, proc.stderr.read()
+        _until_step_2(proc)
         ranks = _rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGKILL)
@@ -166,26 +183,12 @@ def test_a_run_folder_takes_one_world_and_the_ranks_of_a_killed_launcher_save_an
     """A second world started into a folder a world trains in is refused (rank 0 holds the run lock); a
     launcher ended by ``kill -9`` does not leave its ranks training on, orphaned: they get SIGTERM, finish
     their step, save and exit, and the lock is given back."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("".join(f"line {i}: a small corpus for two ranks.\n" for i in range(400)))
-    env = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "openk3", "train", "--nproc-per-node", "2", "--preset", "k3-tiny",
-           "--out", str(run), "--data", str(corpus), "--dp-shard", "2", "--batch-size", "2",
-           "--context-schedule", "0:16", "--steps", "1000", "--save-every", "1000", "--no-sample"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    cmd, env = _two_rank_run(tmp_path, run)
+    proc = _start(cmd, env, tmp_path)
     ranks = {}
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:  # rank 0 prints "step N ..." after each step
-            line = proc.stdout.readline()
-            if line.startswith("step 2 "):
-                break
-            assert line or proc.poll() is None, proc.stderr.read()
+        _until_step_2(proc)
         second = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
         assert second.returncode == 2, second.stderr
         assert "is in use by another training" in second.stderr, second.stderr
