@@ -351,13 +351,14 @@ def _signals_after_each_step(monkeypatch, *signals) -> None:
 
 def test_sigterm_saves_like_ctrl_c(run1, tmp_path, capsys, monkeypatch):
     """SIGTERM (``timeout``, a job scheduler) finishes the step, saves its checkpoint, says how to resume and
-    exits 130, as a first Ctrl-C does; both handlers are put back afterwards."""
+    exits 130, as a first Ctrl-C does, also when it comes twice (unlike a second Ctrl-C, which aborts); both
+    handlers are put back afterwards."""
     import shutil
     import signal
 
     run = tmp_path / "run"
     shutil.copytree(run1[0], run)
-    _signals_after_each_step(monkeypatch, signal.SIGTERM)
+    _signals_after_each_step(monkeypatch, signal.SIGTERM, signal.SIGTERM)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-sample"]) == 130  # as Ctrl-C
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers

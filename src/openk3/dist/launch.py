@@ -45,7 +45,12 @@ def stop_with_launcher() -> None:
     launcher or torchrun) dies, so a launcher ended by ``kill -9`` does not leave its ranks training on,
     orphaned: the signal makes them finish the step and save (:class:`openk3.dist.train.StopRequest`).
     Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere, or if the call fails, nothing changes. A parent
-    already gone before the request (the rank was adopted by init) is answered at once."""
+    already gone before the request (the rank was adopted by init) is answered at once.
+
+    The "parent" is the launcher's thread that started the rank: when it exits, the kernel hands the rank
+    to another live thread of the launcher and sends the signal, and again at each such hand-over while a
+    killed launcher's threads exit one by one. A rank can thus get several SIGTERMs for one death, which
+    :class:`~openk3.dist.train.StopRequest` takes as one request."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes

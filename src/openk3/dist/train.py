@@ -184,9 +184,13 @@ def check_context_lengths(context_schedule, cp: int, layout: str) -> None:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM handlers for one rank while it trains: the first signal sets a flag, a second raises
-    ``KeyboardInterrupt`` (stop at once). Handlers are installed only in the main thread (``signal.signal``
-    allows no other) and restored by :meth:`restore`.
+    """SIGINT/SIGTERM handlers for one rank while it trains: the first signal sets a flag (finish the step,
+    save, stop); a SIGINT after it (a second Ctrl-C) raises ``KeyboardInterrupt`` (stop at once). A repeated
+    SIGTERM is the same request again, never an abort, since one request can reach a rank as several: a
+    launcher killed with ``kill -9`` sends each rank one or more (the parent-death signal comes at each
+    hand-over between the dying launcher's threads, :func:`~openk3.dist.launch.stop_with_launcher`), and a
+    service manager's stop signals every process of the job besides the agent's forward. Handlers are
+    installed only in the main thread (``signal.signal`` allows no other) and restored by :meth:`restore`.
 
     The ranks agree on whether any of them got a signal without a collective or a host read of their own:
     :func:`train_step` all-reduces its loss in a tensor ``[loss, flag]`` (:meth:`mark` sets this rank's
@@ -208,9 +212,10 @@ class StopRequest:
             self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
+        if self.signum is None:
+            self.signum = signum
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.signum = signum
 
     def mark(self, flag: torch.Tensor) -> None:
         """Set ``flag`` (one element of the tensor the step sums over the world; 0 before) to 1 when this
@@ -335,7 +340,8 @@ def train_distributed(
     or a single-process run started into the same folder is refused (``ValueError`` naming the holder), and
     a rank started by an agent asks to be stopped (SIGTERM: finish the step, save) when the agent dies
     (:func:`~openk3.dist.launch.stop_with_launcher`): a launcher killed with ``kill -9`` left its ranks
-    training on, unseen, into the folder a new run would then share."""
+    training on, unseen, into the folder a new run would then share. The lock is given back on every way
+    out, the lost peer's ``os._exit`` included (released before it)."""
     if "LOCAL_RANK" in os.environ:  # started by an agent (openk3's launcher, torchrun): end with it
         stop_with_launcher()
     held: list[RunLock] = []  # rank 0's lock on the run folder, taken before it writes there
@@ -347,10 +353,11 @@ def train_distributed(
         reason = lost_peer_reason(e) if dist.is_initialized() else None
         if reason is None:
             raise
-        exit_lost_peer(lost_peer_line(dist.get_rank(), *reason))
+        line = lost_peer_line(dist.get_rank(), *reason)
     finally:
         for lock in held:
             lock.release()
+    exit_lost_peer(line)  # os._exit, after the lock is given back: a finally around it would never run
 
 
 def _train_distributed(

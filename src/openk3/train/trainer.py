@@ -21,7 +21,9 @@ in the run folder is written) a preset whose model differs from the checkpoint's
 ``tokenizer``, ``val_fraction``, ``seed``) other than the run's or input files changed since its shards were
 built (:func:`check_resume_data`), and a ``steps`` the run has already reached. A larger ``steps`` extends the
 run; the LR schedule is then recomputed over the new total, which is printed. A second Ctrl-C stops at once
-with :class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run. A
+with :class:`TrainingAborted` (a ``KeyboardInterrupt``) whose message says which checkpoint holds the run; a
+repeated SIGTERM does not (a job manager may send one to every process of a job, and a dying parent's
+threads each send theirs), so the step still saves. A
 non-finite loss or gradient norm, or a loss above :func:`blowup_loss` (``2·ln V + 5``), raises
 :class:`DivergenceError` before that step updates anything (no NaN or blown-up model is saved after it); its
 message names the latest checkpoint and its train loss.
@@ -837,8 +839,10 @@ class Trainer:
         return {"loss": loss, "ppl": math.exp(loss), "tokens": tokens}
 
     def _request_stop(self, signum, frame) -> None:
-        if self._stop:  # a second Ctrl-C (or SIGTERM) stops at once
-            raise KeyboardInterrupt
+        if self._stop:  # a second Ctrl-C stops at once; a repeated SIGTERM is the same request again
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self._stop = True
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         tqdm.write(f"{what}: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
