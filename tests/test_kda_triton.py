@@ -1632,6 +1632,33 @@ def test_gate_grad_benchmark_flags_a_case_past_fla(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit):
         bench.main(["64:4:sideways"])
     assert "gate one of normal, slow" in capsys.readouterr().err
+    assert bench.parse_case("varlen:96:mixed") == ("varlen", 96, "mixed")
+    inputs, cu_seqlens = bench.case_inputs("varlen", 2, "mixed", "cpu")
+    assert cu_seqlens.tolist() == [0, 1000, 1063, 1064, 3964, 4100] and inputs["q"].shape[1] == 4100
+
+
+@interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_gate_grad_benchmark_keeps_the_cases_of_a_cut_run(tmp_path, monkeypatch):
+    """``--out`` is rewritten after every case: a run stopped during its second case (here the reference
+    raises, as a time limit's kill would end it) leaves the header and the first case's row."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("kda_gate_grads")
+    calls, fp64 = [], bench.kt.reference  # bench.kt may be this module: keep the function, not the name
+
+    def reference_then_stop(inputs, cu_seqlens=None):
+        calls.append(inputs["q"].shape)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return fp64(inputs, cu_seqlens)
+
+    monkeypatch.setattr(bench.kt, "reference", reference_then_stop)
+    out = tmp_path / "table.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--out", str(out), "64:4:normal", "64:4:slow"])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert len(rows) == 2, out.read_text()
+    assert rows[0].startswith("| T | H | gate |") and rows[1].startswith("| 64 | 4 | normal | 0.0")
 
 
 @interpreter
@@ -1684,14 +1711,26 @@ def test_gpu_gate_grads_against_fla(T, H, gate):
         )
 
 
+VARLEN_GATE_GRAD_LENGTHS = (1000, 63, 1, 2900, 136)
+"""The packed documents of :func:`test_gpu_gate_grads_against_fla_varlen` (and ``kda_gate_grads.py``'s
+``varlen`` cases): a long one, a one-token one, one that ends mid-chunk."""
+
+
+def varlen_gate_grad_inputs(H: int, gate: str, device: str) -> tuple[dict, torch.Tensor]:
+    """The inputs of :func:`gate_grad_inputs` packed as :data:`VARLEN_GATE_GRAD_LENGTHS` (``seed = H``) and
+    their ``cu_seqlens``."""
+    lengths = VARLEN_GATE_GRAD_LENGTHS
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+    inputs = gate_grad_inputs(1, sum(lengths), H, 128, gate=gate, N=len(lengths), device=device, seed=H)
+    return inputs, cu_seqlens
+
+
 @gpu_and_fla
 @pytest.mark.parametrize("gate", ["normal", "mixed"])
 @pytest.mark.parametrize("H", [4, 96])
 def test_gpu_gate_grads_against_fla_varlen(H, gate):
     """:func:`test_gpu_gate_grads_against_fla` on five packed documents of 1000, 63, 1, 2900 and 136 tokens."""
-    lengths = (1000, 63, 1, 2900, 136)
-    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
-    inputs = gate_grad_inputs(1, sum(lengths), H, 128, gate=gate, N=len(lengths), device="cuda", seed=H)
+    inputs, cu_seqlens = varlen_gate_grad_inputs(H, gate, "cuda")
     ref = reference(inputs, cu_seqlens)
     ours = gate_grad_errors(chunk_kda, inputs, ref, cu_seqlens)
     fla = gate_grad_errors(fla_chunk_kda, inputs, ref, cu_seqlens)
