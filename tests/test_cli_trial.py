@@ -42,7 +42,7 @@ def test_a_shrinking_or_late_context_schedule_is_refused_before_any_work(tmp_pat
     """A context schedule only grows, within the run's steps: ``0:32,2:16,3:24`` and entries at or past
     ``--steps`` were accepted (the run then evaluated at a length it never trained on). Each is one line
     naming the entries, before the data (a missing corpus here) is read, and, under ``--nproc-per-node``,
-    before any rank starts."""
+    before any rank starts; so is a schedule written with a leading ``-`` (``--context-schedule -1:64``)."""
     import openk3.dist.launch
 
     out = tmp_path / "run"
@@ -58,6 +58,9 @@ def test_a_shrinking_or_late_context_schedule_is_refused_before_any_work(tmp_pat
          "context schedule '0:32,200:64,300:128': 200:64, 300:128 start at or after --steps 200 (the "
          "default), so the run would never train at those lengths, yet its evaluations would use the "
          "longest: drop them or raise --steps"),
+        # a value that starts with '-' reached argparse as a flag ("expected one argument")
+        (["--context-schedule", "-1:64"], "context schedule '-1:64': the first entry must start at step 0"),
+        (["--context-schedule=-1:64"], "context schedule '-1:64': the first entry must start at step 0"),
     ]  # fmt: skip
     monkeypatch.setattr(openk3.dist.launch, "launch", lambda *a: pytest.fail("the ranks were started"))
     for flags, line in cases:

@@ -1,7 +1,8 @@
 """A rank that dies mid-step: the launcher names it, the survivor fails within the collective timeout
 instead of hanging, and the last checkpoint stays intact (the interrupted save never appears under its
 final name). Under ``openk3 train --nproc-per-node`` a rank killed with SIGKILL is reported in the launcher's
-one line, and the survivor, whose collective lost its connection, prints no traceback of its own."""
+one line, with what the run can continue from, and the survivor, whose collective lost its connection,
+prints no traceback of its own."""
 
 from __future__ import annotations
 
@@ -149,7 +150,8 @@ def _until_step_2(proc: subprocess.Popen) -> None:
 @pytest.mark.slow  # two ranks of torch imports and two steps on 2 cores: 20-30 s
 @pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="finds the ranks' pids in /proc")
 def test_a_killed_rank_is_one_line_and_the_survivor_prints_no_traceback(tmp_path):
-    cmd, env = _two_rank_run(tmp_path, tmp_path / "run")
+    run = tmp_path / "run"
+    cmd, env = _two_rank_run(tmp_path, run)
     proc = _start(cmd, env, tmp_path)
     try:
         _until_step_2(proc)
@@ -164,8 +166,9 @@ def test_a_killed_rank_is_one_line_and_the_survivor_prints_no_traceback(tmp_path
     assert proc.returncode == 1, err
     assert "Traceback" not in out + err, err  # rank 0's collective lost its connection: no traceback
     errors = [ln for ln in err.splitlines() if "error" in ln.lower()]
-    assert errors == [
-        f"openk3: error: rank 1 failed (exit code -9, SIGKILL): Signal 9 (SIGKILL) received by PID {ranks[1]}"
+    assert errors == [  # and what the run can continue from: nothing, its first save is at step 1000
+        f"openk3: error: rank 1 failed (exit code -9, SIGKILL): Signal 9 (SIGKILL) received by PID {ranks[1]}; "
+        f"{run} holds no finished checkpoint yet: start the run again (without --resume)"
     ], err
 
 

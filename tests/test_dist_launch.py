@@ -156,6 +156,44 @@ def test_failure_report_names_the_dead_rank_not_the_one_that_lost_it(tmp_path):
     assert failure_report({0: survivor}) == (1, f"openk3: error: {text}")
 
 
+def test_a_failed_worlds_line_names_the_latest_checkpoint_and_the_resume_command(tmp_path, monkeypatch):
+    """A rank killed mid-run: the launcher's line named the dead rank but not what the run can continue from,
+    as rank 0's Ctrl-C line does. It now ends with the newest finished DCP checkpoint (a save the kill cut,
+    a ``.tmp`` folder, is none) and the command typed with ``--resume``, or says that there is none yet."""
+    import openk3.dist.launch as launch
+
+    run = tmp_path / "my run"
+    argv = ["train", "--nproc-per-node", "2", "--out", str(run), "--dp-shard", "2"]
+    command = launch.resume_command(argv)
+    assert command == f"openk3 train --nproc-per-node 2 --out '{run}' --dp-shard 2 --resume"
+    assert launch.resume_command([*argv, "--resume"]) == command  # a failed resume: the same command
+    assert launch.resume_command(argv, "make resume") == "make resume"  # --resume-command
+    killed = {1: _failure(tmp_path, 1, -9, None, 0)}
+    head = "openk3: error: rank 1 failed (exit code -9, SIGKILL): Signal 9 (SIGKILL) received by PID 101"
+    assert launch.failure_report(killed, run, command) == (
+        1, f"{head}; {run} holds no finished checkpoint yet: start the run again (without --resume)"
+    )  # fmt: skip
+    for step in (2, 4):
+        (run / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step-{step:06d}" / "meta.json").write_text("{}")
+    (run / "checkpoints" / "step-000006.tmp").mkdir()  # the save the kill cut
+    note = f"; the run's latest checkpoint is step 4 ({run / 'checkpoints' / 'step-000004'}); continue with: "
+    assert launch.failure_report(killed, run, command) == (1, f"{head}{note}{command}")
+    text = "rank 0 stopped: another rank did not join a collective in time (Timed out)"
+    hung = {0: _failure(tmp_path, 0, PEER_LOST_EXIT, f"LostPeerError: {text}", 10)}
+    assert launch.failure_report(hung, run, command) == (1, f"openk3: error: {text}{note}{command}")
+    bad = {0: _failure(tmp_path, 0, 2, "ValueError: --batch-size 3 is not divisible", 10)}
+    assert launch.failure_report(bad, run, command) == (2, "openk3: error: --batch-size 3 is not divisible")
+    # the CLI passes the run folder (--out, else the default) and the command as typed
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda *a: seen.append(a) or 0)
+    assert main(argv) == 0 and main(["train", "--nproc-per-node", "2"]) == 0
+    assert seen == [
+        (2, ["train", "--out", str(run), "--dp-shard", "2"], str(run), command),
+        (2, ["train"], "runs/k3-tiny", "openk3 train --nproc-per-node 2 --resume"),
+    ]
+
+
 def _rank_zero_fails(rank, world, folder):
     """Rank 0's work raises; every rank reports what it raised (none may wait in a collective)."""
     outcomes = []

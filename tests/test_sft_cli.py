@@ -15,7 +15,7 @@ from openk3.config import text_config_of
 from openk3.data import Tokenizer
 from openk3.presets import k3_shaped
 from openk3.rl.logprobs import response_logprobs
-from openk3.rl.sft_cli import SFT_RECORD, split_held_out
+from openk3.rl.sft_cli import SFT_RECORD, batch_note, split_held_out
 from openk3.serve.chat_template import ChatTemplate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,7 +179,10 @@ def test_the_checkpoints_jinja_chat_template_is_kept(ckpt, tmp_path):
 
 
 def test_an_interrupted_write_leaves_no_model_folder(ckpt, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the folder is written, or during the steps, leaves no folder and says so in one line
+    (it printed only "interrupted")."""
     import openk3.checkpoint
+    import openk3.rl.sft
 
     real = openk3.checkpoint.save_pretrained
 
@@ -190,5 +193,71 @@ def test_an_interrupted_write_leaves_no_model_folder(ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(openk3.checkpoint, "save_pretrained", save_then_interrupt)
     data = _write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     out = tmp_path / "sft"
+    line = (
+        f"openk3: sft interrupted: nothing was written to {out} (the model is written once, after the last "
+        "step); run the command again\n"
+    )
     assert main(["sft", "--ckpt", str(ckpt), "--data", data, "--out", str(out), "--steps", "1"]) == 130
+    assert capsys.readouterr().err == line
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+    monkeypatch.undo()
+
+    def interrupted_training(*args, **kwargs):  # Ctrl-C during the steps
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(openk3.rl.sft, "sft", interrupted_training)
+    assert main(["sft", "--ckpt", str(ckpt), "--data", data, "--out", str(out), "--steps", "1"]) == 130
+    assert capsys.readouterr().err == line
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_batch_above_the_examples_is_named_and_the_record_holds_absolute_paths(
+    ckpt, tmp_path, capsys, monkeypatch
+):
+    """``--batch-size 5`` on 2 training examples printed only "1 steps of 5": every batch draws its examples
+    at random with replacement (a batch above the example count is allowed, it repeats them), and the line
+    now says so; ``sft.json`` recorded ``--data`` as typed (relative), now the absolute path."""
+    monkeypatch.chdir(tmp_path)
+    _write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    args = ["sft", "--ckpt", str(ckpt), "--data", "pairs.jsonl", "--out", "sft", "--steps", "1"]
+    assert main([*args, "--batch-size", "5", "--val-fraction", "0.3"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"sft: 2 training examples, 1 held out; 1 step of 5 from {ckpt}"
+    assert printed[1] == (
+        "sft: --batch-size 5 is more than the 2 training examples: each step draws them at random with "
+        "replacement, each about 2.5 times; --batch-size 2 draws each about once"
+    )
+    record = json.loads((tmp_path / "sft" / SFT_RECORD).read_text())
+    assert (record["data"], record["ckpt"]) == (str(tmp_path / "pairs.jsonl"), str(ckpt))
+    assert batch_note(2, 2) is None and batch_note(3, 2).startswith("sft: --batch-size 3 is more than")
+
+
+def test_a_distributed_runs_dcp_step_folder_is_fine_tuned_as_its_weights(ckpt, tmp_path, capsys):
+    """``--ckpt RUN/checkpoints/step-N`` of a distributed run said there is no checkpoint; it is read as
+    ``openk3 eval`` reads it (the run's tokenizer, the step's model), and two steps on it give the losses
+    and weights of two steps on the same weights saved as a model folder."""
+    import torch.distributed as dist
+
+    from openk3.dist.checkpoint import save_checkpoint
+    from openk3.train.optim import build_optimizer
+
+    run = tmp_path / "run"
+    Tokenizer.load(ckpt).save(run / "data" / "tokenizer")
+    model = openk3.from_pretrained(ckpt)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        step = save_checkpoint(run / "checkpoints", 3, model, build_optimizer(model, lr=1e-2))
+    finally:
+        dist.destroy_process_group()
+    data = _write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    records = []
+    for source, out in ((step, tmp_path / "from-dcp"), (ckpt, tmp_path / "from-folder")):
+        assert main(["sft", "--ckpt", str(source), "--data", data, "--out", str(out), "--steps", "2"]) == 0
+        assert f"from {source}" in capsys.readouterr().out
+        records.append(json.loads((out / SFT_RECORD).read_text()))
+    assert records[0]["ckpt"] == str(step) and records[0]["train_loss"] == records[1]["train_loss"]
+    dcp, folder = (
+        openk3.from_pretrained(tmp_path / name).state_dict() for name in ("from-dcp", "from-folder")
+    )
+    assert all(torch.equal(dcp[k], v) for k, v in folder.items())
+    assert list(step.parent.iterdir()) == [step]  # nothing was written into the run's checkpoints

@@ -200,9 +200,12 @@ def _train(args: argparse.Namespace) -> int:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             raise ValueError("--nproc-per-node starts the ranks itself: run it without torchrun")
         _typed_schedule(args, check_steps=True)  # one line here rather than from every rank
-        from openk3.dist.launch import launch
+        from openk3.dist.launch import launch, resume_command
+        from openk3.train.trainer import TrainConfig
 
-        return launch(args.nproc_per_node, _without_flag(args.argv, "--nproc-per-node"))
+        argv = _without_flag(args.argv, "--nproc-per-node")
+        out = args.out or TrainConfig.out
+        return launch(args.nproc_per_node, argv, out, resume_command(args.argv, args.resume_command))
 
     from openk3.train.run_lock import check_run_free
     from openk3.train.schedule import check_schedule_steps
@@ -585,11 +588,16 @@ def _eval_split(folder: Path, data: str | None) -> Path:
 
 
 def _run_eval_shape(folder: Path) -> tuple[int | None, int | None]:
-    """(longest context, batch size) of the training run that holds checkpoint ``folder`` (its
-    train_config.json): the windows its evaluations read; ``(None, None)`` outside a run or when the file is
-    unreadable."""
+    """(longest context, batch size) of the training run that holds checkpoint ``folder`` (a step folder or
+    a distributed run's ``RUN/final``; the run's train_config.json): the windows its evaluations read;
+    ``(None, None)`` outside a run or when the file is unreadable."""
+    from openk3.checkpoint.io import run_folder
+
+    run = run_folder(folder)
+    if run is None:
+        return None, None
     try:
-        config = json.loads((folder.parent.parent / "train_config.json").read_text())
+        config = json.loads((run / "train_config.json").read_text())
         return max(int(t) for _, t in config["context_schedule"]), int(config["batch_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return None, None
@@ -699,6 +707,27 @@ def _evaluate(args: argparse.Namespace, source: Path, folder: Path, val_path: Pa
     )
     print(f"val loss {loss:.4f} nats/token, perplexity {math.exp(loss):.2f} ({count:,} tokens, {val_path})")
     return 0
+
+
+DASH_VALUE_FLAGS = ("--context-schedule",)
+"""Flags whose value may start with ``-`` and a digit (``--context-schedule -1:64``): argparse takes such a
+word for a flag (it is no plain number) and fails with "expected one argument"."""
+
+
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """``argv`` with ``FLAG -VALUE`` written ``FLAG=-VALUE`` for the :data:`DASH_VALUE_FLAGS` (a value that
+    starts with ``-`` and a digit), so the value reaches the flag's own check, which names what is wrong
+    with it (``context schedule '-1:64': the first entry must start at step 0``)."""
+    out, i = [], 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if argv[i] in DASH_VALUE_FLAGS and len(value) > 1 and value[0] == "-" and value[1].isdigit():
+            out.append(f"{argv[i]}={value}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1111,8 +1140,9 @@ def main(argv: list[str] | None = None) -> int:
     early (``openk3 info --json | head``; nothing printed)."""
     args = None
     try:
+        argv = _attach_dash_values(list(sys.argv[1:] if argv is None else argv))
         args = build_parser().parse_args(argv)
-        args.argv = list(sys.argv[1:] if argv is None else argv)
+        args.argv = argv
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at interpreter exit
         return code

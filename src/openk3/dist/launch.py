@@ -17,7 +17,9 @@ rank ends first ends the world), so only the launcher, which sees how the world 
   is gone (exit status :data:`PEER_LOST_EXIT`, :mod:`openk3.dist.lost_peer`: its collective lost the
   connection or timed out) printed nothing and is no cause: the line names the rank that failed first
   otherwise (killed, crashed), and only when no such rank ended (one hangs) the lost peer's line, e.g.
-  ``openk3: error: rank 0 stopped: another rank did not join a collective in time (...)``;
+  ``openk3: error: rank 0 stopped: another rank did not join a collective in time (...)``. Either line ends
+  with what the run can continue from (:func:`resume_note`): its latest finished checkpoint and the command
+  that resumes it, or that it has none yet;
 - the launcher itself interrupted (Ctrl-C, SIGTERM): the agent passes the signal on to the ranks, which
   finish their step and save a checkpoint (:class:`openk3.dist.train.StopRequest`; rank 0 prints that line),
   and kills those still running after the agent's shutdown timeout (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s);
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import uuid
+from pathlib import Path
 
 USER_ERROR_EXIT = 2
 """The exit status of a rank that stopped on bad input (:func:`openk3.cli.main`)."""
@@ -79,26 +83,54 @@ def _message(failure) -> str:
     return text
 
 
-def failure_report(failures: dict) -> tuple[int, str]:
-    """``(exit status, line or None)`` for the failed ranks ``failures`` (rank → ``ProcessFailure``, as in
-    ``ChildFailedError.failures``); see the module docstring."""
+def resume_command(argv: list[str], given: str | None = None) -> str:
+    """The command that continues the run that ``openk3 *argv`` started (``argv`` as typed, ``train`` and
+    ``--nproc-per-node N`` included): ``given`` (``--resume-command``), else ``argv`` with ``--resume``
+    (added when it is not there), shell-quoted."""
+    if given:
+        return given
+    return "openk3 " + shlex.join(argv + ([] if "--resume" in argv else ["--resume"]))
+
+
+def resume_note(run_dir: str | os.PathLike, command: str) -> str:
+    """What a failed world's run ``run_dir`` can continue from, as the end of the launcher's line:
+    ``"; the run's latest checkpoint is step N (PATH); continue with: COMMAND"``, or, when it holds no
+    finished DCP checkpoint (:func:`openk3.dist.train.latest_distributed_checkpoint`), that it has none."""
+    from openk3.dist.train import latest_distributed_checkpoint
+
+    checkpoint = latest_distributed_checkpoint(Path(run_dir))
+    if checkpoint is None:
+        return f"; {run_dir} holds no finished checkpoint yet: start the run again (without --resume)"
+    step = int(checkpoint.name.removeprefix("step-"))
+    return f"; the run's latest checkpoint is step {step} ({checkpoint}); continue with: {command}"
+
+
+def failure_report(
+    failures: dict, run_dir: str | os.PathLike | None = None, resume_with: str = ""
+) -> tuple[int, str]:
+    """``(exit status, line)`` for the failed ranks ``failures`` (rank → ``ProcessFailure``, as in
+    ``ChildFailedError.failures``); see the module docstring. With ``run_dir`` a failure that is not bad
+    input ends with :func:`resume_note` of ``run_dir`` and ``resume_with``."""
     bad_input = [f for f in failures.values() if f.exitcode == USER_ERROR_EXIT]
     if bad_input:
         return USER_ERROR_EXIT, f"openk3: error: {_message(min(bad_input, key=lambda f: f.timestamp))}"
+    note = "" if run_dir is None else resume_note(run_dir, resume_with)
     # a rank that lost its peer recorded its error before the agent saw the dead rank (whose time is when
     # the agent saw it): by time alone it would look first
     causes = {r: f for r, f in failures.items() if f.exitcode != PEER_LOST_EXIT}
     rank, first = min((causes or failures).items(), key=lambda item: item[1].timestamp)
     if first.exitcode == PEER_LOST_EXIT:
-        return 1, f"openk3: error: {_message(first)}"
+        return 1, f"openk3: error: {_message(first)}{note}"
     signal = first.signal_name()
     how = f"exit code {first.exitcode}" + (f", {signal}" if signal and signal != "<N/A>" else "")
-    return 1, f"openk3: error: rank {rank} failed ({how}): {_message(first)}"
+    return 1, f"openk3: error: rank {rank} failed ({how}): {_message(first)}{note}"
 
 
-def launch(nproc_per_node: int, argv: list[str]) -> int:
+def launch(nproc_per_node: int, argv: list[str], run_dir: str | os.PathLike, resume_with: str) -> int:
     """Run ``python -m openk3 *argv`` on ``nproc_per_node`` local ranks; return the exit status (0 when
-    every rank succeeded). The agent's own log lines are silenced unless ``LOGLEVEL`` is set."""
+    every rank succeeded). The agent's own log lines are silenced unless ``LOGLEVEL`` is set. ``run_dir``
+    (the run's ``--out``) and ``resume_with`` (:func:`resume_command`) end the line of a failed world
+    (:func:`resume_note`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -122,7 +154,7 @@ def launch(nproc_per_node: int, argv: list[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "openk3", *argv)
     except ChildFailedError as e:
-        code, line = failure_report(e.failures)
+        code, line = failure_report(e.failures, run_dir, resume_with)
         print(line, file=sys.stderr)
         return code
     except SignalException as e:  # Ctrl-C or SIGTERM: the agent passed it on to the ranks and waited for them

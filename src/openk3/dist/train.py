@@ -9,7 +9,9 @@ slice, so the data position is one integer and resuming on another world size re
 single-process trainer's (:mod:`openk3.train.schedule`); gradients are clipped with one total norm over
 every mesh (dense and expert parameters together). Checkpoints are DCP folders
 (:mod:`openk3.dist.checkpoint`) under ``<out>/checkpoints/``; ``--resume`` takes the newest finished one.
-Rank 0 prints one line per step and writes ``metrics.jsonl`` (and ``loss.png`` at the end). Evaluation is the
+Rank 0 writes the run's ``train_config.json`` (as the single-process trainer does; ``openk3 eval`` reads
+its windows from it), prints ``resuming RUN at step N from CHECKPOINT`` on a resume, then one line per step,
+and writes ``metrics.jsonl`` (and ``loss.png`` at the end). Evaluation is the
 single-process trainer's (:func:`evaluate_distributed`): ``val_loss_subset`` every ``eval_every`` steps, and
 after the last step ``val_loss`` on the row of that step and in the summary;
 the final weights are exported as a Hugging Face folder ``<out>/final`` (with the run's tokenizer: what
@@ -60,7 +62,7 @@ from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.run_lock import RunLock, acquire_run_lock
 from openk3.train.schedule import lr_factor, seq_len_at
-from openk3.train.trainer import validation_loss
+from openk3.train.trainer import validation_loss, write_train_config
 
 COLLECTIVE_TIMEOUT_S = 300
 """A collective that waits longer (a rank died or hangs) fails on every other rank with an error."""
@@ -406,6 +408,10 @@ def _train_distributed(
             raise ValueError(f"--resume: {run_dir}/checkpoints holds no finished distributed checkpoint")
         extra = load_checkpoint(checkpoint, model, optimizer, balancer)
         step, batches.step = extra["step"], extra["data_position"]
+        if rank == 0:
+            print(f"resuming {run_dir} at step {step} from {checkpoint}", flush=True)
+    if rank == 0:  # what `openk3 eval` of the run's checkpoints reads its windows from, as on one process
+        write_train_config(run_dir, config)
     # rank 0 logs; a resume drops the rows past its checkpoint (steps a lost rank's world logged and will redo)
     metrics = (
         MetricsLog(run_dir / "metrics.jsonl", resume_step=step if resume else None) if rank == 0 else None

@@ -11,7 +11,8 @@ The loss is on the last assistant message only: the messages before it are the p
 checkpoint's chat template (:class:`openk3.serve.chat_template.ChatTemplate`, as ``openk3 generate --chat``
 and the server render a conversation), and the answer is its tokens followed by the eos token. Training is
 :func:`openk3.rl.sft.sft`. Bad input raises ``ValueError`` naming the file, the line and the problem before
-the model is loaded; the output folder appears whole or not at all.
+the model is loaded; the output folder appears whole or not at all. ``--ckpt`` may be a distributed run's DCP
+step folder (:mod:`openk3.checkpoint.dcp_step`), as for ``openk3 eval`` and ``generate``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ def add_sft_parser(sub) -> None:
         "sft",
         help="fine-tune a checkpoint on chat pairs (JSONL); the loss is on the last assistant message",
     )
-    p.add_argument("--ckpt", required=True, help="model folder, or run folder (uses its latest checkpoint)")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="model folder, run folder (uses its latest checkpoint) or a distributed run's "
+        "RUN/checkpoints/step-N",
+    )
     p.add_argument(
         "--data",
         required=True,
@@ -222,32 +228,84 @@ def _write_model(model, tokenizer, source: Path, out: str, record: dict) -> None
         (tmp / SFT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
+def batch_note(batch_size: int, train_examples: int) -> str | None:
+    """The line printed when a batch of ``batch_size`` is drawn from fewer ``train_examples``: every batch
+    draws its examples at random with replacement (:func:`openk3.rl.sft.sft`), so such a batch repeats each
+    example about ``batch_size / train_examples`` times; ``None`` otherwise."""
+    if batch_size <= train_examples:
+        return None
+    return (
+        f"sft: --batch-size {batch_size} is more than the {train_examples} training examples: each step draws "
+        f"them at random with replacement, each about {batch_size / train_examples:.3g} times; "
+        f"--batch-size {train_examples} draws each about once"
+    )
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     """Check ``--out``, read ``--data`` (both before the model loads), fine-tune with
     :func:`openk3.rl.sft.sft`, print the loss about ten times and the held-out loss before and after, then
-    write the model folder with :data:`SFT_RECORD`."""
-    import torch
-
-    from openk3.checkpoint import checkpoint_with_tokenizer, from_pretrained
-    from openk3.config import load_config, text_config_of
-    from openk3.data import Tokenizer
+    write the model folder with :data:`SFT_RECORD`. ``--ckpt`` may be a distributed run's DCP step folder (or
+    a run folder whose newest checkpoint is one), read as ``openk3 eval`` reads it (its model written with
+    the run's tokenizer into a temporary model folder, once ``--data`` is read). A Ctrl-C ends with one line
+    saying that ``--out`` was not written (it is written whole, once, after the last step)."""
+    from openk3.cli import _checkpoint_of, _model_folder
     from openk3.devices import check_device
-    from openk3.rl.sft import sft
-    from openk3.serve.chat_template import ChatTemplate
 
     check_device(args.device)
-    folder = checkpoint_with_tokenizer(args.ckpt)
-    check_out(folder, args.out)
+    source = _checkpoint_of(args.ckpt)  # a model folder, a run's latest checkpoint or a DCP step folder
+    check_out(source, args.out)
+    try:
+        tokenizer, template, max_len = _encoding_of(source)
+        examples = read_examples(args.data, template, tokenizer, max_len)
+        train, held_out = split_held_out(examples, args.val_fraction, args.seed)
+        steps = f"{args.steps} step{'s' if args.steps != 1 else ''}"
+        print(
+            f"sft: {len(train)} training examples, {len(held_out)} held out; {steps} of {args.batch_size} "
+            f"from {source}",
+            flush=True,
+        )
+        if note := batch_note(args.batch_size, len(train)):
+            print(note, flush=True)
+        with _model_folder(source) as folder:
+            seconds, losses = _fine_tune(args, source, folder, tokenizer, train, held_out)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            f"sft interrupted: nothing was written to {args.out} (the model is written once, after the last "
+            "step); run the command again"
+        ) from None
+    print(f"wrote {args.out} (loss {losses[0]:.4f} → {losses[-1]:.4f} in {seconds:.0f} s)")
+    return 0
+
+
+def _encoding_of(source: Path):
+    """(tokenizer, chat template, ``max_position_embeddings``) of checkpoint ``source`` (a model folder or a
+    DCP step folder, whose run's tokenizer and ``meta.json`` are read), without reading its weights."""
+    from openk3.checkpoint import checkpoint_with_tokenizer
+    from openk3.checkpoint.dcp_step import dcp_step_config, is_dcp_step, run_tokenizer_of
+    from openk3.config import load_config, text_config_of
+    from openk3.data import Tokenizer
+    from openk3.serve.chat_template import ChatTemplate
+
+    if is_dcp_step(source):
+        folder, config = run_tokenizer_of(source), dcp_step_config(source)
+    else:
+        folder = checkpoint_with_tokenizer(source)
+        config = load_config(folder)
     tokenizer = Tokenizer.load(folder)
     template = ChatTemplate.from_folder(tokenizer, folder)
-    max_len = text_config_of(load_config(folder)).max_position_embeddings
-    examples = read_examples(args.data, template, tokenizer, max_len)
-    train, held_out = split_held_out(examples, args.val_fraction, args.seed)
-    print(
-        f"sft: {len(train)} training examples, {len(held_out)} held out; {args.steps} steps of {args.batch_size} "
-        f"from {folder}",
-        flush=True,
-    )
+    return tokenizer, template, text_config_of(config).max_position_embeddings
+
+
+def _fine_tune(
+    args: argparse.Namespace, source: Path, folder: Path, tokenizer, train, held_out
+) -> tuple[float, list[float]]:
+    """Fine-tune the model of model folder ``folder`` (``source`` itself, or the temporary export of DCP
+    step ``source``) on ``train`` and write ``--out``; returns (seconds of training, loss per step)."""
+    import torch
+
+    from openk3.checkpoint import from_pretrained
+    from openk3.rl.sft import sft
+
     torch.manual_seed(args.seed)
     model = from_pretrained(folder, device=args.device)
     before = response_loss(model, held_out, args.batch_size) if held_out else None
@@ -275,8 +333,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
         print(f"held-out loss after: {after:.4f} nats per response token (before {before:.4f})", flush=True)
     record = {
         "command": "openk3 " + shlex.join(getattr(args, "argv", [])),
-        "ckpt": str(folder),
-        "data": str(args.data),
+        "ckpt": os.path.abspath(source),
+        "data": os.path.abspath(args.data),
         "train_examples": len(train),
         "held_out_examples": len(held_out),
         "steps": args.steps,
@@ -288,5 +346,4 @@ def cmd_sft(args: argparse.Namespace) -> int:
         "held_out_loss": {"before": before, "after": after} if held_out else None,
     }
     _write_model(model, tokenizer, folder, args.out, record)
-    print(f"wrote {args.out} (loss {losses[0]:.4f} → {losses[-1]:.4f} in {seconds:.0f} s)")
-    return 0
+    return seconds, losses

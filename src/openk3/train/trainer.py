@@ -557,6 +557,14 @@ def resume_command(out: str | os.PathLike, given: str | None = None) -> str:
     return given or f"openk3 train --out {out} --resume"
 
 
+def write_train_config(run_dir: Path, config: TrainConfig) -> None:
+    """Write ``config`` as ``run_dir/train_config.json`` (every field, JSON): what ``openk3 eval`` reads for
+    the run's evaluation windows (the schedule's longest context, ``batch_size``) and a resume of a run
+    without a checkpoint for its steps (:mod:`openk3.train.state`). Both trainers write it, rank 0 of a
+    distributed one."""
+    (run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+
+
 def blowup_loss(vocab_size: int) -> float:
     """Training loss (nats/token) above which a run has diverged: ``2·ln(V) + 5``, far above ``ln V``, the loss
     of a uniform guess that an untrained model starts near (23.0 for ``V = 8192``)."""
@@ -711,9 +719,7 @@ class Trainer:
         if resume:  # the losses logged so far, for a divergence message
             rows = self.metrics.kept
             self.losses = {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))}
-        (self.run_dir / "train_config.json").write_text(
-            json.dumps(dataclasses.asdict(config), indent=2) + "\n"
-        )
+        write_train_config(self.run_dir, config)
         self._stop = False
 
     # ------------------------------------------------------------------------------------------- state
