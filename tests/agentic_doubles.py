@@ -15,6 +15,7 @@ import itertools
 import shutil
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,6 +77,9 @@ class HostDirSandboxesDouble(SandboxFactory):
         self, die_on_command: Callable[[str], bool] | None = None, fail_creates: frozenset[int] = frozenset()
     ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="sandbox-double-"))
+        weakref.finalize(
+            self, shutil.rmtree, self.root, ignore_errors=True
+        )  # at collection or exit: no leftovers
         self.ids, self.create_calls = itertools.count(), itertools.count()
         self.all: dict[str, HostDirSandboxDouble] = {}
         self.created, self.killed, self.forks, self.commands = [], [], [], []
