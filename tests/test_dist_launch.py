@@ -25,20 +25,24 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(openk3.__file__).parents[1]), "OMP_N
 TINY = ["--preset", "k3-tiny", "--dp-shard", "2", "--steps", "2", "--no-sample"]
 
 
-def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], tmp_path: Path, **env) -> subprocess.CompletedProcess:
     # a rank left waiting would hang the world: the timeout turns that into a failure
-    return subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, env={**ENV, **env}, cwd=tmp_path, capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.slow  # two ranks of torch imports on 2 cores: 15-30 s
 def test_launcher_reports_a_missing_data_folder_in_one_line(tmp_path):
-    missing = tmp_path / "no-such-corpus"
+    """One line, exit status 2, and nothing left in the temporary directory (the agent's log folder)."""
+    missing, tmp = tmp_path / "no-such-corpus", tmp_path / "tmp"
+    tmp.mkdir()
     cmd = [sys.executable, "-m", "openk3", "train", "--nproc-per-node", "2", "--out", str(tmp_path / "run"),
            "--data", str(missing), *TINY]  # fmt: skip
-    done = _run(cmd, tmp_path)
+    done = _run(cmd, tmp_path, TMPDIR=str(tmp))
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"openk3: error: input path does not exist: {str(missing)!r}\n", done.stderr
     assert done.stdout == ""
+    left = [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_", "openk3-launch-"))]
+    assert left == []  # (torch's own compile cache, torchinductor_USER, is not the launcher's)
 
 
 @pytest.mark.slow  # two ranks of torch imports on 2 cores: 15-30 s

@@ -32,6 +32,7 @@ import logging
 import os
 import shlex
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -131,7 +132,15 @@ def launch(nproc_per_node: int, argv: list[str], run_dir: str | os.PathLike, res
     every rank succeeded). The agent's own log lines are silenced unless ``LOGLEVEL`` is set. ``run_dir``
     (the run's ``--out``) and ``resume_with`` (:func:`resume_command`) end the line of a failed world
     (:func:`resume_note`)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    with tempfile.TemporaryDirectory(prefix="openk3-launch-") as logs:  # the agent's per-rank error files
+        return _launch(nproc_per_node, argv, run_dir, resume_with, logs)
+
+
+def _launch(nproc_per_node: int, argv: list[str], run_dir, resume_with: str, logs: str) -> int:
+    """:func:`launch` with the agent's log folder ``logs`` (the ranks' ``error.json`` files, read into the
+    failure before the agent returns; left to torch, each launch left a ``torchelastic_*`` folder in the
+    temporary directory)."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -148,6 +157,7 @@ def launch(nproc_per_node: int, argv: list[str], run_dir: str | os.PathLike, res
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.1,
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     previous = os.environ.get(LAUNCHER_ENV)
     os.environ[LAUNCHER_ENV] = "1"  # the ranks inherit this process's environment
