@@ -63,19 +63,14 @@ from pathlib import Path
 import torch
 
 from openk3.checkpoint import from_pretrained
+from openk3.cli_types import positive_float, positive_int
 from openk3.data import TokenDataset
 from openk3.data.shards import RandomBatches
 from openk3.generate import generate
 from openk3.model.draft import DraftConfig, build_draft, feature_layers, load_draft, save_draft
 from openk3.presets import PRESETS
 from openk3.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeStats, speculative_generate
-from openk3.train.draft_cli import (
-    GEN_PROMPT_TOKENS,
-    generated_windows,
-    pool_batches,
-    positive_float,
-    positive_int,
-)
+from openk3.train.draft_cli import GEN_PROMPT_TOKENS, generated_windows, pool_batches
 from openk3.train.draft_trainer import acceptance_by_step, expected_accepted_length, train_draft
 from openk3.train.state import latest_checkpoint
 from openk3.train.trainer import unigram_entropy, validation_loss

@@ -11,35 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from openk3 import cli_types
 from openk3.config import load_config
 from openk3.presets import PRESETS, get_preset
-
-
-def _checked(cast, what: str, ok):
-    """An argparse type: ``cast(text)`` for which ``ok(value)`` holds; otherwise argparse's one-line error
-    names the flag, ``what`` was expected and the text given (``argument --lr: expected a finite number > 0,
-    got 'nan'``)."""
-
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive_int = _checked(int, "an int >= 1", lambda v: v >= 1)
-_non_negative_int = _checked(int, "an int >= 0", lambda v: v >= 0)
-_steps = _checked(int, "an int in [1, 10^9]", lambda v: 1 <= v <= 10**9)  # 10^9 steps: past any real run
-_seed = _checked(int, "an int in [0, 2^63)", lambda v: 0 <= v < 2**63)
-_positive_float = _checked(float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
-_temperature = _checked(float, "a finite number >= 0 (0 = greedy)", lambda v: math.isfinite(v) and v >= 0)
-_top_p = _checked(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
-
 
 DEFAULT_EVAL_SEQ_LEN = 256
 """``openk3 eval``'s window length when ``--seq-len`` is not given and the checkpoint is outside a run."""
@@ -107,41 +81,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         _print_info(report)
     return 0
-
-
-def _checkpoint_of(ckpt: str) -> Path:
-    """The checkpoint ``--ckpt`` of ``openk3 generate`` and ``eval`` names: a model folder, a run's latest
-    checkpoint (:func:`openk3.checkpoint.latest_checkpoint`), or a distributed run's DCP step folder: the one
-    named (``RUN/checkpoints/step-N``), or for ``--ckpt RUN`` of a distributed run that has no ``RUN/final``
-    yet (stopped before its end), its newest. The run's files (val split, train config) are looked up from
-    it; :func:`_model_folder` gives the folder to load. Raises ``FileNotFoundError`` when there is none."""
-    from openk3.checkpoint import latest_checkpoint
-    from openk3.checkpoint.dcp_step import is_dcp_step, newest_dcp_step
-
-    path = Path(ckpt)
-    if is_dcp_step(path):
-        return path
-    try:
-        return latest_checkpoint(path)
-    except FileNotFoundError:
-        step = newest_dcp_step(path)
-        if step is None:
-            raise
-        return step
-
-
-@contextlib.contextmanager
-def _model_folder(checkpoint: Path):
-    """Yield the model folder of ``checkpoint`` (from :func:`_checkpoint_of`): the folder itself, or for a
-    DCP step folder a temporary Hugging Face folder of its model and its run's tokenizer, removed after the
-    command (:func:`openk3.checkpoint.dcp_step.export_dcp_step`: one read and one write of the model)."""
-    from openk3.checkpoint.dcp_step import export_dcp_step, is_dcp_step
-
-    if not is_dcp_step(checkpoint):
-        yield checkpoint
-        return
-    with tempfile.TemporaryDirectory(prefix="openk3-dcp-") as tmp:
-        yield export_dcp_step(checkpoint, Path(tmp) / checkpoint.name)
 
 
 def _load_for_inference(ckpt: str, device: str):
@@ -486,6 +425,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from openk3.checkpoint import checkpoint_with_tokenizer
+    from openk3.checkpoint.dcp_step import checkpoint_of, model_folder
     from openk3.serve.cli import speculative_tokens_of
 
     # the sampling flags were checked by their argparse types; the prompt and its length are checked before
@@ -496,14 +436,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty (give --prompt, or --image for a prompt of an image alone)")
     if args.draft and args.image:
         raise ValueError("--draft does not take --image (the draft reads text features only)")
-    source = _checkpoint_of(args.ckpt)
-    with _model_folder(source) as folder:
+    source = checkpoint_of(args.ckpt)
+    with model_folder(source) as folder:
         return _generate(args, prompt, source, checkpoint_with_tokenizer(folder), num_speculative_tokens)
 
 
 def _generate(args: argparse.Namespace, prompt: str, source: Path, folder: Path, speculative: int) -> int:
     """``openk3 generate`` of ``prompt`` from model folder ``folder`` (checkpoint ``source`` as named in
-    messages; the two differ for a DCP step folder, :func:`_model_folder`); ``speculative``: drafted
+    messages; the two differ for a DCP step folder, :func:`~openk3.checkpoint.dcp_step.model_folder`); ``speculative``: drafted
     tokens per target forward with ``--draft``."""
     from openk3.config import text_config_of
     from openk3.data import Tokenizer
@@ -654,18 +594,19 @@ def _evaluate_image_text(args: argparse.Namespace, folder: Path, pairs: Path) ->
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from openk3.checkpoint.dcp_step import checkpoint_of, model_folder
     from openk3.data import TokenDataset
 
     if args.needle:
         _refuse_flags(args, ["--seq-len", "--max-batches", "--batch-size", "--draft"],
                       "not used by --needle (its rows have the --needle lengths, a fixed count each)")  # fmt: skip
-    source = _checkpoint_of(args.ckpt)  # the run's files are found from it, before any model is read
+    source = checkpoint_of(args.ckpt)  # the run's files are found from it, before any model is read
     pairs = _image_text_split(source, args.data)
     if pairs is not None:  # a vision run's held-out pairs
-        with _model_folder(source) as folder:
+        with model_folder(source) as folder:
             return _evaluate_image_text(args, folder, pairs)
     val_path = _eval_split(source, args.data)
-    with tempfile.TemporaryDirectory(prefix="openk3-eval-") as tmp, _model_folder(source) as folder:
+    with tempfile.TemporaryDirectory(prefix="openk3-eval-") as tmp, model_folder(source) as folder:
         if val_path.suffix != ".bin":  # raw text: tokenized with the checkpoint's tokenizer, all of it
             from openk3.checkpoint import checkpoint_with_tokenizer
             from openk3.data import Tokenizer
@@ -680,7 +621,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace, source: Path, folder: Path, val_path: Path, dataset) -> int:
     """Evaluate the model of folder ``folder`` on ``dataset``; ``source``: the checkpoint as named (its run
-    gives the default windows), :func:`_model_folder`."""
+    gives the default windows), :func:`~openk3.checkpoint.dcp_step.model_folder`."""
     from openk3.train.trainer import validation_loss
 
     model, tokenizer, _ = _load_for_inference(str(folder), args.device)
@@ -791,20 +732,23 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", help="text/JSONL file, folder or glob (default: Shakespeare's complete works)")
     tr.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: train a byte-level BPE)")
     tr.add_argument("--out", help="run folder (default runs/k3-tiny)")
-    tr.add_argument("--steps", type=_steps, help="optimizer steps, at most 10^9 (default 200)")
+    tr.add_argument("--steps", type=cli_types.steps, help="optimizer steps, at most 10^9 (default 200)")
     tr.add_argument(
         "--batch-size",
         dest="batch_size",
-        type=_positive_int,
+        type=cli_types.positive_int,
         help="sequences per micro-batch, also the eval batch size (default 16)",
     )
     tr.add_argument(
-        "--grad-accum", dest="grad_accum", type=_positive_int, help="micro-batches per step (default 1)"
+        "--grad-accum",
+        dest="grad_accum",
+        type=cli_types.positive_int,
+        help="micro-batches per step (default 1)",
     )
     tr.add_argument(
         "--micro-batch-size",
         dest="micro_batch_size",
-        type=_positive_int,
+        type=cli_types.positive_int,
         help="sequences per forward/backward (default: --batch-size on CPU, the memory planner's pick on CUDA)",
     )
     tr.add_argument(
@@ -826,14 +770,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="progressive context, step:seq_len,... from step 0, lengths growing, steps below --steps "
         "(default '0:64,60:128')",
     )
-    tr.add_argument("--lr", type=_positive_float, help="peak learning rate of Muon and AdamW (default 0.003)")
     tr.add_argument(
-        "--grad-clip", dest="grad_clip", type=_positive_float, help="max global gradient norm (default 1.0)"
+        "--lr", type=cli_types.positive_float, help="peak learning rate of Muon and AdamW (default 0.003)"
+    )
+    tr.add_argument(
+        "--grad-clip",
+        dest="grad_clip",
+        type=cli_types.positive_float,
+        help="max global gradient norm (default 1.0)",
     )
     tr.add_argument(
         "--warmup-steps",
         dest="warmup_steps",
-        type=_non_negative_int,
+        type=cli_types.non_negative_int,
         help="linear warmup steps (default 20), clamped to at most 25%% of --steps",
     )
     tr.add_argument(
@@ -847,14 +796,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--eval-every",
         dest="eval_every",
-        type=_positive_int,
+        type=cli_types.positive_int,
         help="steps between evaluations on a fixed val subset, each redrawing loss.png (default 50)",
     )
     tr.add_argument(
-        "--save-every", dest="save_every", type=_positive_int, help="steps between checkpoints (default 100)"
+        "--save-every",
+        dest="save_every",
+        type=cli_types.positive_int,
+        help="steps between checkpoints (default 100)",
     )
     tr.add_argument(
-        "--seed", type=_seed, help="seed of the weights, the data split and the batches (default 0)"
+        "--seed", type=cli_types.seed, help="seed of the weights, the data split and the batches (default 0)"
     )
     tr.add_argument(
         "--device", choices=["cpu", "cuda"], help="cpu (fp32) or cuda (bf16 autocast) (default cpu)"
@@ -891,22 +843,24 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--nproc-per-node",
         dest="nproc_per_node",
-        type=_positive_int,
+        type=cli_types.positive_int,
         help="start this many local ranks (as torchrun --standalone --nproc_per_node does); a failed world "
         "is reported in one line",
     )
     tr.add_argument(
-        "--dp-shard", dest="dp_shard", type=_positive_int, help="FSDP2 shard degree (under torchrun)"
+        "--dp-shard", dest="dp_shard", type=cli_types.positive_int, help="FSDP2 shard degree (under torchrun)"
     )
     tr.add_argument(
-        "--dp-replicate", dest="dp_replicate", type=_positive_int, help="HSDP replicas (torchrun)"
+        "--dp-replicate", dest="dp_replicate", type=cli_types.positive_int, help="HSDP replicas (torchrun)"
     )
     tr.add_argument(
-        "--ep", type=_positive_int, help="expert-parallel degree (under torchrun; divides --dp-shard)"
+        "--ep",
+        type=cli_types.positive_int,
+        help="expert-parallel degree (under torchrun; divides --dp-shard)",
     )
     tr.add_argument(
         "--cp",
-        type=_positive_int,
+        type=cli_types.positive_int,
         help="context-parallel degree: each sequence split over this many ranks (under torchrun)",
     )
     tr.add_argument(
@@ -935,15 +889,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="per-GPU memory and traffic of a distributed layout (no GPU needed)")
     pl.add_argument("--preset", choices=sorted(PRESETS), default="kimi-k3", help="model to plan for")
-    pl.add_argument("--gpus", type=_positive_int, required=True, help="world size (number of GPUs)")
+    pl.add_argument("--gpus", type=cli_types.positive_int, required=True, help="world size (number of GPUs)")
     pl.add_argument(
         "--dp-shard", dest="dp_shard", type=int, default=-1, help="FSDP2 shard degree (-1: what is left)"
     )
     pl.add_argument(
-        "--dp-replicate", dest="dp_replicate", type=_positive_int, default=1, help="HSDP replicas"
+        "--dp-replicate", dest="dp_replicate", type=cli_types.positive_int, default=1, help="HSDP replicas"
     )
-    pl.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel degree")
-    pl.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per GPU per micro-batch")
+    pl.add_argument("--ep", type=cli_types.positive_int, default=1, help="expert-parallel degree")
+    pl.add_argument(
+        "--tokens", type=cli_types.positive_int, default=4096, help="tokens per GPU per micro-batch"
+    )
     pl.set_defaults(func=cmd_plan)
 
     gen = sub.add_parser("generate", help="stream text from a checkpoint")
@@ -967,22 +923,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--num-samples",
         dest="num_samples",
-        type=_positive_int,
+        type=cli_types.positive_int,
         default=1,
         help="samples of the same prompt (sample i uses --seed + i)",
     )
     gen.add_argument(
         "--max-new-tokens",
         dest="max_new_tokens",
-        type=_positive_int,
+        type=cli_types.positive_int,
         default=200,
         help="tokens to generate at most (prompt + these within the model's context)",
     )
-    gen.add_argument("--temperature", type=_temperature, default=0.8, help="sampling temperature, 0 = greedy")
     gen.add_argument(
-        "--top-p", dest="top_p", type=_top_p, default=1.0, help="nucleus sampling: keep this probability mass"
+        "--temperature", type=cli_types.temperature, default=0.8, help="sampling temperature, 0 = greedy"
     )
-    gen.add_argument("--seed", type=_seed, default=None, help="sampling seed (default: a random one)")
+    gen.add_argument(
+        "--top-p",
+        dest="top_p",
+        type=cli_types.top_p,
+        default=1.0,
+        help="nucleus sampling: keep this probability mass",
+    )
+    gen.add_argument(
+        "--seed", type=cli_types.seed, default=None, help="sampling seed (default: a random one)"
+    )
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     from openk3.serve.cli import DEFAULT_SPECULATIVE_TOKENS, speculative_tokens_arg
 
@@ -1004,7 +968,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--seq-len",
         dest="seq_len",
-        type=_positive_int,
+        type=cli_types.positive_int,
         default=None,
         help=f"tokens per window (default: the run's longest training context, else {DEFAULT_EVAL_SEQ_LEN}; "
         "at most the val split's length - 1)",
@@ -1012,14 +976,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--batch-size",
         dest="batch_size",
-        type=_positive_int,
+        type=cli_types.positive_int,
         default=None,
         help=f"windows per batch (default: the run's batch size, else {DEFAULT_EVAL_BATCH_SIZE})",
     )
     ev.add_argument(
         "--max-batches",
         dest="max_batches",
-        type=_positive_int,
+        type=cli_types.positive_int,
         default=None,
         help="read only the first N batches (default: every window of the split)",
     )

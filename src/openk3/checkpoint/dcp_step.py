@@ -16,13 +16,19 @@ which :func:`openk3.checkpoint.from_pretrained` loads with all its checks (names
 That costs one write of the model (the size of ``RUN/final``) into a folder the caller chooses, a temporary
 one for the CLI; a step folder is never written to, so a running training can keep pruning its checkpoints.
 
+:func:`checkpoint_of` resolves what a command's ``--ckpt`` names (a model folder, a run, a step folder) and
+:func:`model_folder` gives the folder to load from it, so every command that reads a checkpoint
+(``generate``, ``eval``, ``sft``) takes the same things.
+
 Raises ``ValueError`` for an unreadable ``meta.json`` and ``FileNotFoundError`` when the tokenizer is missing
 (a step folder copied out of its run), each naming the file and what to pass instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -117,3 +123,35 @@ def export_dcp_step(step, out) -> Path:
     tokenizer = run_tokenizer_of(step)
     save_pretrained(load_dcp_model(step), out, tokenizer=str(tokenizer))
     return Path(out)
+
+
+def checkpoint_of(ckpt: str) -> Path:
+    """The checkpoint ``--ckpt`` of ``openk3 generate`` and ``eval`` names: a model folder, a run's latest
+    checkpoint (:func:`openk3.checkpoint.latest_checkpoint`), or a distributed run's DCP step folder: the one
+    named (``RUN/checkpoints/step-N``), or for ``--ckpt RUN`` of a distributed run that has no ``RUN/final``
+    yet (stopped before its end), its newest. The run's files (val split, train config) are looked up from
+    it; :func:`model_folder` gives the folder to load. Raises ``FileNotFoundError`` when there is none."""
+    from openk3.checkpoint.io import latest_checkpoint
+
+    path = Path(ckpt)
+    if is_dcp_step(path):
+        return path
+    try:
+        return latest_checkpoint(path)
+    except FileNotFoundError:
+        step = newest_dcp_step(path)
+        if step is None:
+            raise
+        return step
+
+
+@contextlib.contextmanager
+def model_folder(checkpoint: Path):
+    """Yield the model folder of ``checkpoint`` (from :func:`checkpoint_of`): the folder itself, or for a
+    DCP step folder a temporary Hugging Face folder of its model and its run's tokenizer, removed after the
+    command (:func:`openk3.checkpoint.dcp_step.export_dcp_step`: one read and one write of the model)."""
+    if not is_dcp_step(checkpoint):
+        yield checkpoint
+        return
+    with tempfile.TemporaryDirectory(prefix="openk3-dcp-") as tmp:
+        yield export_dcp_step(checkpoint, Path(tmp) / checkpoint.name)

@@ -47,7 +47,7 @@ def _fraction(text: str) -> float:
 
 
 def add_sft_parser(sub) -> None:
-    from openk3.cli import _positive_float, _positive_int, _seed, _steps
+    from openk3 import cli_types
 
     p = sub.add_parser(
         "sft",
@@ -66,11 +66,16 @@ def add_sft_parser(sub) -> None:
         '{"prompt": ..., "response": ...}',
     )
     p.add_argument("--out", required=True, help="new model folder to write (refused when it holds anything)")
-    p.add_argument("--steps", type=_steps, default=200, help="optimizer steps")
-    p.add_argument("--batch-size", dest="batch_size", type=_positive_int, default=8, help="examples per step")
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--steps", type=cli_types.steps, default=200, help="optimizer steps")
     p.add_argument(
-        "--seed", type=_seed, default=0, help="seed of the held-out split and the batches (default 0)"
+        "--batch-size", dest="batch_size", type=cli_types.positive_int, default=8, help="examples per step"
+    )
+    p.add_argument("--lr", type=cli_types.positive_float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument(
+        "--seed",
+        type=cli_types.seed,
+        default=0,
+        help="seed of the held-out split and the batches (default 0)",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model trains")
     p.add_argument(
@@ -248,11 +253,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
     a run folder whose newest checkpoint is one), read as ``openk3 eval`` reads it (its model written with
     the run's tokenizer into a temporary model folder, once ``--data`` is read). A Ctrl-C ends with one line
     saying that ``--out`` was not written (it is written whole, once, after the last step)."""
-    from openk3.cli import _checkpoint_of, _model_folder
+    from openk3.checkpoint.dcp_step import checkpoint_of, model_folder
     from openk3.devices import check_device
 
     check_device(args.device)
-    source = _checkpoint_of(args.ckpt)  # a model folder, a run's latest checkpoint or a DCP step folder
+    source = checkpoint_of(args.ckpt)  # a model folder, a run's latest checkpoint or a DCP step folder
     check_out(source, args.out)
     try:
         tokenizer, template, max_len = _encoding_of(source)
@@ -266,7 +271,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
         )
         if note := batch_note(args.batch_size, len(train)):
             print(note, flush=True)
-        with _model_folder(source) as folder:
+        with model_folder(source) as folder:
             seconds, losses = _fine_tune(args, source, folder, tokenizer, train, held_out)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(

@@ -39,55 +39,48 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _positive(cast):
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {cast.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return value
-
-    return parse
-
-
 def add_parser(sub) -> None:
     """Register the ``synthetic`` subcommand on the top-level subparsers ``sub``."""
-    from openk3.cli import _seed
+    from openk3 import cli_types
     from openk3.synthetic.mixers import MIXERS
     from openk3.synthetic.tasks import TASKS
 
     p = sub.add_parser("synthetic", help="train and score one synthetic-task cell (palindrome, MQAR, stack)")
     p.add_argument("--task", choices=TASKS, required=True, help="the synthetic task")
     p.add_argument("--mixer", choices=MIXERS, required=True, help="the sequence mixer of every layer")
-    p.add_argument("--seq-len", dest="seq_len", type=_positive(int), default=256, help="tokens per sequence")
+    p.add_argument(
+        "--seq-len", dest="seq_len", type=cli_types.positive_int, default=256, help="tokens per sequence"
+    )
     p.add_argument(
         "--items",
-        type=_positive(int),
+        type=cli_types.positive_int,
         help="items per sequence (default seq-len // 32, at least 2); MQAR holds at most 64",
     )
     p.add_argument(
         "--noise",
-        type=_positive(int),
+        type=cli_types.positive_int,
         default=120,
         help="noise symbols filling the gaps (1: one filler token)",
     )
-    p.add_argument("--steps", type=_positive(int), default=600, help="training steps")
+    p.add_argument("--steps", type=cli_types.positive_int, default=600, help="training steps")
     p.add_argument(
-        "--batch-size", dest="batch_size", type=_positive(int), default=32, help="sequences per step"
+        "--batch-size", dest="batch_size", type=cli_types.positive_int, default=32, help="sequences per step"
     )
-    p.add_argument("--lr", type=_positive(float), default=2e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=cli_types.positive_float, default=2e-3, help="AdamW learning rate")
     p.add_argument(
-        "--eval-every", dest="eval_every", type=_positive(int), default=50, help="steps between evaluations"
+        "--eval-every",
+        dest="eval_every",
+        type=cli_types.positive_int,
+        default=50,
+        help="steps between evaluations",
     )
     p.add_argument(
-        "--eval-size", dest="eval_size", type=_positive(int), default=128, help="held-out sequences"
+        "--eval-size", dest="eval_size", type=cli_types.positive_int, default=128, help="held-out sequences"
     )
     p.add_argument(
         "--stop-at",
         dest="stop_at",
-        type=_positive(float),
+        type=cli_types.positive_float,
         help="stop once held-out exact-match accuracy reaches this (e.g. 0.99); default: run every step",
     )
     p.add_argument(
@@ -106,13 +99,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--curriculum-steps",
         dest="curriculum_steps",
-        type=_positive(int),
+        type=cli_types.positive_int,
         help="most steps of each curriculum stage (default: --steps)",
     )
     p.add_argument(
         "--curriculum-lr",
         dest="curriculum_lr",
-        type=_positive(float),
+        type=cli_types.positive_float,
         default=0.3,
         help="peak learning rate of each curriculum stage as a fraction of --lr",
     )
@@ -123,11 +116,13 @@ def add_parser(sub) -> None:
         help="score at the end at these multiples of the last training length (the last --curriculum "
         "length, else --seq-len), same item count, e.g. 4,8",
     )
-    p.add_argument("--hidden-size", dest="hidden_size", type=_positive(int), default=128, help="model width")
-    p.add_argument("--layers", type=_positive(int), default=4, help="decoder layers")
-    p.add_argument("--heads", type=_positive(int), default=2, help="heads per mixer")
-    p.add_argument("--head-dim", dest="head_dim", type=_positive(int), default=64, help="head size")
-    p.add_argument("--seed", type=_seed, default=0, help="seed of data and init, in [0, 2^63)")
+    p.add_argument(
+        "--hidden-size", dest="hidden_size", type=cli_types.positive_int, default=128, help="model width"
+    )
+    p.add_argument("--layers", type=cli_types.positive_int, default=4, help="decoder layers")
+    p.add_argument("--heads", type=cli_types.positive_int, default=2, help="heads per mixer")
+    p.add_argument("--head-dim", dest="head_dim", type=cli_types.positive_int, default=64, help="head size")
+    p.add_argument("--seed", type=cli_types.seed, default=0, help="seed of data and init, in [0, 2^63)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the cell trains")
     p.add_argument("--json", help="write the full result to this file (checked before training)")
     p.set_defaults(func=cmd_synthetic)

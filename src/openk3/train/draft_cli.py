@@ -22,6 +22,8 @@ import math
 import time
 from pathlib import Path
 
+from openk3 import cli_types
+
 DEFAULT_DRAFT_STEPS = 200
 GEN_PROMPT_TOKENS = 16
 RESUME_STATE = "train_state.pt"
@@ -30,20 +32,6 @@ the generated windows, for ``--resume``; removed when the run finishes. It also 
 trains against (:func:`target_identity`), and a resume against another target is refused."""
 SETTINGS = ("loss", "data", "steps", "batch_size", "seq_len", "ttt_steps", "lr", "gen_windows", "seed")
 """The options a resume must repeat (``--steps`` may grow)."""
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return value
 
 
 def add_draft_parser(sub) -> None:
@@ -59,15 +47,25 @@ def add_draft_parser(sub) -> None:
         "--data", choices=["corpus", "generations"], default="corpus",
         help="train on the run's corpus split, or on the target's own samples",
     )  # fmt: skip
-    p.add_argument("--steps", type=positive_int, default=DEFAULT_DRAFT_STEPS, help="optimizer steps")
-    p.add_argument("--batch-size", dest="batch_size", type=positive_int, default=8, help="windows per step")
-    p.add_argument("--seq-len", dest="seq_len", type=positive_int, default=128, help="tokens per window")
     p.add_argument(
-        "--ttt-steps", dest="ttt_steps", type=positive_int, default=3, help="training-time-test unroll"
+        "--steps", type=cli_types.positive_int, default=DEFAULT_DRAFT_STEPS, help="optimizer steps"
     )
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak AdamW learning rate")
     p.add_argument(
-        "--gen-windows", dest="gen_windows", type=positive_int, default=64,
+        "--batch-size", dest="batch_size", type=cli_types.positive_int, default=8, help="windows per step"
+    )
+    p.add_argument(
+        "--seq-len", dest="seq_len", type=cli_types.positive_int, default=128, help="tokens per window"
+    )
+    p.add_argument(
+        "--ttt-steps",
+        dest="ttt_steps",
+        type=cli_types.positive_int,
+        default=3,
+        help="training-time-test unroll",
+    )
+    p.add_argument("--lr", type=cli_types.positive_float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument(
+        "--gen-windows", dest="gen_windows", type=cli_types.positive_int, default=64,
         help="target samples drawn up front with --data generations",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="draft init and batch order")

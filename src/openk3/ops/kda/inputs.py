@@ -1,4 +1,5 @@
-"""Argument checks and preparation shared by the three KDA ops (naive, chunk, fused_recurrent).
+"""Argument checks and preparation shared by the three KDA ops (naive, chunk, fused_recurrent) and the pool
+decode (``check_step_states``, which its torch and Triton paths share).
 
 Every op takes the same tensors (fla ``chunk_kda`` naming, ``docs/references.md#kda-op-arguments``) and first
 turns them
@@ -189,4 +190,17 @@ def _check_gate_params(A_log, dt_bias, lower_bound) -> None:
         raise ValueError(
             "dt_bias / lower_bound apply only with the in-op gate: pass A_log (zeros give exp(A_log) = 1), "
             "or pass g already as the log-decay"
+        )
+
+
+def check_step_states(step_states: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` unless ``step_states`` is ``None`` or a contiguous ``dtype`` tensor of ``shape``
+    (``[N, T, H, K, V]``: the state after each of the ``T`` tokens)."""
+    if step_states is not None and (
+        tuple(step_states.shape) != tuple(shape)
+        or step_states.dtype != dtype
+        or not step_states.is_contiguous()
+    ):
+        raise ValueError(
+            f"step_states must be contiguous {dtype} {list(shape)}; got {step_states.dtype} {list(step_states.shape)}"
         )

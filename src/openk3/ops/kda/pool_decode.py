@@ -23,23 +23,11 @@ from __future__ import annotations
 import torch
 
 from openk3.ops.kda.gate import kda_gate
+from openk3.ops.kda.inputs import check_step_states
 from openk3.ops.kda.l2norm import l2norm
 from openk3.ops.kda.triton.dispatch import use_triton_recurrent
 
 Tensor = torch.Tensor
-
-
-def check_step_states(step_states: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Raise ``ValueError`` unless ``step_states`` is ``None`` or a contiguous ``dtype`` tensor of ``shape``
-    (``[N, T, H, K, V]``: the state after each of the ``T`` tokens)."""
-    if step_states is not None and (
-        tuple(step_states.shape) != tuple(shape)
-        or step_states.dtype != dtype
-        or not step_states.is_contiguous()
-    ):
-        raise ValueError(
-            f"step_states must be contiguous {dtype} {list(shape)}; got {step_states.dtype} {list(step_states.shape)}"
-        )
 
 
 def fused_recurrent_kda_pool(

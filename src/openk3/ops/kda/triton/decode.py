@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.pool_decode import check_step_states
+from openk3.ops.kda.inputs import check_step_states
 from openk3.ops.kda.triton.config import DEFAULT_GEOMETRY, DecodeLaunch
 
 GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
