@@ -57,15 +57,48 @@ def case_inputs(T: int | str, H: int, gate: str, device: str) -> tuple[dict, tor
     return kt.gate_grad_inputs(1, T, H, 128, gate=gate, device=device, seed=T + H), None
 
 
+def out_file(text: str) -> Path:
+    """``--out``: a file path in an existing folder (checked before any case runs)."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a file path in an existing folder")
+    return path
+
+
+def fla_errors(text: str) -> dict:
+    """``--fla-json``: a JSON file ``{"T:H:gate": {gradient: error}}`` with a number for every gradient."""
+    try:
+        data = json.loads(Path(text).read_text())
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a readable JSON file ({e})") from None
+    ok = isinstance(data, dict) and all(
+        isinstance(errors, dict)
+        and all(
+            isinstance(errors.get(n), (int, float)) and not isinstance(errors.get(n), bool)
+            for n in kt.GATE_GRAD_NAMES
+        )
+        for errors in data.values()
+    )
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected {{'T:H:gate': {{gradient: number}}}} with the gradients {', '.join(kt.GATE_GRAD_NAMES)}"
+        )
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="+", type=parse_case, help="T:H:gate or varlen:H:gate, e.g. 300:4:normal")
-    p.add_argument("--fla-json", help="fla's errors measured elsewhere: {'T:H:gate': {gradient: error}}")
-    p.add_argument("--out", help="also write the Markdown table here")
+    p.add_argument(
+        "--fla-json", type=fla_errors, help="fla's errors measured elsewhere: {'T:H:gate': {gradient: error}}"
+    )
+    p.add_argument(
+        "--out", type=out_file, help="also write the Markdown table here (rewritten after each case)"
+    )
     args = p.parse_args(argv)
     device = "cuda" if kt.HAS_CUDA else "cpu"
     with_fla = kt.HAS_CUDA and kt.HAS_FLA
-    fla_known = json.loads(Path(args.fla_json).read_text()) if args.fla_json else {}
+    fla_known = args.fla_json or {}
     names = kt.GATE_GRAD_NAMES
     where = (
         "GPU " + torch.cuda.get_device_name()

@@ -59,6 +59,11 @@ def _retain_then_resume(rank, world, folder):
     first = train_distributed(_config(folder, stop_at_step=5), dp_shard=2, ep=2)
     seen = {"first": first["step"], "after_first": _checkpoints(folder), "logged": _steps_logged(folder)}
     seen["train_config"] = json.loads((folder / "run" / "train_config.json").read_text())
+    try:  # a fresh start into the run's folder (--resume forgotten) would prune its checkpoints
+        train_distributed(_config(folder), dp_shard=2, ep=2)
+    except ValueError as e:
+        seen["fresh_start"] = str(e)
+    seen["after_fresh_start"] = _checkpoints(folder), _steps_logged(folder)
     dist.barrier()
     if rank == 0:  # the rank lost after step 5, before its save finished: a torn .tmp, no step-000005
         ckpts = folder / "run" / "checkpoints"
@@ -87,6 +92,13 @@ def test_distributed_run_keeps_two_checkpoints_and_resume_drops_rows_past_it(tmp
     # rank 0 wrote the run's train config, as a single-process run does (a distributed one wrote none)
     assert r0["train_config"] == json.loads(json.dumps(dataclasses.asdict(_config(tmp_path, stop_at_step=5))))
     assert r0["after_first"] == ["step-000004", "step-000005"], r0["after_first"]
+    # without --resume the world is refused on every rank, before it touches the run
+    refusal = (
+        f"{tmp_path / 'run'} already holds a run with checkpoints: continue it with --resume and "
+        "--nproc-per-node as it was started (a distributed run), or choose another --out"
+    )
+    assert r0["fresh_start"] == r1["fresh_start"] == refusal
+    assert r0["after_fresh_start"] == (r0["after_first"], [1, 2, 3, 4, 5])
     # resumed from step 4 (the .tmp of the lost save is not a checkpoint), each step logged once
     assert r0["second"] == 6
     assert r0["final"] == [1, 2, 3, 4, 5, 6], r0["final"]

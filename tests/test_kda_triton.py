@@ -1632,6 +1632,16 @@ def test_gate_grad_benchmark_flags_a_case_past_fla(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit):
         bench.main(["64:4:sideways"])
     assert "gate one of normal, slow" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text(json.dumps({"64:4:normal": {"dq": "x"}}))
+    for flags, error in [
+        (["--out", str(tmp_path)], "expected a file path in an existing folder"),
+        (["--out", str(tmp_path / "no" / "t.md")], "expected a file path in an existing folder"),
+        (["--fla-json", str(tmp_path / "none.json")], "not a readable JSON file"),
+        (["--fla-json", str(tmp_path / "bad.json")], "with the gradients dq, dk"),
+    ]:
+        with pytest.raises(SystemExit):  # before any case runs
+            bench.main([*flags, "64:4:normal"])
+        assert error in capsys.readouterr().err
     assert bench.parse_case("varlen:96:mixed") == ("varlen", 96, "mixed")
     inputs, cu_seqlens = bench.case_inputs("varlen", 2, "mixed", "cpu")
     assert cu_seqlens.tolist() == [0, 1000, 1063, 1064, 3964, 4100] and inputs["q"].shape[1] == 4100

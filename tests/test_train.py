@@ -287,6 +287,40 @@ def run1(tmp_path_factory):
     return root / "run", corpus
 
 
+def test_a_fresh_start_into_a_run_is_refused_whichever_kind_of_run_it_holds(run1, tmp_path, capsys):
+    """``openk3 train --out RUN`` without ``--resume`` is refused, its metrics and checkpoints untouched,
+    when RUN holds a single-process run, or a distributed one (DCP step folders, no ``checkpoints/latest``:
+    it was trained over and its checkpoints pruned); a save cut short (``.tmp``) alone is no run."""
+    import shutil
+
+    from openk3.train.state import refuse_existing_run
+
+    single, dcp = tmp_path / "single", tmp_path / "dcp"
+    shutil.copytree(run1[0], single)
+    shutil.copytree(run1[0], dcp)
+    shutil.rmtree(dcp / "checkpoints")
+    step = dcp / "checkpoints" / "step-000020"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (step / ".metadata").write_bytes(b"")
+    for run, how in [
+        (single, "continue it with --resume"),
+        (dcp, "continue it with --resume and --nproc-per-node as it was started (a distributed run)"),
+    ]:
+        metrics = (run / "metrics.jsonl").read_text()
+        assert main(["train", "--out", str(run), "--steps", "3", "--no-sample"]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err
+            == f"openk3: error: {run} already holds a run with checkpoints: {how}, or choose another --out\n"
+        )
+        assert (run / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in (dcp / "checkpoints").iterdir()) == ["step-000020"]
+    torn = tmp_path / "torn" / "checkpoints" / "step-000010.tmp"
+    torn.mkdir(parents=True)
+    refuse_existing_run(tmp_path / "torn")  # nothing to resume: a fresh start is what --resume would advise
+
+
 def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsys):
     import os
     import shutil

@@ -62,6 +62,7 @@ from openk3.train.balance import QuantileBalancer
 from openk3.train.metrics import MetricsLog, plot_metrics
 from openk3.train.run_lock import RunLock, acquire_run_lock
 from openk3.train.schedule import lr_factor, seq_len_at
+from openk3.train.state import refuse_existing_run
 from openk3.train.trainer import validation_loss, write_train_config
 
 COLLECTIVE_TIMEOUT_S = 300
@@ -389,6 +390,8 @@ def _train_distributed(
     def prepare_on_rank_zero() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         held.append(acquire_run_lock(run_dir))  # one world (or process) per run folder
+        if not resume:
+            refuse_existing_run(run_dir)  # a fresh start would prune the old run's checkpoints
         prepare_data(config.data, val_fraction=config.val_fraction, progress=True, **prepare)
 
     on_rank_zero(prepare_on_rank_zero)  # a bad --data is raised on every rank, not left to a collective

@@ -106,6 +106,28 @@ def load_trainer_state(ckpt: Path) -> dict:
     return state
 
 
+def refuse_existing_run(run_dir: str | os.PathLike) -> None:
+    """Raise ``ValueError`` when ``run_dir`` already holds a run's checkpoints, for a training started there
+    without ``--resume``: it would restart at step 1, truncate ``metrics.jsonl`` and prune the old run's
+    checkpoints as older than its own (a distributed run keeps the newest two by step number, so the new
+    run's saves were the ones pruned). Both kinds count, whichever trainer asks: a single-process run's
+    ``checkpoints/latest`` and step folders, and a distributed run's DCP step folders (which have no
+    ``latest``); the message says which kind, and so how to continue it."""
+    from openk3.checkpoint.dcp_step import is_dcp_step
+    from openk3.dist.checkpoint import TMP_SUFFIX
+
+    checkpoints = Path(run_dir) / "checkpoints"  # a save cut short (``.tmp``) is no checkpoint to resume
+    steps = [p for p in sorted(checkpoints.glob("step-*")) if not p.name.endswith(TMP_SUFFIX)]
+    if not steps and not (checkpoints / LATEST).exists():
+        return
+
+    if any(is_dcp_step(p) for p in steps):
+        how = "continue it with --resume and --nproc-per-node as it was started (a distributed run)"
+    else:
+        how = "continue it with --resume"
+    raise ValueError(f"{run_dir} already holds a run with checkpoints: {how}, or choose another --out")
+
+
 def resume_checkpoint(run_dir: str | os.PathLike) -> Path:
     """The checkpoint ``openk3 train --out RUN --resume`` continues from: :func:`latest_checkpoint` of
     ``run_dir``, once the run is known to have saved one.

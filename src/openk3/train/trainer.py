@@ -77,6 +77,7 @@ from openk3.train.run_summary import data_lines, end_lines, resume_changes, toke
 from openk3.train.schedule import check_context_schedule, lr_factor, seq_len_at
 from openk3.train.state import (
     load_trainer_state,
+    refuse_existing_run,
     resume_checkpoint,
     rng_state,
     save_checkpoint,
@@ -611,11 +612,8 @@ class Trainer:
             self._lock = None
 
     def _start(self, config: TrainConfig, resume: bool, progress: bool) -> None:
-        if not resume and (self.run_dir / "checkpoints" / "latest").exists():
-            raise ValueError(
-                f"{self.run_dir} already holds a run with checkpoints: continue it with --resume, "
-                "or choose another --out"
-            )
+        if not resume:
+            refuse_existing_run(self.run_dir)
         self._resume_from: tuple[Path, dict] | None = None
         self.saved: tuple[int, Path] | None = None
         """(step, folder) of the newest checkpoint this run holds."""
