@@ -321,6 +321,29 @@ def test_a_fresh_start_into_a_run_is_refused_whichever_kind_of_run_it_holds(run1
     refuse_existing_run(tmp_path / "torn")  # nothing to resume: a fresh start is what --resume would advise
 
 
+def test_a_ctrl_c_before_the_first_step_says_the_run_is_as_it_was(run1, tmp_path, capsys, monkeypatch):
+    """A Ctrl-C while a ``--resume`` loads (before the trainer's handlers) names the run's checkpoint and the
+    resume command, not just "interrupted"; the run is untouched."""
+    import shutil
+
+    from openk3.train import trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(run1[0], run)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "load_trainer_state", interrupted)
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-sample"]) == 130
+    ckpt = run / "checkpoints" / "step-000001"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"openk3: interrupted before the first step: nothing was trained, the run's latest checkpoint is "
+        f"{ckpt}; continue with: openk3 train --out {run} --resume"
+    )
+    assert latest_checkpoint(run) == ckpt
+
+
 def test_resume_refuses_other_data_before_touching_the_run(run1, tmp_path, capsys):
     import os
     import shutil

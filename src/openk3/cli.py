@@ -212,7 +212,16 @@ def _train(args: argparse.Namespace) -> int:
             check_schedule_steps(config.context_schedule, config.steps, repr(args.context_schedule))
     else:
         config = TrainConfig(**given)
-    summary = train(config, resume=args.resume, resume_with=args.resume_command)
+    from openk3.train.trainer import TrainingAborted
+
+    try:
+        summary = train(config, resume=args.resume, resume_with=args.resume_command)
+    except TrainingAborted:
+        raise
+    except (
+        KeyboardInterrupt
+    ):  # before the trainer's own handlers (data preparation, model build, a resume's load)
+        raise KeyboardInterrupt(_interrupted_before_training(config, args)) from None
     print(f"checkpoint: {summary['checkpoint']}")
     if "val_loss" in summary:
         print(
@@ -233,6 +242,23 @@ def _train(args: argparse.Namespace) -> int:
     if config.sample_prompt:
         _print_sample(args, config, summary["checkpoint"])
     return 0
+
+
+def _interrupted_before_training(config, args: argparse.Namespace) -> str:
+    """The line of a Ctrl-C that came before the first step: nothing was trained, the run's checkpoints are
+    as they were, and how to go on (the resume command when the run has a checkpoint)."""
+    from openk3.train.state import latest_checkpoint
+    from openk3.train.trainer import resume_command
+
+    head = "interrupted before the first step: nothing was trained"
+    try:
+        ckpt = latest_checkpoint(config.out)
+    except (FileNotFoundError, ValueError):
+        return f"{head}; run the command again"
+    return (
+        f"{head}, the run's latest checkpoint is {ckpt}; continue with: "
+        f"{resume_command(config.out, args.resume_command)}"
+    )
 
 
 def _typed_schedule(args: argparse.Namespace, check_steps: bool) -> list[tuple[int, int]] | None:
